@@ -1,0 +1,36 @@
+"""The closed set of error codes that cross the wire, and whether each is worth retrying."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(str, enum.Enum):
+    BAD_FRAME = "bad_frame"  # not msgpack, or not a map
+    INVALID_REQUEST = "invalid_request"  # missing or wrong-typed field
+    UNKNOWN_TYPE = "unknown_type"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    FRAME_TOO_LARGE = "frame_too_large"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    MODEL_NOT_FOUND = "model_not_found"
+    DUPLICATE_ID = "duplicate_id"
+    UNKNOWN_REQUEST = "unknown_request"  # cancel of an id the daemon does not know
+    OVERLOADED = "overloaded"
+    SHUTTING_DOWN = "shutting_down"
+    OUT_OF_MEMORY = "out_of_memory"
+    DAEMON_RESTARTED = "daemon_restarted"  # raised client-side when boot_id changes
+    INTERNAL = "internal"
+
+
+RETRYABLE = frozenset(
+    {ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN, ErrorCode.OUT_OF_MEMORY, ErrorCode.DAEMON_RESTARTED}
+)
+
+
+class ProtocolError(Exception):
+    """A request the daemon refuses; carries the wire code so the transport can answer with it."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
