@@ -1,0 +1,21 @@
+"""`moed`: the daemon-side command line (serve, watchdog, service, bench, trace)."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="moed")
+def main() -> None:
+    """moed: run Mixture-of-Experts models larger than memory as a background service."""
+
+
+def _register() -> None:
+    # Each subcommand lives beside the code it drives; import errors surface at startup, not later.
+    from .serve_cli import serve
+
+    main.add_command(serve)
+
+
+_register()
