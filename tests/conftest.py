@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
+import sys
 from pathlib import Path
 
 import pytest
 
-from fixtures.checkpoints import write_checkpoint
+# `fixtures` is imported as a top-level package from tests/, even if tests/ becomes a package.
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fixtures.checkpoints import write_checkpoint  # noqa: E402
 
 # --- tiny MoE checkpoints -------------------------------------------------------------------
 
@@ -20,12 +25,19 @@ def checkpoint_factory(tmp_path_factory):
     """
     cache: dict[tuple, Path] = {}
     root = tmp_path_factory.mktemp("checkpoints")
+    defaults = {
+        k: p.default
+        for k, p in inspect.signature(write_checkpoint).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
 
     def make(arch: str = "qwen3_moe", **kwargs) -> Path:
-        key = (arch, *sorted(kwargs.items()))
+        # Key on the non-default arguments, so bits=None and no bits share one checkpoint.
+        given = {k: v for k, v in sorted(kwargs.items()) if defaults.get(k, object()) != v}
+        key = (arch, *given.items())
         if key not in cache:
-            name = "-".join([arch, *(f"{k}{v}" for k, v in sorted(kwargs.items()))])
-            cache[key] = write_checkpoint(root / name, arch, **kwargs)
+            name = "-".join([arch, *(f"{k}{v}" for k, v in given.items())])
+            cache[key] = write_checkpoint(root / name, arch, **given)
         return cache[key]
 
     return make

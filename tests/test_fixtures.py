@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models.switch_layers import SwitchGLU
 from safetensors import safe_open
 
-from fixtures.checkpoints import ARCHS
+from fixtures.checkpoints import ARCHS, large_checkpoint_kwargs
 from fixtures.tokenizer import EOS_TOKEN
 
 PROMPT = "def fibonacci(n):"
@@ -31,10 +31,12 @@ def switch_glus(model) -> list[str]:
 
 
 def tensors_by_file(path) -> dict[str, dict[str, tuple]]:
+    """{file name: {tensor name: (dtype, shape)}} read from the safetensors headers."""
     out = {}
     for f in sorted(path.glob("model*.safetensors")):
         with safe_open(str(f), framework="numpy") as st:
-            out[f.name] = {k: (st.get_slice(k).get_dtype(), st.get_slice(k).get_shape()) for k in st.keys()}
+            slices = {k: st.get_slice(k) for k in st.keys()}
+            out[f.name] = {k: (s.get_dtype(), s.get_shape()) for k, s in slices.items()}
     return out
 
 
@@ -125,3 +127,10 @@ def test_tokenizer_chat_template_and_eos(tiny_model):
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
     )
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_large_checkpoint_kwargs_size():
+    kw = large_checkpoint_kwargs(300)
+    per_expert = 3 * kw["hidden"] * kw["expert_width"] * 4
+    total_mb = per_expert * kw["num_experts"] * kw["num_layers"] / 2**20
+    assert 250 <= total_mb <= 350
