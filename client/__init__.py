@@ -1,1 +1,10 @@
-"""moed.client."""
+"""moed.client: the thin client library and the `moe` CLI. Imports no mlx."""
+
+from .client import Client, default_socket_path
+from .errors import ClientError, DaemonRestarted, DaemonUnavailable, RequestFailed
+from .events import DoneEvent, Event, TelemetryEvent, TokenEvent
+
+__all__ = [
+    "Client", "ClientError", "DaemonRestarted", "DaemonUnavailable", "DoneEvent", "Event", "RequestFailed",
+    "TelemetryEvent", "TokenEvent", "default_socket_path",
+]

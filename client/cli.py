@@ -1,4 +1,178 @@
+"""`moe`: the thin command-line client. Never imports mlx: it starts in well under a second."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
 import click
-@click.group()
-def main():
-    """moe"""
+
+from .client import Client, default_socket_path
+from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
+from .events import DoneEvent, TelemetryEvent, TokenEvent
+from .exit_codes import ExitCode
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--socket", "socket_path", type=click.Path(path_type=Path), help="Daemon socket (default: $MOED_SOCKET or the per-user default).")
+@click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds to wait for a control answer.")
+@click.pass_context
+def main(ctx: click.Context, socket_path: Path | None, timeout: float) -> None:
+    """moe: talk to the moed daemon (run prompts, status, stop)."""
+    ctx.obj = {"socket": socket_path or default_socket_path(), "timeout": timeout}
+
+
+def _fail(code: ExitCode, message: str, as_json: bool = False, **fields: Any) -> None:
+    if as_json:
+        click.echo(json.dumps({"type": "error", "message": message, **fields}))
+    click.echo(f"moe: {message}", err=True)
+    sys.exit(code)
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@click.option("--max-tokens", type=int, help="Tokens to generate (default: the daemon's).")
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, help="Seed for sampling (reproducible run to run).")
+@click.option("--raw", is_flag=True, help="Send the prompt as is, without the chat template.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line: token, telemetry, then done or error.")
+@click.option("--no-start", is_flag=True, help="Fail instead of starting a daemon when none is running.")
+@click.option("--model", help="Model for a daemon that `moe run` starts (default: the demo model).")
+@click.option("--start-timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for a started daemon.")
+@click.pass_obj
+def run(obj, prompt, max_tokens, temperature, top_p, seed, raw, as_json, no_start, model, start_timeout) -> None:
+    """Generate from PROMPT (or stdin with '-') and stream the text."""
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt:
+        _fail(ExitCode.USAGE, "empty prompt", as_json)
+    socket_path: Path = obj["socket"]
+    client = _connect_or_start(socket_path, obj["timeout"], no_start, model, start_timeout, as_json)
+    events = client.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, raw=raw)
+    try:
+        for event in events:
+            _print_event(event, as_json)
+    except KeyboardInterrupt:
+        try:
+            client.cancel(client.last_request_id)
+        except Exception:
+            pass
+        _fail(ExitCode.INTERRUPTED, "interrupted; request cancelled", as_json, code="cancelled")
+    except RequestFailed as exc:
+        _fail(ExitCode.REQUEST_FAILED, str(exc), as_json, code=getattr(exc.code, "value", exc.code), retryable=exc.retryable)
+    except DaemonRestarted as exc:
+        _fail(ExitCode.DAEMON_RESTARTED, str(exc), as_json, code="daemon_restarted", retryable=True)
+    except DaemonUnavailable as exc:
+        _fail(ExitCode.DAEMON_RESTARTED, str(exc), as_json, code="daemon_unavailable", retryable=True)
+    finally:
+        client.close()
+
+
+def _connect_or_start(socket_path: Path, timeout: float, no_start: bool, model: str | None, start_timeout: float, as_json: bool) -> Client:
+    client = Client(socket_path, timeout=timeout)
+    try:
+        client.connect()
+        return client
+    except DaemonUnavailable as exc:
+        client.close()
+        if no_start:
+            _fail(ExitCode.DAEMON_UNAVAILABLE, f"{exc} (and --no-start was given)", as_json, code="daemon_unavailable")
+    except RequestFailed as exc:
+        _fail(ExitCode.REQUEST_FAILED, str(exc), as_json, code=getattr(exc.code, "value", exc.code))
+    from .autostart import start_daemon, wait_until_ready
+
+    click.echo(f"moe: no daemon on {socket_path}; starting one (log: {socket_path.parent}/moed-autostart.log)", err=True)
+    proc = start_daemon(socket_path, model)
+    try:
+        wait_until_ready(socket_path, proc, start_timeout)
+    except DaemonUnavailable as exc:
+        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc), as_json, code="daemon_unavailable")
+    client = Client(socket_path, timeout=timeout)
+    client.connect()
+    return client
+
+
+def _print_event(event, as_json: bool) -> None:
+    if isinstance(event, TokenEvent):
+        if as_json:
+            click.echo(json.dumps({"type": "token", "index": event.index, "ids": event.ids, "text": event.text}))
+        else:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    elif isinstance(event, TelemetryEvent):
+        if as_json:
+            click.echo(json.dumps({"type": "telemetry", **event.data}))
+    elif isinstance(event, DoneEvent):
+        if as_json:
+            click.echo(json.dumps({"type": "done", "finish_reason": event.finish_reason, "usage": event.usage,
+                                   "timings": event.timings, "telemetry": event.telemetry}))
+        else:
+            sys.stdout.write("\n")
+            click.echo(summary_line(event), err=True)
+
+
+def summary_line(done: DoneEvent) -> str:
+    t, u = done.timings, done.usage
+    parts = [
+        f"{u.get('completion_tokens', 0)} tokens",
+        f"prompt {u.get('prompt_tokens', 0)}",
+        f"ttft {t.get('ttft_s', 0) * 1000:.0f} ms",
+        f"decode {t.get('decode_tps', 0):.1f} tok/s",
+        f"finish {done.finish_reason}",
+    ]
+    experts = (done.telemetry or {}).get("experts")
+    if experts:
+        hits, misses = experts.get("hits", 0), experts.get("misses", 0)
+        rate = hits / (hits + misses) if hits + misses else 0.0
+        parts.append(f"expert hits {rate:.1%}")
+        parts.append(f"read {experts.get('bytes_read', 0) / 1e6:.1f} MB")
+        if "stall_s" in experts:
+            parts.append(f"stall {experts['stall_s'] * 1000:.0f} ms")
+    return "[moe] " + " · ".join(parts)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+def status(obj, as_json: bool) -> None:
+    """Show the daemon's state (exit 3 when none answers)."""
+    try:
+        with Client(obj["socket"], timeout=obj["timeout"]) as client:
+            body = client.status()
+    except DaemonUnavailable as exc:
+        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc), as_json, code="daemon_unavailable")
+    except RequestFailed as exc:
+        _fail(ExitCode.REQUEST_FAILED, str(exc), as_json, code=getattr(exc.code, "value", exc.code))
+    body = {k: v for k, v in body.items() if k not in ("v", "type", "id")}
+    if as_json:
+        click.echo(json.dumps(body, default=str))
+        return
+    model = body.get("model") or {}
+    click.echo(f"state        {body.get('state')}  (pid {body.get('pid')}, boot {str(body.get('boot_id'))[:8]}, up {body.get('uptime_s', 0):.0f}s)")
+    click.echo(f"model        {model.get('name')}  ({model.get('model_type')}, {'streaming' if model.get('streaming') else 'resident'})")
+    click.echo(f"requests     active {body.get('active_requests')}  pending {body.get('pending_requests')}  served {body.get('requests_served')}  failed {body.get('requests_failed')}")
+    click.echo(f"tokens       {body.get('tokens_generated')}")
+    click.echo(f"memory       rss {body.get('rss_bytes', 0) / 2**20:.0f} MiB")
+    for key in ("last_crash", "watchdog"):
+        if body.get(key):
+            click.echo(f"{key:<12} {json.dumps(body[key], default=str)}")
+
+
+@main.command()
+@click.option("--reason", default="moe stop")
+@click.pass_obj
+def stop(obj, reason: str) -> None:
+    """Ask the daemon to drain and exit."""
+    try:
+        with Client(obj["socket"], timeout=obj["timeout"]) as client:
+            client.shutdown(reason)
+    except DaemonUnavailable as exc:
+        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc))
+    click.echo("moe: daemon stopping", err=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""The synchronous client: handshake, streamed generations, control calls, heartbeats.
+
+One DEALER socket; replies are matched to requests by id, so a `cancel` can be sent while a stream
+is being read. While waiting, the client pings: a dead daemon surfaces as DaemonUnavailable and a
+restarted one (new boot_id) as DaemonRestarted, both within about two seconds, never as a hang.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import zmq
+
+from moed.protocol import MessageType, decode, encode
+from moed.protocol import messages as wire
+
+from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
+from .events import DoneEvent, Event, TelemetryEvent, TokenEvent
+
+
+def default_socket_path() -> Path:
+    # Same rule as moed.daemon.paths, repeated here so the client never imports the daemon package.
+    if env := os.environ.get("MOED_SOCKET"):
+        return Path(env)
+    if env := os.environ.get("MOED_RUNTIME_DIR"):
+        return Path(env) / "moed.sock"
+    import sys
+    import tempfile
+
+    base = Path("/tmp") if sys.platform == "darwin" else Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+    return base / f"moed-{os.getuid()}" / "moed.sock"
+
+
+class Client:
+    def __init__(
+        self,
+        socket_path: str | Path | None = None,
+        *,
+        timeout: float = 10.0,
+        heartbeat_s: float = 0.5,
+        dead_after_s: float = 1.5,
+        name: str = "moed.client",
+    ):
+        self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+        self.timeout = timeout
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self.name = name
+        self.welcome: dict | None = None
+        self.boot_id: str | None = None
+        self._socket: zmq.Socket | None = None
+        self._buffered: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
+        self._ids = itertools.count(1)
+        self._prefix = uuid.uuid4().hex[:8]
+
+    # ---- connection --------------------------------------------------------------------------
+    def connect(self) -> dict:
+        """Connect and handshake; returns the daemon's `welcome`."""
+        if self.welcome is not None:
+            return self.welcome
+        if not self.socket_path.exists():
+            raise DaemonUnavailable(f"no daemon socket at {self.socket_path}")
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        sock.connect(f"ipc://{self.socket_path}")
+        self._socket = sock
+        request_id = self._next_id("hello")
+        self._send(wire.request(MessageType.HELLO, request_id, client=self.name))
+        msg = self._recv_for(request_id, time.monotonic() + self.timeout, heartbeat=False)
+        if msg.get("type") == MessageType.ERROR.value:
+            self.close()
+            raise RequestFailed(msg.get("code"), msg.get("message", ""), bool(msg.get("retryable")))
+        self.welcome = msg
+        self.boot_id = msg.get("boot_id")
+        return msg
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        self.welcome = None
+
+    def __enter__(self) -> "Client":
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- control calls -----------------------------------------------------------------------
+    def status(self) -> dict:
+        return self._call(MessageType.STATUS)
+
+    def stats(self) -> dict:
+        return self._call(MessageType.STATS)
+
+    def metrics(self) -> dict:
+        return self._call(MessageType.METRICS)
+
+    def ping(self) -> dict:
+        return self._call(MessageType.PING)
+
+    def cancel(self, request_id: Any) -> bool:
+        return bool(self._call(MessageType.CANCEL, target=request_id).get("cancelled"))
+
+    def shed(self, level: str = "cache", reason: str | None = None) -> dict:
+        return self._call(MessageType.SHED, level=level, reason=reason)
+
+    def shutdown(self, reason: str | None = None) -> dict:
+        return self._call(MessageType.SHUTDOWN, reason=reason)
+
+    # ---- generation --------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: list[int] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        raw: bool = False,
+        model: str | None = None,
+        request_id: Any = None,
+        telemetry_every: int | None = None,
+        resume_ids: list[int] | None = None,
+    ) -> Iterator[Event]:
+        """Stream the events of one generation; ends after a DoneEvent or raises."""
+        self.connect()
+        request_id = request_id if request_id is not None else self._next_id("gen")
+        self.last_request_id = request_id
+        self._send(
+            wire.request(
+                MessageType.GENERATE,
+                request_id,
+                prompt=prompt,
+                prompt_ids=prompt_ids,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                raw=raw or None,
+                model=model,
+                telemetry_every=telemetry_every,
+                resume_ids=resume_ids or None,
+            )
+        )
+        while True:
+            msg = self._recv_for(request_id, None, heartbeat=True)
+            kind = msg.get("type")
+            if kind == MessageType.TOKEN.value:
+                yield TokenEvent(msg["index"], list(msg["ids"]), msg["text"])
+            elif kind == MessageType.TELEMETRY.value:
+                yield TelemetryEvent(msg.get("data") or {})
+            elif kind == MessageType.DONE.value:
+                yield DoneEvent(msg["finish_reason"], msg.get("usage") or {}, msg.get("timings") or {}, msg.get("telemetry") or {})
+                return
+            elif kind == MessageType.ERROR.value:
+                raise RequestFailed(msg.get("code"), msg.get("message", ""), bool(msg.get("retryable")))
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def _next_id(self, kind: str) -> str:
+        return f"{self._prefix}-{kind}-{next(self._ids)}"
+
+    def _call(self, kind: MessageType, **fields: Any) -> dict:
+        self.connect()
+        request_id = self._next_id(kind.value)
+        self._send(wire.request(kind, request_id, **fields))
+        msg = self._recv_for(request_id, time.monotonic() + self.timeout, heartbeat=False)
+        if msg.get("type") == MessageType.ERROR.value:
+            raise RequestFailed(msg.get("code"), msg.get("message", ""), bool(msg.get("retryable")))
+        self._check_boot(msg.get("boot_id"))
+        return msg
+
+    def _send(self, msg: dict) -> None:
+        assert self._socket is not None
+        self._socket.send(encode(msg))
+
+    def _check_boot(self, boot_id: str | None) -> None:
+        if boot_id and self.boot_id and boot_id != self.boot_id:
+            old = self.boot_id
+            self.close()
+            raise DaemonRestarted(f"the daemon restarted (boot {old} → {boot_id})", old, boot_id)
+
+    def _recv_for(self, request_id: Any, deadline: float | None, heartbeat: bool) -> dict:
+        """The next message for request_id; other ids' messages are kept for their readers."""
+        queue = self._buffered.get(request_id)
+        if queue:
+            return queue.popleft()
+        assert self._socket is not None
+        last_heard = time.monotonic()
+        ping_id = None
+        while True:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise DaemonUnavailable(f"no answer from the daemon at {self.socket_path} within {self.timeout:.1f}s")
+            if heartbeat and now - last_heard > self.dead_after_s:
+                raise DaemonUnavailable(f"the daemon at {self.socket_path} stopped answering")
+            if heartbeat and ping_id is None and now - last_heard > self.heartbeat_s:
+                ping_id = self._next_id("hb")
+                self._send(wire.request(MessageType.PING, ping_id))
+            wait = self.heartbeat_s if deadline is None else min(self.heartbeat_s, max(deadline - now, 0.0))
+            if not self._socket.poll(int(wait * 1000) + 1):
+                continue
+            msg = decode(self._socket.recv())
+            last_heard = time.monotonic()
+            if not isinstance(msg, dict):
+                continue
+            msg_id = msg.get("id")
+            if msg_id == ping_id:
+                ping_id = None
+                self._check_boot(msg.get("boot_id"))
+                continue
+            if isinstance(msg_id, str) and "-hb-" in msg_id:
+                continue  # a late answer to an earlier heartbeat
+            if msg_id == request_id:
+                return msg
+            self._buffered[msg_id].append(msg)

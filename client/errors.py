@@ -1,0 +1,36 @@
+"""What a client can see go wrong: a request failed, or the daemon is gone (or came back new)."""
+
+from __future__ import annotations
+
+from moed.protocol import ErrorCode
+
+
+class ClientError(Exception):
+    """Base of every error the client library raises."""
+
+
+class RequestFailed(ClientError):
+    """The daemon answered this request with a typed `error` message."""
+
+    def __init__(self, code: ErrorCode | str, message: str, retryable: bool = False):
+        try:
+            code = ErrorCode(code)
+        except ValueError:
+            pass  # a newer daemon's code: keep the string
+        super().__init__(f"{getattr(code, 'value', code)}: {message}")
+        self.code = code
+        self.message = message
+        self.retryable = retryable
+
+
+class DaemonUnavailable(ClientError):
+    """Nobody answered on the socket in time (not running, crashed, or wedged)."""
+
+
+class DaemonRestarted(DaemonUnavailable):
+    """The daemon answering now is not the one that took the request (its boot_id changed)."""
+
+    def __init__(self, message: str, old_boot_id: str | None, new_boot_id: str | None):
+        super().__init__(message)
+        self.old_boot_id = old_boot_id
+        self.new_boot_id = new_boot_id

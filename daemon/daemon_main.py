@@ -1,0 +1,36 @@
+"""Daemon lifecycle: resolve the model, bind, serve, drain. Returns the process exit code."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from .config import Config
+from .exit_codes import DaemonExit
+from .model_source import ModelNotFound, resolve_model
+from .server import AlreadyRunning, Server
+
+log = logging.getLogger("moed")
+
+
+def run_daemon(config: Config) -> int:
+    serve = config.serve
+    try:
+        model_path = resolve_model(serve.model)
+    except ModelNotFound as exc:
+        print(f"moed: {exc}", file=sys.stderr)
+        return DaemonExit.MODEL_NOT_FOUND
+    server = Server(serve, model_path)
+    try:
+        server.bind()
+    except AlreadyRunning as exc:
+        print(f"moed: {exc}", file=sys.stderr)
+        return DaemonExit.ALREADY_RUNNING
+    except ValueError as exc:  # socket path too long
+        print(f"moed: {exc}", file=sys.stderr)
+        return DaemonExit.CONFIG
+    server.install_signal_handlers()
+    log.info("moed %s serving %s on %s (boot %s)", server.status.get("version"), model_path, serve.socket, server.boot_id)
+    code = server.run()
+    log.info("moed exiting with code %d", code)
+    return code

@@ -1,0 +1,319 @@
+"""The daemon's transport: a ZMQ ROUTER on the main thread, frames in, queue to the engine, events out.
+
+Control messages (status, cancel, shed, shutdown, ping) are answered here and never wait behind a
+generation. Startup → main loop → drain; signal handlers only set flags.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from moed.protocol import (
+    MAX_FRAME_BYTES,
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
+    ErrorCode,
+    MessageType,
+    ProtocolError,
+    ShedLevel,
+    decode,
+    encode,
+    validate_request,
+)
+from moed.protocol import messages as wire
+
+from . import __version__
+from .config import ServeConfig
+from .engine import Engine, EventSink, GenerateJob, RequestKey
+from .paths import endpoint_for, ensure_private_dir
+from .status import DaemonState, EngineStatus
+
+log = logging.getLogger("moed.server")
+
+EVENTS_ENDPOINT = "inproc://moed-events"
+_TERMINAL_FLAG = b"T"
+
+
+class AlreadyRunning(RuntimeError):
+    pass
+
+
+class ZmqEventSink:
+    """The engine's end of the event pipe; created on the engine thread (ZMQ sockets are per thread)."""
+
+    def __init__(self, context: zmq.Context):
+        self.socket = context.socket(zmq.PUSH)
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.connect(EVENTS_ENDPOINT)
+
+    def emit(self, identity: bytes, msg: dict, terminal: bool = False) -> None:
+        self.socket.send_multipart([identity, encode(msg), _TERMINAL_FLAG if terminal else b""])
+
+
+def probe_live_daemon(endpoint: str, context: zmq.Context, timeout_s: float = 0.5) -> dict | None:
+    """Ping whoever owns the endpoint; return its answer, or None when nobody answers."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(encode(wire.request(MessageType.PING, "probe")))
+        if sock.poll(int(timeout_s * 1000)):
+            return decode(sock.recv())
+        return None
+    finally:
+        sock.close()
+
+
+@dataclass
+class Server:
+    serve: ServeConfig
+    model_path: Path
+    boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    status: EngineStatus = field(default_factory=EngineStatus)
+    extra_welcome: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.context = zmq.Context.instance()
+        self.endpoint = endpoint_for(self.serve.socket)
+        self._pending: dict[RequestKey, float] = {}  # admitted generate requests not yet terminal
+        self._order: list[RequestKey] = []
+        self._draining = False
+        self._drain_deadline = 0.0
+        self._stop_requested = threading.Event()
+        self.engine = Engine(self.serve, self.model_path, lambda: ZmqEventSink(self.context), self.status)
+
+    # ---- startup ---------------------------------------------------------------------------
+    def bind(self) -> None:
+        ensure_private_dir(self.serve.socket.parent)
+        if self.serve.socket.exists():
+            answer = probe_live_daemon(self.endpoint, self.context)
+            if answer is not None:
+                raise AlreadyRunning(
+                    f"a live daemon (boot {answer.get('boot_id', '?')}, pid {answer.get('pid', '?')}) "
+                    f"already serves {self.serve.socket}; stop it with `moe stop`"
+                )
+            log.info("removing stale socket %s", self.serve.socket)
+            self.serve.socket.unlink(missing_ok=True)
+        self.events = self.context.socket(zmq.PULL)
+        self.events.bind(EVENTS_ENDPOINT)
+        self.router = self.context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished client raises
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.SNDHWM, 0)
+        self.router.bind(self.endpoint)
+        os.chmod(self.serve.socket, 0o600)
+        self.status.update(pid=os.getpid(), boot_id=self.boot_id, socket=str(self.serve.socket), version=__version__)
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.request_stop("SIGTERM"))
+        signal.signal(signal.SIGINT, lambda *_: self.request_stop("SIGINT"))
+
+    def request_stop(self, reason: str) -> None:
+        log.info("stop requested: %s", reason)
+        self._stop_requested.set()
+
+    # ---- main loop -------------------------------------------------------------------------
+    def run(self) -> int:
+        """Serve until asked to stop; returns the process exit code."""
+        self.engine.start()
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.events, zmq.POLLIN)
+        try:
+            while True:
+                if self._stop_requested.is_set() and not self._draining:
+                    self._begin_drain()
+                if self._draining and (not self._pending or time.monotonic() > self._drain_deadline):
+                    break
+                if self.engine.fatal is not None:
+                    self._flush_events(poller)
+                    return 1
+                for sock, _ in poller.poll(50):
+                    if sock is self.router:
+                        self._receive_all()
+                    else:
+                        self._forward_events()
+            self.engine.cancel_all(ErrorCode.SHUTTING_DOWN)
+            self.engine.stop()
+            self.engine.thread.join(timeout=5.0)
+            self._flush_events(poller)
+            return 0
+        finally:
+            self._close()
+
+    def _begin_drain(self) -> None:
+        self._draining = True
+        self._drain_deadline = time.monotonic() + self.serve.drain_timeout_s
+        self.status.update(state=DaemonState.DRAINING.value)
+        log.info("draining %d request(s), deadline %.1fs", len(self._pending), self.serve.drain_timeout_s)
+
+    def _flush_events(self, poller: zmq.Poller) -> None:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and poller.poll(20):
+            self._forward_events()
+
+    def _close(self) -> None:
+        self.router.close(linger=0)
+        self.events.close(linger=0)
+        try:
+            self.serve.socket.unlink()
+        except FileNotFoundError:
+            pass
+
+    # ---- inbound -----------------------------------------------------------------------------
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle_frames(frames)
+
+    def _handle_frames(self, frames: list[bytes]) -> None:
+        identity, body = frames[0], frames[1:]
+        envelope: list[bytes] = []
+        if len(body) == 2 and body[0] == b"":  # a REQ socket's empty delimiter
+            envelope, body = [b""], body[1:]
+        if len(body) != 1:
+            return  # not one message per frame: nothing to answer to
+        request_id = None
+        try:
+            msg = decode(body[0], MAX_FRAME_BYTES)
+            request_id = msg.get("id") if isinstance(msg, dict) else None
+            kind, request_id = validate_request(msg)
+            reply = self._dispatch(identity, kind, msg)
+        except ProtocolError as exc:
+            reply = wire.error(request_id if isinstance(request_id, (str, int)) else None, exc.code, exc.message)
+        except Exception as exc:  # a bug in one request must not take the daemon down
+            log.exception("request handling failed")
+            reply = wire.error(request_id if isinstance(request_id, (str, int)) else None, ErrorCode.INTERNAL, str(exc))
+        if reply is not None:
+            self._send(identity, envelope, encode(reply))
+
+    def _dispatch(self, identity: bytes, kind: MessageType, msg: dict) -> dict | None:
+        req_id = msg["id"]
+        if kind is MessageType.GENERATE:
+            return self._admit(identity, msg)
+        if kind is MessageType.HELLO:
+            return wire.welcome(req_id, **self._welcome_body())
+        if kind is MessageType.PING:
+            return wire.result(req_id, pong=True, boot_id=self.boot_id, pid=os.getpid(), time=time.time())
+        if kind is MessageType.STATUS:
+            return wire.result(req_id, **self.status_body())
+        if kind is MessageType.CANCEL:
+            key = (identity, msg["target"])
+            found = key in self._pending
+            if found:
+                self.engine.cancel(key)
+            return wire.result(req_id, cancelled=found)
+        if kind is MessageType.SHED:
+            level = ShedLevel(msg.get("level") or ShedLevel.CACHE.value)
+            log.warning("shed requested: level=%s reason=%s", level.value, msg.get("reason"))
+            self.engine.shed(level)
+            return wire.result(req_id, accepted=True, level=level.value)
+        if kind is MessageType.SHUTDOWN:
+            self.request_stop(f"shutdown request: {msg.get('reason') or 'no reason given'}")
+            return wire.result(req_id, accepted=True, pending=len(self._pending))
+        if kind in (MessageType.STATS, MessageType.METRICS):
+            return wire.result(req_id, **self.status_body())
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{kind.value!r} is not handled")
+
+    def _admit(self, identity: bytes, msg: dict) -> dict | None:
+        key = (identity, msg["id"])
+        if self._draining:
+            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; retry after it restarts")
+        if self.engine.fatal is not None:
+            raise ProtocolError(ErrorCode.INTERNAL, f"the model failed to load: {self.engine.fatal}")
+        if key in self._pending:
+            raise ProtocolError(ErrorCode.DUPLICATE_ID, f"request id {msg['id']!r} is already in flight")
+        if len(self._pending) >= self.serve.max_pending:
+            raise ProtocolError(ErrorCode.OVERLOADED, f"{len(self._pending)} requests in flight; retry later")
+        self._check_model(msg.get("model"))
+        prompt = msg.get("prompt")
+        # A cheap bound before tokenizing: a token is at least one byte of text.
+        if prompt is not None and len(prompt) > self.serve.max_prompt_tokens * 32:
+            raise ProtocolError(ErrorCode.PROMPT_TOO_LONG, f"prompt of {len(prompt)} characters is too long")
+        if len(msg.get("prompt_ids") or []) + len(msg.get("resume_ids") or []) > self.serve.max_prompt_tokens:
+            raise ProtocolError(ErrorCode.PROMPT_TOO_LONG, f"prompt exceeds {self.serve.max_prompt_tokens} tokens")
+        self._pending[key] = time.monotonic()
+        self.engine.submit(GenerateJob(identity, msg))
+        return None
+
+    def _check_model(self, name: str | None) -> None:
+        if not name:
+            return
+        accepted = {self.serve.model, str(self.model_path), self.model_path.name}
+        if name not in accepted:
+            raise ProtocolError(
+                ErrorCode.MODEL_NOT_FOUND, f"model {name!r} is not served here; this daemon serves {self.serve.model!r}"
+            )
+
+    # ---- outbound ----------------------------------------------------------------------------
+    def _forward_events(self) -> None:
+        while True:
+            try:
+                identity, frame, flag = self.events.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if flag == _TERMINAL_FLAG:
+                self._pending.pop(self._key_of(identity, frame), None)
+            self._send(identity, [], frame)
+
+    def _key_of(self, identity: bytes, frame: bytes) -> RequestKey:
+        return (identity, decode(frame).get("id"))
+
+    def _send(self, identity: bytes, envelope: list[bytes], frame: bytes) -> None:
+        try:
+            self.router.send_multipart([identity, *envelope, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno in (errno.EHOSTUNREACH, zmq.EHOSTUNREACH, zmq.EAGAIN):
+                self._client_gone(identity)
+            else:
+                raise
+
+    def _client_gone(self, identity: bytes) -> None:
+        for key in [k for k in self._pending if k[0] == identity]:
+            log.info("client gone; cancelling request %r", key[1])
+            self.engine.cancel(key)
+
+    # ---- bodies ------------------------------------------------------------------------------
+    def _welcome_body(self) -> dict:
+        snap = self.status.snapshot()
+        return {
+            "protocol": {"major": PROTOCOL_MAJOR, "minor": PROTOCOL_MINOR},
+            "boot_id": self.boot_id,
+            "pid": os.getpid(),
+            "version": __version__,
+            "state": snap["state"],
+            "model": snap.get("model") or {"path": str(self.model_path), "name": self.model_path.name},
+            "limits": {
+                "max_prompt_tokens": self.serve.max_prompt_tokens,
+                "max_tokens": self.serve.max_tokens_limit,
+                "max_frame_bytes": MAX_FRAME_BYTES,
+                "max_pending": self.serve.max_pending,
+            },
+            **self.extra_welcome,
+        }
+
+    def status_body(self) -> dict[str, Any]:
+        import psutil
+
+        snap = self.status.snapshot()
+        snap["pending_requests"] = len(self._pending)
+        snap["boot_id"] = self.boot_id
+        snap["pid"] = os.getpid()
+        snap["uptime_s"] = time.time() - snap["started_at"]
+        snap["rss_bytes"] = psutil.Process().memory_info().rss
+        snap.update(self.extra_welcome)
+        return snap
