@@ -16,6 +16,9 @@ def _register() -> None:
     from .serve_cli import serve
 
     main.add_command(serve)
+    from .watchdog.cli import watchdog
+
+    main.add_command(watchdog)
 
 
 _register()

@@ -1,0 +1,107 @@
+"""What the watchdog did and why: a JSON-lines event log and a state file for `moe status`.
+
+The log is append-only, one line per decision, each written with a single write() on an O_APPEND
+descriptor (so a crash never leaves half a line mid-file). The state file is rewritten atomically
+(temp file + rename) so a reader never sees a torn file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from moed.daemon.state import read_json, write_json_atomic
+
+EVENT_LOG_NAME = "watchdog.jsonl"
+STATE_FILE_NAME = "watchdog.json"
+MAX_LOG_BYTES = 8 * 1024 * 1024  # rotated to .1 on open beyond this
+
+
+def default_event_log(state_dir: Path) -> Path:
+    return state_dir / EVENT_LOG_NAME
+
+
+def state_file_path(state_dir: Path) -> Path:
+    return state_dir / STATE_FILE_NAME
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "value") and not isinstance(value, (int, float, str)):
+        return value.value  # enums
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+class EventLog:
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            if path.stat().st_size > MAX_LOG_BYTES:
+                os.replace(path, path.with_name(path.name + ".1"))
+        except FileNotFoundError:
+            pass
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+    def write(self, event: str, **fields: Any) -> dict:
+        now = time.time()
+        record = {"ts": round(now, 3), "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)), "event": event, **fields}
+        line = json.dumps(record, default=_jsonable, sort_keys=False) + "\n"
+        os.write(self._fd, line.encode())
+        return record
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "EventLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_events(path: Path) -> list[dict]:
+    """Every complete line of an event log (a torn last line, if any, is skipped)."""
+    out = []
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return out
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def write_state(path: Path, state: dict) -> None:
+    write_json_atomic(path, json.loads(json.dumps(state, default=_jsonable)))
+
+
+def read_state(state_dir: Path, stale_after_s: float = 30.0) -> dict | None:
+    """The watchdog's last published state, with `running` judged from its pid and freshness."""
+    state = read_json(state_file_path(state_dir))
+    if not isinstance(state, dict):
+        return None
+    pid = state.get("pid")
+    alive = isinstance(pid, int) and _pid_alive(pid)
+    fresh = time.time() - float(state.get("updated_at") or 0) <= max(stale_after_s, 3 * float(state.get("heartbeat_s") or 0))
+    state["running"] = bool(alive and fresh and not state.get("stopped_at"))
+    return state
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
