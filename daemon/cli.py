@@ -19,6 +19,9 @@ def _register() -> None:
     from .watchdog.cli import watchdog
 
     main.add_command(watchdog)
+    from .service.cli import service
+
+    main.add_command(service)
 
 
 _register()

@@ -1,0 +1,375 @@
+"""One interface over launchd and systemd --user: install, uninstall, start, stop, restart, status, logs.
+
+Every side effect goes through an Executor, which either performs it or, in a dry run, prints it
+(files as shell here-documents, commands as shell lines), so a dry run shows exactly what a real
+run would do on either platform.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import shlex
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from ..state import write_atomic
+from . import launchctl, systemd
+from .render import START_ORDER, STOP_ORDER, Platform, Role, ServiceContext, render
+
+HEREDOC_END = "MOED_EOF"
+
+
+@dataclass(frozen=True)
+class Result:
+    returncode: int
+    stdout: str = ""
+    stderr: str = ""
+
+
+class CommandFailed(RuntimeError):
+    def __init__(self, argv: list[str], result: Result, hint: str = ""):
+        detail = (result.stderr or result.stdout).strip()
+        message = f"`{shlex.join(argv)}` exited {result.returncode}" + (f": {detail}" if detail else "")
+        super().__init__(message + (f"\n{hint}" if hint else ""))
+        self.argv = argv
+        self.result = result
+
+
+class Executor:
+    """Performs file writes and commands, or prints them when dry_run is set."""
+
+    def __init__(self, dry_run: bool = False, echo: Callable[[str], None] = print):
+        self.dry_run = dry_run
+        self.echo = echo
+
+    def write(self, path: Path, content: bytes, mode: int = 0o644) -> None:
+        if self.dry_run:
+            text = content.decode()
+            self.echo(f"mkdir -p {shlex.quote(str(path.parent))}")
+            self.echo(f"cat > {shlex.quote(str(path))} <<'{HEREDOC_END}'\n{text.rstrip(chr(10))}\n{HEREDOC_END}")
+            return
+        write_atomic(path, content)
+        os.chmod(path, mode)
+
+    def mkdir(self, path: Path) -> None:
+        if self.dry_run:
+            self.echo(f"mkdir -p {shlex.quote(str(path))}")
+            return
+        path.mkdir(parents=True, exist_ok=True)
+
+    def remove(self, path: Path) -> None:
+        if self.dry_run:
+            self.echo(f"rm -f {shlex.quote(str(path))}")
+            return
+        path.unlink(missing_ok=True)
+
+    def rmdir_if_empty(self, path: Path) -> None:
+        if self.dry_run:
+            self.echo(f"rmdir {shlex.quote(str(path))} 2>/dev/null || true")
+            return
+        try:
+            path.rmdir()
+        except OSError:
+            pass  # not empty, or not there
+
+    def run(self, argv: list[str], ok: Iterable[int] = (0,), tolerate: bool = False, hint: str = "") -> Result:
+        """Run a command; a dry run prints it and reports success. tolerate: never raise."""
+        if self.dry_run:
+            self.echo(shlex.join(argv) + (" || true" if tolerate else ""))
+            return Result(0)
+        result = _capture(argv)
+        if result.returncode not in set(ok) and not tolerate:
+            raise CommandFailed(argv, result, hint)
+        return result
+
+    def query(self, argv: list[str]) -> Result | None:
+        """A read-only command whose answer the caller needs: None in a dry run (after printing it)."""
+        if self.dry_run:
+            self.echo(shlex.join(argv))
+            return None
+        return _capture(argv)
+
+    def foreground(self, argv: list[str]) -> int:
+        """Hand the terminal to a command (logs -f): its output goes straight to ours."""
+        if self.dry_run:
+            self.echo(shlex.join(argv))
+            return 0
+        try:
+            return subprocess.call(argv)
+        except FileNotFoundError:
+            raise CommandFailed(argv, Result(127, stderr=f"{argv[0]}: command not found")) from None
+        except KeyboardInterrupt:
+            return 0
+
+
+def _capture(argv: list[str]) -> Result:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        return Result(127, stderr=f"{argv[0]}: command not found")
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+@dataclass(frozen=True)
+class RoleStatus:
+    role: Role
+    name: str  # launchd label or systemd unit
+    installed: bool  # its definition file is on disk
+    loaded: bool
+    running: bool
+    pid: int | None = None
+    state: str | None = None
+    last_exit: str | None = None
+    runs: int | None = None  # launchd: spawns since loaded; systemd: automatic restarts
+    error: str | None = None  # the service manager could not be asked
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["role"] = self.role.value
+        return d
+
+
+class ServiceBackend(abc.ABC):
+    platform: Platform
+
+    def __init__(self, ctx: ServiceContext, ex: Executor):
+        self.ctx = ctx
+        self.ex = ex
+
+    # The definition files this backend installs, rendered for this environment.
+    def files(self) -> dict[Path, bytes]:
+        return {self.ctx.layout.unit_path(role): render(self.ctx, role) for role in START_ORDER}
+
+    def install(self, config_text: str) -> list[str]:
+        """Write the config (first install only), the logs directory and the units; load and start.
+
+        Returns notes for the user.
+        """
+        notes = []
+        config_file = self.ctx.layout.config_file
+        if config_file.exists():
+            notes.append(f"kept the existing config {config_file}")
+        else:
+            self.ex.write(config_file, config_text.encode(), mode=0o600)
+        # launchd does not create the directory of StandardOutPath; the job would fail to spawn.
+        self.ex.mkdir(self.ctx.log_dir)
+        for path, content in self.files().items():
+            self.ex.write(path, content)
+        self._activate()
+        return notes
+
+    def uninstall(self, remove_config: bool, purge: bool = False) -> list[str]:
+        """Stop and unload both processes and remove what install wrote.
+
+        The config file goes when remove_config (the caller knows it is unedited) or purge; the logs
+        only with purge.
+        """
+        notes = []
+        self._deactivate()
+        for path in self.files():
+            self.ex.remove(path)
+        self._after_remove()
+        config_file = self.ctx.layout.config_file
+        if config_file.exists():
+            if purge or remove_config:
+                self.ex.remove(config_file)
+                self.ex.rmdir_if_empty(config_file.parent)
+            else:
+                notes.append(f"kept your config {config_file} (edited since install; --purge removes it)")
+        log_dir = self.ctx.log_dir
+        if purge:
+            for role in START_ORDER:
+                for path in _generations(self.ctx.log_path(role)):
+                    self.ex.remove(path)
+        elif log_dir.is_dir() and any(log_dir.iterdir()):
+            notes.append(f"kept the logs in {log_dir} (--purge removes them)")
+        self.ex.rmdir_if_empty(log_dir)
+        return notes
+
+    @abc.abstractmethod
+    def _activate(self) -> None: ...
+
+    @abc.abstractmethod
+    def _deactivate(self) -> None: ...
+
+    def _after_remove(self) -> None:
+        pass
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def stop(self) -> None: ...
+
+    @abc.abstractmethod
+    def restart(self) -> None: ...
+
+    @abc.abstractmethod
+    def status(self) -> list[RoleStatus] | None:
+        """None in a dry run (the queries were printed, nothing was asked)."""
+
+    @abc.abstractmethod
+    def logs_command(self, lines: int, follow: bool) -> list[str]: ...
+
+    def logs(self, lines: int = 200, follow: bool = False) -> int:
+        return self.ex.foreground(self.logs_command(lines, follow))
+
+
+def _generations(path: Path, keep: int = 9) -> list[Path]:
+    return [path] + [path.with_name(f"{path.name}.{i}") for i in range(1, keep + 1) if path.with_name(f"{path.name}.{i}").exists()]
+
+
+class LaunchdBackend(ServiceBackend):
+    """Per-user LaunchAgents in gui/<uid>.
+
+    stop unloads the jobs (bootout), so that KeepAlive does not bring them back; their plists stay
+    in ~/Library/LaunchAgents, so they come back at the next login or with start.
+    """
+
+    platform = Platform.MACOS
+    # Retried bootstrap failures: the previous instance is still being torn down (5: I/O error,
+    # 37: operation already in progress).
+    BUSY = frozenset({5, 37})
+
+    @property
+    def uid(self) -> int:
+        return self.ctx.uid
+
+    def _plist(self, role: Role) -> Path:
+        return self.ctx.layout.unit_path(role)
+
+    def _activate(self) -> None:
+        for role in START_ORDER:
+            # Reinstalling replaces a loaded job: unload the old definition first.
+            self.ex.run(launchctl.bootout(self.uid, role.label), tolerate=True)
+            self.ex.run(launchctl.enable(self.uid, role.label), tolerate=True)
+            self._bootstrap(role, already_loaded_ok=False)
+
+    def _bootstrap(self, role: Role, already_loaded_ok: bool) -> None:
+        argv = launchctl.bootstrap(self.uid, self._plist(role))
+        if self.ex.dry_run:
+            self.ex.run(argv, tolerate=already_loaded_ok)
+            return
+        for attempt in range(10):
+            result = self.ex.run(argv, tolerate=True)
+            if result.returncode == 0:
+                return
+            if self._loaded(role):
+                if already_loaded_ok or attempt > 0:
+                    return  # the job is there: an earlier attempt or someone else loaded it
+            elif result.returncode not in self.BUSY:
+                break
+            time.sleep(0.5)
+        raise CommandFailed(argv, result, hint=f"check the plist with: plutil -lint {shlex.quote(str(self._plist(role)))}")
+
+    def _loaded(self, role: Role) -> bool:
+        result = self.ex.query(launchctl.print_(self.uid, role.label))
+        return result is not None and result.returncode == 0
+
+    def _deactivate(self) -> None:
+        for role in STOP_ORDER:
+            # bootout waits for the SIGTERM → ExitTimeOut → SIGKILL sequence; not loaded is fine.
+            self.ex.run(launchctl.bootout(self.uid, role.label), tolerate=True)
+
+    def start(self) -> None:
+        for role in START_ORDER:
+            self._bootstrap(role, already_loaded_ok=True)
+            self.ex.run(launchctl.kickstart(self.uid, role.label))
+
+    def stop(self) -> None:
+        self._deactivate()
+
+    def restart(self) -> None:
+        for role in START_ORDER:
+            self.ex.run(
+                launchctl.kickstart(self.uid, role.label, kill=True),
+                hint="not loaded? run: moed service start",
+            )
+
+    def status(self) -> list[RoleStatus] | None:
+        out: list[RoleStatus] = []
+        for role in START_ORDER:
+            result = self.ex.query(launchctl.print_(self.uid, role.label))
+            if result is None:
+                continue
+            installed = self._plist(role).exists()
+            try:
+                st = launchctl.state_from_result(result.returncode, result.stdout, result.stderr)
+            except launchctl.LaunchctlError as exc:
+                out.append(RoleStatus(role, role.label, installed, False, False, error=str(exc)))
+                continue
+            out.append(
+                RoleStatus(role, role.label, installed, st.loaded, st.running, st.pid, st.state, st.last_exit(), st.runs)
+            )
+        return None if self.ex.dry_run else out
+
+    def logs_command(self, lines: int, follow: bool) -> list[str]:
+        # -F follows across rotation (the daemon renames its log when it grows too large).
+        return ["tail", "-n", str(lines), *(["-F"] if follow else []), *(str(self.ctx.log_path(r)) for r in START_ORDER)]
+
+
+class SystemdBackend(ServiceBackend):
+    """systemd --user units; stop/start keep them enabled for the next login."""
+
+    platform = Platform.LINUX
+    HINT = (
+        "is systemd --user running for this user? (a login session, or `loginctl enable-linger`; "
+        "XDG_RUNTIME_DIR must point at it)"
+    )
+
+    @property
+    def units(self) -> list[str]:
+        return [role.unit for role in START_ORDER]
+
+    def _activate(self) -> None:
+        self.ex.run(systemd.daemon_reload(), hint=self.HINT)
+        self.ex.run(systemd.enable_now(self.units), hint=self.HINT)
+
+    def _deactivate(self) -> None:
+        # Not loaded (never installed, or the user manager is gone) must not block removal.
+        self.ex.run(systemd.disable_now(self.units), tolerate=True)
+
+    def _after_remove(self) -> None:
+        self.ex.run(systemd.daemon_reload(), tolerate=True)
+        self.ex.run(systemd.reset_failed(self.units), tolerate=True)
+
+    def start(self) -> None:
+        self.ex.run(systemd.verb("start", self.units), hint=self.HINT)
+
+    def stop(self) -> None:
+        # systemd stops the watchdog first: it is ordered After= the daemon.
+        self.ex.run(systemd.verb("stop", self.units), hint=self.HINT)
+
+    def restart(self) -> None:
+        self.ex.run(systemd.verb("restart", self.units), hint=self.HINT)
+
+    def status(self) -> list[RoleStatus] | None:
+        out: list[RoleStatus] = []
+        for role in START_ORDER:
+            result = self.ex.query(systemd.show(role.unit))
+            if result is None:
+                continue
+            installed = self.ctx.layout.unit_path(role).exists()
+            try:
+                st = systemd.state_from_result(result.returncode, result.stdout, result.stderr)
+            except systemd.SystemctlError as exc:
+                out.append(RoleStatus(role, role.unit, installed, False, False, error=str(exc)))
+                continue
+            out.append(
+                RoleStatus(role, role.unit, installed, st.loaded, st.running, st.pid, st.state, st.last_exit(), st.restarts)
+            )
+        return None if self.ex.dry_run else out
+
+    def logs_command(self, lines: int, follow: bool) -> list[str]:
+        return systemd.journal(self.units, lines, follow)
+
+
+BACKENDS: dict[Platform, type[ServiceBackend]] = {Platform.MACOS: LaunchdBackend, Platform.LINUX: SystemdBackend}
+
+
+def backend_for(ctx: ServiceContext, ex: Executor) -> ServiceBackend:
+    return BACKENDS[ctx.platform](ctx, ex)
