@@ -1,0 +1,68 @@
+"""Parse a cache budget and turn it into expert slots per layer.
+
+A budget is bytes (`3000000`), a size (`512MB`, `12GB`, `1.5GiB`), a fraction of all experts'
+bytes (`25%`, `0.25`), or `auto` (what the memory plan leaves free).
+"""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+class BudgetError(ValueError):
+    pass
+
+
+def parse_budget(spec: str | int | float, experts_bytes: int, auto_bytes: int | None = None) -> int:
+    """Budget in bytes. `experts_bytes` is the size of all routed experts (what 100% means)."""
+    if isinstance(spec, bool):
+        raise BudgetError(f"invalid cache budget {spec!r}")
+    if isinstance(spec, int):
+        return _positive(spec, spec)
+    if isinstance(spec, float):
+        return _fraction(spec, experts_bytes, spec)
+    text = str(spec).strip().lower()
+    if text == "auto":
+        if auto_bytes is None:
+            raise BudgetError("cache budget 'auto' needs a memory plan")
+        return max(0, int(auto_bytes))
+    if text.endswith("%"):
+        try:
+            return _fraction(float(text[:-1]) / 100.0, experts_bytes, spec)
+        except ValueError:
+            raise BudgetError(f"invalid cache budget {spec!r}") from None
+    m = _SIZE.match(text)
+    if not m or m.group(2) not in _UNITS:
+        raise BudgetError(f"invalid cache budget {spec!r} (use bytes, 12GB, 512MiB, 25%, 0.25 or auto)")
+    number, unit = float(m.group(1)), m.group(2)
+    # A bare number below or at 1 is a fraction ("0.25"); anything else is bytes.
+    if unit == "" and number <= 1.0 and "." in m.group(1):
+        return _fraction(number, experts_bytes, spec)
+    return _positive(int(number * _UNITS[unit]), spec)
+
+
+def _fraction(frac: float, experts_bytes: int, spec) -> int:
+    if not 0.0 < frac <= 1.0:
+        raise BudgetError(f"cache budget fraction {spec!r} must be in (0, 1]")
+    return int(frac * experts_bytes)
+
+
+def _positive(n: int, spec) -> int:
+    if n <= 0:
+        raise BudgetError(f"cache budget {spec!r} must be positive")
+    return n
+
+
+def slots_per_layer(budget_bytes: int, layer_expert_bytes: list[int], num_experts: list[int]) -> list[int]:
+    """The same slot count for every layer: as many as the budget pays for, at least one and at
+    most all of the layer's experts."""
+    per_slot_all_layers = sum(layer_expert_bytes)
+    n = budget_bytes // per_slot_all_layers if per_slot_all_layers else 0
+    return [max(1, min(int(n), e)) for e in num_experts]

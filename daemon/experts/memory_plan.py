@@ -1,0 +1,206 @@
+"""The memory plan: resident weights + expert cache + KV cache + working memory against what the
+machine can give, computed before the experts are loaded."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .budget import parse_budget, slots_per_layer
+from .safetensors_index import CheckpointIndex
+
+GB = 1e9
+LINUX_USABLE_FRACTION = 0.85  # leave the rest to the OS and other processes
+MIN_WORKING_BYTES = 256 * 2**20
+
+# Stacked expert tensors of stock mlx-lm checkpoints (SwitchGLU / SwitchMLP owners in any arch).
+_EXPERT_TENSOR = re.compile(r"^(?P<owner>.*\.(?:switch_mlp|experts))\.(?P<proj>gate_proj|up_proj|down_proj|fc1|fc2)\.(?P<param>weight|scales|biases|bias|global_scale)$")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    total_memory: int  # what the machine (or its cgroup) has
+    usable_memory: int  # what the plan may use (Metal: recommended working set)
+    memory_source: str
+    resident_bytes: int  # non-expert weights, materialized
+    experts_bytes: int  # all routed experts on disk
+    cache_budget_bytes: int  # slot pools actually allocated
+    kv_bytes: int
+    working_bytes: int
+    num_layers: int
+    slots_per_layer: int
+    num_experts: int  # per layer
+
+    @property
+    def required_bytes(self) -> int:
+        return self.resident_bytes + self.cache_budget_bytes + self.kv_bytes + self.working_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.required_bytes <= self.usable_memory
+
+    def describe(self) -> str:
+        pct = 100.0 * self.cache_budget_bytes / self.experts_bytes if self.experts_bytes else 0.0
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        return "\n".join([
+            f"memory plan ({verdict}): {_gb(self.usable_memory)} usable of {_gb(self.total_memory)} ({self.memory_source})",
+            f"  resident weights {_gb(self.resident_bytes):>10}",
+            f"  expert cache     {_gb(self.cache_budget_bytes):>10}  ({pct:.0f}% of {_gb(self.experts_bytes)} of experts: "
+            f"{self.slots_per_layer} of {self.num_experts} slots x {self.num_layers} layers)",
+            f"  KV cache         {_gb(self.kv_bytes):>10}",
+            f"  working memory   {_gb(self.working_bytes):>10}",
+            f"  total            {_gb(self.required_bytes):>10}",
+        ])
+
+    def refusal(self) -> str:
+        return (
+            f"the model does not fit: it needs {_gb(self.required_bytes)} but only {_gb(self.usable_memory)} is usable "
+            f"({self.memory_source}); lower --cache-budget (now {_gb(self.cache_budget_bytes)}) or the context length"
+        )
+
+
+def _gb(n: int) -> str:
+    return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.1f} MB"
+
+
+def cgroup_memory_limit() -> int | None:
+    """The memory.max of this process's cgroup v2 (and its ancestors), if any is set."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    rel = next((l.split("::", 1)[1] for l in lines if l.startswith("0::")), None)
+    if rel is None:
+        return None
+    limit = None
+    path = Path("/sys/fs/cgroup") / rel.lstrip("/")
+    root = Path("/sys/fs/cgroup")
+    while True:
+        try:
+            text = (path / "memory.max").read_text().strip()
+            if text != "max":
+                limit = int(text) if limit is None else min(limit, int(text))
+        except (OSError, ValueError):
+            pass
+        if path == root or root not in path.parents:
+            break
+        path = path.parent
+    return limit
+
+
+def machine_memory() -> tuple[int, int, str]:
+    """(total, usable, source) for this process."""
+    try:
+        import mlx.core as mx
+
+        if mx.metal.is_available():
+            info = mx.device_info()
+            total = int(info.get("memory_size", 0))
+            usable = int(info.get("max_recommended_working_set_size", total))
+            return total, usable, "Metal recommended working set"
+    except Exception:  # noqa: BLE001 - fall through to the OS view
+        pass
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    source = "RAM"
+    limit = cgroup_memory_limit()
+    if limit is not None and limit < total:
+        total, source = limit, "cgroup memory.max"
+    return total, int(total * LINUX_USABLE_FRACTION), source
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Per MoE layer: bytes of one expert and number of experts."""
+
+    expert_bytes: list[int]
+    num_experts: list[int]
+
+    @property
+    def experts_bytes(self) -> int:
+        return sum(b * e for b, e in zip(self.expert_bytes, self.num_experts))
+
+
+def layout_from_index(index: CheckpointIndex) -> ExpertLayout:
+    """Find stacked expert tensors by name (used before the model is built)."""
+    owners: dict[str, list[int]] = {}
+    for name, loc in index.tensors.items():
+        m = _EXPERT_TENSOR.match(name)
+        if m and len(loc.shape) >= 2:
+            owners.setdefault(m.group("owner"), [0, loc.shape[0]])[0] += loc.expert_stride
+    ordered = sorted(owners.items(), key=lambda kv: _natural(kv[0]))
+    return ExpertLayout([v[0] for _, v in ordered], [v[1] for _, v in ordered])
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def default_working_bytes(resident_bytes: int) -> int:
+    return max(MIN_WORKING_BYTES, resident_bytes // 10)
+
+
+def make_plan(
+    layout: ExpertLayout,
+    resident_bytes: int,
+    cache_budget,
+    *,
+    kv_bytes: int = 0,
+    working_bytes: int = 0,
+    memory: tuple[int, int, str] | None = None,
+) -> MemoryPlan:
+    total, usable, source = memory or machine_memory()
+    working = working_bytes or default_working_bytes(resident_bytes)
+    experts = layout.experts_bytes
+    auto = usable - resident_bytes - kv_bytes - working
+    budget = parse_budget(cache_budget, experts, auto_bytes=max(0, auto))
+    slots = slots_per_layer(budget, layout.expert_bytes, layout.num_experts) if layout.num_experts else [0]
+    allocated = sum(s * b for s, b in zip(slots, layout.expert_bytes))
+    return MemoryPlan(
+        total_memory=total,
+        usable_memory=usable,
+        memory_source=source,
+        resident_bytes=resident_bytes,
+        experts_bytes=experts,
+        cache_budget_bytes=allocated,
+        kv_bytes=kv_bytes,
+        working_bytes=working,
+        num_layers=len(layout.num_experts),
+        slots_per_layer=min(slots) if slots else 0,
+        num_experts=max(layout.num_experts) if layout.num_experts else 0,
+    )
+
+
+def plan_memory(model_path: Path, cfg, *, kv_bytes: int = 0, working_bytes: int = 0, memory: tuple[int, int, str] | None = None) -> MemoryPlan:
+    """Plan from the checkpoint alone (before loading). `cfg` is a StreamingConfig."""
+    index = CheckpointIndex(Path(model_path))
+    layout = layout_from_index(index)
+    resident = index.total_bytes - layout.experts_bytes
+    return make_plan(
+        layout,
+        resident,
+        cfg.cache_budget,
+        kv_bytes=kv_bytes or cfg.kv_bytes,
+        working_bytes=working_bytes or cfg.working_bytes,
+        memory=memory or _memory_override(cfg),
+    )
+
+
+def _memory_override(cfg) -> tuple[int, int, str] | None:
+    if getattr(cfg, "memory_bytes", 0):
+        n = int(cfg.memory_bytes)
+        return n, n, "configured"
+    return None
+
+
+def estimate_kv_bytes(config: dict, tokens: int, dtype_bytes: int = 2) -> int:
+    """Upper bound of a full-attention KV cache for `tokens` tokens (hybrid models use less)."""
+    cfg = config.get("text_config", config)
+    layers = int(cfg.get("num_hidden_layers", 0))
+    heads = int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 0))
+    head_dim = int(cfg.get("head_dim") or (cfg.get("hidden_size", 0) // max(1, cfg.get("num_attention_heads", 1))))
+    return 2 * layers * heads * head_dim * tokens * dtype_bytes

@@ -1,0 +1,365 @@
+"""Install streaming into a lazily loaded mlx-lm model and run the expert cache behind it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
+
+from moed.daemon.config import PageCachePolicy
+
+from . import profile as profile_mod
+from .cache import LayerPool, LRUPolicy, PolicyFactory, PooledTensor, mlx_dtype
+from .memory_plan import ExpertLayout, MemoryPlan, make_plan, _memory_override
+from .prefetch import ReadPool
+from .safetensors_index import CheckpointError, CheckpointIndex, TensorLoc
+from .store import ExpertStore, resolve_page_cache
+from .streaming_switch import ProjSpec, StreamingSwitch
+from .telemetry import Counters, LayerCounters
+
+log = logging.getLogger(__name__)
+
+_PARAMS = ("weight", "scales", "biases", "bias", "global_scale")
+_GLU_PROJS = ("gate_proj", "up_proj", "down_proj")
+_MLP_PROJS = ("fc1", "fc2")
+
+
+@dataclass(frozen=True)
+class StreamingConfig:
+    cache_budget: str | int = "auto"  # bytes, "12GB", "25%", "0.25" or "auto"
+    prefetch_workers: int = 0  # 0: sized to the machine
+    page_cache: PageCachePolicy = PageCachePolicy.AUTO
+    state_dir: Path | None = None  # where the usage profile lives; None: no profile
+    memory_bytes: int = 0  # 0: detect (RAM, cgroup limit, Metal working set)
+    kv_bytes: int = 0  # KV cache estimate the auto budget leaves room for
+    working_bytes: int = 0  # 0: default estimate
+
+
+@dataclass(frozen=True)
+class _Switch:
+    path: str  # module path, e.g. "model.layers.3.mlp.switch_mlp"
+    kind: str
+    module: nn.Module
+    projs: dict[str, ProjSpec]
+    tensors: list[PooledTensor]
+    num_experts: int
+
+
+def find_switches(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))]
+
+
+def _proj_spec(name: str, lin: nn.Module) -> tuple[ProjSpec, dict[str, mx.array]]:
+    arrays = {p: lin[p] for p in _PARAMS if p in lin and isinstance(lin[p], mx.array)}
+    if isinstance(lin, QuantizedSwitchLinear):
+        spec = ProjSpec(name, True, lin.group_size, lin.bits, lin.mode,
+                        has_biases="biases" in arrays, has_bias="bias" in arrays,
+                        has_global_scale="global_scale" in arrays)
+    elif isinstance(lin, SwitchLinear):
+        spec = ProjSpec(name, False, has_bias="bias" in arrays)
+    else:
+        raise CheckpointError(f"unsupported expert projection {name}: {type(lin).__name__}")
+    return spec, arrays
+
+
+def _resolve(model: nn.Module, index: CheckpointIndex, wanted: dict[str, mx.array]) -> dict[str, TensorLoc]:
+    """Map model parameter paths to tensors on disk. Names usually match; when the model's
+    sanitize renames keys (e.g. qwen3_5_moe's language_model prefix), follow the renaming by
+    identity of the lazily loaded arrays; as a last resort match the `layers.N...` suffix."""
+    found = {p: index[p] for p in wanted if p in index}
+    missing = [p for p in wanted if p not in found]
+    if missing and hasattr(model, "sanitize"):
+        loaded: dict[str, mx.array] = {}
+        for f in index.files:
+            loaded.update(mx.load(str(f)))  # lazy: nothing is read
+        by_id = {id(v): k for k, v in loaded.items()}
+        try:
+            sanitized = model.sanitize(dict(loaded))
+        except Exception as exc:  # noqa: BLE001 - a failing sanitize only loses this strategy
+            log.debug("sanitize probe failed: %s", exc)
+            sanitized = {}
+        for p in missing:
+            v = sanitized.get(p)
+            if v is not None and id(v) in by_id:
+                found[p] = index[by_id[id(v)]]
+        del loaded, sanitized, by_id
+        missing = [p for p in wanted if p not in found]
+    for p in missing:
+        if "layers." not in p:
+            continue
+        tail = p[p.index("layers."):]
+        cands = [loc for n, loc in index.tensors.items() if (n == tail or n.endswith("." + tail)) and loc.shape == tuple(wanted[p].shape)]
+        if len(cands) == 1:
+            found[p] = cands[0]
+    for p, arr in wanted.items():
+        loc = found.get(p)
+        if loc is None:
+            raise CheckpointError(
+                f"expert tensor {p} is not stored as-is in {index.model_path} (a sanitize step transforms it); "
+                "convert the checkpoint with mlx_lm.convert first"
+            )
+        if loc.shape != tuple(arr.shape) or mlx_dtype(loc.dtype) != arr.dtype:
+            raise CheckpointError(
+                f"expert tensor {p}: {loc.name} on disk is {loc.dtype}{list(loc.shape)}, the model expects {arr.dtype}{list(arr.shape)}"
+            )
+    return found
+
+
+def _describe_switches(model: nn.Module, index: CheckpointIndex) -> list[_Switch]:
+    found = find_switches(model)
+    if not found:
+        raise CheckpointError("the model has no SwitchGLU / SwitchMLP layers: nothing to stream")
+    specs, wanted = [], {}
+    for path, m in found:
+        kind = "glu" if isinstance(m, SwitchGLU) else "mlp"
+        projs, arrays = {}, {}
+        for name in _GLU_PROJS if kind == "glu" else _MLP_PROJS:
+            spec, arrs = _proj_spec(name, m[name])
+            projs[name] = spec
+            for p, a in arrs.items():
+                arrays[(name, p)] = a
+                wanted[f"{path}.{name}.{p}"] = a
+        specs.append((path, kind, m, projs, arrays))
+    locs = _resolve(model, index, wanted)
+    out = []
+    for path, kind, m, projs, arrays in specs:
+        tensors = [PooledTensor(name, p, locs[f"{path}.{name}.{p}"]) for (name, p) in arrays]
+        num = {t.loc.shape[0] for t in tensors}
+        if len(num) != 1:
+            raise CheckpointError(f"{path}: expert tensors disagree on the number of experts {sorted(num)}")
+        out.append(_Switch(path, kind, m, projs, tensors, num.pop()))
+    return out
+
+
+def _set_module(model: nn.Module, path: str, new: nn.Module) -> None:
+    parts = path.split(".")
+    parent: Any = model
+    for part in parts[:-1]:
+        parent = parent[int(part)] if isinstance(parent, list) else getattr(parent, part)
+    last = parts[-1]
+    if isinstance(parent, list):
+        parent[int(last)] = new
+    else:
+        setattr(parent, last, new)
+
+
+class ExpertStreamer:
+    """Owns the slot pools, the store, the read workers, the counters and the usage profile."""
+
+    def __init__(self, model_path: Path, cfg: StreamingConfig, index: CheckpointIndex, switches: list[_Switch],
+                 policy_factory: PolicyFactory = lambda layer, n: LRUPolicy(n)):
+        self.model_path = Path(model_path)
+        self.cfg = cfg
+        self.index = index
+        self.paths = [s.path for s in switches]
+        self.layout = ExpertLayout([sum(t.slot_bytes for t in s.tensors) for s in switches], [s.num_experts for s in switches])
+        self.resident_weight_bytes = index.total_bytes - self.layout.experts_bytes
+        self.plan = make_plan(self.layout, self.resident_weight_bytes, cfg.cache_budget,
+                              kv_bytes=cfg.kv_bytes, working_bytes=cfg.working_bytes, memory=_memory_override(cfg))
+        self.budget_bytes = self.plan.cache_budget_bytes
+        slots = self.plan.slots_per_layer
+        self.pools = [LayerPool(i, s.tensors, s.num_experts, min(slots, s.num_experts), policy_factory(i, s.num_experts))
+                      for i, s in enumerate(switches)]
+        self.bypass_page_cache = resolve_page_cache(cfg.page_cache, self.layout.experts_bytes, self.plan.total_memory)
+        self.store = ExpertStore(index.files, self.bypass_page_cache)
+        self.reader = ReadPool(self.store, cfg.prefetch_workers)
+        self.counters = Counters(layers=[LayerCounters() for _ in switches])
+        self.usage = [np.zeros(s.num_experts, dtype=np.int64) for s in switches]
+        self._pending_slots: int | None = None  # a shed requested from another thread
+        self._engine_thread: int | None = None
+        self._lock = threading.Lock()
+        self.trace: list[list[np.ndarray]] | None = None  # set to [] to record routing (bench)
+
+    # -- called by StreamingSwitch on the engine thread -------------------------------------
+
+    def route(self, layer: int, indices: mx.array) -> np.ndarray:
+        """Read the router's choices back to the host (the known cost centre, timed)."""
+        self._engine_thread = threading.get_ident()
+        if layer == 0 and self._pending_slots is not None:
+            self._apply_shed()
+        c = self.counters
+        t0 = time.perf_counter()
+        mx.eval(indices)
+        t1 = time.perf_counter()
+        host = np.array(indices)
+        flat = host.reshape(-1)
+        self.usage[layer] += np.bincount(flat, minlength=self.usage[layer].shape[0])
+        if layer == 0:
+            c.tokens += flat.size // max(1, host.shape[-1]) if host.ndim else 1
+        if self.trace is not None:
+            if layer == 0:
+                self.trace.append([])
+            if self.trace:
+                self.trace[-1].append(np.unique(flat))
+        c.calls += 1
+        c.router_sync_s += t1 - t0
+        c.router_copy_s += time.perf_counter() - t1
+        return host
+
+    def plan_passes(self, layer: int, host: np.ndarray) -> list[np.ndarray]:
+        needed = np.unique(host)
+        pool = self.pools[layer]
+        if needed.size <= pool.slots:
+            return [needed]
+        # Resident experts first: the first pass is all hits as far as it goes.
+        resident = pool.slot_of[needed] >= 0
+        ordered = np.concatenate([needed[resident], needed[~resident]])
+        passes = [ordered[i : i + pool.slots] for i in range(0, ordered.size, pool.slots)]
+        self.counters.passes += len(passes) - 1
+        return passes
+
+    def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]:
+        """Make `experts` resident in `layer`; returns (expert -> slot table, pools)."""
+        pool = self.pools[layer]
+        hits, loads = pool.admit(experts)
+        lc = self.counters.layers[layer]
+        lc.hits += len(hits)
+        lc.misses += len(loads)
+        if loads:
+            self._read(pool, loads)
+        table = np.zeros(pool.num_experts, dtype=np.uint32)
+        table[experts] = pool.slot_of[experts]
+        return table, pool.arrays
+
+    def finish(self, out: mx.array) -> None:
+        t0 = time.perf_counter()
+        mx.eval(out)
+        self.counters.expert_compute_s += time.perf_counter() - t0
+
+    def _read(self, pool: LayerPool, loads: list[tuple[int, int]], warm: bool = False) -> None:
+        jobs = self.store.jobs_for(pool, loads)
+        try:
+            res = self.reader.read(jobs)
+        except BaseException:
+            pool.forget(loads)
+            raise
+        c = self.counters
+        c.read_jobs += len(jobs)
+        c.read_s += res.read_s
+        if warm:
+            c.warm_bytes += res.bytes_read
+            c.warm_s += res.wall_s
+        else:
+            c.bytes_read += res.bytes_read
+            c.stall_s += res.wall_s
+
+    # -- public API ------------------------------------------------------------------------
+
+    @property
+    def slots(self) -> list[int]:
+        return [p.slots for p in self.pools]
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(p.pool_bytes for p in self.pools)
+
+    def snapshot(self) -> dict:
+        snap = self.counters.snapshot()
+        snap.update({
+            "resident_bytes": self.resident_bytes,
+            "budget_bytes": self.budget_bytes,
+            "resident_weight_bytes": self.resident_weight_bytes,
+            "experts_bytes": self.layout.experts_bytes,
+            "expert_bytes": self.layout.expert_bytes[0] if self.layout.expert_bytes else 0,
+            "num_layers": len(self.pools),
+            "num_experts": self.layout.num_experts[0] if self.layout.num_experts else 0,
+            "slots_per_layer": self.slots,
+            "cached_experts": sum(len(p.resident) for p in self.pools),
+            "prefetch_workers": self.reader.workers,
+            "page_cache_bypass": self.bypass_page_cache,
+        })
+        return snap
+
+    def memory_plan(self, kv_bytes: int | None = None, working_bytes: int | None = None) -> MemoryPlan:
+        """The plan for the slots actually allocated, with a new KV / working estimate."""
+        budget = self.resident_bytes
+        return make_plan(self.layout, self.resident_weight_bytes, budget,
+                         kv_bytes=self.cfg.kv_bytes if kv_bytes is None else kv_bytes,
+                         working_bytes=(working_bytes or self.cfg.working_bytes),
+                         memory=_memory_override(self.cfg))
+
+    def shed(self, fraction: float) -> int:
+        """Shrink the cache to `fraction` of its current size (at least one slot per layer).
+        Returns the bytes released. From another thread the change is applied at the start of the
+        next token, on the engine thread (the pools are MLX arrays)."""
+        if not 0.0 <= fraction < 1.0:
+            raise ValueError("shed fraction must be in [0, 1)")
+        with self._lock:
+            current = self._pending_slots if self._pending_slots is not None else min(self.slots)
+            target = max(1, int(current * fraction))
+            released = sum((p.slots - min(target, p.num_experts)) * p.expert_bytes for p in self.pools if p.slots > target)
+            self._pending_slots = target
+        if self._engine_thread in (None, threading.get_ident()):
+            self._apply_shed()
+        return released
+
+    def _apply_shed(self) -> None:
+        with self._lock:
+            target, self._pending_slots = self._pending_slots, None
+        if target is None:
+            return
+        released = sum(p.resize(min(p.slots, target)) for p in self.pools)
+        self.budget_bytes = self.resident_bytes
+        mx.clear_cache()  # hand the freed pool buffers back to the OS
+        log.info("expert cache shed to %d slots per layer (%d bytes released)", target, released)
+
+    @property
+    def profile_path(self) -> Path | None:
+        if self.cfg.state_dir is None:
+            return None
+        return profile_mod.profile_path(self.cfg.state_dir, self.model_path)
+
+    def save_profile(self) -> Path | None:
+        """Merge this run's usage into the saved profile (atomic write). Returns its path."""
+        path = self.profile_path
+        if path is None:
+            return None
+        saved = profile_mod.load_profile(path, self.layout.num_experts)
+        profile_mod.save_profile(path, self.model_path, profile_mod.merge(saved, self.usage))
+        return path
+
+    def warm(self) -> int:
+        """Preload each layer's most used experts from the saved profile. Returns bytes read."""
+        path = self.profile_path
+        counts = profile_mod.load_profile(path, self.layout.num_experts) if path else None
+        if counts is None:
+            return 0
+        before = self.counters.warm_bytes
+        for pool, layer_counts in zip(self.pools, counts):
+            used = np.flatnonzero(layer_counts)
+            top = used[np.argsort(-layer_counts[used], kind="stable")][: pool.slots]
+            if top.size == 0:
+                continue
+            # Least used first, so the LRU order keeps the most used longest.
+            _hits, loads = pool.admit(sorted(top.tolist(), key=lambda e: layer_counts[e]))
+            if loads:
+                self._read(pool, loads, warm=True)
+        return self.counters.warm_bytes - before
+
+    def close(self) -> None:
+        self.reader.close()
+        self.store.close()
+
+
+def install_streaming(model: nn.Module, model_path: Path, cfg: StreamingConfig | None = None,
+                      policy_factory: PolicyFactory | None = None) -> ExpertStreamer:
+    """Replace every SwitchGLU / SwitchMLP of a lazily loaded mlx-lm model with a streaming twin.
+    Call before `mx.eval(model.parameters())`, which then materializes only non-expert weights."""
+    cfg = cfg or StreamingConfig()
+    index = CheckpointIndex(Path(model_path))
+    switches = _describe_switches(model, index)
+    kwargs = {"policy_factory": policy_factory} if policy_factory else {}
+    streamer = ExpertStreamer(Path(model_path), cfg, index, switches, **kwargs)
+    for layer, sw in enumerate(switches):
+        twin = StreamingSwitch(sw.kind, sw.projs, sw.module.activation, layer, streamer)
+        _set_module(model, sw.path, twin)
+    log.info("streaming %d MoE layers, %d slots per layer\n%s", len(switches), min(streamer.slots), streamer.plan.describe())
+    return streamer

@@ -1,0 +1,107 @@
+"""The streaming twin of mlx-lm's SwitchGLU / SwitchMLP.
+
+It computes the same function with the same MLX calls (same sort rule, gather_mm / gather_qmm
+with the same dtypes, group size, bits and mode, same bias handling), only on the layer's slot
+pools with expert ids remapped to slots. When a call needs more distinct experts than the layer
+has slots, it runs several passes with identical shapes and keeps each row from the pass that
+held its expert (`mx.where` selects, it does not add), so results stay bit-identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
+
+if TYPE_CHECKING:
+    from .streamer import ExpertStreamer
+
+
+@dataclass(frozen=True)
+class ProjSpec:
+    name: str  # gate_proj, up_proj, down_proj, fc1, fc2
+    quantized: bool
+    group_size: int = 0
+    bits: int = 0
+    mode: str = "affine"
+    has_biases: bool = False  # quantization biases
+    has_bias: bool = False  # additive bias (gpt_oss)
+    has_global_scale: bool = False
+
+
+class StreamingSwitch(nn.Module):
+    def __init__(self, kind: str, projs: dict[str, ProjSpec], activation, layer: int, streamer: "ExpertStreamer"):
+        super().__init__()
+        self.kind = kind  # "glu" or "mlp"
+        self.activation = activation
+        # Plain attributes (not parameters): the pools live in the streamer, never in the model tree.
+        object.__setattr__(self, "_projs", projs)
+        object.__setattr__(self, "_layer", layer)
+        object.__setattr__(self, "_streamer", streamer)
+
+    def _proj(self, name: str, x, idx, sorted_indices: bool, pools: dict[str, mx.array]):
+        spec = self._projs[name]
+        if spec.quantized:
+            y = mx.gather_qmm(
+                x,
+                pools[f"{name}.weight"],
+                pools[f"{name}.scales"],
+                pools.get(f"{name}.biases"),
+                rhs_indices=idx,
+                transpose=True,
+                group_size=spec.group_size,
+                bits=spec.bits,
+                mode=spec.mode,
+                global_scale=pools.get(f"{name}.global_scale"),
+                sorted_indices=sorted_indices,
+            )
+        else:
+            y = mx.gather_mm(x, pools[f"{name}.weight"].swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sorted_indices)
+        if spec.has_bias:
+            y = y + mx.expand_dims(pools[f"{name}.bias"][idx], -2)
+        return y
+
+    def _experts(self, x, idx, do_sort: bool, pools):
+        if self.kind == "glu":
+            x_up = self._proj("up_proj", x, idx, do_sort, pools)
+            x_gate = self._proj("gate_proj", x, idx, do_sort, pools)
+            return self._proj("down_proj", self.activation(x_up, x_gate), idx, do_sort, pools)
+        x = self._proj("fc1", x, idx, do_sort, pools)
+        return self._proj("fc2", self.activation(x), idx, do_sort, pools)
+
+    def __call__(self, x, indices) -> mx.array:
+        streamer, layer = self._streamer, self._layer
+        host = streamer.route(layer, indices)
+        passes = streamer.plan_passes(layer, host)
+
+        x = mx.expand_dims(x, (-2, -3))
+        indices = mx.stop_gradient(indices)
+        do_sort = indices.size >= 64
+        idx = indices
+        inv_order = None
+        if do_sort:
+            x, idx, inv_order = _gather_sort(x, indices)
+
+        out = None
+        for experts in passes:
+            table, pools = streamer.load(layer, experts)
+            y = self._experts(x, mx.array(table)[idx], do_sort, pools)
+            if len(passes) > 1:
+                member = np.zeros(table.shape[0], dtype=np.bool_)
+                member[experts] = True
+                if out is not None:
+                    y = mx.where(mx.expand_dims(mx.array(member)[idx], (-1, -2)), y, out)
+                # The next pass overwrites slots this one reads: finish it first.
+                streamer.finish(y)
+            out = y
+
+        if do_sort:
+            out = _scatter_unsort(out, inv_order, indices.shape)
+        out = out.squeeze(-2)
+        # Evaluate before returning so no later eviction can race a pending read of a slot.
+        streamer.finish(out)
+        return out

@@ -1,0 +1,52 @@
+"""Cumulative counters of the expert streamer. Snapshots are plain types (msgpack-able)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LayerCounters:
+    hits: int = 0
+    misses: int = 0
+
+
+@dataclass
+class Counters:
+    layers: list[LayerCounters] = field(default_factory=list)
+    tokens: int = 0  # token rows seen by the first MoE layer
+    calls: int = 0  # streaming layer calls
+    passes: int = 0  # extra passes when a call needed more experts than a layer has slots
+    bytes_read: int = 0
+    read_jobs: int = 0
+    read_s: float = 0.0  # worker time in preadv, summed
+    stall_s: float = 0.0  # engine thread waiting for reads
+    router_sync_s: float = 0.0  # evaluating the pending graph up to the router (forced by the read-back)
+    router_copy_s: float = 0.0  # copying the indices to the host and planning the layer
+    expert_compute_s: float = 0.0  # evaluating the expert outputs
+    warm_bytes: int = 0  # read by warm(), not counted as misses
+    warm_s: float = 0.0
+
+    def snapshot(self) -> dict:
+        hits = sum(c.hits for c in self.layers)
+        misses = sum(c.misses for c in self.layers)
+        return {
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "layer_hit_rates": [c.hits / (c.hits + c.misses) if c.hits + c.misses else 0.0 for c in self.layers],
+            "layer_misses": [c.misses for c in self.layers],
+            "tokens": self.tokens,
+            "calls": self.calls,
+            "passes": self.passes,
+            "bytes_read": self.bytes_read,
+            "read_jobs": self.read_jobs,
+            "read_s": self.read_s,
+            "stall_s": self.stall_s,
+            "router_readback_s": self.router_sync_s + self.router_copy_s,
+            "router_sync_s": self.router_sync_s,
+            "router_copy_s": self.router_copy_s,
+            "expert_compute_s": self.expert_compute_s,
+            "warm_bytes": self.warm_bytes,
+            "warm_s": self.warm_s,
+        }
