@@ -317,6 +317,7 @@ class Engine:
         except Exception as exc:
             log.exception("generation %r failed", gen.job.request.get("id"))
             self._active.pop(key, None)
+            self.status.update(active_requests=len(self._active), busy=bool(self._active))
             self.status.add(requests_failed=1)
             self._emit_error(gen.job, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
             return
@@ -343,6 +344,8 @@ class Engine:
 
     def _finish(self, gen: Generation, reason: FinishReason | ErrorCode) -> None:
         self._active.pop(gen.job.key, None)
+        # Published before the terminal message, so a client that saw `done` sees the count drop.
+        self.status.update(active_requests=len(self._active), busy=bool(self._active))
         req_id = gen.job.request["id"]
         if isinstance(reason, ErrorCode):
             self.status.add(requests_failed=1)

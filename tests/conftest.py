@@ -47,3 +47,32 @@ def checkpoint_factory(tmp_path_factory):
 def tiny_model(checkpoint_factory) -> Path:
     """A float32 qwen3_moe checkpoint: 2 MoE layers, 8 experts, top-2, hidden 64."""
     return checkpoint_factory("qwen3_moe")
+
+
+# --- real daemon processes ------------------------------------------------------------------
+
+from daemon_harness import DaemonProcess, start_daemon  # noqa: E402
+
+
+@pytest.fixture
+def daemon_factory(tmp_path):
+    """`daemon_factory(model, *serve_args, env=None, wait=True) -> DaemonProcess`; all stopped at teardown."""
+    started: list[DaemonProcess] = []
+
+    def make(model, *extra, env=None, wait=True) -> DaemonProcess:
+        d = start_daemon(tmp_path / f"d{len(started)}", model, *extra, env=env, wait=wait)
+        started.append(d)
+        return d
+
+    yield make
+    for d in started:
+        d.stop()
+        import shutil
+
+        shutil.rmtree(d.socket.parent, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(daemon_factory, tiny_model) -> DaemonProcess:
+    """A running resident daemon on the tiny qwen3_moe checkpoint."""
+    return daemon_factory(tiny_model, "--resident")

@@ -1,0 +1,79 @@
+"""Start and stop real `moed serve` processes for end-to-end tests (no mocks: a real daemon)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moed.client import Client, DaemonUnavailable
+
+
+@dataclass
+class DaemonProcess:
+    socket: Path
+    state_dir: Path
+    log_path: Path
+    proc: subprocess.Popen
+    args: list[str] = field(default_factory=list)
+
+    def client(self, **kwargs) -> Client:
+        return Client(self.socket, **kwargs)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with Client(self.socket, timeout=1.0) as c:
+                    st = c.status()
+                if st["state"] == "ready":
+                    return st
+            except DaemonUnavailable:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"daemon not ready in {timeout_s}s:\n{self.log()}")
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def serve_command(model: Path | str, socket: Path, state_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "moed.daemon.cli", "serve", "--model", str(model), "--socket", str(socket),
+            "--state-dir", str(state_dir), *extra]
+
+
+def start_daemon(tmp: Path, model: Path | str, *extra: str, env: dict | None = None, wait: bool = True) -> DaemonProcess:
+    tmp.mkdir(parents=True, exist_ok=True)
+    # Short socket path: AF_UNIX paths are limited to about 100 bytes.
+    sock_dir = Path(f"/tmp/moedt-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+    socket = sock_dir / "d.sock"
+    state_dir = tmp / "state"
+    log_path = tmp / f"daemon-{time.monotonic_ns()}.log"
+    args = serve_command(model, socket, state_dir, *extra)
+    full_env = {**os.environ, "MOED_LOG_DIR": str(tmp / "logs"), **(env or {})}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    daemon = DaemonProcess(socket, state_dir, log_path, proc, args)
+    if wait:
+        try:
+            daemon.wait_ready()
+        except BaseException:
+            daemon.stop()
+            raise
+    return daemon
