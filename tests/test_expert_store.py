@@ -1,0 +1,135 @@
+"""The expert store: safetensors offsets, coalesced preadv jobs, slot memory, page-cache policy."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model
+from safetensors import safe_open
+
+from moed.daemon.config import PageCachePolicy
+from moed.daemon.experts import CheckpointIndex, StreamingConfig, install_streaming
+from moed.daemon.experts.cache import LayerPool, LRUPolicy, PooledTensor, _alloc
+from moed.daemon.experts.safetensors_index import TensorLoc
+from moed.daemon.experts.store import _advance, resolve_page_cache
+
+MEMORY = 8 << 30
+
+
+def tokens(model, n=8):
+    prompt = mx.array([(5 * i + 1) % 300 + 3 for i in range(40)])
+    return [int(t) for t, _ in generate_step(prompt, model, max_tokens=n)]
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_header_offsets_match_safetensors(checkpoint_factory, bits):
+    path = checkpoint_factory("gpt_oss", bits=bits)
+    index = CheckpointIndex(path)
+    stacked = [loc for loc in index.tensors.values() if "experts." in loc.name]
+    assert stacked
+    for loc in stacked:
+        with safe_open(str(loc.file), framework="numpy") as st:
+            full = st.get_tensor(loc.name)
+        assert tuple(full.shape) == loc.shape
+        with open(loc.file, "rb") as f:
+            for e in (0, 3, loc.shape[0] - 1):
+                off, n = loc.expert_range(e)
+                f.seek(off)
+                assert f.read(n) == full[e].tobytes(), (loc.name, e)
+
+
+def test_adjacent_misses_coalesce_into_one_preadv(checkpoint_factory):
+    path = checkpoint_factory("qwen3_moe", bits=4)
+    model, _ = load_model(path, lazy=True)
+    streamer = install_streaming(model, path, StreamingConfig(cache_budget="100%", memory_bytes=MEMORY))
+    try:
+        pool = streamer.pools[0]
+        _hits, loads = pool.admit([2, 3, 5, 6, 7])
+        jobs = streamer.store.jobs_for(pool, loads)
+        assert len(jobs) == 2 * len(pool.tensors)  # runs 2-3 and 5-7 of each tensor
+        assert sorted(len(j.buffers) for j in jobs) == [2] * len(pool.tensors) + [3] * len(pool.tensors)
+        streamer.reader.read(jobs)
+        # The slots now hold exactly the experts' bytes from the file.
+        for t in pool.tensors:
+            with safe_open(str(t.loc.file), framework="numpy") as st:
+                full = st.get_tensor(t.loc.name)
+            for e in (2, 3, 5, 6, 7):
+                assert bytes(pool.slot_view(t, int(pool.slot_of[e]))) == full[e].tobytes()
+    finally:
+        streamer.close()
+
+
+def test_reads_land_in_the_mlx_array_without_a_copy():
+    loc = TensorLoc("x", None, "BF16", (4, 3, 8), 0, 4 * 3 * 8 * 2)
+    arr = _alloc(loc, 2)
+    assert arr.dtype == mx.bfloat16 and arr.shape == (2, 3, 8)
+    view = memoryview(arr).cast("B")
+    view[48:96] = np.full(24, 0x3F80, dtype=np.uint16).tobytes()  # bf16 1.0 into slot 1
+    assert mx.all(arr[1] == 1).item() and mx.all(arr[0] == 0).item()
+
+
+def test_advance_after_short_read():
+    a, b = memoryview(bytearray(4)), memoryview(bytearray(6))
+    rest = _advance([a, b], 5)
+    assert [len(v) for v in rest] == [5]
+    assert _advance([a, b], 4) == [b]
+
+
+def test_page_cache_policy():
+    assert resolve_page_cache(PageCachePolicy.BYPASS, 1, 100) is True
+    assert resolve_page_cache(PageCachePolicy.TRUST, 10**12, 100) is False
+    assert resolve_page_cache(PageCachePolicy.AUTO, 60, 100) is True
+    assert resolve_page_cache(PageCachePolicy.AUTO, 40, 100) is False
+    assert resolve_page_cache("auto", 40, 100) is False
+
+
+@pytest.mark.parametrize("policy", [PageCachePolicy.BYPASS, PageCachePolicy.TRUST])
+def test_page_cache_modes_give_identical_tokens(checkpoint_factory, policy):
+    path = checkpoint_factory("mixtral")
+    want = tokens(load_model(path)[0])
+    model, _ = load_model(path, lazy=True)
+    streamer = install_streaming(model, path, StreamingConfig(cache_budget="25%", page_cache=policy, memory_bytes=MEMORY))
+    mx.eval(model.parameters())
+    try:
+        assert streamer.snapshot()["page_cache_bypass"] is (policy is PageCachePolicy.BYPASS)
+        assert tokens(model) == want
+    finally:
+        streamer.close()
+
+
+def test_failed_read_raises_and_leaves_no_stale_slot(checkpoint_factory, tmp_path):
+    src = checkpoint_factory("qwen3_moe")
+    path = tmp_path / "ck"
+    shutil.copytree(src, path)
+    model, _ = load_model(path, lazy=True)
+    streamer = install_streaming(model, path, StreamingConfig(cache_budget="50%", memory_bytes=MEMORY))
+    mx.eval(model.parameters())
+    try:
+        loc = streamer.pools[1].tensors[0].loc
+        os.truncate(loc.file, loc.offset)  # experts of the last layer are gone
+        with pytest.raises(OSError):
+            tokens(model)
+        assert all(streamer.pools[1].slot_of[e] < 0 for e in range(8))
+    finally:
+        streamer.close()
+
+
+def test_lru_policy_and_pool_admission():
+    loc = TensorLoc("w", None, "F32", (6, 2, 2), 0, 6 * 16)
+    pool = LayerPool(0, [PooledTensor("gate_proj", "weight", loc)], 6, 3, LRUPolicy())
+    hits, loads = pool.admit([0, 1, 2])
+    assert hits == [] and [e for e, _ in loads] == [0, 1, 2]
+    hits, loads = pool.admit([0])  # 0 becomes most recent
+    assert hits == [0] and loads == []
+    hits, loads = pool.admit([3, 4])  # evicts 1 then 2 (least recent, not wanted)
+    assert sorted(pool.resident) == [0, 3, 4]
+    assert pool.policy.order() == [0, 3, 4]
+    with pytest.raises(ValueError):
+        pool.admit([1, 2, 3, 5])
+    released = pool.resize(1)
+    assert released == 2 * pool.expert_bytes and pool.resident == [4]
