@@ -24,11 +24,11 @@ def main(ctx: click.Context, socket_path: Path | None, timeout: float) -> None:
     ctx.obj = {"socket": socket_path or default_socket_path(), "timeout": timeout}
 
 
-def _fail(code: ExitCode, message: str, as_json: bool = False, **fields: Any) -> None:
+def _fail(exit_code: ExitCode, message: str, as_json: bool = False, **fields: Any) -> None:
     if as_json:
-        click.echo(json.dumps({"type": "error", "message": message, **fields}))
+        click.echo(json.dumps({"type": "error", **fields, "message": message}))
     click.echo(f"moe: {message}", err=True)
-    sys.exit(code)
+    sys.exit(exit_code)
 
 
 @main.command()

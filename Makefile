@@ -1,0 +1,33 @@
+# Two commands do all setup on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# A socket of its own, so the demo never touches a daemon the user runs as a service.
+DEMO_SOCKET := /tmp/moed-demo-$(shell id -u)/moed.sock
+PROMPT ?= def fibonacci(n):
+
+.PHONY: run test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+# Start a daemon on the embedded demo model, stream a completion with telemetry, stop the daemon.
+run: $(STAMP)
+	@$(BIN)/moe --socket $(DEMO_SOCKET) run --raw --max-tokens 120 --start-timeout 300 '$(PROMPT)'; \
+	  status=$$?; \
+	  $(BIN)/moe --socket $(DEMO_SOCKET) status || true; \
+	  $(BIN)/moe --socket $(DEMO_SOCKET) stop >/dev/null 2>&1 || true; \
+	  exit $$status
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/moed bench all
+
+clean:
+	rm -rf $(VENV) build *.egg-info
