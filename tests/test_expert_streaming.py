@@ -123,3 +123,31 @@ def test_sharded_checkpoint(checkpoint_factory):
         assert len({t.loc.file for p in streamer.pools for t in p.tensors}) >= 2
     finally:
         streamer.close()
+
+
+def test_keys_renamed_by_sanitize(checkpoint_factory, tmp_path):
+    """A checkpoint whose names the model's sanitize rewrites (qwen3_5_moe with the
+    Hugging Face `model.language_model.` prefix) still maps every expert tensor to its bytes."""
+    import shutil
+
+    src = checkpoint_factory("qwen3_5_moe", bits=4)
+    path = tmp_path / "renamed"
+    shutil.copytree(src, path)
+    weights = mx.load(str(path / "model.safetensors"))
+
+    def hf_name(k):
+        if k.startswith("language_model.model."):
+            return "model.language_model." + k[len("language_model.model."):]
+        return k.removeprefix("language_model.")
+
+    mx.save_safetensors(str(path / "model.safetensors"), {hf_name(k): v for k, v in weights.items()}, metadata={"format": "mlx"})
+    del weights
+    resident, _ = load_model(path)
+    want = run(resident)
+    model, streamer = streaming(path, "25%")
+    try:
+        assert streamer.paths == [f"language_model.model.layers.{i}.mlp.switch_mlp" for i in range(2)]
+        assert streamer.pools[0].tensors[0].loc.name.startswith("model.language_model.layers.0.")
+        assert run(model) == want
+    finally:
+        streamer.close()

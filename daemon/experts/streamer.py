@@ -18,7 +18,7 @@ from moed.daemon.config import PageCachePolicy
 
 from . import profile as profile_mod
 from .cache import LayerPool, LRUPolicy, PolicyFactory, PooledTensor, mlx_dtype
-from .memory_plan import ExpertLayout, MemoryPlan, make_plan, _memory_override
+from .memory_plan import ExpertLayout, MemoryPlan, _memory_override, _natural, make_plan
 from .prefetch import ReadPool
 from .safetensors_index import CheckpointError, CheckpointIndex, TensorLoc
 from .store import ExpertStore, resolve_page_cache
@@ -54,7 +54,9 @@ class _Switch:
 
 
 def find_switches(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))]
+    """Every SwitchGLU / SwitchMLP, in depth order (named_modules lists them last layer first)."""
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))]
+    return sorted(found, key=lambda nm: _natural(nm[0]))
 
 
 def _proj_spec(name: str, lin: nn.Module) -> tuple[ProjSpec, dict[str, mx.array]]:
