@@ -22,6 +22,9 @@ def _register() -> None:
     from .service.cli import service
 
     main.add_command(service)
+    from .bench_cli import bench
+
+    main.add_command(bench)
 
 
 _register()

@@ -1,0 +1,22 @@
+"""`moed bench ...`: benchmark commands that print side-by-side ratios (never timed tests)."""
+
+from __future__ import annotations
+
+import click
+
+from .bench_serve import bench_serve
+
+
+@click.group("bench")
+def bench() -> None:
+    """Benchmarks: each prints numbers measured side by side in one run."""
+
+
+bench.add_command(bench_serve)
+
+try:  # the expert-streaming benchmark lands with the streaming engine
+    from .bench_stream import stream as _bench_stream
+
+    bench.add_command(_bench_stream)
+except ImportError:
+    pass

@@ -1,0 +1,121 @@
+"""`moed bench serve`: decode speed and time to first token through daemon + client, against
+in-process mlx-lm on the same model, measured side by side (alternating runs) in one process tree.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+
+@dataclass(frozen=True)
+class RunTiming:
+    ttft_s: float
+    decode_tps: float
+    tokens: list[int]
+
+
+def _decode_tps(stamps: list[float]) -> float:
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else 0.0
+
+
+def time_in_process(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> RunTiming:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    t0 = time.perf_counter()
+    stamps, tokens = [], []
+    for token, _ in generate_step(mx.array(prompt_ids, dtype=mx.uint32), model, max_tokens=max_tokens):
+        if token in tokenizer.eos_token_ids:  # the daemon stops here too
+            break
+        stamps.append(time.perf_counter())
+        tokens.append(int(token))
+    return RunTiming(stamps[0] - t0, _decode_tps(stamps), tokens)
+
+
+def time_through_daemon(client, prompt_ids: list[int], max_tokens: int) -> RunTiming:
+    from moed.client import TokenEvent
+
+    t0 = time.perf_counter()
+    stamps, tokens = [], []
+    for event in client.generate(prompt_ids=prompt_ids, max_tokens=max_tokens, telemetry_every=1 << 30):
+        if isinstance(event, TokenEvent) and event.ids:
+            stamps.append(time.perf_counter())
+            tokens.extend(event.ids)
+    return RunTiming(stamps[0] - t0, _decode_tps(stamps), tokens)
+
+
+@click.command("serve")
+@click.option("--model", default="demo", show_default=True, help="Model folder, HF id or 'demo'.")
+@click.option("--max-tokens", default=128, show_default=True)
+@click.option("--runs", default=5, show_default=True, help="Alternating runs of each side.")
+@click.option("--prompt", default="def fibonacci(n):", show_default=True)
+def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
+    """Daemon + client vs in-process mlx-lm: decode tok/s ratio and extra time to first token."""
+    from mlx_lm import load
+
+    from moed.client import Client
+
+    from .model_source import resolve_model
+
+    path = resolve_model(model)
+    click.echo(f"model {path}  max_tokens {max_tokens}  runs {runs} (alternating)", err=True)
+    mlx_model, tokenizer = load(str(path))
+    prompt_ids = list(tokenizer.encode(prompt))
+    sock_dir = Path(tempfile.mkdtemp(prefix="moed-bench-", dir="/tmp"))
+    socket = sock_dir / "s.sock"
+    cmd = [sys.executable, "-m", "moed.daemon.cli", "serve", "--model", str(path), "--socket", str(socket),
+           "--state-dir", str(sock_dir / "state"), "--resident", "--log-level", "WARNING"]
+    daemon = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        client = _wait_for(socket, daemon)
+        # Warm both sides (graph caches, allocator) before timing.
+        time_in_process(mlx_model, tokenizer, prompt_ids, 8)
+        time_through_daemon(client, prompt_ids, 8)
+        local, remote = [], []
+        for _ in range(runs):
+            local.append(time_in_process(mlx_model, tokenizer, prompt_ids, max_tokens))
+            remote.append(time_through_daemon(client, prompt_ids, max_tokens))
+        same = all(r.tokens == local[0].tokens for r in local + remote)
+        client.shutdown("bench done")
+        client.close()
+        daemon.wait(30)
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    l_tps = statistics.median(r.decode_tps for r in local)
+    r_tps = statistics.median(r.decode_tps for r in remote)
+    l_ttft = statistics.median(r.ttft_s for r in local)
+    r_ttft = statistics.median(r.ttft_s for r in remote)
+    click.echo(f"{'':24}{'in-process mlx-lm':>20}{'daemon + client':>20}{'ratio / delta':>16}")
+    click.echo(f"{'decode tok/s (median)':24}{l_tps:20.1f}{r_tps:20.1f}{r_tps / l_tps:16.3f}")
+    click.echo(f"{'time to first token':24}{l_ttft * 1000:18.2f}ms{r_ttft * 1000:18.2f}ms{(r_ttft - l_ttft) * 1000:+14.2f}ms")
+    click.echo(f"identical tokens: {same}   (machine: {os.cpu_count()} cpus, {sys.platform})")
+
+
+def _wait_for(socket: Path, daemon: subprocess.Popen):
+    from moed.client import Client, DaemonUnavailable
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if daemon.poll() is not None:
+            raise click.ClickException(f"daemon exited: {daemon.stderr.read().decode(errors='replace')}")
+        try:
+            client = Client(socket, timeout=2.0)
+            if client.status().get("state") == "ready":
+                return client
+            client.close()
+        except DaemonUnavailable:
+            pass
+        time.sleep(0.1)
+    raise click.ClickException("daemon did not become ready")
