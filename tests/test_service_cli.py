@@ -342,3 +342,27 @@ def test_logs_runs_the_viewer(tmp_path, fake_tools):
     env["FAKE_STATE"] = str(state)
     assert invoke(env, "logs", "--platform", "linux", "-f", "-n", "5").exit_code == 0
     assert calls()[-1] == ["journalctl", "--user", "-u", "moed.service", "-u", "moed-watchdog.service", "-n", "5", "--no-pager", "-f"]
+
+
+def test_macos_stop_then_start(tmp_path, fake_tools):
+    bin_dir, state, calls = fake_tools
+    env = service_env(tmp_path, bin_dir)
+    env.update(FAKE_STATE=str(state), FAKE_PRINT=str(DATA / "launchctl_print_running.txt"))
+    assert invoke(env, "install", "--platform", "macos").exit_code == 0
+
+    # start on loaded jobs: bootstrap refuses (5), which start takes as "already there", then kickstart.
+    n = len(calls())
+    result = invoke(env, "start", "--platform", "macos")
+    assert result.exit_code == 0, result.output
+    assert [c[1] for c in calls()[n:]] == ["bootstrap", "print", "kickstart"] * 2
+
+    # stop unloads (KeepAlive would bring back a killed job); the plists stay for the next login.
+    assert invoke(env, "stop", "--platform", "macos").exit_code == 0
+    result = invoke(env, "status", "--platform", "macos")
+    assert result.exit_code == 3
+    assert result.output.count("not loaded (installed)") == 2
+
+    n = len(calls())
+    assert invoke(env, "start", "--platform", "macos").exit_code == 0
+    assert [c[1] for c in calls()[n:]] == ["bootstrap", "kickstart"] * 2
+    assert "loaded, running" in invoke(env, "status", "--platform", "macos").output

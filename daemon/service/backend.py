@@ -254,16 +254,18 @@ class LaunchdBackend(ServiceBackend):
         if self.ex.dry_run:
             self.ex.run(argv, tolerate=already_loaded_ok)
             return
-        for attempt in range(10):
+        result = Result(0)
+        for _ in range(10):
             result = self.ex.run(argv, tolerate=True)
             if result.returncode == 0:
                 return
-            if self._loaded(role):
-                if already_loaded_ok or attempt > 0:
-                    return  # the job is there: an earlier attempt or someone else loaded it
-            elif result.returncode not in self.BUSY:
+            # bootstrap of a loaded job fails (5 on most versions): for start that is success.
+            if already_loaded_ok and self._loaded(role):
+                return
+            if result.returncode not in self.BUSY:
                 break
-            time.sleep(0.5)
+            time.sleep(0.5)  # the previous instance may still be booting out
+        # launchd says "5: Input/output error" for a malformed plist too.
         raise CommandFailed(argv, result, hint=f"check the plist with: plutil -lint {shlex.quote(str(self._plist(role)))}")
 
     def _loaded(self, role: Role) -> bool:

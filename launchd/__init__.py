@@ -1,0 +1,1 @@
+"""Service templates (launchd plists, systemd units), shipped as package data `moed.launchd`."""
