@@ -59,12 +59,7 @@ def load_model(serve: ServeConfig, path: Path) -> LoadedModel:
     model, tokenizer, config = load(str(path), lazy=True, return_config=True)
     streamer = None
     if not serve.resident:
-        try:
-            from .experts import StreamingConfig, install_streaming
-        except ImportError:  # TODO(lead): remove once expert streaming lands
-            log.warning("expert streaming unavailable; keeping every expert resident")
-            mx.eval(model.parameters())
-            return LoadedModel(model, tokenizer, path, config, None)
+        from .experts import StreamingConfig, install_streaming
 
         streamer = install_streaming(
             model,
@@ -76,8 +71,19 @@ def load_model(serve: ServeConfig, path: Path) -> LoadedModel:
                 state_dir=serve.state_dir,
             ),
         )
+        if not streamer.plan.fits:
+            streamer.close()
+            raise MemoryPlanRefused(streamer.plan.refusal())
     mx.eval(model.parameters())
+    if streamer is not None:
+        warmed = streamer.warm()  # the experts the saved usage profile found hot
+        log.info("expert cache warmed with %d bytes from the usage profile", warmed)
     return LoadedModel(model, tokenizer, path, config, streamer)
+
+
+class MemoryPlanRefused(RuntimeError):
+    """The memory plan says the model cannot fit: refuse before it can crash the process."""
+
 
 
 def counters_delta(before: dict | None, after: dict | None) -> dict:
@@ -241,6 +247,7 @@ class Engine:
                 model=describe_model(self.loaded),
                 load_s=round(time.perf_counter() - t0, 3),
                 streaming=self._stream_snapshot(),
+                memory_plan=self.loaded.streamer.plan.describe() if self.loaded.streamer else None,
             )
             log.info("model loaded from %s in %.2fs", self.model_path, time.perf_counter() - t0)
         except BaseException as exc:  # a model that cannot load is fatal for the daemon
@@ -257,6 +264,17 @@ class Engine:
                     self._step(key)
             self.status.update(active_requests=len(self._active), busy=bool(self._active))
         self._finish_all(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        self._close_streamer()
+
+    def _close_streamer(self) -> None:
+        streamer = self.loaded.streamer if self.loaded else None
+        if streamer is None:
+            return
+        try:
+            streamer.save_profile()
+        except OSError:
+            log.exception("could not save the expert-usage profile")
+        streamer.close()
 
     def _drain_inbox(self, block: bool) -> None:
         try:

@@ -171,3 +171,18 @@ def test_second_daemon_refuses_live_socket_and_replaces_stale(daemon, tiny_model
         assert again.wait_ready()["state"] == "ready"
     finally:
         again.stop()
+
+
+@pytest.mark.parametrize("arch,budget", [("qwen3_moe", "10%"), ("mixtral", "50%"), ("deepseek_v3", "1")])
+def test_streaming_daemon_matches_resident_mlx_lm(arch, budget, checkpoint_factory, daemon_factory):
+    """The default (streaming) daemon at small budgets gives the resident model's tokens, with telemetry."""
+    model_path = checkpoint_factory(arch)
+    d = daemon_factory(model_path, "--cache-budget", budget)
+    with d.client() as c:
+        got, done = daemon_tokens(c, PROMPT, 24)
+        status = c.status()
+    assert got == reference_tokens(model_path, PROMPT, 24)
+    assert status["model"]["streaming"] is True
+    assert "memory plan" in status["memory_plan"]
+    experts = done.telemetry["experts"]
+    assert experts["misses"] > 0 and experts["bytes_read"] > 0
