@@ -127,3 +127,13 @@ def test_systemctl_show():
     assert st.last_exit() == "killed by signal 6 (signal)"
     st = systemd.parse_show(SHOW_NOT_FOUND)
     assert not st.loaded and not st.running
+
+
+def test_daemon_exit_codes_are_named():
+    from moed.daemon.service.backend import _name_exit
+    from moed.daemon.service.render import Role
+
+    assert _name_exit(Role.DAEMON, "exited 3", 3) == "exited 3 [MODEL_NOT_FOUND]"
+    assert _name_exit(Role.DAEMON, "exited 0", 0) == "exited 0"
+    assert _name_exit(Role.WATCHDOG, "exited 3", 3) == "exited 3"
+    assert _name_exit(Role.DAEMON, "exited 77", 77) == "exited 77"

@@ -98,6 +98,8 @@ def test_unit_holds_the_policy(tmp_path, role):
     command = "serve" if role is Role.DAEMON else "watchdog"
     assert shlex.split(svc["ExecStart"][0]) == [sys.executable, "-m", "moed.daemon.cli", command, "--config", str(config)]
     assert svc["Restart"] == ["on-failure"]
+    if role is Role.DAEMON:
+        assert svc["RestartPreventExitStatus"] == ["2 3 4"]  # config, model not found, already running
     assert int(svc["RestartSec"][0]) >= 5
     assert svc["KillSignal"] == ["SIGTERM"]
     assert svc["LimitCORE"] == ["0"]

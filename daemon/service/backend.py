@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from ..exit_codes import DaemonExit
 from ..state import write_atomic
 from . import launchctl, systemd
 from .render import START_ORDER, STOP_ORDER, Platform, Role, ServiceContext, render
@@ -304,9 +305,8 @@ class LaunchdBackend(ServiceBackend):
             except launchctl.LaunchctlError as exc:
                 out.append(RoleStatus(role, role.label, installed, False, False, error=str(exc)))
                 continue
-            out.append(
-                RoleStatus(role, role.label, installed, st.loaded, st.running, st.pid, st.state, st.last_exit(), st.runs)
-            )
+            last = _name_exit(role, st.last_exit(), st.last_exit_code if ":" not in (st.last_exit_text or "") else None)
+            out.append(RoleStatus(role, role.label, installed, st.loaded, st.running, st.pid, st.state, last, st.runs))
         return None if self.ex.dry_run else out
 
     def logs_command(self, lines: int, follow: bool) -> list[str]:
@@ -361,13 +361,23 @@ class SystemdBackend(ServiceBackend):
             except systemd.SystemctlError as exc:
                 out.append(RoleStatus(role, role.unit, installed, False, False, error=str(exc)))
                 continue
-            out.append(
-                RoleStatus(role, role.unit, installed, st.loaded, st.running, st.pid, st.state, st.last_exit(), st.restarts)
-            )
+            code = st.exec_main_status if st.exec_main_code == 1 else None
+            last = _name_exit(role, st.last_exit(), code)
+            out.append(RoleStatus(role, role.unit, installed, st.loaded, st.running, st.pid, st.state, last, st.restarts))
         return None if self.ex.dry_run else out
 
     def logs_command(self, lines: int, follow: bool) -> list[str]:
         return systemd.journal(self.units, lines, follow)
+
+
+def _name_exit(role: Role, text: str | None, code: int | None) -> str | None:
+    """Add the daemon's own name for its exit code: 'exited 3' -> 'exited 3 [MODEL_NOT_FOUND]'."""
+    if text is None or code is None or code == 0 or role is not Role.DAEMON:
+        return text
+    try:
+        return f"{text} [{DaemonExit(code).name}]"
+    except ValueError:
+        return text
 
 
 BACKENDS: dict[Platform, type[ServiceBackend]] = {Platform.MACOS: LaunchdBackend, Platform.LINUX: SystemdBackend}

@@ -18,10 +18,14 @@ from pathlib import Path
 from typing import Mapping
 
 from ..config import Config
+from ..exit_codes import DaemonExit
 
 # launchd sends SIGKILL this long after SIGTERM if the drain has not finished.
 STOP_MARGIN_S = 15
 WATCHDOG_STOP_S = 10
+# Daemon exits that a restart cannot fix; systemd stops on them (launchd has no such key: there the
+# daemon's own restart budget ends the loop by exiting 0).
+PERMANENT_EXITS = (DaemonExit.CONFIG, DaemonExit.MODEL_NOT_FOUND, DaemonExit.ALREADY_RUNNING)
 
 
 class Platform(str, enum.Enum):
@@ -218,6 +222,7 @@ def render_unit(ctx: ServiceContext, role: Role) -> str:
         "@TIMEOUT_STOP@": f"{stop_timeout_s(ctx, role)}s",
         "@START_LIMIT_BURST@": str(serve.restart_budget),
         "@START_LIMIT_INTERVAL@": f"{int(math.ceil(serve.restart_window_s))}s",
+        "@RESTART_PREVENT@": " ".join(str(int(code)) for code in PERMANENT_EXITS),
     }
     # Comment lines about the template itself are for readers of launchd/, not of the unit.
     lines = [line for line in template.splitlines(keepends=True) if not line.startswith("# Template:")]
