@@ -137,3 +137,27 @@ def test_daemon_exit_codes_are_named():
     assert _name_exit(Role.DAEMON, "exited 0", 0) == "exited 0"
     assert _name_exit(Role.WATCHDOG, "exited 3", 3) == "exited 3"
     assert _name_exit(Role.DAEMON, "exited 77", 77) == "exited 77"
+
+
+class _Run:
+    def __init__(self, name: str, code: int = 0):
+        self.name, self.code, self.argv = name, code, None
+
+    def __call__(self, argv):
+        import subprocess
+
+        self.argv = argv
+        text = recorded(self.name)
+        return subprocess.CompletedProcess(argv, self.code, text if self.code == 0 else "", text if self.code else "")
+
+
+def test_previous_exit_from_inside_a_launchd_job():
+    env = {"XPC_SERVICE_NAME": "com.moed.daemon"}
+    run = _Run("restarted_after_crash")
+    assert launchctl.previous_exit(env, run) == "killed by Abort trap: 6"
+    assert run.argv[:2] == ["launchctl", "print"] and run.argv[2].endswith("/com.moed.daemon")
+    # First run since load: nothing before it.
+    assert launchctl.previous_exit(env, _Run("running")) is None
+    assert launchctl.previous_exit(env, _Run("not_loaded", 113)) is None
+    # Not under launchd at all.
+    assert launchctl.previous_exit({}, _Run("restarted_after_crash")) is None

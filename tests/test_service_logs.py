@@ -88,3 +88,39 @@ def test_stdio_follows_rotation(tmp_path):
     assert "moed start" in previous and "before rotation" in previous
     assert "after rotation" in current and "raw stdout" in current
     assert "after rotation" not in previous
+
+
+def test_adopt_logging_avoids_duplicates_when_stderr_is_the_log(tmp_path):
+    path = tmp_path / "daemon.log"
+    script = textwrap.dedent(
+        f"""
+        import logging, sys
+        from moed.daemon.service.logs import record_start
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+        log = record_start({str(tmp_path)!r}, "0.1.0", "demo", "auto", None)
+        assert log.owns_stderr()
+        log.adopt_logging()
+        logging.getLogger("moed").info("serving")
+        log.record_exit(5, "out_of_memory")
+        """
+    )
+    with open(path, "ab") as f:
+        proc = subprocess.run([sys.executable, "-c", script], stdout=f, stderr=f, timeout=60)
+    text = path.read_text()
+    assert proc.returncode == 0, text
+    assert text.count("serving") == 1
+    assert "moed exit code=5" in text and "reason=out_of_memory" in text
+
+
+def test_adopt_logging_keeps_stderr_elsewhere(tmp_path):
+    log = RotatingLog(tmp_path / "daemon.log")
+    assert not log.owns_stderr()  # pytest's stderr is not this file
+    logger = logging.getLogger("moed.test.service.adopt")
+    logger.propagate = False
+    stream = logging.StreamHandler(sys.stderr)
+    logger.addHandler(stream)
+    handler = log.adopt_logging(logger)
+    assert stream in logger.handlers and handler in logger.handlers
+    logger.removeHandler(stream)
+    logger.removeHandler(handler)
+    log.close()

@@ -267,7 +267,14 @@ class LaunchdBackend(ServiceBackend):
                 break
             time.sleep(0.5)  # the previous instance may still be booting out
         # launchd says "5: Input/output error" for a malformed plist too.
-        raise CommandFailed(argv, result, hint=f"check the plist with: plutil -lint {shlex.quote(str(self._plist(role)))}")
+        raise CommandFailed(
+            argv,
+            result,
+            hint=(
+                f"check the plist with: plutil -lint {shlex.quote(str(self._plist(role)))}\n"
+                f"gui/{self.uid} exists only while you are logged in at the Mac's screen (not over ssh alone)"
+            ),
+        )
 
     def _loaded(self, role: Role) -> bool:
         result = self.ex.query(launchctl.print_(self.uid, role.label))

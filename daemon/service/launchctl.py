@@ -158,6 +158,32 @@ class LaunchctlError(RuntimeError):
         self.returncode = returncode
 
 
+def previous_exit(environ: dict[str, str] | None = None, run=None) -> str | None:
+    """How this job's previous instance ended, asked from inside a launchd job; None elsewhere.
+
+    launchd sets XPC_SERVICE_NAME to the job's label, and `print` on a running job still shows the
+    previous run's end ("last terminating signal = Abort trap: 6" after a Metal abort).
+    """
+    import os
+    import subprocess
+    import sys
+
+    env = os.environ if environ is None else environ
+    label = env.get("XPC_SERVICE_NAME")
+    if not label or label == "0" or (run is None and sys.platform != "darwin"):
+        return None
+    run = run or (lambda argv: subprocess.run(argv, capture_output=True, text=True, timeout=5))
+    try:
+        result = run(print_(os.getuid(), label))
+        state = state_from_result(result.returncode, result.stdout, result.stderr)
+    except Exception:  # advisory: never let this stop a start
+        return None
+    if not state.loaded or state.runs is None or state.runs <= 1:
+        return None  # the first run since load has no previous end
+    text = state.last_exit()
+    return None if text in (None, "never exited") else text
+
+
 def _int(value: str | None) -> int | None:
     if value is None:
         return None

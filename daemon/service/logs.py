@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shlex
+import sys
 import threading
 from pathlib import Path
 
@@ -86,6 +87,30 @@ class RotatingLog:
 
     def generations(self) -> list[Path]:
         return [p for p in (self.generation(i) for i in range(self.backups + 1)) if p.exists()]
+
+    def owns_stderr(self) -> bool:
+        """True when fd 2 is this file (launchd's StandardErrorPath): stderr output is already here."""
+        with self._lock:
+            return self._fd >= 0 and _same_file(2, os.fstat(self._fd))
+
+    def adopt_logging(self, logger: logging.Logger | None = None, level: int = logging.INFO) -> logging.Handler:
+        """Send `logger` (default: root) through this log, so it rotates on size.
+
+        When stderr is this very file (under launchd), the logger's stderr handlers are removed:
+        they would write every line twice.
+        """
+        logger = logger or logging.getLogger()
+        if self.owns_stderr():
+            for h in list(logger.handlers):
+                if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) in (sys.stderr, sys.__stderr__):
+                    logger.removeHandler(h)
+        handler = self.handler(level)
+        logger.addHandler(handler)
+        return handler
+
+    def record_exit(self, code: int, reason: str | None = None) -> None:
+        """One line at the end of a run, the counterpart of the start record."""
+        self.write(f"{_now()} moed exit code={int(code)} pid={os.getpid()} reason={_value(reason or 'unknown')}")
 
     def handler(self, level: int = logging.INFO, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s") -> logging.Handler:
         """A logging handler writing through this log (so it rotates on size)."""
