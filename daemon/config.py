@@ -59,6 +59,7 @@ class WatchdogConfig:
     swap_growth_mb: float = 512.0  # swap growth over the baseline that counts as bad
     progress_timeout_s: float = 120.0  # busy with no token for this long: wedged
     step_grace_s: float = 5.0  # wait between escalation steps
+    recover_s: float = 60.0  # no bad sample for this long after a step: the ladder starts over
     event_log: str = ""  # default: <state_dir>/watchdog.jsonl
 
 

@@ -70,13 +70,25 @@ def test_shed_that_stops_the_growth_ends_the_escalation():
     out = [clock.feed(mb) for mb in (600, 700, 800)]
     assert actions(out) == [Action.SHED_CACHE]
     # Swap stays high (macOS keeps swapped pages out) but no longer grows: no further step...
-    out = [clock.feed(800) for _ in range(30)]
+    out = [clock.feed(800) for _ in range(int(PARAMS.recover_s) + 2)]
     assert actions(out) == []
     assert any("recovered" in n for d in out for n in d.notes)
     assert clock.policy.state is State.OK
     # ...and a later episode starts again at the bottom of the ladder.
     out = [clock.feed(mb) for mb in (1400, 1500, 1600)]
     assert actions(out) == [Action.SHED_CACHE]
+
+
+def test_no_recovery_while_swap_still_climbs():
+    # Right after a step the baseline is fresh, so samples look good while swap keeps climbing.
+    clock = Clock(Policy(PARAMS))
+    clock.feed(0)
+    swap, out = 0.0, []
+    for _ in range(400):
+        swap += 20  # 20 MiB/s: the 512 MiB limit is crossed again every ~26 s, well within recover_s
+        out.append(clock.feed(swap))
+    assert actions(out) == list(LADDER)
+    assert not any("recovered" in n for d in out for n in d.notes)
 
 
 def test_swap_shrinking_rebases_the_baseline():

@@ -9,7 +9,9 @@ Two rules share one ladder:
 - progress: the daemon is busy and has produced no token for `progress_timeout_s` (or has not
   answered at all for that long while its process lives) -> it is wedged; the control channel
   cannot help an engine that is stuck, so go straight to signals.
-Steps are `step_grace_s` apart; `recover_samples` good samples in a row reset the ladder.
+Steps are `step_grace_s` apart. The ladder resets only after `recover_s` with no bad sample since
+the last step: right after a step every sample is "good" (the baseline was just re-taken), so a
+count of good samples would reset the ladder while swap is still climbing.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class PolicyParams:
     progress_timeout_s: float = 120.0
     step_grace_s: float = 5.0
     act_on_critical_pressure: bool = True
-    recover_samples: int = 0  # 0: same as `consecutive`
+    recover_s: float = 60.0  # quiet time after the last step before the ladder starts over
 
     @classmethod
     def from_config(cls, cfg: Any) -> "PolicyParams":
@@ -90,11 +92,8 @@ class PolicyParams:
             swap_growth_bytes=int(cfg.swap_growth_mb * _MIB),
             progress_timeout_s=float(cfg.progress_timeout_s),
             step_grace_s=float(cfg.step_grace_s),
+            recover_s=float(getattr(cfg, "recover_s", cls.recover_s)),
         )
-
-    @property
-    def recover_after(self) -> int:
-        return self.recover_samples or self.consecutive
 
 
 @dataclass(frozen=True)
@@ -116,6 +115,7 @@ class Policy:
         self.step = -1  # index into LADDER of the last step taken
         self.last_action: Action | None = None
         self.last_action_mono: float | None = None
+        self.last_bad_mono: float | None = None
         self.identity: tuple[int | None, str | None] | None = None
         self.busy_since_wall: float | None = None
         self.unreachable_since_wall: float | None = None
@@ -133,6 +133,7 @@ class Policy:
         if bad:
             self.bad_streak += 1
             self.good_streak = 0
+            self.last_bad_mono = s.mono
         else:
             self.good_streak += 1
             self.bad_streak = 0
@@ -157,19 +158,20 @@ class Policy:
             self.step += 1
             action, rule = LADDER[self.step], Rule.MEMORY
             reason = f"{memory_reason} for {self.bad_streak} samples in a row"
-        elif not bad and self.step >= 0 and self.good_streak >= self.params.recover_after and grace_over:
-            notes.append(f"recovered: {self.good_streak} good samples after {self.last_action.value}")
+        elif not bad and self.step >= 0 and self._quiet_for(s) >= self.params.recover_s:
+            notes.append(f"recovered: no bad sample for {self._quiet_for(s):.1f} s after {self.last_action.value}")
             self.step = -1
         elif bad and self.bad_streak == 1 and self.step < 0:
             notes.append(f"suspect: {reason}")
 
+        readings = self.readings(s)  # what the decision saw, before the step re-takes the baseline
         if action is not None:
             self.last_action, self.last_action_mono = action, s.mono
             self.bad_streak = 0
             # The next memory step needs fresh growth from here (see the module docstring).
             if s.swap_used_bytes is not None:
                 self.baseline = s.swap_used_bytes
-        return Decision(action, rule, reason, self.state, tuple(notes), self.readings(s))
+        return Decision(action, rule, reason, self.state, tuple(notes), readings)
 
     # -- pieces --------------------------------------------------------------------------------
 
@@ -180,6 +182,10 @@ class Policy:
         if self.step >= 0:
             return State.ESCALATING
         return State.SUSPECT if self.bad_streak > 0 else State.OK
+
+    def _quiet_for(self, s: Sample) -> float:
+        since = max(self.last_action_mono or s.mono, self.last_bad_mono or 0.0)
+        return s.mono - since
 
     def _reset_ladder(self) -> None:
         self.step = -1
