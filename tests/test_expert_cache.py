@@ -120,25 +120,25 @@ def test_corrupt_profile_is_ignored(checkpoint_factory, tmp_path):
 def test_memory_plan(checkpoint_factory):
     path = checkpoint_factory("qwen3_moe")
     mem = (10**9, 10**9, "test")
-    plan = plan_memory(path, StreamingConfig(cache_budget="50%"), kv_bytes=1000, working_bytes=2000, memory=mem)
+    plan = plan_memory(path, StreamingConfig(cache_budget="50%"), kv_bytes=1000, working_bytes=2000, baseline_bytes=4000, memory=mem)
     assert plan.fits and plan.slots_per_layer == 4 and plan.num_experts == 8 and plan.num_layers == 2
     assert plan.cache_budget_bytes * 2 == plan.experts_bytes
-    assert plan.required_bytes == plan.resident_bytes + plan.cache_budget_bytes + 3000
+    assert plan.required_bytes == plan.resident_bytes + plan.cache_budget_bytes + 7000
     text = plan.describe()
-    for word in ("resident weights", "expert cache", "KV cache", "working memory", "fits", "4 of 8 slots"):
+    for word in ("resident weights", "expert cache", "KV cache", "working memory", "process baseline", "fits", "4 of 8 slots"):
         assert word in text
 
-    tight = plan_memory(path, StreamingConfig(cache_budget="100%"), working_bytes=1, memory=(10**5, 10**5, "test"))
+    tight = plan_memory(path, StreamingConfig(cache_budget="100%"), working_bytes=1, baseline_bytes=0, memory=(10**5, 10**5, "test"))
     assert not tight.fits and "does not fit" in tight.refusal()
 
     # auto: what is left after resident weights, KV and working memory; clamped to [1 slot, all].
-    roomy = plan_memory(path, StreamingConfig(), working_bytes=1, memory=mem)
+    roomy = plan_memory(path, StreamingConfig(), working_bytes=1, baseline_bytes=0, memory=mem)
     assert roomy.slots_per_layer == 8
     per_slot = plan.cache_budget_bytes // 4
     room = plan.resident_bytes + 1 + 3 * per_slot + per_slot // 2
-    auto = plan_memory(path, StreamingConfig(), working_bytes=1, memory=(room, room, "test"))
+    auto = plan_memory(path, StreamingConfig(), working_bytes=1, baseline_bytes=0, memory=(room, room, "test"))
     assert auto.slots_per_layer == 3 and auto.fits
-    none = plan_memory(path, StreamingConfig(), working_bytes=1, memory=(1000, 1000, "test"))
+    none = plan_memory(path, StreamingConfig(), working_bytes=1, baseline_bytes=0, memory=(1000, 1000, "test"))
     assert none.slots_per_layer == 1 and not none.fits
 
 

@@ -14,7 +14,7 @@ from .safetensors_index import CheckpointIndex
 
 GB = 1e9
 LINUX_USABLE_FRACTION = 0.85  # leave the rest to the OS and other processes
-MIN_WORKING_BYTES = 256 * 2**20
+MIN_WORKING_BYTES = 32 * 2**20
 
 # Stacked expert tensors of stock mlx-lm checkpoints (SwitchGLU / SwitchMLP owners in any arch).
 _EXPERT_TENSOR = re.compile(r"^(?P<owner>.*\.(?:switch_mlp|experts))\.(?P<proj>gate_proj|up_proj|down_proj|fc1|fc2)\.(?P<param>weight|scales|biases|bias|global_scale)$")
@@ -30,13 +30,14 @@ class MemoryPlan:
     cache_budget_bytes: int  # slot pools actually allocated
     kv_bytes: int
     working_bytes: int
+    baseline_bytes: int  # the process before any weights: interpreter, libraries
     num_layers: int
     slots_per_layer: int
     num_experts: int  # per layer
 
     @property
     def required_bytes(self) -> int:
-        return self.resident_bytes + self.cache_budget_bytes + self.kv_bytes + self.working_bytes
+        return self.baseline_bytes + self.resident_bytes + self.cache_budget_bytes + self.kv_bytes + self.working_bytes
 
     @property
     def fits(self) -> bool:
@@ -47,6 +48,7 @@ class MemoryPlan:
         verdict = "fits" if self.fits else "DOES NOT FIT"
         return "\n".join([
             f"memory plan ({verdict}): {_gb(self.usable_memory)} usable of {_gb(self.total_memory)} ({self.memory_source})",
+            f"  process baseline {_gb(self.baseline_bytes):>10}",
             f"  resident weights {_gb(self.resident_bytes):>10}",
             f"  expert cache     {_gb(self.cache_budget_bytes):>10}  ({pct:.0f}% of {_gb(self.experts_bytes)} of experts: "
             f"{self.slots_per_layer} of {self.num_experts} slots x {self.num_layers} layers)",
@@ -67,30 +69,41 @@ def _gb(n: int) -> str:
 
 
 def cgroup_memory_limit() -> int | None:
-    """The memory.max of this process's cgroup v2 (and its ancestors), if any is set."""
+    """The tightest memory limit of this process's cgroup and its ancestors (v2 memory.max or
+    v1 memory.limit_in_bytes), or None."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return None
-    rel = next((l.split("::", 1)[1] for l in lines if l.startswith("0::")), None)
-    if rel is None:
-        return None
+    limits = []
+    for line in lines:
+        _id, controllers, rel = line.split(":", 2)
+        if controllers == "":
+            limits.append(_walk_limit(Path("/sys/fs/cgroup"), rel, "memory.max"))
+        elif "memory" in controllers.split(","):
+            limits.append(_walk_limit(Path("/sys/fs/cgroup/memory"), rel, "memory.limit_in_bytes"))
+    found = [n for n in limits if n is not None]
+    return min(found) if found else None
+
+
+_UNLIMITED_V1 = 1 << 62  # v1 reports "no limit" as a page-rounded LONG_MAX
+
+
+def _walk_limit(root: Path, rel: str, name: str) -> int | None:
     limit = None
-    path = Path("/sys/fs/cgroup") / rel.lstrip("/")
-    root = Path("/sys/fs/cgroup")
+    path = root / rel.lstrip("/")
     while True:
         try:
-            text = (path / "memory.max").read_text().strip()
-            if text != "max":
+            text = (path / name).read_text().strip()
+            if text != "max" and int(text) < _UNLIMITED_V1:
                 limit = int(text) if limit is None else min(limit, int(text))
         except (OSError, ValueError):
             pass
         if path == root or root not in path.parents:
-            break
+            return limit
         path = path.parent
-    return limit
 
 
 def machine_memory() -> tuple[int, int, str]:
@@ -109,7 +122,7 @@ def machine_memory() -> tuple[int, int, str]:
     source = "RAM"
     limit = cgroup_memory_limit()
     if limit is not None and limit < total:
-        total, source = limit, "cgroup memory.max"
+        total, source = limit, "cgroup memory limit"
     return total, int(total * LINUX_USABLE_FRACTION), source
 
 
@@ -141,7 +154,17 @@ def _natural(name: str):
 
 
 def default_working_bytes(resident_bytes: int) -> int:
-    return max(MIN_WORKING_BYTES, resident_bytes // 10)
+    # Activations, logits and MLX's buffer cache; pass a real estimate for long prompt chunks.
+    return max(MIN_WORKING_BYTES, resident_bytes // 8)
+
+
+def process_rss() -> int:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # noqa: BLE001 - psutil missing or no /proc: plan without a baseline
+        return 0
 
 
 def make_plan(
@@ -151,12 +174,15 @@ def make_plan(
     *,
     kv_bytes: int = 0,
     working_bytes: int = 0,
+    baseline_bytes: int | None = None,
     memory: tuple[int, int, str] | None = None,
 ) -> MemoryPlan:
+    """`baseline_bytes` None: this process's RSS now (call before materializing weights)."""
     total, usable, source = memory or machine_memory()
     working = working_bytes or default_working_bytes(resident_bytes)
+    baseline = process_rss() if baseline_bytes is None else baseline_bytes
     experts = layout.experts_bytes
-    auto = usable - resident_bytes - kv_bytes - working
+    auto = usable - baseline - resident_bytes - kv_bytes - working
     budget = parse_budget(cache_budget, experts, auto_bytes=max(0, auto))
     slots = slots_per_layer(budget, layout.expert_bytes, layout.num_experts) if layout.num_experts else [0]
     allocated = sum(s * b for s, b in zip(slots, layout.expert_bytes))
@@ -169,13 +195,15 @@ def make_plan(
         cache_budget_bytes=allocated,
         kv_bytes=kv_bytes,
         working_bytes=working,
+        baseline_bytes=baseline,
         num_layers=len(layout.num_experts),
         slots_per_layer=min(slots) if slots else 0,
         num_experts=max(layout.num_experts) if layout.num_experts else 0,
     )
 
 
-def plan_memory(model_path: Path, cfg, *, kv_bytes: int = 0, working_bytes: int = 0, memory: tuple[int, int, str] | None = None) -> MemoryPlan:
+def plan_memory(model_path: Path, cfg, *, kv_bytes: int = 0, working_bytes: int = 0, baseline_bytes: int | None = None,
+                memory: tuple[int, int, str] | None = None) -> MemoryPlan:
     """Plan from the checkpoint alone (before loading). `cfg` is a StreamingConfig."""
     index = CheckpointIndex(Path(model_path))
     layout = layout_from_index(index)
@@ -186,6 +214,7 @@ def plan_memory(model_path: Path, cfg, *, kv_bytes: int = 0, working_bytes: int 
         cfg.cache_budget,
         kv_bytes=kv_bytes or cfg.kv_bytes,
         working_bytes=working_bytes or cfg.working_bytes,
+        baseline_bytes=baseline_bytes,
         memory=memory or _memory_override(cfg),
     )
 

@@ -166,6 +166,7 @@ class ExpertStreamer:
         self.resident_weight_bytes = index.total_bytes - self.layout.experts_bytes
         self.plan = make_plan(self.layout, self.resident_weight_bytes, cfg.cache_budget,
                               kv_bytes=cfg.kv_bytes, working_bytes=cfg.working_bytes, memory=_memory_override(cfg))
+        self.baseline_bytes = self.plan.baseline_bytes  # measured before weights and pools exist
         self.budget_bytes = self.plan.cache_budget_bytes
         slots = self.plan.slots_per_layer
         self.pools = [LayerPool(i, s.tensors, s.num_experts, min(slots, s.num_experts), policy_factory(i, s.num_experts))
@@ -286,7 +287,7 @@ class ExpertStreamer:
         return make_plan(self.layout, self.resident_weight_bytes, budget,
                          kv_bytes=self.cfg.kv_bytes if kv_bytes is None else kv_bytes,
                          working_bytes=(working_bytes or self.cfg.working_bytes),
-                         memory=_memory_override(self.cfg))
+                         baseline_bytes=self.baseline_bytes, memory=_memory_override(self.cfg))
 
     def shed(self, fraction: float) -> int:
         """Shrink the cache to `fraction` of its current size (at least one slot per layer).

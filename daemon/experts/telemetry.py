@@ -35,6 +35,7 @@ class Counters:
             "misses": misses,
             "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
             "layer_hit_rates": [c.hits / (c.hits + c.misses) if c.hits + c.misses else 0.0 for c in self.layers],
+            "layer_hits": [c.hits for c in self.layers],
             "layer_misses": [c.misses for c in self.layers],
             "tokens": self.tokens,
             "calls": self.calls,

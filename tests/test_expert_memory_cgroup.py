@@ -1,0 +1,151 @@
+"""Under a cgroup memory limit of 60% of the checkpoint, streaming finishes a generation identical
+to the resident one and its peak memory stays under the limit. Root on Linux only.
+
+The generation runs in a child process placed in the cgroup before it starts (its pid is written
+to cgroup.procs); the resident reference runs in a child outside. cgroup v2 is used when its
+memory controller is available, else the v1 memory controller. The cgroup is always removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fixtures.checkpoints import write_large_checkpoint
+
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux cgroups"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a cgroup"),
+]
+
+MAX_TOKENS = 12
+
+CHILD = r"""
+import json, sys
+from pathlib import Path
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model
+
+path, mode, budget = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+streamer = None
+if mode == "resident":
+    model, _ = load_model(path)
+else:
+    from moed.daemon.experts import StreamingConfig, install_streaming
+    model, _ = load_model(path, lazy=True)
+    streamer = install_streaming(model, path, StreamingConfig(cache_budget=budget))
+    mx.eval(model.parameters())
+prompt = mx.array([(13 * i + 7) % 300 + 3 for i in range(64)])
+tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=MAX_TOKENS)]
+status = Path("/proc/self/status").read_text()
+hwm = int(status.split("VmHWM:")[1].split()[0]) * 1024
+print(json.dumps({"tokens": tokens, "hwm": hwm, "snapshot": streamer.snapshot() if streamer else None,
+                  "plan": streamer.plan.describe() if streamer else ""}))
+""".replace("MAX_TOKENS", str(MAX_TOKENS))
+
+
+class MemoryCgroup:
+    """A memory-limited cgroup (v2, or the v1 memory controller), swap forbidden."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        name = f"moed-expert-test-{os.getpid()}-{time.monotonic_ns()}"
+        v2 = Path("/sys/fs/cgroup")
+        if "memory" in _read(v2 / "cgroup.controllers").split():
+            self.version, self.path = 2, v2 / name
+            if "memory" not in _read(v2 / "cgroup.subtree_control").split():
+                (v2 / "cgroup.subtree_control").write_text("+memory")
+        elif (Path("/sys/fs/cgroup/memory") / "memory.limit_in_bytes").exists():
+            self.version, self.path = 1, Path("/sys/fs/cgroup/memory") / name
+        else:
+            pytest.skip("no cgroup memory controller")
+        self.path.mkdir()
+        if self.version == 2:
+            (self.path / "memory.max").write_text(str(limit))
+            if (self.path / "memory.swap.max").exists():
+                (self.path / "memory.swap.max").write_text("0")
+        else:
+            (self.path / "memory.limit_in_bytes").write_text(str(limit))
+            if (self.path / "memory.memsw.limit_in_bytes").exists():
+                (self.path / "memory.memsw.limit_in_bytes").write_text(str(limit))
+
+    def enter(self) -> None:
+        """preexec_fn: move the forked child into the cgroup before it execs."""
+        with open(self.path / "cgroup.procs", "w") as f:
+            f.write(str(os.getpid()))
+
+    def peak(self) -> int | None:
+        name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
+        text = _read(self.path / name)
+        return int(text) if text else None
+
+    def oom_kills(self) -> int:
+        text = _read(self.path / ("memory.events" if self.version == 2 else "memory.oom_control"))
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def remove(self) -> None:
+        for pid in _read(self.path / "cgroup.procs").split():
+            try:
+                os.kill(int(pid), 9)
+            except ProcessLookupError:
+                pass
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _child(path: Path, mode: str, budget: str = "", preexec=None) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(path), mode, budget], capture_output=True, text=True,
+                          preexec_fn=preexec, timeout=600)
+    assert proc.returncode == 0, f"{mode} child failed ({proc.returncode}): {proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_streaming_fits_under_a_cgroup_limit_of_60_percent(tmp_path_factory):
+    path = write_large_checkpoint(tmp_path_factory.mktemp("large") / "qwen3_moe-300mb", 300)
+    size = sum(f.stat().st_size for f in path.glob("model*.safetensors"))
+    limit = int(0.6 * size)
+
+    resident = _child(path, "resident")
+    assert resident["hwm"] > limit  # the resident model could not run under this limit
+
+    cgroup = MemoryCgroup(limit)
+    try:
+        streamed = _child(path, "stream", "auto", preexec=cgroup.enter)
+        peak = cgroup.peak()
+        kills = cgroup.oom_kills()
+    finally:
+        cgroup.remove()
+    assert not cgroup.path.exists()
+
+    assert streamed["tokens"] == resident["tokens"]
+    snap = streamed["snapshot"]
+    assert snap["page_cache_bypass"] is True  # auto: the experts exceed half of the cgroup's memory
+    assert 0 < snap["budget_bytes"] < limit and snap["misses"] > 0
+    assert kills == 0
+    assert streamed["hwm"] < limit, streamed["plan"]
+    if peak is not None:
+        assert peak <= limit
