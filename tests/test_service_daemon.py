@@ -90,6 +90,10 @@ def test_daemon_started_from_the_rendered_unit_serves(tmp_path, fake_tools, tiny
                     done = event
         assert done is not None and len(ids) == done.usage["completion_tokens"] > 0
 
+        # `moed service status` finds the daemon through the installed config and shows its answer.
+        result = invoke(env, "status", "--platform", platform)
+        assert f"daemon answers on {socket}" in result.output, result.output
+
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, output.read_text(errors="replace")
     finally:

@@ -125,7 +125,8 @@ class RoleStatus:
     pid: int | None = None
     state: str | None = None
     last_exit: str | None = None
-    runs: int | None = None  # launchd: spawns since loaded; systemd: automatic restarts
+    runs: int | None = None  # launchd: spawns since loaded
+    restarts: int | None = None  # systemd: automatic restarts
     error: str | None = None  # the service manager could not be asked
 
     def as_dict(self) -> dict:
@@ -370,7 +371,7 @@ class SystemdBackend(ServiceBackend):
                 continue
             code = st.exec_main_status if st.exec_main_code == 1 else None
             last = _name_exit(role, st.last_exit(), code)
-            out.append(RoleStatus(role, role.unit, installed, st.loaded, st.running, st.pid, st.state, last, st.restarts))
+            out.append(RoleStatus(role, role.unit, installed, st.loaded, st.running, st.pid, st.state, last, restarts=st.restarts))
         return None if self.ex.dry_run else out
 
     def logs_command(self, lines: int, follow: bool) -> list[str]:

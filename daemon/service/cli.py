@@ -225,6 +225,14 @@ def daemon_status(socket: Path, timeout: float) -> tuple[dict | None, str | None
             close()
 
 
+# The daemon's status fields worth a line; `status --json` has them all.
+STATUS_KEYS = ("state", "model", "version", "pid", "uptime_s", "requests_served", "requests_failed", "active_requests", "queued_requests")
+
+
+def _short(value: Any) -> str:
+    return f"{value:.0f}" if isinstance(value, float) else str(value)
+
+
 def format_status(roles: list[RoleStatus], socket: Path, answer: dict | None, why: str | None, last_start: dict | None) -> str:
     lines = []
     for r in roles:
@@ -239,11 +247,13 @@ def format_status(roles: list[RoleStatus], socket: Path, answer: dict | None, wh
             bits.append(f"pid {r.pid}")
         if r.runs is not None:
             bits.append(f"runs {r.runs}")
+        if r.restarts:
+            bits.append(f"restarts {r.restarts}")
         if r.last_exit:
             bits.append(f"last exit: {r.last_exit}")
         lines.append(f"{r.role.value:9} {r.name}: loaded, " + ", ".join(bits))
     if answer is not None:
-        summary = ", ".join(f"{k}={v}" for k, v in answer.items() if isinstance(v, (str, int, float, bool)))
+        summary = ", ".join(f"{k}={_short(answer[k])}" for k in STATUS_KEYS if k in answer)
         lines.append(f"daemon answers on {socket}" + (f": {summary}" if summary else ""))
     else:
         lines.append(f"daemon does not answer on {socket}" + (f" ({why})" if why else ""))
