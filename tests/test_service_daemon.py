@@ -9,7 +9,6 @@ Restart=on-failure nor KeepAlive {SuccessfulExit: false} would restart.
 
 from __future__ import annotations
 
-import os
 import plistlib
 import shlex
 import signal

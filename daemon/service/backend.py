@@ -198,8 +198,8 @@ class ServiceBackend(abc.ABC):
     @abc.abstractmethod
     def _deactivate(self) -> None: ...
 
-    def _after_remove(self) -> None:
-        pass
+    def _after_remove(self) -> None:  # noqa: B027 - an optional hook: most backends need nothing here
+        """After the definition files are gone (systemd reloads its view of them)."""
 
     @abc.abstractmethod
     def start(self) -> None: ...
