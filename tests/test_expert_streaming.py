@@ -82,6 +82,7 @@ def test_tokens_identical_to_resident(checkpoint_factory, arch, bits):
         if slots[0] < experts:
             assert snap["passes"] > 0  # the prompt needed more experts than fit in one pass
         assert 2 * (len(PROMPT) + MAX_TOKENS - 1) <= snap["tokens"] <= 2 * (len(PROMPT) + MAX_TOKENS)
+        assert snap["cached_experts"] == snap["misses"] - snap["evictions"]
         assert snap0["bytes_read"] == 0 and snap["bytes_read"] == snap["misses"] * snap["expert_bytes"]
 
 

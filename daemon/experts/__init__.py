@@ -12,9 +12,11 @@ from .cache import EvictionPolicy, LRUPolicy
 from .memory_plan import MemoryPlan, estimate_kv_bytes, machine_memory, plan_memory
 from .safetensors_index import CheckpointError, CheckpointIndex, TensorLoc
 from .streamer import ExpertStreamer, StreamingConfig, install_streaming
+from .telemetry import CUMULATIVE_KEYS
 
 __all__ = [
     "BudgetError",
+    "CUMULATIVE_KEYS",
     "CheckpointError",
     "CheckpointIndex",
     "EvictionPolicy",

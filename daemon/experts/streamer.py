@@ -202,7 +202,7 @@ class ExpertStreamer:
                 self.trace.append([])
             if self.trace:
                 self.trace[-1].append(np.unique(flat))
-        c.calls += 1
+        c.layer_calls += 1
         c.router_sync_s += t1 - t0
         c.router_copy_s += time.perf_counter() - t1
         return host
@@ -222,7 +222,9 @@ class ExpertStreamer:
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]:
         """Make `experts` resident in `layer`; returns (expert -> slot table, pools)."""
         pool = self.pools[layer]
+        free_before = len(pool._free)
         hits, loads = pool.admit(experts)
+        self.counters.evictions += max(0, len(loads) - free_before)
         lc = self.counters.layers[layer]
         lc.hits += len(hits)
         lc.misses += len(loads)
@@ -245,7 +247,7 @@ class ExpertStreamer:
             pool.forget(loads)
             raise
         c = self.counters
-        c.read_jobs += len(jobs)
+        c.reads += len(jobs)
         c.read_s += res.read_s
         if warm:
             c.warm_bytes += res.bytes_read

@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# Snapshot keys that accumulate (per-request telemetry reports their differences); others are gauges.
+CUMULATIVE_KEYS = frozenset({
+    "hits", "misses", "tokens", "layer_calls", "passes", "bytes_read", "reads", "evictions", "read_s", "stall_s",
+    "router_readback_s", "router_sync_s", "router_copy_s", "expert_compute_s", "warm_bytes", "warm_s",
+})
+
+
 @dataclass
 class LayerCounters:
     hits: int = 0
@@ -15,10 +22,11 @@ class LayerCounters:
 class Counters:
     layers: list[LayerCounters] = field(default_factory=list)
     tokens: int = 0  # token rows seen by the first MoE layer
-    calls: int = 0  # streaming layer calls
+    layer_calls: int = 0  # streaming layer calls
     passes: int = 0  # extra passes when a call needed more experts than a layer has slots
     bytes_read: int = 0
-    read_jobs: int = 0
+    reads: int = 0  # preadv jobs (each a run of adjacent experts of one tensor)
+    evictions: int = 0
     read_s: float = 0.0  # worker time in preadv, summed
     stall_s: float = 0.0  # engine thread waiting for reads
     router_sync_s: float = 0.0  # evaluating the pending graph up to the router (forced by the read-back)
@@ -38,10 +46,11 @@ class Counters:
             "layer_hits": [c.hits for c in self.layers],
             "layer_misses": [c.misses for c in self.layers],
             "tokens": self.tokens,
-            "calls": self.calls,
+            "layer_calls": self.layer_calls,
             "passes": self.passes,
             "bytes_read": self.bytes_read,
-            "read_jobs": self.read_jobs,
+            "reads": self.reads,
+            "evictions": self.evictions,
             "read_s": self.read_s,
             "stall_s": self.stall_s,
             "router_readback_s": self.router_sync_s + self.router_copy_s,
