@@ -174,5 +174,11 @@ def stop(obj, reason: str) -> None:
     click.echo("moe: daemon stopping", err=True)
 
 
+from .stats_cli import metrics as _metrics, stats as _stats  # noqa: E402  (registered like built-ins)
+
+main.add_command(_stats)
+main.add_command(_metrics)
+
+
 if __name__ == "__main__":
     main()

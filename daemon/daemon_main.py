@@ -29,6 +29,14 @@ def run_daemon(config: Config) -> int:
     except ValueError as exc:  # socket path too long
         print(f"moed: {exc}", file=sys.stderr)
         return DaemonExit.CONFIG
+    if serve.metrics_port:
+        from .telemetry.http import start_metrics_server
+
+        try:
+            start_metrics_server(serve.metrics_port, server.telemetry.metrics_text)
+        except OSError as exc:  # port taken: refuse to start rather than run without metrics
+            print(f"moed: metrics port {serve.metrics_port}: {exc}", file=sys.stderr)
+            return DaemonExit.CONFIG
     server.install_signal_handlers()
     log.info("moed %s serving %s on %s (boot %s)", server.status.get("version"), model_path, serve.socket, server.boot_id)
     code = server.run()

@@ -38,6 +38,7 @@ from .config import ServeConfig
 from .engine import Engine, EventSink, GenerateJob, RequestKey
 from .paths import endpoint_for, ensure_private_dir
 from .status import DaemonState, EngineStatus
+from .telemetry import LiveTelemetry
 
 log = logging.getLogger("moed.server")
 
@@ -92,6 +93,8 @@ class Server:
         self._drain_deadline = 0.0
         self._stop_requested = threading.Event()
         self.engine = Engine(self.serve, self.model_path, lambda: ZmqEventSink(self.context), self.status)
+        self.telemetry = LiveTelemetry(self.status_body, lambda: self.engine.loaded and self.engine.loaded.streamer,
+                                       lambda: self.status.get("tokens_generated"))
 
     # ---- startup ---------------------------------------------------------------------------
     def bind(self) -> None:
@@ -225,8 +228,10 @@ class Server:
         if kind is MessageType.SHUTDOWN:
             self.request_stop(f"shutdown request: {msg.get('reason') or 'no reason given'}")
             return wire.result(req_id, accepted=True, pending=len(self._pending))
-        if kind in (MessageType.STATS, MessageType.METRICS):
-            return wire.result(req_id, **self.status_body())
+        if kind is MessageType.STATS:
+            return wire.result(req_id, **self.telemetry.stats())
+        if kind is MessageType.METRICS:
+            return wire.result(req_id, text=self.telemetry.metrics_text())
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{kind.value!r} is not handled")
 
     def _admit(self, identity: bytes, msg: dict) -> dict | None:

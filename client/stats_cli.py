@@ -1,0 +1,130 @@
+"""`moe stats` and `moe metrics`: the daemon's live counters, for people and for scrapers."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from .client import Client
+from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
+from .exit_codes import ExitCode
+
+
+def _bytes(n) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _num(x, fmt: str = "{:.1f}", unit: str = "") -> str:
+    return "-" if x is None else fmt.format(x) + unit
+
+
+def format_stats(s: dict) -> str:
+    """The human view of a `stats` body (one screen)."""
+    model, req, tok, mem = s.get("model") or {}, s.get("requests") or {}, s.get("tokens") or {}, s.get("memory") or {}
+    lines = [
+        f"moed {s.get('version')}  pid {s.get('pid')}  boot {str(s.get('boot_id'))[:8]}  "
+        f"state {s.get('state')}  up {_num(s.get('uptime_s'), '{:.0f}', 's')}",
+        f"model        {model.get('name')}  ({model.get('model_type')}, {'streaming' if model.get('streaming') else 'resident'})",
+        f"requests     served {req.get('served')}  failed {req.get('failed')}  active {req.get('active')}  pending {req.get('pending')}",
+        f"tokens       {tok.get('generated')} generated  {_num(tok.get('per_s'), unit=' tok/s')} (last {_num(tok.get('window_s'), '{:.0f}', 's')})",
+    ]
+    ex = s.get("experts")
+    if ex:
+        slots = ex.get("slots_per_layer") or []
+        lines += [
+            f"budget       {_bytes(ex.get('budget_bytes'))}  resident {_bytes(ex.get('resident_bytes'))} of "
+            f"{_bytes(ex.get('experts_bytes'))} experts  ({min(slots) if slots else '-'} of {ex.get('num_experts')} slots/layer, "
+            f"{'page cache bypassed' if ex.get('page_cache_bypass') else 'page cache trusted'})",
+            f"hit rate     {_pct(ex.get('hit_rate'))} overall  {_pct(ex.get('recent_hit_rate'))} recent  "
+            f"({ex.get('hits')} hits, {ex.get('misses')} misses)",
+            "per layer    " + " ".join(f"{r:.0%}" for r in ex.get("layer_hit_rates") or []),
+            f"reads        {_bytes(ex.get('bytes_read'))} total  {_bytes(ex.get('bytes_read_per_token'))}/token  "
+            f"{_bytes(ex.get('read_bandwidth_bps'))}/s while stalled  {_bytes(ex.get('recent_bytes_read_per_s'))}/s recent",
+            f"per token    stall {_num(ex.get('stall_ms_per_token'), '{:.2f}', ' ms')}  "
+            f"router read-back {_num(ex.get('router_readback_ms_per_token'), '{:.2f}', ' ms')}  "
+            f"({ex.get('tokens')} routed tokens)",
+        ]
+    else:
+        lines.append("experts      resident (no expert streaming)")
+    phys = mem.get("phys_footprint_bytes")
+    lines.append(
+        f"memory       rss {_bytes(mem.get('rss_bytes'))}" + (f"  footprint {_bytes(phys)}" if phys is not None else "")
+        + f"  swap {_bytes(mem.get('swap_used_bytes'))}  pressure {mem.get('pressure')}"
+    )
+    crash = s.get("last_crash")
+    lines.append(f"restarts     {s.get('restarts') if s.get('restarts') is not None else '-'}  "
+                 f"last crash {json.dumps(crash, default=str) if crash else '-'}")
+    return "\n".join(lines)
+
+
+def _body(msg: dict) -> dict:
+    return {k: v for k, v in msg.items() if k not in ("v", "type", "id")}
+
+
+def _fail(code: ExitCode, message: str) -> None:
+    click.echo(f"moe: {message}", err=True)
+    sys.exit(code)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (per refresh with --watch).")
+@click.option("--watch", is_flag=True, help="Refresh in place until interrupted.")
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between refreshes with --watch.")
+@click.pass_obj
+def stats(obj, as_json: bool, watch: bool, interval: float) -> None:
+    """Live counters: expert cache, reads, stalls, tokens/s, memory, requests."""
+    try:
+        with Client(obj["socket"], timeout=obj["timeout"]) as client:
+            while True:
+                try:
+                    body = _body(client.stats())
+                except DaemonRestarted as exc:
+                    if not watch:
+                        raise
+                    click.echo(f"moe: {exc}; following the new daemon", err=True)
+                    continue
+                if as_json:
+                    click.echo(json.dumps(body, default=str))
+                else:
+                    if watch and sys.stdout.isatty():
+                        click.echo("\x1b[H\x1b[2J", nl=False)  # home + clear: refresh in place
+                    click.echo(format_stats(body))
+                    if watch and not sys.stdout.isatty():
+                        click.echo("")
+                if not watch:
+                    return
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        return
+    except (DaemonUnavailable, DaemonRestarted) as exc:
+        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc))
+    except RequestFailed as exc:
+        _fail(ExitCode.REQUEST_FAILED, str(exc))
+
+
+@click.command()
+@click.pass_obj
+def metrics(obj) -> None:
+    """Print the Prometheus text exposition of the daemon's counters."""
+    try:
+        with Client(obj["socket"], timeout=obj["timeout"]) as client:
+            text = client.metrics().get("text", "")
+    except (DaemonUnavailable, DaemonRestarted) as exc:
+        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc))
+    except RequestFailed as exc:
+        _fail(ExitCode.REQUEST_FAILED, str(exc))
+    click.echo(text, nl=False)

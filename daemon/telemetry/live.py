@@ -1,0 +1,232 @@
+"""The `stats` body: the daemon's live state in one map, derived from its status and counters.
+
+Counters are cumulative (since the daemon started); a sampler keeps a few seconds of history so
+rates (tokens/s, read bandwidth, recent hit rate) describe what the daemon is doing now.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+log = logging.getLogger("moed.telemetry")
+
+RATE_WINDOW_S = 5.0  # rates cover about this much recent history
+SAMPLE_EVERY_S = 0.25
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def _per_token_ms(seconds: float, tokens: int) -> float | None:
+    return seconds * 1000.0 / tokens if tokens else None
+
+
+def expert_stats(snap: dict | None) -> dict | None:
+    """Derived expert-cache numbers from an `ExpertStreamer.snapshot()` (None when resident)."""
+    if not snap:
+        return None
+    hits, misses, tokens = snap.get("hits", 0), snap.get("misses", 0), snap.get("tokens", 0)
+    layer_misses = list(snap.get("layer_misses") or [])
+    layer_hits = snap.get("layer_hits")
+    if layer_hits is None:  # older snapshot: rebuild hits from the per-layer rate and misses
+        rates = snap.get("layer_hit_rates") or []
+        layer_hits = [round(r * m / (1 - r)) if r < 1 else 0 for r, m in zip(rates, layer_misses)]
+    return {
+        "budget_bytes": snap.get("budget_bytes"),
+        "resident_bytes": snap.get("resident_bytes"),
+        "experts_bytes": snap.get("experts_bytes"),
+        "expert_bytes": snap.get("expert_bytes"),
+        "num_layers": snap.get("num_layers"),
+        "num_experts": snap.get("num_experts"),
+        "slots_per_layer": snap.get("slots_per_layer"),
+        "cached_experts": snap.get("cached_experts"),
+        "page_cache_bypass": snap.get("page_cache_bypass"),
+        "prefetch_workers": snap.get("prefetch_workers"),
+        "hits": hits,
+        "misses": misses,
+        "hit_rate": _ratio(hits, hits + misses),
+        "layer_hits": list(layer_hits),
+        "layer_misses": layer_misses,
+        "layer_hit_rates": list(snap.get("layer_hit_rates") or []),
+        "tokens": tokens,  # token rows routed (prompt and generated)
+        "bytes_read": snap.get("bytes_read", 0),
+        "bytes_read_per_token": _ratio(snap.get("bytes_read", 0), tokens),
+        # What the engine thread saw: bytes over the time it waited for them.
+        "read_bandwidth_bps": _ratio(snap.get("bytes_read", 0), snap.get("stall_s", 0.0)),
+        "stall_s": snap.get("stall_s", 0.0),
+        "stall_ms_per_token": _per_token_ms(snap.get("stall_s", 0.0), tokens),
+        "router_readback_s": snap.get("router_readback_s", 0.0),
+        "router_readback_ms_per_token": _per_token_ms(snap.get("router_readback_s", 0.0), tokens),
+        "expert_compute_s": snap.get("expert_compute_s", 0.0),
+        "read_s": snap.get("read_s", 0.0),
+        "reads": snap.get("reads", snap.get("read_jobs", 0)),
+        "evictions": snap.get("evictions", 0),
+        "passes": snap.get("passes", 0),
+        "warm_bytes": snap.get("warm_bytes", 0),
+    }
+
+
+class _Sampler:
+    """Keeps (time, tokens, bytes read, hits, misses) samples covering the last RATE_WINDOW_S."""
+
+    def __init__(self, read: Callable[[], tuple[int, int, int, int]]):
+        self._read = read
+        self._samples: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="moed-telemetry", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def sample(self) -> None:
+        try:
+            values = self._read()
+        except Exception:  # a sample is advisory; never let it kill the thread
+            log.debug("telemetry sample failed", exc_info=True)
+            return
+        now = time.monotonic()
+        with self._lock:
+            self._samples.append((now, *values))
+            while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
+                self._samples.popleft()
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_EVERY_S):
+            self.sample()
+
+    def rates(self) -> dict:
+        self.sample()
+        with self._lock:
+            if len(self._samples) < 2:
+                return {"window_s": 0.0, "tokens_per_s": None, "bytes_read_per_s": None, "hit_rate": None}
+            first, last = self._samples[0], self._samples[-1]
+        dt = last[0] - first[0]
+        d_tokens, d_bytes, d_hits, d_misses = (b - a for a, b in zip(first[1:], last[1:]))
+        return {
+            "window_s": dt,
+            "tokens_per_s": d_tokens / dt if dt > 0 else None,
+            "bytes_read_per_s": d_bytes / dt if dt > 0 else None,
+            "hit_rate": _ratio(d_hits, d_hits + d_misses),
+        }
+
+
+def _probe():
+    try:
+        from moed.daemon.platform import probe_for_platform
+
+        return probe_for_platform()
+    except Exception:  # no probe for this platform: memory fields read as null
+        return None
+
+
+def memory_stats(pid: int, rss_bytes: int | None, probe) -> dict:
+    out: dict[str, Any] = {"rss_bytes": rss_bytes, "phys_footprint_bytes": None, "process_swap_bytes": None,
+                           "swap_used_bytes": None, "pressure": "unknown"}
+    if probe is None:
+        return out
+    try:
+        fp = probe.process_footprint(pid)
+        if fp is not None:
+            out["rss_bytes"] = fp.resident_bytes
+            out["phys_footprint_bytes"] = fp.phys_footprint_bytes
+            out["process_swap_bytes"] = fp.swap_bytes
+        out["swap_used_bytes"] = probe.swap_used_bytes()
+        out["pressure"] = probe.pressure_level().value
+    except Exception:
+        log.debug("memory probe failed", exc_info=True)
+    return out
+
+
+def build_stats(status: dict, streamer_snapshot: dict | None, rates: dict | None = None, probe=None) -> dict:
+    """The `stats` body from a status snapshot (Server.status_body) and a streamer snapshot."""
+    model = status.get("model") or {}
+    rates = rates or {}
+    experts = expert_stats(streamer_snapshot)
+    if experts is not None:
+        experts["recent_hit_rate"] = rates.get("hit_rate")
+        experts["recent_bytes_read_per_s"] = rates.get("bytes_read_per_s")
+    crash = status.get("last_crash")
+    return {
+        "state": status.get("state"),
+        "pid": status.get("pid"),
+        "boot_id": status.get("boot_id"),
+        "version": status.get("version"),
+        "uptime_s": status.get("uptime_s"),
+        "model": {
+            "name": model.get("name"),
+            "path": model.get("path"),
+            "model_type": model.get("model_type"),
+            "streaming": bool(model.get("streaming")),
+        },
+        "requests": {
+            "served": status.get("requests_served", 0),
+            "failed": status.get("requests_failed", 0),
+            "active": status.get("active_requests", 0),
+            "pending": status.get("pending_requests", 0),
+            "queued": status.get("queued_requests", 0),
+        },
+        "tokens": {
+            "generated": status.get("tokens_generated", 0),
+            "per_s": rates.get("tokens_per_s"),
+            "window_s": rates.get("window_s"),
+        },
+        "experts": experts,
+        "memory": memory_stats(status.get("pid") or 0, status.get("rss_bytes"), probe),
+        "restarts": status.get("restarts"),
+        "last_crash": crash if crash else None,
+        "time": time.time(),
+    }
+
+
+class LiveTelemetry:
+    """The transport thread's view: `stats()` and `metrics_text()` for one running daemon.
+
+    `status_body` gives the status map; `streamer` returns the ExpertStreamer or None. Counters are
+    read from the transport (or HTTP) thread: plain ints the engine thread only adds to.
+    """
+
+    def __init__(self, status_body: Callable[[], dict], streamer: Callable[[], Any], tokens: Callable[[], int]):
+        self._status_body = status_body
+        self._streamer = streamer
+        self._tokens = tokens
+        self._probe = _probe()
+        self._sampler = _Sampler(self._sample_values)
+        self._sampler.start()
+
+    def _streamer_snapshot(self) -> dict | None:
+        streamer = self._streamer()
+        if streamer is None:
+            return None
+        try:
+            return streamer.snapshot()
+        except Exception:  # racing a shed's pool swap: report without expert numbers this time
+            log.debug("streamer snapshot failed", exc_info=True)
+            return None
+
+    def _sample_values(self) -> tuple[int, int, int, int]:
+        streamer = self._streamer()
+        tokens = int(self._tokens() or 0)
+        if streamer is None:
+            return tokens, 0, 0, 0
+        c = streamer.counters
+        return tokens, c.bytes_read, sum(l.hits for l in c.layers), sum(l.misses for l in c.layers)
+
+    def stats(self) -> dict:
+        return build_stats(self._status_body(), self._streamer_snapshot(), self._sampler.rates(), self._probe)
+
+    def metrics_text(self) -> str:
+        from .metrics import render_metrics
+
+        return render_metrics(self.stats())
+
+    def close(self) -> None:
+        self._sampler.stop()
