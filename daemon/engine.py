@@ -20,7 +20,10 @@ from moed.protocol import ErrorCode, FinishReason, ProtocolError, ShedLevel
 from moed.protocol import messages as wire
 
 from .config import ServeConfig
+from .exit_codes import DaemonExit
 from .status import DaemonState, EngineStatus
+from .watchdog.crashlog import CrashKind, is_out_of_memory
+from .watchdog.faults import Faults
 
 log = logging.getLogger("moed.engine")
 
@@ -213,6 +216,10 @@ class Engine:
         self.loaded: LoadedModel | None = None
         self.thread = threading.Thread(target=self._run, name="moed-engine", daemon=True)
         self.fatal: BaseException | None = None
+        self.exit_code: int = DaemonExit.FAILED  # what the process exits with once `fatal` is set
+        self.faults = Faults.parse(serve.debug_faults)  # off unless debug_faults says otherwise
+        # Set by the server: record a crash durably before the in-flight requests are failed.
+        self.on_crash: Callable[[CrashKind, str], None] | None = None
 
     # ---- called from other threads -------------------------------------------------------
     def start(self) -> None:
@@ -252,18 +259,20 @@ class Engine:
             log.info("model loaded from %s in %.2fs", self.model_path, time.perf_counter() - t0)
         except BaseException as exc:  # a model that cannot load is fatal for the daemon
             log.exception("model load failed")
+            self._record_crash(CrashKind.LOAD_FAILED, f"{exc.__class__.__name__}: {exc}")
             self.fatal = exc
             self.status.update(state=DaemonState.FAILED.value, error=f"{exc.__class__.__name__}: {exc}")
             self._fail_queued(ErrorCode.INTERNAL, f"model failed to load: {exc}")
             return
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self.fatal is None:
             self._drain_inbox(block=not self._active)
             self._apply_cancels()
             for key in list(self._active):
                 if key in self._active:
                     self._step(key)
             self.status.update(active_requests=len(self._active), busy=bool(self._active))
-        self._finish_all(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        if self.fatal is None:
+            self._finish_all(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
         self._close_streamer()
 
     def _close_streamer(self) -> None:
@@ -311,6 +320,9 @@ class Engine:
         except ProtocolError as exc:
             self._emit_error(job, exc.code, exc.message)
         except Exception as exc:
+            if is_out_of_memory(exc):  # the prefill ran out of memory
+                self._out_of_memory(exc, also=job)
+                return
             log.exception("request %r could not start", job.request.get("id"))
             self._emit_error(job, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
 
@@ -331,8 +343,13 @@ class Engine:
     def _step(self, key: RequestKey) -> None:
         gen = self._active[key]
         try:
+            if self.faults:
+                self.faults.before_step(self.status.get("tokens_generated") or 0)
             token, finish = gen.step()
         except Exception as exc:
+            if is_out_of_memory(exc):
+                self._out_of_memory(exc)
+                return
             log.exception("generation %r failed", gen.job.request.get("id"))
             self._active.pop(key, None)
             self.status.update(active_requests=len(self._active), busy=bool(self._active))
@@ -360,14 +377,37 @@ class Engine:
             data["experts"] = counters_delta(gen.stream_before, snapshot)
         return data
 
-    def _finish(self, gen: Generation, reason: FinishReason | ErrorCode) -> None:
+    def _out_of_memory(self, exc: BaseException, also: GenerateJob | None = None) -> None:
+        """A Metal command-buffer failure: record it, fail every request, and let the process exit
+        non-zero so that launchd restarts it (with a smaller cache budget)."""
+        log.critical("out of memory: %s", exc)
+        self._record_crash(CrashKind.OUT_OF_MEMORY, f"{exc.__class__.__name__}: {exc}")
+        message = f"the daemon ran out of memory ({exc}); it restarts with a smaller expert cache"
+        self.status.update(state=DaemonState.FAILED.value, error=f"out of memory: {exc}")
+        if also is not None:
+            self._emit_error(also, ErrorCode.OUT_OF_MEMORY, message)
+        for gen in list(self._active.values()):
+            self._finish(gen, ErrorCode.OUT_OF_MEMORY, message)
+        self._fail_queued(ErrorCode.OUT_OF_MEMORY, message)
+        self.exit_code = DaemonExit.OUT_OF_MEMORY
+        self.fatal = exc  # last: the transport exits once it sees this, after flushing the errors
+
+    def _record_crash(self, kind: CrashKind, message: str) -> None:
+        if self.on_crash is None:
+            return
+        try:
+            self.on_crash(kind, message)
+        except Exception:  # the record is advisory; failing the requests is not
+            log.exception("could not record the crash")
+
+    def _finish(self, gen: Generation, reason: FinishReason | ErrorCode, message: str = "the daemon is shutting down") -> None:
         self._active.pop(gen.job.key, None)
         # Published before the terminal message, so a client that saw `done` sees the count drop.
         self.status.update(active_requests=len(self._active), busy=bool(self._active))
         req_id = gen.job.request["id"]
         if isinstance(reason, ErrorCode):
             self.status.add(requests_failed=1)
-            self.sink.emit(gen.job.identity, wire.error(req_id, reason, "the daemon is shutting down"), terminal=True)
+            self.sink.emit(gen.job.identity, wire.error(req_id, reason, message), terminal=True)
             return
         gen.detokenizer.finalize()
         tail = gen.detokenizer.last_segment
@@ -401,9 +441,13 @@ class Engine:
             released = self.loaded.streamer.shed(0.5)
         mx.clear_cache()
         log.warning("shed level=%s released=%d bytes", level.value, released)
+        cancelled = None
         if level is ShedLevel.CANCEL_NEWEST and self._active:
             newest = next(reversed(self._active.values()))
-            self._finish(newest, ErrorCode.OUT_OF_MEMORY)
+            cancelled = newest.job.request["id"]
+            self._finish(newest, ErrorCode.OUT_OF_MEMORY, "cancelled to relieve memory pressure (the newest request is shed first)")
+        self.status.add(sheds=1)
+        self.status.update(last_shed={"level": level.value, "at": time.time(), "released_bytes": released, "cancelled": cancelled})
 
     def _emit_error(self, job: GenerateJob, code: ErrorCode, message: str) -> None:
         self.sink.emit(job.identity, wire.error(job.request["id"], code, message), terminal=True)

@@ -1,0 +1,171 @@
+"""The daemon's crash record (`crash.json` in the state directory), written atomically.
+
+What survives a crash: the last crash (kind, message, time, boot), the recent history (for the
+restart budget and the cache backoff) and a marker of the run in progress, so that a start after
+an abort or a SIGKILL, which leave no chance to write anything, still knows the previous run died.
+
+- Backoff: each memory crash (out_of_memory, or an unclean exit, which is how older MLX reports a
+  Metal OOM) within the window halves the next start's cache budget, down to 1/8. Crashes older
+  than the window drop out, so a stable period restores the full budget.
+- Restart budget: `restart_budget` crashes within `restart_window_s` and the daemon refuses to
+  start, exiting 0 so that launchd (KeepAlive SuccessfulExit=false) and systemd (Restart=on-failure)
+  stop restarting it; the log says why and how to start again.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moed.daemon.state import read_json, write_json_atomic
+
+CRASH_FILE = "crash.json"
+BACKOFF_STEP = 0.5
+BACKOFF_FLOOR = 0.125
+MAX_HISTORY = 50
+
+# MLX >= 0.32 raises these at the next sync after a Metal command buffer fails; the CPU backend
+# raises MemoryError (std::bad_alloc) instead.
+_OOM_MARKERS = (
+    "command buffer execution failed",
+    "insufficient memory",
+    "[metal]",
+    "outofmemory",
+    "out of memory",
+    "[metal::malloc]",
+)
+
+
+class CrashKind(str, enum.Enum):
+    OUT_OF_MEMORY = "out_of_memory"  # a Metal command-buffer failure raised as a Python error
+    UNCLEAN_EXIT = "unclean_exit"  # the previous run vanished: abort (older MLX's OOM), SIGKILL, power
+    LOAD_FAILED = "load_failed"  # the model could not load (counts for the restart budget only)
+    ENGINE_FAILED = "engine_failed"  # the engine died otherwise, or stayed stuck through a drain
+
+
+MEMORY_KINDS = frozenset({CrashKind.OUT_OF_MEMORY, CrashKind.UNCLEAN_EXIT})
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(marker in text for marker in _OOM_MARKERS)
+
+
+def crash_path(state_dir: Path) -> Path:
+    return Path(state_dir) / CRASH_FILE
+
+
+def _load(state_dir: Path) -> dict:
+    data = read_json(crash_path(state_dir), default={})
+    return data if isinstance(data, dict) else {}
+
+
+def _save(state_dir: Path, data: dict) -> None:
+    data["history"] = data.get("history", [])[-MAX_HISTORY:]
+    write_json_atomic(crash_path(state_dir), data)
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    last_crash: dict | None  # reported in `welcome` and `status`
+    budget_factor: float  # multiply the cache budget by this
+    recent_crashes: int  # within the window
+    refuse: str | None  # set: the restart budget is spent; exit 0 with this message
+    unclean_previous: dict | None  # the previous run, if it died without a word
+
+    def describe(self) -> dict:
+        return {"factor": self.budget_factor, "recent_crashes": self.recent_crashes}
+
+
+def plan_start(state_dir: Path, restart_budget: int, window_s: float, now: float | None = None,
+               pid_alive=None) -> StartPlan:
+    """Read the record at start: note an unclean previous exit, then judge backoff and budget."""
+    now = time.time() if now is None else now
+    pid_alive = pid_alive or _pid_alive
+    data = _load(state_dir)
+    unclean = None
+    run = data.get("run")
+    if isinstance(run, dict) and not (isinstance(run.get("pid"), int) and run["pid"] != os.getpid() and pid_alive(run["pid"])):
+        # The run marker is cleared on every exit the daemon controls; one left behind means a death.
+        unclean = run
+        entry = _entry(CrashKind.UNCLEAN_EXIT, "the previous run ended without a clean exit (abort, SIGKILL or power loss)",
+                       run.get("boot_id"), run.get("pid"), now)
+        entry["started_at"] = run.get("started_at")
+        data.setdefault("history", []).append(entry)
+        data["last"] = entry
+        data.pop("run", None)
+        _save(state_dir, data)
+    recent = [e for e in data.get("history", []) if isinstance(e, dict) and now - float(e.get("at", 0)) <= window_s]
+    memory = [e for e in recent if e.get("kind") in {k.value for k in MEMORY_KINDS}]
+    factor = max(BACKOFF_FLOOR, BACKOFF_STEP ** len(memory))
+    refuse = None
+    if restart_budget > 0 and len(recent) >= restart_budget:
+        first = min(float(e["at"]) for e in recent)
+        wait = max(0.0, first + window_s - now)
+        refuse = (
+            f"{len(recent)} crashes in the last {window_s / 60:.0f} minutes (restart budget {restart_budget}); "
+            f"not starting, so the service manager stops restarting. Last: {recent[-1].get('kind')}: "
+            f"{recent[-1].get('message')}. Fix the cause, then start again in {wait / 60:.0f} minutes "
+            f"or after removing {crash_path(state_dir)}"
+        )
+    return StartPlan(data.get("last"), factor, len(recent), refuse, unclean)
+
+
+def begin_run(state_dir: Path, boot_id: str, pid: int | None = None, budget: dict | None = None) -> None:
+    data = _load(state_dir)
+    data["run"] = {"boot_id": boot_id, "pid": pid or os.getpid(), "started_at": time.time(), "budget": budget}
+    _save(state_dir, data)
+
+
+def end_run(state_dir: Path, boot_id: str) -> None:
+    """A clean exit (or one already recorded as a crash): the run marker goes."""
+    data = _load(state_dir)
+    run = data.get("run")
+    if isinstance(run, dict) and run.get("boot_id") == boot_id:
+        data.pop("run")
+        _save(state_dir, data)
+
+
+def record_crash(state_dir: Path, kind: CrashKind, message: str, boot_id: str | None, extra: dict | None = None) -> dict:
+    """Write the crash before anything else happens (the process is about to exit)."""
+    data = _load(state_dir)
+    entry = _entry(kind, message, boot_id, os.getpid(), time.time())
+    if extra:
+        entry.update(extra)
+    data.setdefault("history", []).append(entry)
+    data["last"] = entry
+    run = data.get("run")
+    if isinstance(run, dict) and run.get("boot_id") == boot_id:
+        data.pop("run")  # accounted for: the next start must not count it again as unclean
+    _save(state_dir, data)
+    return entry
+
+
+def read_last_crash(state_dir: Path) -> dict | None:
+    last = _load(state_dir).get("last")
+    return last if isinstance(last, dict) else None
+
+
+def _entry(kind: CrashKind, message: str, boot_id: Any, pid: Any, at: float) -> dict:
+    return {"kind": kind.value, "message": message[:2000], "boot_id": boot_id, "pid": pid, "at": at,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(at))}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def scale_budget(budget_bytes: int, factor: float) -> int:
+    return max(1, int(budget_bytes * factor))
