@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +36,12 @@ from moed.protocol import messages as wire
 from . import __version__
 from .config import ServeConfig
 from .engine import Engine, EventSink, GenerateJob, RequestKey
+from .exit_codes import DaemonExit
 from .paths import endpoint_for, ensure_private_dir
 from .status import DaemonState, EngineStatus
 from .telemetry import LiveTelemetry
+from .watchdog import crashlog
+from .watchdog.events import read_state as read_watchdog_state
 
 log = logging.getLogger("moed.server")
 
@@ -92,7 +95,11 @@ class Server:
         self._draining = False
         self._drain_deadline = 0.0
         self._stop_requested = threading.Event()
+        # After crashes: count an unclean previous exit, back the cache budget off, or refuse to start.
+        self.start_plan = crashlog.plan_start(self.serve.state_dir, self.serve.restart_budget, self.serve.restart_window_s)
+        self.budget_backoff = self._back_off_budget()
         self.engine = Engine(self.serve, self.model_path, lambda: ZmqEventSink(self.context), self.status)
+        self.engine.on_crash = self._record_crash
         self.telemetry = LiveTelemetry(self.status_body, lambda: self.engine.loaded and self.engine.loaded.streamer,
                                        lambda: self.status.get("tokens_generated"))
 
@@ -118,6 +125,35 @@ class Server:
         os.chmod(self.serve.socket, 0o600)
         self.status.update(pid=os.getpid(), boot_id=self.boot_id, socket=str(self.serve.socket), version=__version__)
 
+    def _back_off_budget(self) -> dict | None:
+        """Shrink the expert cache budget by the crash backoff factor (resolved to bytes first)."""
+        plan = self.start_plan
+        if plan.budget_factor >= 1.0:
+            return None
+        info = {**plan.describe(), "budget": self.serve.cache_budget}
+        if self.serve.resident:
+            return info  # nothing to shrink: every expert is resident by request
+        try:
+            from .experts import StreamingConfig, plan_memory
+
+            cfg = StreamingConfig(cache_budget=self.serve.cache_budget, prefetch_workers=self.serve.prefetch_workers,
+                                  page_cache=self.serve.page_cache, state_dir=self.serve.state_dir)
+            full = plan_memory(self.model_path, cfg).cache_budget_bytes
+        except Exception as exc:  # a model that cannot be planned fails at load with a better message
+            log.warning("cache budget backoff skipped: %s", exc)
+            return info
+        scaled = crashlog.scale_budget(full, plan.budget_factor)
+        self.serve = replace(self.serve, cache_budget=str(scaled))
+        log.warning("%d recent crash(es): expert cache budget backed off to %.0f%% (%d -> %d bytes)",
+                    plan.recent_crashes, 100 * plan.budget_factor, full, scaled)
+        return {**info, "budget_bytes_full": full, "budget_bytes": scaled}
+
+    def _record_crash(self, kind: crashlog.CrashKind, message: str) -> None:
+        extra = {"budget_backoff": self.budget_backoff} if self.budget_backoff else None
+        entry = crashlog.record_crash(self.serve.state_dir, kind, message, self.boot_id, extra)
+        log.error("crash recorded in %s: %s: %s", crashlog.crash_path(self.serve.state_dir), kind.value, message)
+        self.status.update(crashing=entry)
+
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.request_stop("SIGTERM"))
         signal.signal(signal.SIGINT, lambda *_: self.request_stop("SIGINT"))
@@ -129,6 +165,14 @@ class Server:
     # ---- main loop -------------------------------------------------------------------------
     def run(self) -> int:
         """Serve until asked to stop; returns the process exit code."""
+        if self.start_plan.refuse:
+            # Exit 0: launchd (SuccessfulExit=false) and systemd (on-failure) leave a clean exit down.
+            log.error("restart budget spent: %s", self.start_plan.refuse)
+            self._close()
+            return DaemonExit.OK
+        if self.start_plan.unclean_previous:
+            log.warning("the previous run (boot %s) died without a clean exit", self.start_plan.unclean_previous.get("boot_id"))
+        crashlog.begin_run(self.serve.state_dir, self.boot_id, budget=self.budget_backoff)
         self.engine.start()
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
@@ -141,7 +185,7 @@ class Server:
                     break
                 if self.engine.fatal is not None:
                     self._flush_events(poller)
-                    return 1
+                    return self.engine.exit_code
                 for sock, _ in poller.poll(50):
                     if sock is self.router:
                         self._receive_all()
@@ -151,7 +195,12 @@ class Server:
             self.engine.stop()
             self.engine.thread.join(timeout=5.0)
             self._flush_events(poller)
-            return 0
+            if self.engine.thread.is_alive():
+                # A wedged engine: exit non-zero so that the service manager starts a fresh one.
+                self._record_crash(crashlog.CrashKind.ENGINE_FAILED, "the engine was still stuck after the drain")
+                return DaemonExit.FAILED
+            crashlog.end_run(self.serve.state_dir, self.boot_id)
+            return DaemonExit.OK
         finally:
             self._close()
 
@@ -239,6 +288,8 @@ class Server:
         if self._draining:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; retry after it restarts")
         if self.engine.fatal is not None:
+            if self.engine.exit_code == DaemonExit.OUT_OF_MEMORY:
+                raise ProtocolError(ErrorCode.OUT_OF_MEMORY, f"the daemon ran out of memory and is restarting: {self.engine.fatal}")
             raise ProtocolError(ErrorCode.INTERNAL, f"the model failed to load: {self.engine.fatal}")
         if key in self._pending:
             raise ProtocolError(ErrorCode.DUPLICATE_ID, f"request id {msg['id']!r} is already in flight")
@@ -308,6 +359,8 @@ class Server:
                 "max_frame_bytes": MAX_FRAME_BYTES,
                 "max_pending": self.serve.max_pending,
             },
+            "last_crash": self.start_plan.last_crash,
+            "budget_backoff": self.budget_backoff,
             **self.extra_welcome,
         }
 
@@ -320,5 +373,17 @@ class Server:
         snap["pid"] = os.getpid()
         snap["uptime_s"] = time.time() - snap["started_at"]
         snap["rss_bytes"] = psutil.Process().memory_info().rss
+        snap["last_crash"] = self.start_plan.last_crash
+        snap["budget_backoff"] = self.budget_backoff
+        snap["watchdog"] = _watchdog_summary(self.serve.state_dir)
         snap.update(self.extra_welcome)
         return snap
+
+
+def _watchdog_summary(state_dir: Path) -> dict | None:
+    """The watchdog's published state (it shares the state directory), for `moe status`."""
+    state = read_watchdog_state(state_dir)
+    if state is None:
+        return None
+    keep = ("running", "state", "reason", "last_action", "pid", "updated_at")
+    return {k: state.get(k) for k in keep}
