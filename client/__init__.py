@@ -2,9 +2,9 @@
 
 from .client import Client, default_socket_path
 from .errors import ClientError, DaemonRestarted, DaemonUnavailable, RequestFailed
-from .events import DoneEvent, Event, TelemetryEvent, TokenEvent
+from .events import DoneEvent, Event, TelemetryEvent, TokenEvent, TraceEvent
 
 __all__ = [
     "Client", "ClientError", "DaemonRestarted", "DaemonUnavailable", "DoneEvent", "Event", "RequestFailed",
-    "TelemetryEvent", "TokenEvent", "default_socket_path",
+    "TelemetryEvent", "TokenEvent", "TraceEvent", "default_socket_path",
 ]

@@ -11,8 +11,9 @@ import click
 
 from .client import Client, default_socket_path
 from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
-from .events import DoneEvent, TelemetryEvent, TokenEvent
+from .events import DoneEvent, TelemetryEvent, TokenEvent, TraceEvent
 from .exit_codes import ExitCode
+from .trace_file import TraceFile
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -42,8 +43,12 @@ def _fail(exit_code: ExitCode, message: str, as_json: bool = False, **fields: An
 @click.option("--no-start", is_flag=True, help="Fail instead of starting a daemon when none is running.")
 @click.option("--model", help="Model for a daemon that `moe run` starts (default: the demo model).")
 @click.option("--start-timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for a started daemon.")
+@click.option("--trace", "trace_path", type=click.Path(path_type=Path, dir_okay=False),
+              help="Write the router trace of this generation to FILE (read it with `moed trace analyze`).")
+@click.option("--resume", is_flag=True,
+              help="If the daemon restarts mid-stream, wait for it and continue where the text left off.")
 @click.pass_obj
-def run(obj, prompt, max_tokens, temperature, top_p, seed, raw, as_json, no_start, model, start_timeout) -> None:
+def run(obj, prompt, max_tokens, temperature, top_p, seed, raw, as_json, no_start, model, start_timeout, trace_path, resume) -> None:
     """Generate from PROMPT (or stdin with '-') and stream the text."""
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
@@ -51,9 +56,15 @@ def run(obj, prompt, max_tokens, temperature, top_p, seed, raw, as_json, no_star
         _fail(ExitCode.USAGE, "empty prompt", as_json)
     socket_path: Path = obj["socket"]
     client = _connect_or_start(socket_path, obj["timeout"], no_start, model, start_timeout, as_json)
-    events = client.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, raw=raw)
+    events = client.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, raw=raw,
+                             trace=trace_path is not None, resume=resume)
+    trace_out = TraceFile(trace_path) if trace_path else None
     try:
         for event in events:
+            if isinstance(event, TraceEvent):
+                if trace_out is not None:
+                    trace_out.write(event)
+                continue
             _print_event(event, as_json)
     except KeyboardInterrupt:
         try:
@@ -69,6 +80,8 @@ def run(obj, prompt, max_tokens, temperature, top_p, seed, raw, as_json, no_star
         _fail(ExitCode.DAEMON_RESTARTED, str(exc), as_json, code="daemon_unavailable", retryable=True)
     finally:
         client.close()
+        if trace_out is not None:
+            trace_out.close()
 
 
 def _connect_or_start(socket_path: Path, timeout: float, no_start: bool, model: str | None, start_timeout: float, as_json: bool) -> Client:

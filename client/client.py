@@ -21,7 +21,7 @@ from moed.protocol import MessageType, decode, encode
 from moed.protocol import messages as wire
 
 from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
-from .events import DoneEvent, Event, TelemetryEvent, TokenEvent
+from .events import DoneEvent, Event, TelemetryEvent, TokenEvent, TraceEvent
 
 
 def default_socket_path() -> Path:
@@ -131,6 +131,7 @@ class Client:
         request_id: Any = None,
         telemetry_every: int | None = None,
         resume_ids: list[int] | None = None,
+        trace: bool = False,
     ) -> Iterator[Event]:
         """Stream the events of one generation; ends after a DoneEvent or raises."""
         self.connect()
@@ -150,6 +151,7 @@ class Client:
                 model=model,
                 telemetry_every=telemetry_every,
                 resume_ids=resume_ids or None,
+                trace=trace or None,
             )
         )
         while True:
@@ -159,6 +161,8 @@ class Client:
                 yield TokenEvent(msg["index"], list(msg["ids"]), msg["text"])
             elif kind == MessageType.TELEMETRY.value:
                 yield TelemetryEvent(msg.get("data") or {})
+            elif kind == MessageType.TRACE.value:
+                yield TraceEvent(int(msg.get("seq", 0)), bytes(msg.get("data") or b""))
             elif kind == MessageType.DONE.value:
                 yield DoneEvent(msg["finish_reason"], msg.get("usage") or {}, msg.get("timings") or {}, msg.get("telemetry") or {})
                 return

@@ -26,4 +26,12 @@ class DoneEvent:
     telemetry: dict[str, Any] = field(default_factory=dict)
 
 
-Event = TokenEvent | TelemetryEvent | DoneEvent
+@dataclass(frozen=True)
+class TraceEvent:
+    """The next bytes of the request's router trace (concatenated in order they form the file)."""
+
+    seq: int
+    data: bytes
+
+
+Event = TokenEvent | TelemetryEvent | TraceEvent | DoneEvent

@@ -22,6 +22,7 @@ from moed.protocol import messages as wire
 from .config import ServeConfig
 from .exit_codes import DaemonExit
 from .status import DaemonState, EngineStatus
+from .telemetry.trace import finish_request_trace, recording, start_request_trace
 from .watchdog.crashlog import CrashKind, is_out_of_memory
 from .watchdog.faults import Faults
 
@@ -146,6 +147,7 @@ class Generation:
         if resume_ids:
             _ = self.detokenizer.last_segment
         self.stream_before = stream_snapshot
+        self.trace = None  # a TraceRecorder when the request is traced (set by the engine)
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
         self.steps = generate_step(
@@ -159,7 +161,8 @@ class Generation:
     def step(self) -> tuple[int | None, FinishReason | None]:
         """Advance one token; returns (token, None) or (None, finish reason)."""
         try:
-            token, _ = next(self.steps)
+            with recording(self.trace):
+                token, _ = next(self.steps)
         except StopIteration:
             return None, FinishReason.LENGTH
         if self.first_token_at is None:
@@ -315,7 +318,10 @@ class Engine:
             self._emit_terminal_cancel(job, reason)
             return
         try:
-            self._active[job.key] = Generation(job, self.loaded, self.serve, self._stream_snapshot())
+            gen = Generation(job, self.loaded, self.serve, self._stream_snapshot())
+            gen.trace = start_request_trace(self.loaded, job, self.serve, lambda m, i=job.identity: self.sink.emit(i, m),
+                                            gen.prompt_tokens)
+            self._active[job.key] = gen
             self.status.update(busy=True, active_requests=len(self._active))
         except ProtocolError as exc:
             self._emit_error(job, exc.code, exc.message)
@@ -405,6 +411,7 @@ class Engine:
         # Published before the terminal message, so a client that saw `done` sees the count drop.
         self.status.update(active_requests=len(self._active), busy=bool(self._active))
         req_id = gen.job.request["id"]
+        finish_request_trace(gen.trace)  # its last chunk goes out before the terminal message
         if isinstance(reason, ErrorCode):
             self.status.add(requests_failed=1)
             self.sink.emit(gen.job.identity, wire.error(req_id, reason, message), terminal=True)

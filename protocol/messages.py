@@ -32,6 +32,7 @@ class MessageType(str, enum.Enum):
     DONE = "done"
     ERROR = "error"
     RESULT = "result"
+    TRACE = "trace"  # a chunk of a router trace (generate with trace: true)
 
 
 REQUEST_TYPES = frozenset(
@@ -173,6 +174,11 @@ def result(request_id: Any, **body: Any) -> dict:
 
 def token(request_id: Any, index: int, ids: list[int], text: str) -> dict:
     return {**_base(MessageType.TOKEN, request_id), "index": index, "ids": ids, "text": text}
+
+
+def trace_chunk(request_id: Any, seq: int, data: bytes) -> dict:
+    """The next `data` bytes of the request's router trace file (chunks in `seq` order)."""
+    return {**_base(MessageType.TRACE, request_id), "seq": seq, "data": data}
 
 
 def telemetry(request_id: Any, data: dict) -> dict:

@@ -180,6 +180,8 @@ class ExpertStreamer:
         self._engine_thread: int | None = None
         self._lock = threading.Lock()
         self.trace: list[list[np.ndarray]] | None = None  # set to [] to record routing (bench)
+        # A router-trace recorder (moed.daemon.telemetry.trace), attached around one request's step.
+        self.observer = None
 
     # -- called by StreamingSwitch on the engine thread -------------------------------------
 
@@ -205,6 +207,8 @@ class ExpertStreamer:
         c.layer_calls += 1
         c.router_sync_s += t1 - t0
         c.router_copy_s += time.perf_counter() - t1
+        if self.observer is not None:
+            self.observer.on_route(layer, host)
         return host
 
     def plan_passes(self, layer: int, host: np.ndarray) -> list[np.ndarray]:
@@ -228,6 +232,8 @@ class ExpertStreamer:
         lc = self.counters.layers[layer]
         lc.hits += len(hits)
         lc.misses += len(loads)
+        if self.observer is not None:  # before the read: it asks whether the pages are cached
+            self.observer.on_load(layer, pool, hits, loads)
         if loads:
             self._read(pool, loads)
         table = np.zeros(pool.num_experts, dtype=np.uint32)
