@@ -25,6 +25,9 @@ def _register() -> None:
     from .bench_cli import bench
 
     main.add_command(bench)
+    from .telemetry.cli import trace
+
+    main.add_command(trace)
 
 
 _register()

@@ -374,6 +374,7 @@ class Server:
         snap["uptime_s"] = time.time() - snap["started_at"]
         snap["rss_bytes"] = psutil.Process().memory_info().rss
         snap["last_crash"] = self.start_plan.last_crash
+        snap["recent_crashes"] = self.start_plan.recent_crashes  # crash restarts within the restart window
         snap["budget_backoff"] = self.budget_backoff
         snap["watchdog"] = _watchdog_summary(self.serve.state_dir)
         snap.update(self.extra_welcome)

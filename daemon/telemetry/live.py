@@ -181,7 +181,7 @@ def build_stats(status: dict, streamer_snapshot: dict | None, rates: dict | None
         },
         "experts": experts,
         "memory": memory_stats(status.get("pid") or 0, status.get("rss_bytes"), probe),
-        "restarts": status.get("restarts"),
+        "restarts": status.get("restarts", status.get("recent_crashes")),  # crash restarts in the restart window
         "last_crash": crash if crash else None,
         "time": time.time(),
     }

@@ -86,7 +86,9 @@ def _families(stats: dict) -> list[Family]:
     fam("swap_used_bytes", "gauge", "Swap in use, system-wide.").add(mem.get("swap_used_bytes"))
     fam("memory_pressure_level", "gauge", "Kernel memory pressure: 0 normal, 1 warn, 2 critical.").add(
         _PRESSURE.get(str(mem.get("pressure"))))
-    fam("restarts", "counter", "Daemon restarts recorded by the service manager.").add(stats.get("restarts"))
+    fam("crash_restarts", "gauge", "Restarts after a crash within the restart window.").add(stats.get("restarts"))
+    fam("last_crash_timestamp_seconds", "gauge", "When the last recorded crash happened.").add(
+        (stats.get("last_crash") or {}).get("at") if isinstance(stats.get("last_crash"), dict) else None)
 
     ex = stats.get("experts")
     if ex:

@@ -1,0 +1,398 @@
+"""`moed trace analyze`: what a router trace says about the expert cache.
+
+Per MoE layer: distinct experts used, popularity (how concentrated the routing is), token-to-token
+reuse; and the expert-cache hit rate against cache size for LRU, for the daemon's eviction policy
+and for Belady's offline optimum (MIN: evict the expert needed furthest in the future). The
+simulations replay what the daemon does per layer call: the call's distinct experts are admitted
+together (more than fit run in passes of `slots`, resident experts first), hits counted per distinct
+expert, as the daemon's own counters count them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from .trace import CLASSES, Trace
+
+Calls = list[np.ndarray]  # per layer call: the distinct experts, ascending
+
+
+# ---- cache simulation -------------------------------------------------------------------------
+
+
+class _Policy:
+    """The EvictionPolicy interface (daemon/experts/cache.py), for the simulators."""
+
+    def insert(self, e: int) -> None: ...
+    def touch(self, e: int) -> None: ...
+    def remove(self, e: int) -> None: ...
+    def victim(self, protected) -> int: ...
+
+
+def _passes(needed: np.ndarray, resident: set[int], slots: int) -> list[list[int]]:
+    if needed.size <= slots:
+        return [needed.tolist()]
+    ordered = [e for e in needed.tolist() if e in resident] + [e for e in needed.tolist() if e not in resident]
+    return [ordered[i : i + slots] for i in range(0, len(ordered), slots)]
+
+
+def simulate(calls: Calls, slots: int, policy, initial: Iterable[int] = ()) -> tuple[int, int]:
+    """(hits, misses) of one layer's calls through a `slots`-slot cache run by `policy` (an
+    EvictionPolicy), mirroring LayerPool.admit: hits are touched first, then misses evict."""
+    resident: set[int] = set()
+    for e in initial:
+        if len(resident) < slots:
+            resident.add(int(e))
+            policy.insert(int(e))
+    hits = misses = 0
+    for needed in calls:
+        for chunk in _passes(needed, resident, slots):
+            wanted = set(chunk)
+            for e in chunk:
+                if e in resident:
+                    hits += 1
+                    policy.touch(e)
+            for e in chunk:
+                if e in resident:
+                    continue
+                misses += 1
+                if len(resident) >= slots:
+                    victim = policy.victim(wanted)
+                    resident.discard(victim)
+                    policy.remove(victim)
+                resident.add(e)
+                policy.insert(e)
+    return hits, misses
+
+
+def simulate_belady(calls: Calls, slots: int) -> tuple[int, int]:
+    """(hits, misses) with Belady's MIN: on a miss, evict the resident expert (outside the call)
+    whose next use is furthest away. The offline optimum for this cache: no policy does better."""
+    never = math.inf
+    # next_use[t][e]: the next call after t that uses e
+    next_use: list[dict[int, float]] = [dict() for _ in calls]
+    upcoming: dict[int, float] = {}
+    for t in range(len(calls) - 1, -1, -1):
+        for e in calls[t].tolist():
+            next_use[t][e] = upcoming.get(e, never)
+        for e in calls[t].tolist():
+            upcoming[e] = t
+    resident: dict[int, float] = {}  # expert -> its next use
+    hits = misses = 0
+    for t, needed in enumerate(calls):
+        for chunk in _passes(needed, set(resident), slots):
+            wanted = set(chunk)
+            for e in chunk:
+                if e in resident:
+                    hits += 1
+                    resident[e] = next_use[t][e]
+            for e in chunk:
+                if e in resident:
+                    continue
+                misses += 1
+                if len(resident) >= slots:
+                    victim = max((r for r in resident if r not in wanted), key=lambda r: resident[r])
+                    del resident[victim]
+                resident[e] = next_use[t][e]
+    return hits, misses
+
+
+def policy_factory(name: str | None) -> tuple[str, Callable[[int], object]]:
+    """The daemon's eviction policy class by name (from the trace header); LRU when unknown."""
+    from moed.daemon.experts import cache
+
+    cls = getattr(cache, name, None) if name else None
+    if cls is None:
+        try:
+            import moed.daemon.experts as experts
+
+            cls = getattr(experts, name, None) if name else None
+        except ImportError:
+            cls = None
+    if cls is None or not isinstance(cls, type):
+        return "LRUPolicy (the trace's policy is unknown here)", lambda n: cache.LRUPolicy(n)
+    return name, lambda n: cls(n)
+
+
+# ---- the report -------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerStats:
+    layer: int
+    unique: int
+    experts: int
+    top10_share: float  # share of routings that went to the 10% most used experts
+    cover80: int  # experts that take 80% of the routings
+    reuse: float  # mean share of a token's experts the previous token also chose
+    recorded_hit_rate: float | None
+
+
+@dataclass
+class Report:
+    files: list[str]
+    model: str | None
+    layers: int
+    top_k: int
+    experts: int
+    expert_bytes: int
+    tokens: int
+    passes: int
+    recorded_slots: int
+    policy: str
+    per_layer: list[LayerStats]
+    popularity: np.ndarray  # (L, E) routings per expert
+    sizes: list[int]
+    curves: dict[str, list[float]]  # policy -> hit rate per size
+    recorded: dict[str, int]
+    replay: dict | None
+    pass_ms: list[float] = field(default_factory=list)
+    pass_stall_ms: list[float] = field(default_factory=list)
+    pass_router_ms: list[float] = field(default_factory=list)
+    pass_rows: list[int] = field(default_factory=list)
+    pass_classes: list[list[int]] = field(default_factory=list)  # per pass, counts per class
+
+    def to_json(self) -> dict:
+        return {
+            "files": self.files, "model": self.model, "layers": self.layers, "top_k": self.top_k,
+            "experts": self.experts, "expert_bytes": self.expert_bytes, "tokens": self.tokens, "passes": self.passes,
+            "recorded_slots": self.recorded_slots, "policy": self.policy,
+            "per_layer": [vars(l) for l in self.per_layer],
+            "sizes": self.sizes, "hit_rate": self.curves, "recorded": self.recorded, "replay": self.replay,
+        }
+
+
+def default_sizes(experts: int, recorded: int) -> list[int]:
+    grid = np.unique(np.round(np.geomspace(1, experts, min(experts, 12))).astype(int))
+    return sorted({int(s) for s in grid} | {int(recorded), int(experts)} - {0})
+
+
+def _layer_calls(traces: list[Trace], layer: int) -> Calls:
+    return [np.unique(p.ids[layer]).astype(np.int64) for t in traces for p in t.passes]
+
+
+def _reuse(rows: np.ndarray) -> float:
+    if len(rows) < 2:
+        return 0.0
+    k = rows.shape[1]
+    prev, cur = rows[:-1], rows[1:]
+    overlap = (cur[:, :, None] == prev[:, None, :]).any(axis=2).sum(axis=1)
+    return float(overlap.mean() / k)
+
+
+def analyze(traces: list[Trace], files: list[str], sizes: list[int] | None = None,
+            progress: Callable[[int], None] | None = None) -> Report:
+    """Analyse one or more traces of the same model, replayed in the order given."""
+    first = traces[0].header
+    for t in traces[1:]:
+        if (t.header["layers"], t.header["experts"]) != (first["layers"], first["experts"]):
+            raise ValueError("traces of different models (layers/experts differ) cannot be analysed together")
+    L = int(first["layers"])
+    E = int(max(first["experts"]))
+    k = max(int(t.header.get("top_k") or 0) for t in traces)
+    recorded_slots = int(min(first.get("slots_per_layer") or [E]))
+    sizes = sorted(set(sizes)) if sizes else default_sizes(E, recorded_slots)
+    policy_name, make_policy = policy_factory(first.get("policy"))
+    tick = progress or (lambda n: None)
+
+    per_layer, popularity = [], np.zeros((L, E), dtype=np.int64)
+    curves = {"LRU": [0.0] * len(sizes), "daemon": [0.0] * len(sizes), "Belady": [0.0] * len(sizes)}
+    totals = {name: np.zeros((len(sizes), 2), dtype=np.int64) for name in curves}
+    from moed.daemon.experts.cache import LRUPolicy
+
+    same_as_lru = type(make_policy(E)) is LRUPolicy  # simulate once
+    for layer in range(L):
+        rows = np.concatenate([t.token_rows(layer) for t in traces]) if traces else np.zeros((0, k))
+        counts = np.bincount(rows.reshape(-1).astype(np.int64), minlength=E)[:E]
+        popularity[layer] = counts
+        ranked = np.sort(counts)[::-1]
+        total = max(1, int(ranked.sum()))
+        top = max(1, int(round(E * 0.1)))
+        cover = int(np.searchsorted(np.cumsum(ranked), 0.8 * total) + 1) if ranked.sum() else 0
+        hits = sum(int(np.count_nonzero(p.classes[layer] == 0)) for t in traces for p in t.passes)
+        looked = sum(int(p.classes[layer].size) for t in traces for p in t.passes)
+        per_layer.append(LayerStats(layer, int(np.count_nonzero(counts)), E, float(ranked[:top].sum() / total),
+                                    cover, _reuse(rows), hits / looked if looked else None))
+        calls = _layer_calls(traces, layer)
+        for i, s in enumerate(sizes):
+            totals["LRU"][i] += simulate(calls, s, LRUPolicy(E))
+            if same_as_lru:
+                totals["daemon"][i] = totals["LRU"][i]
+            else:
+                totals["daemon"][i] += simulate(calls, s, make_policy(E))
+            totals["Belady"][i] += simulate_belady(calls, s)
+            tick(1)
+    for name, arr in totals.items():
+        curves[name] = [float(h / (h + m)) if h + m else 0.0 for h, m in arr]
+
+    recorded: dict[str, int] = {c: 0 for c in CLASSES}
+    for t in traces:
+        for c, n in t.class_counts().items():
+            recorded[c] += n
+    replay = _replay(traces, make_policy, E) if len(traces) == 1 else None
+    report = Report(files, first.get("model"), L, k, E, int(max(first.get("expert_bytes") or [0])),
+                    sum(t.tokens for t in traces), sum(len(t.passes) for t in traces), recorded_slots,
+                    policy_name, per_layer, popularity, sizes, curves, recorded, replay)
+    for t in traces:
+        for p in t.passes:
+            report.pass_ms.append(p.ms)
+            report.pass_stall_ms.append(p.stall_ms)
+            report.pass_router_ms.append(p.router_ms)
+            report.pass_rows.append(p.n)
+            counts = np.zeros(len(CLASSES), dtype=np.int64)
+            for c in p.classes:
+                counts += np.bincount(c, minlength=len(CLASSES))[: len(CLASSES)]
+            report.pass_classes.append(counts.tolist())
+    return report
+
+
+def _replay(traces: list[Trace], make_policy, E: int) -> dict:
+    """Replay the recorded run (its slots, its starting cache, the daemon's policy): the hits must
+    equal the recorded ones unless another request shared the cache meanwhile."""
+    t = traces[0]
+    slots = t.header.get("slots_per_layer") or []
+    start = t.header.get("resident_at_start") or [[] for _ in slots]
+    hits = misses = 0
+    for layer, s in enumerate(slots):
+        h, m = simulate(_layer_calls([t], layer), int(s), make_policy(E), start[layer] if layer < len(start) else ())
+        hits, misses = hits + h, misses + m
+    rec = t.class_counts()
+    rec_misses = rec["page_cache"] + rec["ssd"] + rec["read"]
+    return {"hits": hits, "misses": misses, "recorded_hits": rec["hit"], "recorded_misses": rec_misses,
+            "match": hits == rec["hit"] and misses == rec_misses}
+
+
+# ---- text -------------------------------------------------------------------------------------
+
+
+def _gb(n: float) -> str:
+    if n >= 1e8:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def format_report(r: Report) -> str:
+    lines = [
+        f"trace     {', '.join(r.files)}",
+        f"model     {r.model}: {r.layers} MoE layers x {r.experts} experts, top-{r.top_k}, {_gb(r.expert_bytes)} per expert",
+        f"tokens    {r.tokens} token rows in {r.passes} forward passes",
+    ]
+    looked = sum(r.recorded.values())
+    if looked:
+        lines.append("recorded  " + "  ".join(f"{c} {n} ({n / looked:.1%})" for c, n in r.recorded.items())
+                     + f"   at {r.recorded_slots} slots/layer")
+    if r.replay:
+        rp = r.replay
+        lines.append(f"replay    {r.policy} from the recorded start: {rp['hits']} hits / {rp['misses']} misses vs "
+                     f"{rp['recorded_hits']} / {rp['recorded_misses']} recorded ({'match' if rp['match'] else 'DIFFERENT'})")
+    lines += ["", "layer  distinct  top-10% share  experts for 80%  token-to-token reuse  recorded hit rate"]
+    for l in r.per_layer:
+        rec = "-" if l.recorded_hit_rate is None else f"{l.recorded_hit_rate:.1%}"
+        lines.append(f"{l.layer:>5}  {l.unique:>4}/{l.experts:<4} {l.top10_share:>12.1%}  {l.cover80:>15}  "
+                     f"{l.reuse:>20.1%}  {rec:>17}")
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    lines.append(f"{'all':>5}  {mean([l.unique for l in r.per_layer]):>9.1f} {mean([l.top10_share for l in r.per_layer]):>12.1%}  "
+                 f"{mean([l.cover80 for l in r.per_layer]):>15.1f}  {mean([l.reuse for l in r.per_layer]):>20.1%}")
+    lines += ["", f"hit rate vs cache size (daemon policy: {r.policy})",
+              f"{'slots/layer':>11}  {'% experts':>9}  {'cache':>10}  {'LRU':>7}  {'daemon':>7}  {'Belady':>7}"]
+    for i, s in enumerate(r.sizes):
+        mark = "  <- recorded" if s == r.recorded_slots else ""
+        lines.append(f"{s:>11}  {s / r.experts:>9.1%}  {_gb(s * r.expert_bytes * r.layers):>10}  "
+                     f"{r.curves['LRU'][i]:>7.1%}  {r.curves['daemon'][i]:>7.1%}  {r.curves['Belady'][i]:>7.1%}{mark}")
+    return "\n".join(lines)
+
+
+# ---- plots ------------------------------------------------------------------------------------
+
+
+def write_plots(r: Report, out: Path) -> list[Path]:
+    """PNG plots (matplotlib, Agg backend): hit rate vs cache size, popularity, reuse, per pass."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    x = [100.0 * s / r.experts for s in r.sizes]
+    for name, style in (("LRU", "o-"), ("daemon", "s--"), ("Belady", "^-")):
+        label = f"daemon ({r.policy})" if name == "daemon" else ("Belady (offline optimum)" if name == "Belady" else name)
+        ax.plot(x, [100 * v for v in r.curves[name]], style, label=label)
+    ax.axvline(100.0 * r.recorded_slots / r.experts, color="grey", ls=":", label="recorded budget")
+    ax.set_xlabel("expert cache size (% of each layer's experts)")
+    ax.set_ylabel("hit rate (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(f"{r.model}: hit rate vs cache size ({r.tokens} tokens)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out / "hit_rate_vs_cache.png"))
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    share = r.popularity / np.maximum(1, r.popularity.sum(axis=1, keepdims=True))
+    im = a1.imshow(100 * share, aspect="auto", cmap="viridis", interpolation="nearest")
+    a1.set_xlabel("expert id")
+    a1.set_ylabel("MoE layer")
+    a1.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    a1.set_title("routing share per expert (%)")
+    fig.colorbar(im, ax=a1)
+    for layer in range(r.layers):
+        ranked = np.sort(share[layer])[::-1]
+        a2.plot(100 * np.arange(0, r.experts + 1) / r.experts, 100 * np.concatenate([[0], np.cumsum(ranked)]), alpha=0.6)
+    a2.plot([0, 100], [0, 100], "k:", label="uniform")
+    a2.set_xlabel("most used experts (% of the layer)")
+    a2.set_ylabel("routings covered (%)")
+    a2.set_title("popularity: cumulative share, one line per layer")
+    a2.grid(alpha=0.3)
+    a2.legend()
+    paths.append(_save(fig, out / "popularity.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    layers = [l.layer for l in r.per_layer]
+    ax.bar(layers, [100 * l.unique / l.experts for l in r.per_layer], alpha=0.5, label="distinct experts used (% of layer)")
+    ax.plot(layers, [100 * l.reuse for l in r.per_layer], "o-", color="C3", label="token-to-token reuse (%)")
+    ax.set_xlabel("MoE layer")
+    ax.set_ylabel("%")
+    ax.set_ylim(0, 105)
+    ax.set_title("distinct experts and token-to-token reuse per layer")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out / "reuse.png"))
+
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    idx = np.arange(len(r.pass_ms))
+    a1.plot(idx, r.pass_ms, label="pass wall ms", color="k", lw=1)
+    a1.plot(idx, r.pass_stall_ms, label="stall on reads ms", color="C3", lw=1)
+    a1.plot(idx, r.pass_router_ms, label="router read-back ms", color="C0", lw=1)
+    a1.set_yscale("log")
+    a1.set_ylabel("ms")
+    a1.set_title("why each forward pass took its time (pass 0 is the prompt)")
+    a1.legend()
+    a1.grid(alpha=0.3)
+    cls = np.array(r.pass_classes, dtype=float).reshape(-1, len(CLASSES))
+    bottom = np.zeros(len(idx))
+    for i, name in enumerate(CLASSES):
+        if cls[:, i].any():
+            a2.bar(idx, cls[:, i], bottom=bottom, label=name, width=1.0)
+            bottom += cls[:, i]
+    a2.set_xlabel("forward pass")
+    a2.set_ylabel("experts (all layers)")
+    a2.legend()
+    paths.append(_save(fig, out / "passes.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
