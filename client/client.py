@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import os
 import time
 import uuid
@@ -17,11 +18,13 @@ from typing import Any, Iterator
 
 import zmq
 
-from moed.protocol import MessageType, decode, encode
+from moed.protocol import ErrorCode, MessageType, decode, encode
 from moed.protocol import messages as wire
 
 from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
 from .events import DoneEvent, Event, TelemetryEvent, TokenEvent, TraceEvent
+
+log = logging.getLogger("moed.client")
 
 
 def default_socket_path() -> Path:
@@ -132,8 +135,95 @@ class Client:
         telemetry_every: int | None = None,
         resume_ids: list[int] | None = None,
         trace: bool = False,
+        resume: bool = False,
+        resume_timeout_s: float = 60.0,
+        max_resumes: int = 5,
     ) -> Iterator[Event]:
-        """Stream the events of one generation; ends after a DoneEvent or raises."""
+        """Stream the events of one generation; ends after a DoneEvent or raises.
+
+        With `resume=True`, a daemon that dies or restarts mid-stream (DaemonUnavailable,
+        DaemonRestarted, or out_of_memory / shutting_down followed by a new boot) is waited for
+        up to `resume_timeout_s`, and the request is resubmitted with the tokens received so far
+        as `resume_ids`: the daemon continues from there, so the caller sees one stream, identical
+        to an uninterrupted run for greedy decoding and for seeded sampling.
+        """
+        fields = dict(prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                      seed=seed, raw=raw, model=model, telemetry_every=telemetry_every, trace=trace)
+        if not resume:
+            yield from self._generate_once(request_id=request_id, resume_ids=resume_ids, **fields)
+            return
+        if temperature and seed is None:
+            # Sampling is keyed by (seed, position): fix the seed here so a resumed run draws the same.
+            fields["seed"] = int.from_bytes(os.urandom(7), "big")
+        received = list(resume_ids or [])
+        resumes = 0
+        while True:
+            # Resubmit one token short: the daemon regenerates it, and with it any text the
+            # detokenizer was still holding back when the stream broke; duplicates are dropped by index.
+            base = len(received)
+            context = received[:-1] if received and resumes else received
+            try:
+                for event in self._generate_once(request_id=None if resumes else request_id, resume_ids=context, **fields):
+                    if isinstance(event, TokenEvent):
+                        if event.index < base:
+                            continue
+                        received.extend(event.ids)
+                    elif isinstance(event, DoneEvent) and resumes:
+                        usage = {**event.usage, "completion_tokens": len(received), "resumes": resumes}
+                        event = DoneEvent(event.finish_reason, usage, event.timings, event.telemetry)
+                    yield event
+                return
+            except (DaemonUnavailable, RequestFailed) as exc:
+                failed_boot = self.boot_id
+                if isinstance(exc, RequestFailed):
+                    if exc.code not in (ErrorCode.OUT_OF_MEMORY, ErrorCode.SHUTTING_DOWN):
+                        raise
+                    # The daemon said it is going away: only a new daemon is worth resuming on.
+                    need_new_boot = True
+                else:
+                    need_new_boot = False
+                resumes += 1
+                if resumes > max_resumes:
+                    raise
+                log.warning("generation interrupted (%s); resuming after %d token(s)", exc, len(received))
+                self._await_daemon(time.monotonic() + resume_timeout_s, failed_boot if need_new_boot else None, exc)
+
+    def _await_daemon(self, deadline: float, not_boot: str | None, cause: Exception) -> dict:
+        """Reconnect until a daemon answers (a different one than `not_boot`, if given)."""
+        saved = self.timeout
+        try:
+            while True:
+                self.close()
+                self._buffered.clear()  # replies of the old connection are void
+                self.timeout = max(0.2, min(saved, deadline - time.monotonic()))
+                try:
+                    welcome = self.connect()
+                    if not_boot is None or welcome.get("boot_id") != not_boot:
+                        return welcome
+                except (DaemonUnavailable, RequestFailed):
+                    pass
+                if time.monotonic() >= deadline:
+                    raise cause
+                time.sleep(0.2)
+        finally:
+            self.timeout = saved
+
+    def _generate_once(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: list[int] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        raw: bool = False,
+        model: str | None = None,
+        request_id: Any = None,
+        telemetry_every: int | None = None,
+        resume_ids: list[int] | None = None,
+        trace: bool = False,
+    ) -> Iterator[Event]:
         self.connect()
         request_id = request_id if request_id is not None else self._next_id("gen")
         self.last_request_id = request_id
