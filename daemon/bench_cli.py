@@ -14,6 +14,10 @@ def bench() -> None:
 
 bench.add_command(bench_serve)
 
+from .telemetry.prewarm import prewarm as _bench_prewarm  # noqa: E402
+
+bench.add_command(_bench_prewarm)
+
 try:  # the expert-streaming benchmark lands with the streaming engine
     from .bench_stream import stream as _bench_stream
 
