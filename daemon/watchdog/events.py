@@ -46,6 +46,8 @@ class EventLog:
         except FileNotFoundError:
             pass
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        if _ends_mid_line(path):  # a writer died mid-line: end it, so our first line stands alone
+            os.write(self._fd, b"\n")
 
     def write(self, event: str, **fields: Any) -> dict:
         now = time.time()
@@ -64,6 +66,14 @@ class EventLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _ends_mid_line(path: Path) -> bool:
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 def read_events(path: Path) -> list[dict]:
