@@ -251,6 +251,7 @@ class Engine:
         self.sink = self._sink_factory()
         try:
             t0 = time.perf_counter()
+            log.info("loading %s (%s)", self.model_path, "resident" if self.serve.resident else f"streaming, budget {self.serve.cache_budget}")
             self.loaded = load_model(self.serve, self.model_path)
             self.status.update(
                 state=DaemonState.READY.value,

@@ -21,8 +21,9 @@ from .config import ConfigError, PageCachePolicy, load_config
 @click.option("--page-cache", type=click.Choice([p.value for p in PageCachePolicy]), help="Bypass or trust the OS page cache.")
 @click.option("--state-dir", type=click.Path(path_type=Path), help="Where state files live.")
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on 127.0.0.1:PORT.")
+@click.option("--trace-dir", help="Record a router trace of every generation into this folder (.moetrace files).")
 @click.option("--log-level", default="INFO", show_default=True)
-def serve(model, socket_path, config_file, cache_budget, resident, prefetch_workers, page_cache, state_dir, metrics_port, log_level) -> None:
+def serve(model, socket_path, config_file, cache_budget, resident, prefetch_workers, page_cache, state_dir, metrics_port, trace_dir, log_level) -> None:
     """Run the daemon in the foreground until SIGTERM or `moe stop`."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
@@ -37,6 +38,7 @@ def serve(model, socket_path, config_file, cache_budget, resident, prefetch_work
                 "page_cache": page_cache,
                 "state_dir": state_dir,
                 "metrics_port": metrics_port,
+                "trace_dir": trace_dir,
             },
         )
     except ConfigError as exc:

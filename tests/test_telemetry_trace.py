@@ -70,7 +70,7 @@ def test_trace_chunks_stream_before_done_and_resident_sends_none(tiny_model, dae
 
 def test_trace_dir_records_every_generation(tiny_model, daemon_factory, tmp_path):
     folder = tmp_path / "traces"
-    d = daemon_factory(tiny_model, "--cache-budget", BUDGET, env={"MOED_TRACE_DIR": str(folder)})
+    d = daemon_factory(tiny_model, "--cache-budget", BUDGET, "--trace-dir", str(folder))
     with d.client() as c:
         for i in range(2):
             list(c.generate(f"hello {i}", max_tokens=4, raw=True, request_id=f"req/{i}"))
