@@ -245,7 +245,7 @@ class ExpertStreamer:
         mx.eval(out)
         self.counters.expert_compute_s += time.perf_counter() - t0
 
-    def _read(self, pool: LayerPool, loads: list[tuple[int, int]], warm: bool = False) -> None:
+    def _read(self, pool: LayerPool, loads: list[tuple[int, int]]) -> None:
         jobs = self.store.jobs_for(pool, loads)
         try:
             res = self.reader.read(jobs)
@@ -255,12 +255,8 @@ class ExpertStreamer:
         c = self.counters
         c.reads += len(jobs)
         c.read_s += res.read_s
-        if warm:
-            c.warm_bytes += res.bytes_read
-            c.warm_s += res.wall_s
-        else:
-            c.bytes_read += res.bytes_read
-            c.stall_s += res.wall_s
+        c.bytes_read += res.bytes_read
+        c.stall_s += res.wall_s
 
     # -- public API ------------------------------------------------------------------------
 
@@ -343,17 +339,38 @@ class ExpertStreamer:
         counts = profile_mod.load_profile(path, self.layout.num_experts) if path else None
         if counts is None:
             return 0
-        before = self.counters.warm_bytes
+        chosen = []
         for pool, layer_counts in zip(self.pools, counts):
             used = np.flatnonzero(layer_counts)
             top = used[np.argsort(-layer_counts[used], kind="stable")][: pool.slots]
-            if top.size == 0:
-                continue
             # Least used first, so the LRU order keeps the most used longest.
-            _hits, loads = pool.admit(sorted(top.tolist(), key=lambda e: layer_counts[e]))
+            chosen.append(sorted(top.tolist(), key=lambda e: layer_counts[e]))
+        return self.preload(chosen)
+
+    def preload(self, experts_by_layer: list[list[int]]) -> int:
+        """Load these experts of each layer (at most `slots`; the last listed are kept longest),
+        all layers' reads in one parallel batch. Returns bytes read (counted as warm_bytes)."""
+        jobs, admitted = [], []
+        for pool, experts in zip(self.pools, experts_by_layer):
+            experts = [int(e) for e in experts][-pool.slots :]
+            if not experts:
+                continue
+            _hits, loads = pool.admit(experts)
             if loads:
-                self._read(pool, loads, warm=True)
-        return self.counters.warm_bytes - before
+                admitted.append((pool, loads))
+                jobs += self.store.jobs_for(pool, loads)
+        try:
+            res = self.reader.read(jobs)
+        except BaseException:
+            for pool, loads in admitted:
+                pool.forget(loads)
+            raise
+        c = self.counters
+        c.reads += len(jobs)
+        c.read_s += res.read_s
+        c.warm_bytes += res.bytes_read
+        c.warm_s += res.wall_s
+        return res.bytes_read
 
     def close(self) -> None:
         self.reader.close()

@@ -1,0 +1,494 @@
+"""`moed bench stream`: expert streaming against resident mlx-lm, measured side by side in one run.
+
+Writes a generated 4-bit checkpoint with the expert shapes of Qwen3.6-35B-A3B (hidden 2048,
+expert width 512, 256 experts, top-8; only a few layers so it runs anywhere), then for the
+resident model and each cache budget: decode tokens/s, expert read bandwidth against raw parallel
+`pread` of the same files with the page cache dropped, bytes read per token against misses x
+expert size, hit rate against Belady's offline optimum on the same routing trace, and where the
+time of a token goes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import click
+
+PROMPT_TOKENS = 8  # short prompts: a prefill chunk fits the smallest budget in one pass
+
+
+# -- the generated checkpoint ----------------------------------------------------------------
+
+
+def bench_config(layers: int, hidden: int, width: int, experts: int, top_k: int, vocab: int, bits: int, group: int) -> dict:
+    heads = max(2, hidden // 128)
+    quant = {"group_size": group, "bits": bits}
+    for i in range(layers):
+        quant[f"model.layers.{i}.mlp.gate"] = {"group_size": 64, "bits": 8}  # routers stay 8-bit, as mlx-lm converts them
+    return {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": 4 * width,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 8),
+        "head_dim": 128,
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": width,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "rope_theta": 10000000.0,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 8192,
+        "norm_topk_prob": True,
+        "quantization": quant,
+        "quantization_config": quant,
+    }
+
+
+def write_bench_model(dest: Path, config: dict, dtype: str, seed: int = 0) -> Path:
+    """Non-expert weights from the mlx-lm model class; expert tensors written directly in the
+    quantized layout (random packed weights, scales and biases), one shard per layer, so the
+    full-precision experts never exist in memory."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    dest.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    rng = np.random.default_rng(seed)
+    mx_dtype = getattr(mx, dtype)
+    quant = config["quantization"]
+    bits, group = quant["bits"], quant["group_size"]
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+
+    def predicate(path, module):
+        if "switch_mlp" in path or not hasattr(module, "to_quantized"):
+            return False
+        return quant.get(path, True)
+
+    # The stacked experts' random init stays a lazy graph that is never evaluated.
+    nn.quantize(model, group_size=group, bits=bits, class_predicate=predicate)
+    resident = {k: v for k, v in tree_flatten(model.parameters()) if ".switch_mlp." not in k}
+    resident = {k: (v.astype(mx_dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in resident.items()}
+    mx.eval(resident)
+
+    layers = config["num_hidden_layers"]
+    E, H, W = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
+    shards = layers
+    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    weight_map: dict[str, str] = {}
+    total = 0
+    per_word = 32 // bits
+    for layer in range(layers):
+        tensors: dict[str, mx.array] = {}
+        if layer == 0:
+            tensors.update({k: v for k, v in resident.items() if ".layers." not in k})
+        tensors.update({k: v for k, v in resident.items() if f".layers.{layer}." in k})
+        for proj, (out_dim, in_dim) in (("gate_proj", (W, H)), ("up_proj", (W, H)), ("down_proj", (H, W))):
+            prefix = f"model.layers.{layer}.mlp.switch_mlp.{proj}"
+            packed = rng.integers(0, 2**32, size=(E, out_dim, in_dim // per_word), dtype=np.uint32)
+            # Dequantized weights ~ uniform(-1/sqrt(in), 1/sqrt(in)) with a little spread per group.
+            levels = 2**bits - 1
+            scale = (2.0 / (levels * np.sqrt(in_dim))) * (1.0 + 0.1 * rng.standard_normal((E, out_dim, in_dim // group), dtype=np.float32))
+            tensors[f"{prefix}.weight"] = mx.array(packed)
+            tensors[f"{prefix}.scales"] = mx.array(scale.astype(np.float32)).astype(mx_dtype)
+            tensors[f"{prefix}.biases"] = mx.array((-levels / 2.0 * scale).astype(np.float32)).astype(mx_dtype)
+            del packed, scale
+        mx.eval(tensors)
+        mx.save_safetensors(str(dest / names[layer]), tensors, metadata={"format": "mlx"})
+        for k, v in tensors.items():
+            weight_map[k] = names[layer]
+            total += v.nbytes
+        del tensors
+    (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    cfg = dict(config)
+    cfg["torch_dtype"] = dtype
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    return dest
+
+
+# -- routing-trace analysis ------------------------------------------------------------------
+
+
+def simulate(trace: list[list[set[int]]], slots: int, policy: str) -> tuple[int, int]:
+    """(hits, misses) of one layer-by-layer trace [call][layer] -> experts, counted as the
+    streamer counts them (each distinct expert of a call once), for "lru" or "belady"."""
+    hits = misses = 0
+    layers = len(trace[0]) if trace else 0
+    for layer in range(layers):
+        seq = [call[layer] for call in trace]
+        h, m = (_belady if policy == "belady" else _lru)(seq, slots)
+        hits += h
+        misses += m
+    return hits, misses
+
+
+def _passes(need: set[int], resident, slots: int) -> list[list[int]]:
+    """Split a call like ExpertStreamer.plan_passes: resident experts first, `slots` per pass."""
+    ordered = sorted(e for e in need if e in resident) + sorted(e for e in need if e not in resident)
+    return [ordered[i : i + slots] for i in range(0, len(ordered), slots)]
+
+
+def _lru(seq: list[set[int]], slots: int) -> tuple[int, int]:
+    from collections import OrderedDict
+
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = misses = 0
+    for need in seq:
+        for chunk in _passes(need, cache, slots):
+            wanted = set(chunk)
+            for e in chunk:
+                if e in cache:
+                    hits += 1
+                    cache.move_to_end(e)
+            for e in chunk:
+                if e in cache:
+                    continue
+                misses += 1
+                if len(cache) >= slots:
+                    victim = next(x for x in cache if x not in wanted)
+                    del cache[victim]
+                cache[e] = None
+    return hits, misses
+
+
+def _belady(seq: list[set[int]], slots: int) -> tuple[int, int]:
+    """Evict the resident expert used farthest in the future (Belady's MIN), same pass rule."""
+    uses: dict[int, list[int]] = {}
+    for t, need in enumerate(seq):
+        for e in need:
+            uses.setdefault(e, []).append(t)
+    never = len(seq) + 1
+
+    def next_use(e: int, t: int) -> int:
+        u = uses[e]
+        i = bisect.bisect_right(u, t)
+        return u[i] if i < len(u) else never
+
+    cache: set[int] = set()
+    hits = misses = 0
+    for t, need in enumerate(seq):
+        chunks = _passes(need, cache, slots)
+        for i, chunk in enumerate(chunks):
+            later = {e for c in chunks[i + 1 :] for e in c}  # still needed by this call
+            missing = [e for e in chunk if e not in cache]
+            hits += len(chunk) - len(missing)
+            misses += len(missing)
+            overflow = len(cache) + len(missing) - slots
+            if overflow > 0:
+                wanted = set(chunk)
+                candidates = sorted((e for e in cache if e not in wanted),
+                                    key=lambda e: t if e in later else next_use(e, t), reverse=True)
+                cache.difference_update(candidates[:overflow])
+            cache.update(missing)
+    return hits, misses
+
+
+# -- measurements ----------------------------------------------------------------------------
+
+
+def drop_page_cache(files: list[Path]) -> None:
+    """Drop the files' clean cached pages (no root needed); later reads come from the device."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_pread_bandwidth(model_path: Path, workers: int, sample_bytes: int, seed: int = 0) -> dict:
+    """Parallel pread of expert-sized slices (every tensor of randomly chosen experts) with the
+    page cache dropped, with the streamer's worker count: the bandwidth the store could reach."""
+    from .experts.memory_plan import _EXPERT_TENSOR
+    from .experts.safetensors_index import CheckpointIndex
+
+    index = CheckpointIndex(model_path)
+    owners: dict[str, list] = {}
+    for name, loc in index.tensors.items():
+        m = _EXPERT_TENSOR.match(name)
+        if m:
+            owners.setdefault(m.group("owner"), []).append(loc)
+    pairs = [(owner, e) for owner, locs in owners.items() for e in range(locs[0].shape[0])]
+    random.Random(seed).shuffle(pairs)
+    jobs, total = [], 0
+    for owner, e in pairs:
+        for loc in owners[owner]:
+            off, n = loc.expert_range(e)
+            jobs.append((loc.file, off, n))
+            total += n
+        if total >= sample_bytes:
+            break
+    drop_page_cache(index.files)
+    fds = {f: os.open(f, os.O_RDONLY) for f in index.files}
+    for fd in fds.values():
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    bufs = [bytearray(max(n for _, _, n in jobs)) for _ in range(workers)]
+    import threading
+
+    local = threading.local()
+    counter = iter(range(workers))
+    lock = threading.Lock()
+
+    def read(job):
+        if not hasattr(local, "buf"):
+            with lock:
+                local.buf = memoryview(bufs[next(counter)])
+        f, off, n = job
+        got = os.preadv(fds[f], [local.buf[:n]], off)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fds[f], off, n, os.POSIX_FADV_DONTNEED)
+        return got
+
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            done = sum(pool.map(read, jobs))
+        wall = time.perf_counter() - t0
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return {"bytes": done, "seconds": wall, "mb_s": done / wall / 1e6, "reads": len(jobs), "workers": workers}
+
+
+@dataclass
+class RunResult:
+    name: str
+    slots: int = 0
+    tokens: list[int] = field(default_factory=list)
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    counters: dict = field(default_factory=dict)  # decode-phase deltas of the streamer's counters
+    hits_total: int = 0
+    misses_total: int = 0
+    lru_sim: tuple[int, int] = (0, 0)
+    belady: tuple[int, int] = (0, 0)
+    expert_bytes: int = 0
+
+    @property
+    def tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+
+def _prompt(seed: int, vocab: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
+
+
+def _generate(model, prompt, max_tokens, on_first=None) -> tuple[list[int], float, int]:
+    """Greedy tokens and the decode-phase time (from the first token to the last)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    out, t_first = [], None
+    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        out.append(int(tok))
+        if t_first is None:
+            if on_first:
+                on_first()
+            t_first = time.perf_counter()
+    return out, time.perf_counter() - t_first, len(out) - 1
+
+
+def run_resident(path: Path, warm_prompt, prompt, warmup: int, tokens: int) -> RunResult:
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(path)
+    _generate(model, warm_prompt, warmup)
+    toks, secs, n = _generate(model, prompt, tokens)
+    del model
+    mx.clear_cache()
+    return RunResult("resident", tokens=toks, decode_tokens=n, decode_s=secs)
+
+
+def run_streaming(path: Path, budget: str, workers: int, page_cache: str, warm_prompt, prompt, warmup: int, tokens: int,
+                  preload_all: bool = False) -> RunResult:
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    from .config import PageCachePolicy
+    from .experts import CUMULATIVE_KEYS, StreamingConfig, install_streaming
+
+    model, _ = load_model(path, lazy=True)
+    streamer = install_streaming(model, path, StreamingConfig(cache_budget=budget, prefetch_workers=workers,
+                                                              page_cache=PageCachePolicy(page_cache)))
+    mx.eval(model.parameters())
+    drop_page_cache(streamer.index.files)
+    if preload_all:
+        streamer.preload([list(range(n)) for n in streamer.layout.num_experts])
+    streamer.trace = []
+    try:
+        _generate(model, warm_prompt, warmup)
+        marks = {}
+        toks, secs, n = _generate(model, prompt, tokens, on_first=lambda: marks.setdefault("first", streamer.snapshot()))
+        end = streamer.snapshot()
+        first = marks["first"]
+        deltas = {k: end[k] - first[k] for k in CUMULATIVE_KEYS}
+        trace = [[set(layer.tolist()) for layer in call] for call in streamer.trace]
+        slots = min(streamer.slots)
+        res = RunResult(budget + ("+pre" if preload_all else ""), slots=slots, tokens=toks, decode_tokens=n, decode_s=secs, counters=deltas,
+                        hits_total=end["hits"], misses_total=end["misses"], expert_bytes=end["expert_bytes"])
+        if not preload_all:  # the simulations start from an empty cache
+            res.lru_sim = simulate(trace, slots, "lru")
+            res.belady = simulate(trace, slots, "belady")
+        return res
+    finally:
+        streamer.close()
+        del model
+        mx.clear_cache()
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b else "-"
+
+
+def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) -> str:
+    lines = [
+        f"moed bench stream: {meta['layers']} MoE layers x {meta['experts']} experts (top-{meta['top_k']}), hidden {meta['hidden']}, "
+        f"expert width {meta['width']}, {meta['bits']}-bit {meta['dtype']}; one expert {meta['expert_bytes'] / 1e6:.2f} MB, "
+        f"experts {meta['experts_bytes'] / 1e9:.2f} GB",
+        f"decode {meta['tokens']} tokens after a {meta['warmup']}-token warm-up; {raw['workers']} read workers; page cache: {meta['page_cache']}",
+        f"raw parallel pread, page cache dropped: {raw['mb_s']:.0f} MB/s ({raw['bytes'] / 1e6:.0f} MB in {raw['reads']} expert-tensor reads)",
+        "",
+        f"{'budget':>8} {'slots':>5} {'tok/s':>7} {'x res':>6} {'same':>5} {'hit%':>6} {'belady%':>8} {'hit/opt':>7} "
+        f"{'MB/tok':>7} {'B/(miss*E)':>10} {'read MB/s':>9} {'x raw':>6}",
+        f"{'resident':>8} {'-':>5} {resident.tok_s:7.2f} {1.0:6.2f} {'-':>5}",
+    ]
+    for r in runs:
+        c = r.counters
+        hr = r.hits_total / (r.hits_total + r.misses_total) if r.hits_total + r.misses_total else 0.0
+        bh, bm = r.belady
+        opt = bh / (bh + bm) if bh + bm else 0.0
+        if r.name.endswith("+pre"):
+            hr = opt = 1.0 if not r.misses_total else r.hits_total / (r.hits_total + r.misses_total)
+        mb_tok = c["bytes_read"] / r.decode_tokens / 1e6 if r.decode_tokens else 0.0
+        exact = c["bytes_read"] / (c["misses"] * r.expert_bytes) if c["misses"] else 0.0
+        bw = c["bytes_read"] / c["stall_s"] / 1e6 if c["stall_s"] and c["bytes_read"] > 16 * r.expert_bytes else 0.0
+        lines.append(
+            f"{r.name:>8} {r.slots:5d} {r.tok_s:7.2f} {_ratio(r.tok_s, resident.tok_s):>6} {'yes' if r.tokens == resident.tokens else 'NO':>5} "
+            f"{100 * hr:6.1f} {100 * opt:8.1f} {_ratio(hr, opt):>7} {mb_tok:7.1f} {(f'{exact:.3f}' if exact else '-'):>10} "
+            f"{(f'{bw:.0f}' if bw else '-'):>9} {(_ratio(bw, raw['mb_s']) if bw else '-'):>6}"
+        )
+    sim_ok = all(r.lru_sim == (r.hits_total, r.misses_total) for r in runs if not r.name.endswith("+pre"))
+    lines.append(f"(an LRU simulation of the same trace {'reproduces' if sim_ok else 'DOES NOT reproduce'} the streamer's hits and misses)")
+    lines += ["", "time per decode token (ms):",
+              f"{'budget':>8} {'wall':>7} {'attn+router':>11} {'experts':>8} {'readback':>8} {'stall':>7} {'reads*':>7} {'python':>7}"]
+    lines.append(f"{'resident':>8} {1e3 / resident.tok_s if resident.tok_s else 0:7.2f}")
+    for r in runs:
+        c, n = r.counters, max(1, r.decode_tokens)
+        wall = r.decode_s / n
+        sync, copy = c["router_sync_s"] / n, c["router_copy_s"] / n
+        comp, stall, reads = c["expert_compute_s"] / n, c["stall_s"] / n, c["read_s"] / n
+        other = wall - sync - copy - comp - stall
+        lines.append(f"{r.name:>8} {1e3 * wall:7.2f} {1e3 * sync:11.2f} {1e3 * comp:8.2f} {1e3 * copy:8.2f} {1e3 * stall:7.2f} "
+                     f"{1e3 * reads:7.2f} {1e3 * other:7.2f}")
+    lines += [
+        "",
+        "100%+pre: every expert preloaded before the warm-up (no cold misses): the streaming machinery's own cost.",
+        "same: greedy tokens identical to resident. hit%: all calls (warm-up + decode); belady%: offline optimum",
+        "on the same routing trace and slots. B/(miss*E): decode bytes read / (misses x expert bytes).",
+        "read MB/s: decode bytes read / time stalled on reads. attn+router: evaluating the graph up to the router",
+        "(forced by the router read-back); readback: copying indices to the host and planning; reads*: worker",
+        "time summed over parallel reads (overlaps the stall); python: the rest (Python per-layer overhead).",
+    ]
+    return "\n".join(lines)
+
+
+@click.command("stream")
+@click.option("--layers", default=4, show_default=True, help="MoE layers of the generated model")
+@click.option("--tokens", default=48, show_default=True, help="decode tokens measured per run")
+@click.option("--warmup", default=16, show_default=True, help="tokens generated first (another prompt) to warm the cache")
+@click.option("--budgets", default="25%,50%,100%", show_default=True, help="comma-separated cache budgets")
+@click.option("--prefetch-workers", default=0, show_default=True, help="read workers (0: sized to the machine)")
+@click.option("--page-cache", type=click.Choice(["bypass", "trust", "auto"]), default="bypass", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto", show_default=True,
+              help="scales/biases and non-expert weights; auto: bfloat16 on Metal, float32 on the CPU (bf16 is ~9x slower there)")
+@click.option("--hidden", default=2048, show_default=True)
+@click.option("--expert-width", default=512, show_default=True)
+@click.option("--experts", default=256, show_default=True)
+@click.option("--top-k", default=8, show_default=True)
+@click.option("--vocab", default=8192, show_default=True)
+@click.option("--model-dir", type=click.Path(path_type=Path), default=None,
+              help="write (or reuse) the generated model here; default: a temporary directory, removed after")
+@click.option("--raw-sample-mb", default=512, show_default=True, help="bytes read by the raw pread measurement")
+@click.option("--preloaded/--no-preloaded", default=True, show_default=True,
+              help="also run 100% with every expert preloaded (the machinery's own overhead, no cold misses)")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="also write the results as JSON")
+@click.option("--seed", default=0, show_default=True)
+def stream(layers, tokens, warmup, budgets, prefetch_workers, page_cache, dtype, hidden, expert_width, experts, top_k,
+           vocab, model_dir, raw_sample_mb, preloaded, json_out, seed) -> None:
+    """Expert streaming vs resident mlx-lm on a model with Qwen3.6-35B-A3B expert shapes."""
+    from .experts.prefetch import default_workers
+
+    if dtype == "auto":
+        import mlx.core as mx
+
+        dtype = "bfloat16" if mx.metal.is_available() else "float32"
+    config = bench_config(layers, hidden, expert_width, experts, top_k, vocab, bits=4, group=64)
+    cleanup = model_dir is None
+    path = Path(model_dir) if model_dir else Path(tempfile.mkdtemp(prefix="moed-bench-stream-"))
+    try:
+        existing = path / "config.json"
+        if not (existing.exists() and _same_config(existing, config, dtype)):
+            click.echo(f"writing the benchmark model to {path} ...", err=True)
+            t0 = time.perf_counter()
+            write_bench_model(path, config, dtype, seed)
+            click.echo(f"  written in {time.perf_counter() - t0:.1f} s", err=True)
+        workers = prefetch_workers or default_workers()
+        warm_prompt, prompt = _prompt(seed + 1, vocab), _prompt(seed + 2, vocab)
+
+        click.echo("resident mlx-lm ...", err=True)
+        drop_page_cache(sorted(path.glob("model*.safetensors")))
+        resident = run_resident(path, warm_prompt, prompt, warmup, tokens)
+        runs = []
+        for budget in [b.strip() for b in budgets.split(",") if b.strip()]:
+            click.echo(f"streaming at {budget} ...", err=True)
+            runs.append(run_streaming(path, budget, workers, page_cache, warm_prompt, prompt, warmup, tokens))
+        if preloaded:
+            click.echo("streaming at 100% with every expert preloaded ...", err=True)
+            runs.append(run_streaming(path, "100%", workers, page_cache, warm_prompt, prompt, warmup, tokens, preload_all=True))
+        click.echo("raw parallel pread ...", err=True)
+        raw = raw_pread_bandwidth(path, workers, raw_sample_mb * 10**6, seed)
+
+        expert_bytes = runs[0].expert_bytes if runs else 0
+        meta = {"layers": layers, "experts": experts, "top_k": top_k, "hidden": hidden, "width": expert_width, "bits": 4,
+                "dtype": dtype, "expert_bytes": expert_bytes, "experts_bytes": expert_bytes * experts * layers,
+                "tokens": tokens, "warmup": warmup, "page_cache": page_cache}
+        click.echo(report(meta, raw, resident, runs))
+        if json_out:
+            json_out.write_text(json.dumps({"meta": meta, "raw": raw, "resident": asdict(resident),
+                                            "runs": [asdict(r) for r in runs]}, indent=2, default=list))
+    finally:
+        if cleanup:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _same_config(path: Path, config: dict, dtype: str) -> bool:
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return saved == {**config, "torch_dtype": dtype}
