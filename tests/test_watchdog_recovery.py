@@ -171,15 +171,16 @@ def test_signal_mid_generation_is_a_typed_error_within_2s(sig, supervisor, tiny_
     assert second["last_crash"]["kind"] == "unclean_exit" and second["last_crash"]["boot_id"] == first["boot_id"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGABRT, signal.SIGKILL], ids=["SIGABRT", "SIGKILL"])
-def test_resume_after_a_crash_gives_the_identical_stream(sig, supervisor, tiny_model):
+def test_resume_after_sigabrt_gives_the_identical_stream(supervisor, tiny_model):
+    # SIGABRT is what MLX before 0.32 does on a Metal OOM; SIGKILL is covered by `moe run --resume`.
+    sig = signal.SIGABRT
     sup = supervisor(tiny_model, "--resident")
     first = sup.wait_ready()
-    # Long enough (~3 s here) that the kill lands mid-stream, not after the daemon is done.
-    ref_ids, ref_text = _reference(sup, 2000)
+    # Long enough (~1.5 s here) that the kill lands mid-stream, not after the daemon is done.
+    ref_ids, ref_text = _reference(sup, 1000)
     ids, text, done = [], [], None
     with Client(sup.socket) as c:
-        for event in c.generate(PROMPT, max_tokens=2000, raw=True, resume=True, resume_timeout_s=60):
+        for event in c.generate(PROMPT, max_tokens=1000, raw=True, resume=True, resume_timeout_s=60):
             if isinstance(event, TokenEvent):
                 ids += event.ids
                 text.append(event.text)
@@ -190,15 +191,15 @@ def test_resume_after_a_crash_gives_the_identical_stream(sig, supervisor, tiny_m
     assert sup.exits == [-sig]  # it really died once, mid-stream
     assert ids == ref_ids
     assert "".join(text) == ref_text
-    assert done.finish_reason == "length" and done.usage["completion_tokens"] == 2000 and done.usage["resumes"] == 1
+    assert done.finish_reason == "length" and done.usage["completion_tokens"] == 1000 and done.usage["resumes"] == 1
 
 
 def test_moe_run_resume(supervisor, tiny_model):
     sup = supervisor(tiny_model, "--resident")
     first = sup.wait_ready()
-    _, ref_text = _reference(sup, 2000)
+    _, ref_text = _reference(sup, 1000)
     cmd = [sys.executable, "-m", "moed.client.cli", "--socket", str(sup.socket), "run", "--raw", "--no-start",
-           "--max-tokens", "2000", "--resume", PROMPT]
+           "--max-tokens", "1000", "--resume", PROMPT]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         # Some text has arrived: the stream is under way. (A raw read: communicate() below reads the
