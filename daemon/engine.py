@@ -114,7 +114,8 @@ _CUMULATIVE = frozenset(
 class Generation:
     """One request's decoding state: its own KV cache, sampler and detokenizer."""
 
-    def __init__(self, job: GenerateJob, loaded: LoadedModel, serve: ServeConfig, stream_snapshot: dict | None):
+    def __init__(self, job: GenerateJob, loaded: LoadedModel, serve: ServeConfig, stream_snapshot: dict | None,
+                 on_progress: Callable[[], None] | None = None):
         import mlx.core as mx
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
@@ -156,6 +157,8 @@ class Generation:
             max_tokens=max_tokens - len(resume_ids),
             sampler=sampler,
             prompt_cache=make_prompt_cache(loaded.model),
+            # A long prefill yields no token for a while; report progress so the watchdog waits.
+            prompt_progress_callback=lambda done, total: on_progress() if on_progress else None,
         )
 
     def step(self) -> tuple[int | None, FinishReason | None]:
@@ -319,7 +322,8 @@ class Engine:
             self._emit_terminal_cancel(job, reason)
             return
         try:
-            gen = Generation(job, self.loaded, self.serve, self._stream_snapshot())
+            gen = Generation(job, self.loaded, self.serve, self._stream_snapshot(),
+                             on_progress=lambda: self.status.update(last_progress_at=time.time()))
             gen.trace = start_request_trace(self.loaded, job, self.serve, lambda m, i=job.identity: self.sink.emit(i, m),
                                             gen.prompt_tokens)
             self._active[job.key] = gen

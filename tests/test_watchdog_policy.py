@@ -159,6 +159,15 @@ def test_tokens_flowing_is_progress():
     assert actions(out) == []
 
 
+def test_a_long_prefill_reporting_progress_is_not_wedged():
+    clock = Clock(Policy(PARAMS))
+    out = []
+    for _ in range(300):  # no token for 300 s, but a prefill chunk finishes every second
+        busy = replace(DAEMON, busy=True, active_requests=1, last_token_at=None, last_progress_at=clock.wall0 + clock.t)
+        out.append(clock.feed(0, daemon=busy))
+    assert actions(out) == []
+
+
 def test_silent_but_alive_daemon_is_wedged():
     clock = Clock(Policy(PARAMS))
     clock.feed(0)  # known daemon

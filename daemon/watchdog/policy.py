@@ -64,6 +64,7 @@ class DaemonReading:
     busy: bool = False
     active_requests: int = 0
     last_token_at: float | None = None  # unix time of the last token produced
+    last_progress_at: float | None = None  # unix time of the last prefill chunk (long prompts)
 
 
 @dataclass(frozen=True)
@@ -240,11 +241,15 @@ class Policy:
             reasons.append("memory pressure is critical")
         return "; ".join(reasons) or None
 
+    def _progress_ref(self, s: Sample) -> float:
+        """The last sign of progress: a token, a prefill chunk, or this request becoming busy."""
+        d = s.daemon
+        return max(d.last_token_at or 0.0, d.last_progress_at or 0.0, self.busy_since_wall or s.wall)
+
     def _wedged_reason(self, s: Sample) -> str | None:
         d, timeout = s.daemon, self.params.progress_timeout_s
         if d.reachable and d.busy:
-            since = max(d.last_token_at or 0.0, self.busy_since_wall or s.wall)
-            stalled = s.wall - since
+            stalled = s.wall - self._progress_ref(s)
             if stalled >= timeout:
                 return f"busy with {d.active_requests} request(s) and no token for {stalled:.1f} s (limit {timeout:g} s)"
         elif not d.reachable and d.alive and self.unreachable_since_wall is not None and self.identity is not None:
@@ -258,7 +263,7 @@ class Policy:
         growth = None if s.swap_used_bytes is None or self.baseline is None else s.swap_used_bytes - self.baseline
         stalled = None
         if d.reachable and d.busy:
-            stalled = round(s.wall - max(d.last_token_at or 0.0, self.busy_since_wall or s.wall), 3)
+            stalled = round(s.wall - self._progress_ref(s), 3)
         return {
             "swap_used_mb": None if s.swap_used_bytes is None else round(s.swap_used_bytes / _MIB, 1),
             "swap_baseline_mb": None if self.baseline is None else round(self.baseline / _MIB, 1),

@@ -126,6 +126,7 @@ class Sampler:
                 busy=bool(status.get("busy")),
                 active_requests=_int(status.get("active_requests")) or 0,
                 last_token_at=_float(status.get("last_token_at")),
+                last_progress_at=_float(status.get("last_progress_at")),
             )
         else:
             daemon = DaemonReading(
