@@ -9,6 +9,7 @@ held its expert (`mx.where` selects, it does not add), so results stay bit-ident
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,7 @@ class StreamingSwitch(nn.Module):
         return self._proj("fc2", self.activation(x), idx, do_sort, pools)
 
     def __call__(self, x, indices) -> mx.array:
+        t0 = time.perf_counter()
         streamer, layer = self._streamer, self._layer
         host = streamer.route(layer, indices)
         passes = streamer.plan_passes(layer, host)
@@ -104,4 +106,5 @@ class StreamingSwitch(nn.Module):
         out = out.squeeze(-2)
         # Evaluate before returning so no later eviction can race a pending read of a slot.
         streamer.finish(out)
+        streamer.counters.layer_s += time.perf_counter() - t0
         return out

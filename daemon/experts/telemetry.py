@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 # Snapshot keys that accumulate (per-request telemetry reports their differences); others are gauges.
 CUMULATIVE_KEYS = frozenset({
     "hits", "misses", "tokens", "layer_calls", "passes", "bytes_read", "reads", "evictions", "read_s", "stall_s",
-    "router_readback_s", "router_sync_s", "router_copy_s", "expert_compute_s", "warm_bytes", "warm_s",
+    "router_readback_s", "router_sync_s", "router_copy_s", "expert_compute_s", "layer_s", "layer_python_s",
+    "warm_bytes", "warm_s",
 })
 
 
@@ -32,6 +33,7 @@ class Counters:
     router_sync_s: float = 0.0  # evaluating the pending graph up to the router (forced by the read-back)
     router_copy_s: float = 0.0  # copying the indices to the host and planning the layer
     expert_compute_s: float = 0.0  # evaluating the expert outputs
+    layer_s: float = 0.0  # wall time inside streaming layers (all of the above plus their Python)
     warm_bytes: int = 0  # read by warm(), not counted as misses
     warm_s: float = 0.0
 
@@ -57,6 +59,8 @@ class Counters:
             "router_sync_s": self.router_sync_s,
             "router_copy_s": self.router_copy_s,
             "expert_compute_s": self.expert_compute_s,
+            "layer_s": self.layer_s,
+            "layer_python_s": max(0.0, self.layer_s - self.router_sync_s - self.router_copy_s - self.stall_s - self.expert_compute_s),
             "warm_bytes": self.warm_bytes,
             "warm_s": self.warm_s,
         }
