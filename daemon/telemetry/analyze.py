@@ -327,6 +327,8 @@ def write_plots(r: Report, out: Path) -> list[Path]:
         label = f"daemon ({r.policy})" if name == "daemon" else ("Belady (offline optimum)" if name == "Belady" else name)
         ax.plot(x, [100 * v for v in r.curves[name]], style, label=label)
     ax.axvline(100.0 * r.recorded_slots / r.experts, color="grey", ls=":", label="recorded budget")
+    if x and x[-1] / x[0] > 10:
+        ax.set_xscale("log")  # the grid is geometric: small caches are where the curves differ
     ax.set_xlabel("expert cache size (% of each layer's experts)")
     ax.set_ylabel("hit rate (%)")
     ax.set_ylim(0, 100)
