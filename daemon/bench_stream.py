@@ -299,69 +299,107 @@ def _prompt(seed: int, vocab: int) -> list[int]:
     return [rnd.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
 
 
-def _generate(model, prompt, max_tokens, on_first=None) -> tuple[list[int], float, int, list[float]]:
-    """Greedy tokens, the decode-phase time (first token to last), decode tokens, per-token times."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
+class Contender:
+    """One model under test (resident or streaming), stepped one decode token at a time so that
+    every contender sees the same machine conditions (the runs are interleaved token by token)."""
 
-    out, stamps = [], []
-    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
-        out.append(int(tok))
-        if not stamps and on_first:
-            on_first()
-        stamps.append(time.perf_counter())
-    per_token = [b - a for a, b in zip(stamps, stamps[1:])]
-    return out, stamps[-1] - stamps[0], len(out) - 1, per_token
+    def __init__(self, name: str, model, streamer=None, preloaded: bool = False):
+        self.name, self.model, self.streamer, self.preloaded = name, model, streamer, preloaded
+        self.tokens: list[int] = []
+        self.token_s: list[float] = []
+        self.first: dict | None = None
+
+    def warm_up(self, prompt: list[int], n: int) -> None:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+
+        for _ in generate_step(mx.array(prompt), self.model, max_tokens=n):
+            pass
+
+    def start(self, prompt: list[int], n: int) -> None:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+
+        self._gen = generate_step(mx.array(prompt), self.model, max_tokens=n)
+        tok, _ = next(self._gen)  # prefill + first token: not part of the decode measurement
+        self._sync()
+        self.tokens.append(int(tok))
+        if self.streamer is not None:
+            self.first = self.streamer.snapshot()
+
+    def step(self) -> bool:
+        t0 = time.perf_counter()
+        try:
+            tok, _ = next(self._gen)
+        except StopIteration:
+            return False
+        self._sync()  # include the token mlx-lm evaluates asynchronously ahead of this one
+        self.token_s.append(time.perf_counter() - t0)
+        self.tokens.append(int(tok))
+        return True
+
+    @staticmethod
+    def _sync() -> None:
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+
+        mx.synchronize(generation_stream)
+
+    def result(self) -> RunResult:
+        res = RunResult(self.name, tokens=self.tokens, decode_tokens=len(self.token_s), decode_s=sum(self.token_s),
+                        token_s=self.token_s)
+        if self.streamer is None:
+            return res
+        from .experts import CUMULATIVE_KEYS
+
+        end = self.streamer.snapshot()
+        res.counters = {k: end[k] - self.first[k] for k in CUMULATIVE_KEYS}
+        res.slots = min(self.streamer.slots)
+        res.hits_total, res.misses_total, res.expert_bytes = end["hits"], end["misses"], end["expert_bytes"]
+        if not self.preloaded:  # the simulations start from an empty cache
+            trace = [[set(layer.tolist()) for layer in call] for call in self.streamer.trace]
+            res.lru_sim = simulate(trace, res.slots, "lru")
+            res.belady = simulate(trace, res.slots, "belady")
+        return res
+
+    def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
 
 
-def run_resident(path: Path, warm_prompt, prompt, warmup: int, tokens: int) -> RunResult:
-    import mlx.core as mx
+def load_resident(path: Path) -> Contender:
     from mlx_lm.utils import load_model
 
     model, _ = load_model(path)
-    _generate(model, warm_prompt, warmup)
-    toks, secs, n, per_token = _generate(model, prompt, tokens)
-    del model
-    mx.clear_cache()
-    return RunResult("resident", tokens=toks, decode_tokens=n, decode_s=secs, token_s=per_token)
+    return Contender("resident", model)
 
 
-def run_streaming(path: Path, budget: str, workers: int, page_cache: str, warm_prompt, prompt, warmup: int, tokens: int,
-                  preload_all: bool = False) -> RunResult:
+def load_streaming(path: Path, budget: str, workers: int, page_cache: str, preload_all: bool = False) -> Contender:
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
     from .config import PageCachePolicy
-    from .experts import CUMULATIVE_KEYS, StreamingConfig, install_streaming
+    from .experts import StreamingConfig, install_streaming
 
     model, _ = load_model(path, lazy=True)
     streamer = install_streaming(model, path, StreamingConfig(cache_budget=budget, prefetch_workers=workers,
                                                               page_cache=PageCachePolicy(page_cache)))
     mx.eval(model.parameters())
-    drop_page_cache(streamer.index.files)
     if preload_all:
         streamer.preload([list(range(n)) for n in streamer.layout.num_experts])
     streamer.trace = []
-    try:
-        _generate(model, warm_prompt, warmup)
-        marks = {}
-        toks, secs, n, per_token = _generate(model, prompt, tokens, on_first=lambda: marks.setdefault("first", streamer.snapshot()))
-        end = streamer.snapshot()
-        first = marks["first"]
-        deltas = {k: end[k] - first[k] for k in CUMULATIVE_KEYS}
-        trace = [[set(layer.tolist()) for layer in call] for call in streamer.trace]
-        slots = min(streamer.slots)
-        res = RunResult(budget + ("+pre" if preload_all else ""), slots=slots, tokens=toks, decode_tokens=n, decode_s=secs,
-                        token_s=per_token, counters=deltas,
-                        hits_total=end["hits"], misses_total=end["misses"], expert_bytes=end["expert_bytes"])
-        if not preload_all:  # the simulations start from an empty cache
-            res.lru_sim = simulate(trace, slots, "lru")
-            res.belady = simulate(trace, slots, "belady")
-        return res
-    finally:
-        streamer.close()
-        del model
-        mx.clear_cache()
+    return Contender(budget + ("+pre" if preload_all else ""), model, streamer, preloaded=preload_all)
+
+
+def measure(contenders: list[Contender], files: list[Path], warm_prompt, prompt, warmup: int, tokens: int) -> None:
+    drop_page_cache(files)
+    for c in contenders:
+        c.warm_up(warm_prompt, warmup)
+    for c in contenders:
+        c.start(prompt, tokens)
+    active = list(contenders)
+    while active:
+        active = [c for c in active if c.step()]
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -377,7 +415,8 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
         f"expert width {meta['width']}, {meta['bits']}-bit {meta['dtype']}; one expert {meta['expert_bytes'] / 1e6:.2f} MB, "
         f"experts {meta['experts_bytes'] / 1e9:.2f} GB",
         f"decode {meta['tokens']} tokens after a {meta['warmup']}-token warm-up; {raw['workers']} read workers; page cache: {meta['page_cache']}",
-        f"raw parallel pread, page cache dropped: {raw['mb_s']:.0f} MB/s ({raw['bytes'] / 1e6:.0f} MB in {raw['reads']} expert-tensor reads)",
+        f"raw parallel pread, page cache dropped: {raw['mb_s']:.0f} MB/s (mean of {raw.get('before_mb_s', raw['mb_s']):.0f} before and "
+        f"{raw.get('after_mb_s', raw['mb_s']):.0f} after the runs; {raw['bytes'] / 1e6:.0f} MB in {raw['reads']} expert-tensor reads)",
         "",
         f"{'budget':>8} {'slots':>5} {'tok/s':>7} {'x res':>6} {'same':>5} {'hit%':>6} {'belady%':>8} {'hit/opt':>7} "
         f"{'MB/tok':>7} {'B/(miss*E)':>10} {'read MB/s':>9} {'x raw':>6}",
@@ -422,7 +461,8 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
         "(forced by the router read-back); readback: copying indices to the host; reads*: worker time summed",
         "over parallel reads (inside the stall); moe py: the streaming layers' own Python (planning, slot tables,",
         "graph building); other: outside the streaming layers (generate_step, sampling, graph building).",
-        "tok/s uses the median token time (the CPU is shared); the breakdown uses means.",
+        "All models are loaded at once and decode interleaved token by token (same machine conditions);",
+        "tok/s uses the median token time; the breakdown uses means.",
     ]
     return "\n".join(lines)
 
@@ -470,23 +510,30 @@ def stream(layers, tokens, warmup, budgets, prefetch_workers, page_cache, dtype,
         workers = prefetch_workers or default_workers()
         warm_prompt, prompt = _prompt(seed + 1, vocab), _prompt(seed + 2, vocab)
 
-        click.echo("resident mlx-lm ...", err=True)
-        drop_page_cache(sorted(path.glob("model*.safetensors")))
-        resident = run_resident(path, warm_prompt, prompt, warmup, tokens)
-        runs = []
-        for budget in [b.strip() for b in budgets.split(",") if b.strip()]:
-            click.echo(f"streaming at {budget} ...", err=True)
-            runs.append(run_streaming(path, budget, workers, page_cache, warm_prompt, prompt, warmup, tokens))
-        if preloaded:
-            click.echo("streaming at 100% with every expert preloaded ...", err=True)
-            runs.append(run_streaming(path, "100%", workers, page_cache, warm_prompt, prompt, warmup, tokens, preload_all=True))
-        click.echo("resident mlx-lm again (pooled with the first run) ...", err=True)
-        again = run_resident(path, warm_prompt, prompt, warmup, tokens)
-        resident.token_s += again.token_s
-        resident.decode_s += again.decode_s
-        resident.decode_tokens += again.decode_tokens
+        files = sorted(path.glob("model*.safetensors"))
         click.echo("raw parallel pread ...", err=True)
-        raw = raw_pread_bandwidth(path, workers, raw_sample_mb * 10**6, seed)
+        raw_before = raw_pread_bandwidth(path, workers, raw_sample_mb * 10**6, seed)
+        click.echo("loading the resident model and one streaming model per budget ...", err=True)
+        contenders = [load_resident(path)]
+        try:
+            for budget in [b.strip() for b in budgets.split(",") if b.strip()]:
+                contenders.append(load_streaming(path, budget, workers, page_cache))
+            if preloaded:
+                contenders.append(load_streaming(path, "100%", workers, page_cache, preload_all=True))
+            click.echo(f"decoding, interleaved token by token: {', '.join(c.name for c in contenders)} ...", err=True)
+            measure(contenders, files, warm_prompt, prompt, warmup, tokens)
+            resident, *runs = [c.result() for c in contenders]
+        finally:
+            for c in contenders:
+                c.close()
+            del contenders
+        click.echo("raw parallel pread again ...", err=True)
+        raw_after = raw_pread_bandwidth(path, workers, raw_sample_mb * 10**6, seed + 1)
+        raw = dict(raw_after)
+        raw["mb_s"] = (raw_before["mb_s"] + raw_after["mb_s"]) / 2
+        raw["bytes"] = raw_before["bytes"] + raw_after["bytes"]
+        raw["reads"] = raw_before["reads"] + raw_after["reads"]
+        raw["before_mb_s"], raw["after_mb_s"] = raw_before["mb_s"], raw_after["mb_s"]
 
         expert_bytes = runs[0].expert_bytes if runs else 0
         meta = {"layers": layers, "experts": experts, "top_k": top_k, "hidden": hidden, "width": expert_width, "bits": 4,

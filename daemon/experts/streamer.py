@@ -177,7 +177,7 @@ class ExpertStreamer:
         self.counters = Counters(layers=[LayerCounters() for _ in switches])
         self.usage = [np.zeros(s.num_experts, dtype=np.int64) for s in switches]
         self._pending_slots: int | None = None  # a shed requested from another thread
-        self._engine_thread: int | None = None
+        self._engine_thread = threading.get_ident()  # the loading thread until the first layer call
         self._lock = threading.Lock()
         self.trace: list[list[np.ndarray]] | None = None  # set to [] to record routing (bench)
         # A router-trace recorder (moed.daemon.telemetry.trace), attached around one request's step.
@@ -304,7 +304,7 @@ class ExpertStreamer:
             target = max(1, int(current * fraction))
             released = sum((p.slots - min(target, p.num_experts)) * p.expert_bytes for p in self.pools if p.slots > target)
             self._pending_slots = target
-        if self._engine_thread in (None, threading.get_ident()):
+        if self._engine_thread == threading.get_ident():
             self._apply_shed()
         return released
 
