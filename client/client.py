@@ -116,8 +116,9 @@ class Client:
     def shed(self, level: str = "cache", reason: str | None = None) -> dict:
         return self._call(MessageType.SHED, level=level, reason=reason)
 
-    def shutdown(self, reason: str | None = None) -> dict:
-        return self._call(MessageType.SHUTDOWN, reason=reason)
+    def shutdown(self, reason: str | None = None, restart: bool = False) -> dict:
+        """Drain and exit; `restart=True` exits non-zero so the service manager restarts it smaller."""
+        return self._call(MessageType.SHUTDOWN, reason=reason, restart=restart or None)
 
     # ---- generation --------------------------------------------------------------------------
     def generate(

@@ -20,7 +20,11 @@ def run_daemon(config: Config) -> int:
     except ModelNotFound as exc:
         print(f"moed: {exc}", file=sys.stderr)
         return DaemonExit.MODEL_NOT_FOUND
-    server = Server(serve, model_path)
+    try:
+        server = Server(serve, model_path)
+    except ValueError as exc:  # e.g. a malformed debug_faults or cache budget setting
+        print(f"moed: configuration: {exc}", file=sys.stderr)
+        return DaemonExit.CONFIG
     try:
         server.bind()
     except AlreadyRunning as exc:

@@ -93,6 +93,7 @@ class Server:
         self._pending: dict[RequestKey, float] = {}  # admitted generate requests not yet terminal
         self._order: list[RequestKey] = []
         self._draining = False
+        self._restart_reason: str | None = None
         self._drain_deadline = 0.0
         self._stop_requested = threading.Event()
         # After crashes: count an unclean previous exit, back the cache budget off, or refuse to start.
@@ -199,6 +200,9 @@ class Server:
                 # A wedged engine: exit non-zero so that the service manager starts a fresh one.
                 self._record_crash(crashlog.CrashKind.ENGINE_FAILED, "the engine was still stuck after the drain")
                 return DaemonExit.FAILED
+            if self._restart_reason:
+                self._record_crash(crashlog.CrashKind.MEMORY_PRESSURE, self._restart_reason)
+                return DaemonExit.OUT_OF_MEMORY
             crashlog.end_run(self.serve.state_dir, self.boot_id)
             return DaemonExit.OK
         finally:
@@ -275,6 +279,9 @@ class Server:
             self.engine.shed(level)
             return wire.result(req_id, accepted=True, level=level.value)
         if kind is MessageType.SHUTDOWN:
+            if msg.get("restart"):
+                # Memory pressure: exit non-zero after the drain so launchd/systemd restart us smaller.
+                self._restart_reason = msg.get("reason") or "restart requested"
             self.request_stop(f"shutdown request: {msg.get('reason') or 'no reason given'}")
             return wire.result(req_id, accepted=True, pending=len(self._pending))
         if kind is MessageType.STATS:

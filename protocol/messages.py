@@ -92,7 +92,7 @@ FIELDS: dict[MessageType, dict[str, Field]] = {
     MessageType.STATS: {},
     MessageType.METRICS: {},
     MessageType.SHED: {"level": Field((str,)), "reason": Field((str,))},
-    MessageType.SHUTDOWN: {"reason": Field((str,))},
+    MessageType.SHUTDOWN: {"reason": Field((str,)), "restart": Field((bool,))},
     MessageType.PING: {},
 }
 

@@ -115,3 +115,13 @@ def test_unknown_model_path_fails_serve_clearly(tmp_path):
     out = subprocess.run(serve_command("/no/such/model", Path(f"/tmp/moedt-x{tmp_path.name[-8:]}/s"), tmp_path), capture_output=True, text=True, timeout=60)
     assert out.returncode == 3
     assert "does not exist" in out.stderr
+
+
+def test_malformed_setting_is_a_config_error(tmp_path, tiny_model):
+    from daemon_harness import serve_command
+
+    sock = Path(f"/tmp/moedt-cfg{tmp_path.name[-8:]}/s")
+    env = {**__import__("os").environ, "MOED_DEBUG_FAULTS": "explode=yes"}
+    out = subprocess.run(serve_command(tiny_model, sock, tmp_path), capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2, out.stderr
+    assert "configuration" in out.stderr and "Traceback" not in out.stderr

@@ -63,7 +63,10 @@ def test_pressure_escalates_through_the_control_channel(daemon, tmp_path):
             time.sleep(0.05)
         # shed (cache), shed (cancel newest), then a graceful shutdown the daemon honours.
         assert taken == [Action.SHED_CACHE, Action.SHED_CANCEL_NEWEST, Action.SHUTDOWN]
-        assert daemon.proc.wait(15) == 0
+        # Exit 5 (not 0): launchd/systemd restart it, and the crash record backs its budget off.
+        assert daemon.proc.wait(15) == 5
+        crash = json.loads((daemon.state_dir / "crash.json").read_text())
+        assert crash["last"]["kind"] == "memory_pressure"
         assert "shed requested: level=cache" in daemon.log() and "shed requested: level=cancel_newest" in daemon.log()
         # The daemon is gone: no signal goes to its (possibly recycled) pid.
         for _ in range(10):

@@ -45,9 +45,10 @@ class CrashKind(str, enum.Enum):
     UNCLEAN_EXIT = "unclean_exit"  # the previous run vanished: abort (older MLX's OOM), SIGKILL, power
     LOAD_FAILED = "load_failed"  # the model could not load (counts for the restart budget only)
     ENGINE_FAILED = "engine_failed"  # the engine died otherwise, or stayed stuck through a drain
+    MEMORY_PRESSURE = "memory_pressure"  # the watchdog asked for a restart because swap kept growing
 
 
-MEMORY_KINDS = frozenset({CrashKind.OUT_OF_MEMORY, CrashKind.UNCLEAN_EXIT})
+MEMORY_KINDS = frozenset({CrashKind.OUT_OF_MEMORY, CrashKind.UNCLEAN_EXIT, CrashKind.MEMORY_PRESSURE})
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

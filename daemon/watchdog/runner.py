@@ -139,7 +139,8 @@ class Watchdog:
             if action in _SHED_LEVEL:
                 return {"ok": True, "reply": _trim(self.link.call("shed", _SHED_LEVEL[action].value, reason))}
             if action is Action.SHUTDOWN:
-                return {"ok": True, "reply": _trim(self.link.call("shutdown", reason))}
+                # restart=True: the daemon exits non-zero, so launchd/systemd bring it back with a smaller budget.
+                return {"ok": True, "reply": _trim(self.link.call("shutdown", reason, restart=True))}
             if action in _SIGNAL:
                 target = self.sampler.target
                 if target is None or pid is None or target.pid != pid:
