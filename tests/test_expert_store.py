@@ -133,3 +133,16 @@ def test_lru_policy_and_pool_admission():
         pool.admit([1, 2, 3, 5])
     released = pool.resize(1)
     assert released == 2 * pool.expert_bytes and pool.resident == [4]
+
+
+def test_split_large_jobs_into_chunks():
+    from moed.daemon.experts.store import ReadJob, _split
+
+    a, b = bytearray(10), bytearray(7)
+    job = ReadJob(3, 100, [memoryview(a), memoryview(b)], 17)
+    pieces = _split(job, 6)
+    assert [p.offset for p in pieces] == [100, 106, 112]
+    assert [p.nbytes for p in pieces] == [6, 6, 5]
+    assert [[len(v) for v in p.buffers] for p in pieces] == [[6], [4, 2], [5]]
+    assert sum(len(v) for p in pieces for v in p.buffers) == 17
+    assert _split(job, 0) == [job] and _split(job, 17) == [job]

@@ -19,6 +19,9 @@ from .cache import LayerPool
 F_NOCACHE = 48  # macOS <sys/fcntl.h>: turn data caching off for this file descriptor
 IOV_MAX = 1024  # POSIX minimum guaranteed is 16; Linux and macOS allow 1024
 MAX_JOB_BYTES = 8 * 1024 * 1024  # split long runs so several workers share them
+# A layer's misses are few (a handful of experts per token), so the slowest read sets the stall:
+# cutting big slices into chunks lets every worker take a share of one expert.
+SPLIT_BYTES = 256 * 1024
 
 
 @dataclass
@@ -60,8 +63,9 @@ def drop_cached(fd: int, offset: int, length: int) -> None:
 
 
 class ExpertStore:
-    def __init__(self, files: list[Path], bypass_page_cache: bool):
+    def __init__(self, files: list[Path], bypass_page_cache: bool, split_bytes: int | None = None):
         self.bypass = bypass_page_cache
+        self.split_bytes = SPLIT_BYTES if split_bytes is None else split_bytes
         self.fds: dict[Path, int] = {Path(f): open_for_reads(Path(f), bypass_page_cache) for f in files}
 
     def jobs_for(self, pool: LayerPool, loads: list[tuple[int, int]]) -> list[ReadJob]:
@@ -88,7 +92,7 @@ class ExpertStore:
                 job.buffers.append(pool.slot_view(tensor, slot))
                 job.nbytes += stride
                 prev = expert
-        return jobs
+        return [piece for job in jobs for piece in _split(job, self.split_bytes)]
 
     def run(self, job: ReadJob) -> int:
         """Do one job (on a worker thread). Returns bytes read."""
@@ -111,6 +115,29 @@ class ExpertStore:
             except OSError:
                 pass
         self.fds.clear()
+
+
+def _split(job: ReadJob, limit: int) -> list[ReadJob]:
+    """Cut a job into jobs of at most `limit` bytes (contiguous file ranges, sliced iovecs)."""
+    if limit <= 0 or job.nbytes <= limit:
+        return [job]
+    pieces: list[ReadJob] = []
+    offset = job.offset
+    current = ReadJob(job.fd, offset)
+    for buf in job.buffers:
+        start = 0
+        while start < len(buf):
+            take = min(len(buf) - start, limit - current.nbytes)
+            current.buffers.append(buf[start : start + take])
+            current.nbytes += take
+            start += take
+            if current.nbytes == limit:
+                pieces.append(current)
+                offset += current.nbytes
+                current = ReadJob(job.fd, offset)
+    if current.nbytes:
+        pieces.append(current)
+    return pieces
 
 
 def _advance(buffers: list[memoryview], n: int) -> list[memoryview]:
