@@ -9,6 +9,7 @@ from .config import Config
 from .exit_codes import DaemonExit
 from .model_source import ModelNotFound, resolve_model
 from .server import AlreadyRunning, Server
+from .service.logs import RotatingLog
 
 log = logging.getLogger("moed")
 
@@ -42,7 +43,24 @@ def run_daemon(config: Config) -> int:
             print(f"moed: metrics port {serve.metrics_port}: {exc}", file=sys.stderr)
             return DaemonExit.CONFIG
     server.install_signal_handlers()
+    run_log = _open_run_log(server, model_path)
     log.info("moed %s serving %s on %s (boot %s)", server.status.get("version"), model_path, serve.socket, server.boot_id)
     code = server.run()
     log.info("moed exiting with code %d", code)
+    run_log.record_exit(code, DaemonExit(code).name.lower() if code in DaemonExit._value2member_map_ else None)
+    run_log.close()
     return code
+
+
+def _open_run_log(server: Server, model_path) -> "RotatingLog":
+    """The rotating daemon.log: a start record (version, model, budget, why the last run ended), then logging."""
+    from . import __version__
+    from .service import previous_exit_from_launchd, record_start
+
+    plan = server.start_plan
+    last = plan.last_crash if (plan.unclean_previous or plan.recent_crashes) else None
+    reasons = [f"{last['kind']}: {str(last.get('message', ''))[:200]}" if last else None, previous_exit_from_launchd()]
+    previous = "; ".join(r for r in reasons if r) or None
+    run_log = record_start(server.serve.log_dir, __version__, str(model_path), server.serve.cache_budget, previous)
+    run_log.adopt_logging()
+    return run_log
