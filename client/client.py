@@ -301,10 +301,14 @@ class Client:
             if heartbeat and ping_id is None and now - last_heard > self.heartbeat_s:
                 ping_id = self._next_id("hb")
                 self._send(wire.request(MessageType.PING, ping_id))
-            wait = self.heartbeat_s if deadline is None else min(self.heartbeat_s, max(deadline - now, 0.0))
-            if not self._socket.poll(int(wait * 1000) + 1):
-                continue
-            msg = decode(self._socket.recv())
+            try:  # while tokens stream, a frame is usually waiting: skip the poll syscall
+                frame = self._socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                wait = self.heartbeat_s if deadline is None else min(self.heartbeat_s, max(deadline - now, 0.0))
+                if not self._socket.poll(int(wait * 1000) + 1):
+                    continue
+                frame = self._socket.recv()
+            msg = decode(frame)
             last_heard = time.monotonic()
             if not isinstance(msg, dict):
                 continue

@@ -375,8 +375,7 @@ class Engine:
         self.sink.emit(gen.job.identity, wire.token(gen.job.request["id"], gen.index, [token], text))
         gen.index += 1
         gen.completion += 1
-        self.status.add(tokens_generated=1)
-        self.status.update(last_token_at=time.time())
+        self.status.token_produced(time.time())
         if gen.completion % gen.telemetry_every == 0:
             self.sink.emit(gen.job.identity, wire.telemetry(gen.job.request["id"], self._telemetry(gen)))
 
