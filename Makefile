@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	@$(BIN)/moe --socket $(DEMO_SOCKET) run --raw --max-tokens 120 --start-timeout 300 '$(PROMPT)'; \
 	  status=$$?; \
-	  $(BIN)/moe --socket $(DEMO_SOCKET) status || true; \
+	  $(BIN)/moe --socket $(DEMO_SOCKET) stats || true; \
 	  $(BIN)/moe --socket $(DEMO_SOCKET) stop >/dev/null 2>&1 || true; \
 	  exit $$status
 
