@@ -152,3 +152,22 @@ def test_keys_renamed_by_sanitize(checkpoint_factory, tmp_path):
         assert run(model) == want
     finally:
         streamer.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next"])
+def test_speculative_next_layer_prefetch_is_exact(checkpoint_factory, arch):
+    """prefetch_next reads what layer L+1's router picks for layer L's input, while layer L runs."""
+    path = checkpoint_factory(arch, num_layers=4, num_experts=16)
+    resident, _ = load_model(path)
+    want_greedy, want_sampled = run(resident), run(resident, SAMPLER)
+    model, streamer = streaming(path, "50%", prefetch_next=True)
+    try:
+        assert all(r is not None for r in streamer.routers)
+        assert run(model) == want_greedy
+        assert run(model, SAMPLER) == want_sampled
+        snap = streamer.snapshot()
+    finally:
+        streamer.close()
+    assert 0 < snap["prefetch_hits"] <= snap["prefetched"]
+    assert snap["prefetch_bytes"] == snap["prefetched"] * snap["expert_bytes"]
+    assert snap["bytes_read"] == snap["misses"] * snap["expert_bytes"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .store import ExpertStore, ReadJob
@@ -38,25 +38,35 @@ class ReadPool:
 
     def read(self, jobs: list[ReadJob]) -> ReadResult:
         """Run jobs and wait for all of them; the first failure is raised after all finish."""
-        t0 = time.perf_counter()
-        out = ReadResult()
-        if not jobs:
-            return out
         if len(jobs) == 1 or self.workers == 1:
-            results = [self._timed(j) for j in jobs]
-        else:
-            futures = [self._pool.submit(self._timed, j) for j in jobs]
-            results, error = [], None
-            for f in futures:
-                try:
-                    results.append(f.result())
-                except BaseException as exc:  # noqa: BLE001 - re-raised below once all are done
-                    error = error or exc
-            if error is not None:
-                raise error
-        for n, s in results:
+            t0 = time.perf_counter()
+            out = ReadResult()
+            for job in jobs:
+                n, s = self._timed(job)
+                out.bytes_read += n
+                out.read_s += s
+            out.wall_s = time.perf_counter() - t0
+            return out
+        return self.wait(self.submit(jobs))
+
+    def submit(self, jobs: list[ReadJob]) -> list[Future]:
+        """Queue jobs without waiting (FIFO: jobs queued earlier are read first)."""
+        return [self._pool.submit(self._timed, j) for j in jobs]
+
+    def wait(self, futures: list[Future]) -> ReadResult:
+        """Wait for queued jobs; the first failure is raised after all finish. wall_s: time waited."""
+        t0 = time.perf_counter()
+        out, error = ReadResult(), None
+        for f in futures:
+            try:
+                n, s = f.result()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below once all are done
+                error = error or exc
+                continue
             out.bytes_read += n
             out.read_s += s
+        if error is not None:
+            raise error
         out.wall_s = time.perf_counter() - t0
         return out
 

@@ -41,6 +41,9 @@ class StreamingConfig:
     memory_bytes: int = 0  # 0: detect (RAM, cgroup limit, Metal working set)
     kv_bytes: int = 0  # KV cache estimate the auto budget leaves room for
     working_bytes: int = 0  # 0: default estimate
+    # Speculative: while layer L computes, read the experts layer L+1's router picks for layer L's
+    # input. Exact either way (it only changes what is resident); costs bandwidth when wrong.
+    prefetch_next: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class _Switch:
     projs: dict[str, ProjSpec]
     tensors: list[PooledTensor]
     num_experts: int
+    router: nn.Module | None = None  # the sibling gate that routes to this switch
 
 
 def find_switches(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -137,8 +141,25 @@ def _describe_switches(model: nn.Module, index: CheckpointIndex) -> list[_Switch
         num = {t.loc.shape[0] for t in tensors}
         if len(num) != 1:
             raise CheckpointError(f"{path}: expert tensors disagree on the number of experts {sorted(num)}")
-        out.append(_Switch(path, kind, m, projs, tensors, num.pop()))
+        n = num.pop()
+        out.append(_Switch(path, kind, m, projs, tensors, n, _find_router(model, path, m, n)))
     return out
+
+
+def _find_router(model: nn.Module, path: str, switch: nn.Module, num_experts: int) -> nn.Module | None:
+    """The switch's sibling whose weight maps the hidden state to one logit per expert (`gate`,
+    `router`, DeepSeek's MoEGate); None when there is no single such module."""
+    parent: Any = model
+    for part in path.split(".")[:-1]:
+        parent = parent[int(part)] if isinstance(parent, list) else getattr(parent, part)
+    found = []
+    for name, child in parent.children().items():
+        if child is switch or not isinstance(child, nn.Module):
+            continue
+        weight = child.get("weight") if hasattr(child, "get") else None
+        if isinstance(weight, mx.array) and weight.ndim == 2 and weight.shape[0] == num_experts:
+            found.append(child)
+    return found[0] if len(found) == 1 else None
 
 
 def _set_module(model: nn.Module, path: str, new: nn.Module) -> None:
@@ -176,6 +197,9 @@ class ExpertStreamer:
         self.reader = ReadPool(self.store, cfg.prefetch_workers)
         self.counters = Counters(layers=[LayerCounters() for _ in switches])
         self.usage = [np.zeros(s.num_experts, dtype=np.int64) for s in switches]
+        self.routers = [s.router for s in switches]
+        self._predicted: tuple[int, np.ndarray] | None = None  # (layer, experts) to prefetch next
+        self._inflight: dict[int, tuple[list, list[tuple[int, int]], set[int]]] = {}
         self._pending_slots: int | None = None  # a shed requested from another thread
         self._engine_thread = threading.get_ident()  # the loading thread until the first layer call
         self._lock = threading.Lock()
@@ -185,16 +209,18 @@ class ExpertStreamer:
 
     # -- called by StreamingSwitch on the engine thread -------------------------------------
 
-    def route(self, layer: int, indices: mx.array) -> np.ndarray:
+    def route(self, layer: int, indices: mx.array, x: mx.array | None = None) -> np.ndarray:
         """Read the router's choices back to the host (the known cost centre, timed)."""
         self._engine_thread = threading.get_ident()
         if layer == 0 and self._pending_slots is not None:
             self._apply_shed()
         c = self.counters
+        predicted = self._prediction(layer, indices, x)
         t0 = time.perf_counter()
-        mx.eval(indices)
+        mx.eval(indices) if predicted is None else mx.eval(indices, predicted)
         t1 = time.perf_counter()
         host = np.array(indices)
+        self._predicted = (layer + 1, np.unique(np.array(predicted))) if predicted is not None else None
         flat = host.reshape(-1)
         self.usage[layer] += np.bincount(flat, minlength=self.usage[layer].shape[0])
         if layer == 0:
@@ -211,6 +237,57 @@ class ExpertStreamer:
             self.observer.on_route(layer, host)
         return host
 
+    def _prediction(self, layer: int, indices: mx.array, x: mx.array | None) -> mx.array | None:
+        """Layer L+1's router applied to layer L's input (decode steps only: a few tokens)."""
+        nxt = layer + 1
+        if not self.cfg.prefetch_next or x is None or nxt >= len(self.pools) or self.routers[nxt] is None:
+            return None
+        k = indices.shape[-1] if indices.ndim else 1
+        if indices.size > 4 * k or self.pools[nxt].slots < 2 * k:
+            return None  # prefill chunks route widely; tiny caches would only thrash
+        out = self.routers[nxt](x)
+        if isinstance(out, tuple):  # MoEGate returns (indices, scores)
+            return mx.stop_gradient(out[0])
+        return mx.argpartition(-out, kth=k - 1, axis=-1)[..., :k]
+
+    def _prefetch(self, layer: int, experts: np.ndarray) -> None:
+        """Queue reads of predicted experts of `layer` (its previous computations are evaluated)."""
+        pool = self.pools[layer]
+        wanted = [int(e) for e in experts if pool.slot_of[e] < 0]
+        if not wanted or layer in self._inflight:
+            return
+        free_before = len(pool._free)
+        _hits, loads = pool.admit(wanted)
+        self.counters.evictions += max(0, len(loads) - free_before)
+        futures = self.reader.submit(self.store.jobs_for(pool, loads))
+        self._inflight[layer] = (futures, loads, {e for e, _ in loads})
+        self.counters.prefetched += len(loads)
+
+    def _await_prefetch(self, layer: int) -> set[int]:
+        """Wait for this layer's speculative reads; returns the experts they brought in."""
+        entry = self._inflight.pop(layer, None)
+        if entry is None:
+            return set()
+        futures, loads, experts = entry
+        c = self.counters
+        t0 = time.perf_counter()
+        try:
+            res = self.reader.wait(futures)
+        except OSError as exc:
+            self.pools[layer].forget(loads)  # a demand read will retry and report it
+            log.warning("prefetch read failed: %s", exc)
+            c.stall_s += time.perf_counter() - t0
+            return set()
+        c.stall_s += res.wall_s
+        c.prefetch_bytes += res.bytes_read
+        c.read_s += res.read_s
+        c.reads += len(futures)
+        return experts
+
+    def _drain_prefetch(self) -> None:
+        for layer in list(self._inflight):
+            self._await_prefetch(layer)
+
     def plan_passes(self, layer: int, host: np.ndarray) -> list[np.ndarray]:
         needed = np.unique(host)
         pool = self.pools[layer]
@@ -226,16 +303,22 @@ class ExpertStreamer:
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]:
         """Make `experts` resident in `layer`; returns (expert -> slot table, pools)."""
         pool = self.pools[layer]
+        prefetched = self._await_prefetch(layer)
         free_before = len(pool._free)
         hits, loads = pool.admit(experts)
         self.counters.evictions += max(0, len(loads) - free_before)
+        self.counters.prefetch_hits += len(prefetched.intersection(int(e) for e in experts))
         lc = self.counters.layers[layer]
         lc.hits += len(hits)
         lc.misses += len(loads)
         if self.observer is not None:  # before the read: it asks whether the pages are cached
             self.observer.on_load(layer, pool, hits, loads)
-        if loads:
-            self._read(pool, loads)
+        demand = self.reader.submit(self.store.jobs_for(pool, loads)) if loads else []
+        if self._predicted is not None and self._predicted[0] == layer + 1:
+            self._prefetch(layer + 1, self._predicted[1])  # queued behind this layer's misses
+            self._predicted = None
+        if demand:
+            self._collect(pool, loads, demand)
         table = np.zeros(pool.num_experts, dtype=np.uint32)
         table[experts] = pool.slot_of[experts]
         return table, pool.arrays
@@ -245,15 +328,14 @@ class ExpertStreamer:
         mx.eval(out)
         self.counters.expert_compute_s += time.perf_counter() - t0
 
-    def _read(self, pool: LayerPool, loads: list[tuple[int, int]]) -> None:
-        jobs = self.store.jobs_for(pool, loads)
+    def _collect(self, pool: LayerPool, loads: list[tuple[int, int]], futures: list) -> None:
         try:
-            res = self.reader.read(jobs)
+            res = self.reader.wait(futures)
         except BaseException:
             pool.forget(loads)
             raise
         c = self.counters
-        c.reads += len(jobs)
+        c.reads += len(futures)
         c.read_s += res.read_s
         c.bytes_read += res.bytes_read
         c.stall_s += res.wall_s
@@ -309,6 +391,7 @@ class ExpertStreamer:
         return released
 
     def _apply_shed(self) -> None:
+        self._drain_prefetch()
         with self._lock:
             target, self._pending_slots = self._pending_slots, None
         if target is None:
@@ -350,6 +433,7 @@ class ExpertStreamer:
     def preload(self, experts_by_layer: list[list[int]]) -> int:
         """Load these experts of each layer (at most `slots`; the last listed are kept longest),
         all layers' reads in one parallel batch. Returns bytes read (counted as warm_bytes)."""
+        self._drain_prefetch()
         jobs, admitted = [], []
         for pool, experts in zip(self.pools, experts_by_layer):
             experts = [int(e) for e in experts][-pool.slots :]
@@ -373,7 +457,10 @@ class ExpertStreamer:
         return res.bytes_read
 
     def close(self) -> None:
-        self.reader.close()
+        try:
+            self._drain_prefetch()
+        finally:
+            self.reader.close()
         self.store.close()
 
 

@@ -77,7 +77,7 @@ class StreamingSwitch(nn.Module):
     def __call__(self, x, indices) -> mx.array:
         t0 = time.perf_counter()
         streamer, layer = self._streamer, self._layer
-        host = streamer.route(layer, indices)
+        host = streamer.route(layer, indices, x)
         passes = streamer.plan_passes(layer, host)
 
         x = mx.expand_dims(x, (-2, -3))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 CUMULATIVE_KEYS = frozenset({
     "hits", "misses", "tokens", "layer_calls", "passes", "bytes_read", "reads", "evictions", "read_s", "stall_s",
     "router_readback_s", "router_sync_s", "router_copy_s", "expert_compute_s", "layer_s", "layer_python_s",
-    "warm_bytes", "warm_s",
+    "prefetched", "prefetch_hits", "prefetch_bytes", "warm_bytes", "warm_s",
 })
 
 
@@ -34,6 +34,9 @@ class Counters:
     router_copy_s: float = 0.0  # copying the indices to the host and planning the layer
     expert_compute_s: float = 0.0  # evaluating the expert outputs
     layer_s: float = 0.0  # wall time inside streaming layers (all of the above plus their Python)
+    prefetched: int = 0  # experts read speculatively for the next layer
+    prefetch_hits: int = 0  # ... that the next layer did use
+    prefetch_bytes: int = 0  # not in bytes_read (demand misses only)
     warm_bytes: int = 0  # read by warm(), not counted as misses
     warm_s: float = 0.0
 
@@ -61,6 +64,9 @@ class Counters:
             "expert_compute_s": self.expert_compute_s,
             "layer_s": self.layer_s,
             "layer_python_s": max(0.0, self.layer_s - self.router_sync_s - self.router_copy_s - self.stall_s - self.expert_compute_s),
+            "prefetched": self.prefetched,
+            "prefetch_hits": self.prefetch_hits,
+            "prefetch_bytes": self.prefetch_bytes,
             "warm_bytes": self.warm_bytes,
             "warm_s": self.warm_s,
         }
