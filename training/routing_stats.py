@@ -80,25 +80,33 @@ class RoutingRecorder:
         return out
 
 
-def greedy_routes(model, tokenizer, prompt: str, n_tokens: int = 150):
-    """Greedy-decode `n_tokens` and return (token ids, per-layer routes of those tokens).
+def greedy_routes(model, tokenizer, prompt: str, n_tokens: int = 150, temp: float = 0.0,
+                  seed: int = 0):
+    """Decode `n_tokens` and return (token ids, per-layer routes of those tokens).
 
-    The routes are those taken when each generated token is fed back (the prompt's prefill is
-    not counted). Decoding continues past EOS so every prompt yields exactly `n_tokens`.
+    Greedy by default; `temp` > 0 samples (seeded). The routes are those taken when each
+    generated token is fed back (the prompt's prefill is not counted). Decoding continues past
+    EOS so every prompt yields exactly `n_tokens`.
     """
     from mlx_lm.models.cache import make_prompt_cache
 
+    def pick(logits):
+        if temp <= 0:
+            return mx.argmax(logits).item()
+        return mx.random.categorical(logits / temp).item()
+
+    mx.random.seed(seed)
     cache = make_prompt_cache(model)
     ids = tokenizer.encode(prompt)
     with RoutingRecorder(model) as rec:
         logits = model(mx.array([ids]), cache=cache)
         rec.clear()
         tokens = []
-        tok = mx.argmax(logits[0, -1]).item()
+        tok = pick(logits[0, -1])
         for _ in range(n_tokens):
             tokens.append(tok)
             logits = model(mx.array([[tok]]), cache=cache)
-            tok = mx.argmax(logits[0, -1]).item()
+            tok = pick(logits[0, -1])
         routes = rec.per_token()
     return tokens, routes
 
@@ -137,12 +145,14 @@ def _top_share(routes: np.ndarray, num_experts: int) -> float:
     return float(np.sort(counts)[::-1][:n_top].sum() / counts.sum())
 
 
-def measure(model, tokenizer, prompts=PROMPTS, n_tokens: int = 150) -> dict:
+def measure(model, tokenizer, prompts=PROMPTS, n_tokens: int = 150, temp: float = 0.0,
+            seed: int = 0) -> dict:
     blocks = moe_blocks(model)
     num_experts, k = blocks[0].num_experts, blocks[0].top_k
-    report = {"num_experts": num_experts, "top_k": k, "n_tokens": n_tokens, "prompts": []}
+    report = {"num_experts": num_experts, "top_k": k, "n_tokens": n_tokens, "temp": temp,
+              "seed": seed, "prompts": []}
     for prompt in prompts:
-        tokens, routes = greedy_routes(model, tokenizer, prompt, n_tokens)
+        tokens, routes = greedy_routes(model, tokenizer, prompt, n_tokens, temp, seed)
         layers = [layer_stats(r, num_experts) for r in routes]
         report["prompts"].append(
             {
@@ -162,8 +172,9 @@ def measure(model, tokenizer, prompts=PROMPTS, n_tokens: int = 150) -> dict:
 def format_report(report: dict) -> str:
     E, k, T = report["num_experts"], report["top_k"], report["n_tokens"]
     n_top = max(1, round(TOP_FRACTION * E))
+    how = "greedy" if report["temp"] <= 0 else f"sampled (temp {report['temp']}, seed {report['seed']})"
     lines = [
-        f"{T} greedy tokens per prompt, {E} experts, top-{k}; top share = share of routed slots "
+        f"{T} {how} tokens per prompt, {E} experts, top-{k}; top share = share of routed slots "
         f"on the {n_top} most used experts ({TOP_FRACTION:.0%} of {E})",
         "",
         "| prompt | distinct tokens | unique experts per layer | top-10% share per layer | "
@@ -194,15 +205,40 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="default: the embedded demo model")
     p.add_argument("--tokens", type=int, default=150)
+    p.add_argument("--temp", type=float, default=0.0, help="0: greedy (default); >0: sample")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     p.add_argument("--samples", action="store_true", help="also print each generation")
+    p.add_argument("--stream-budget", default=None,
+                   help="stream experts with this cache budget (e.g. 25%%) and report hits")
     args = p.parse_args(argv)
-    model, tokenizer = load(str(args.model or demo_model_path()))
-    report = measure(model, tokenizer, n_tokens=args.tokens)
+    path = args.model or demo_model_path()
+    streamer = None
+    if args.stream_budget is None:
+        model, tokenizer = load(str(path))
+    else:
+        from moed.daemon.experts import StreamingConfig, install_streaming
+
+        model, tokenizer = load(str(path), lazy=True)
+        # A fixed machine size, so the budget alone decides the slots.
+        cfg = StreamingConfig(cache_budget=args.stream_budget, memory_bytes=8 << 30)
+        streamer = install_streaming(model, path, cfg)
+        mx.eval(model.parameters())
+    report = measure(model, tokenizer, n_tokens=args.tokens, temp=args.temp, seed=args.seed)
+    if streamer is not None:
+        snap = streamer.snapshot()
+        streamer.close()
+        report["streaming"] = {k: snap[k] for k in ("slots_per_layer", "hits", "misses")}
+        report["streaming"]["hit_rate"] = snap["hits"] / max(1, snap["hits"] + snap["misses"])
     if args.json:
         print(json.dumps(report, indent=2))
         return
     print(format_report(report))
+    if "streaming" in report:
+        st = report["streaming"]
+        print(f"\nstreaming at {args.stream_budget}: {st['slots_per_layer']} slots per layer, "
+              f"{st['hits']} hits, {st['misses']} misses, hit rate {st['hit_rate']:.1%} "
+              "(prefills included)")
     if args.samples:
         for p_ in report["prompts"]:
             print(f"\n--- {p_['prompt']!r}\n{p_['prompt']}{p_['text']}")

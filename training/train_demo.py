@@ -326,8 +326,8 @@ def train(h: Hyper, out: Path, log_path: Path) -> None:
     val_small = eval_windows(val_ids, h, h.eval_batches)
     rng = np.random.default_rng(h.seed)
     data = batches(train_ids, h, rng)
-    log("step  train_ce  aux  val_ce  lr  tokens/s  elapsed_s  "
-        "[per layer: experts with >=1% of the routed slots / largest share]")
+    log(f"step  train_ce  aux  val_ce(first {h.eval_batches} val batches)  lr  tokens/s  "
+        "elapsed_s  [per layer: experts with >=1% of the routed slots / largest share]")
     t_train = time.time()
     t_last, ce_acc, aux_acc, n_acc = time.time(), 0.0, 0.0, 0
     load_acc = mx.zeros((h.num_layers, h.num_experts))
