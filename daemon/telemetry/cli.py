@@ -46,5 +46,8 @@ def analyze_cmd(files: tuple[Path, ...], out_dir: Path | None, sizes: str | None
         click.echo(format_report(report))
     if not no_plots:
         out = out_dir or files[0].with_name(files[0].stem + "-analysis")
-        paths = write_plots(report, out)
+        try:
+            paths = write_plots(report, out)
+        except ImportError:
+            raise click.ClickException("plots need matplotlib: pip install 'moed[plots]' (or pass --no-plots)") from None
         click.echo(f"plots: {', '.join(str(p) for p in paths)}", err=True)
