@@ -303,8 +303,9 @@ class Contender:
     """One model under test (resident or streaming), stepped one decode token at a time so that
     every contender sees the same machine conditions (the runs are interleaved token by token)."""
 
-    def __init__(self, name: str, model, streamer=None, preloaded: bool = False):
+    def __init__(self, name: str, model, streamer=None, preloaded: bool = False, simulate: bool = True):
         self.name, self.model, self.streamer, self.preloaded = name, model, streamer, preloaded
+        self.simulate = simulate  # the cache simulations start empty and know no prefetching
         self.tokens: list[int] = []
         self.token_s: list[float] = []
         self.first: dict | None = None
@@ -356,7 +357,7 @@ class Contender:
         res.counters = {k: end[k] - self.first[k] for k in CUMULATIVE_KEYS}
         res.slots = min(self.streamer.slots)
         res.hits_total, res.misses_total, res.expert_bytes = end["hits"], end["misses"], end["expert_bytes"]
-        if not self.preloaded:  # the simulations start from an empty cache
+        if self.simulate:
             trace = [[set(layer.tolist()) for layer in call] for call in self.streamer.trace]
             res.lru_sim = simulate(trace, res.slots, "lru")
             res.belady = simulate(trace, res.slots, "belady")
@@ -374,7 +375,8 @@ def load_resident(path: Path) -> Contender:
     return Contender("resident", model)
 
 
-def load_streaming(path: Path, budget: str, workers: int, page_cache: str, preload_all: bool = False) -> Contender:
+def load_streaming(path: Path, budget: str, workers: int, page_cache: str, preload_all: bool = False,
+                   speculative: bool = False) -> Contender:
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
@@ -383,12 +385,14 @@ def load_streaming(path: Path, budget: str, workers: int, page_cache: str, prelo
 
     model, _ = load_model(path, lazy=True)
     streamer = install_streaming(model, path, StreamingConfig(cache_budget=budget, prefetch_workers=workers,
-                                                              page_cache=PageCachePolicy(page_cache)))
+                                                              page_cache=PageCachePolicy(page_cache),
+                                                              prefetch_next=speculative))
     mx.eval(model.parameters())
     if preload_all:
         streamer.preload([list(range(n)) for n in streamer.layout.num_experts])
     streamer.trace = []
-    return Contender(budget + ("+pre" if preload_all else ""), model, streamer, preloaded=preload_all)
+    name = budget + ("+pre" if preload_all else "") + ("+spec" if speculative else "")
+    return Contender(name, model, streamer, preloaded=preload_all, simulate=not (preload_all or speculative))
 
 
 def measure(contenders: list[Contender], files: list[Path], warm_prompt, prompt, warmup: int, tokens: int) -> None:
@@ -427,17 +431,23 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
         hr = r.hits_total / (r.hits_total + r.misses_total) if r.hits_total + r.misses_total else 0.0
         bh, bm = r.belady
         opt = bh / (bh + bm) if bh + bm else 0.0
-        if r.name.endswith("+pre"):
-            hr = opt = 1.0 if not r.misses_total else r.hits_total / (r.hits_total + r.misses_total)
+        if r.belady == (0, 0):  # preloaded or speculative: no offline optimum to compare with
+            opt = 0.0
         mb_tok = c["bytes_read"] / r.decode_tokens / 1e6 if r.decode_tokens else 0.0
         exact = c["bytes_read"] / (c["misses"] * r.expert_bytes) if c["misses"] else 0.0
-        bw = c["bytes_read"] / c["stall_s"] / 1e6 if c["stall_s"] and c["bytes_read"] > 16 * r.expert_bytes else 0.0
+        moved = c["bytes_read"] + c.get("prefetch_bytes", 0)
+        bw = moved / c["stall_s"] / 1e6 if c["stall_s"] and moved > 16 * r.expert_bytes else 0.0
         lines.append(
             f"{r.name:>8} {r.slots:5d} {r.tok_s:7.2f} {_ratio(r.tok_s, resident.tok_s):>6} {'yes' if r.tokens == resident.tokens else 'NO':>5} "
-            f"{100 * hr:6.1f} {100 * opt:8.1f} {_ratio(hr, opt):>7} {mb_tok:7.1f} {(f'{exact:.3f}' if exact else '-'):>10} "
+            f"{100 * hr:6.1f} {(f'{100 * opt:.1f}' if opt else '-'):>8} {(_ratio(hr, opt) if opt else '-'):>7} {mb_tok:7.1f} {(f'{exact:.3f}' if exact else '-'):>10} "
             f"{(f'{bw:.0f}' if bw else '-'):>9} {(_ratio(bw, raw['mb_s']) if bw else '-'):>6}"
         )
-    sim_ok = all(r.lru_sim == (r.hits_total, r.misses_total) for r in runs if not r.name.endswith("+pre"))
+    for r in runs:
+        c = r.counters
+        if c.get("prefetched"):
+            lines.append(f"{r.name}: {c['prefetched']} experts prefetched for the next layer, {100 * c['prefetch_hits'] / c['prefetched']:.0f}% "
+                         f"of them used; with prefetch {(c['bytes_read'] + c['prefetch_bytes']) / max(1, r.decode_tokens) / 1e6:.1f} MB/token read")
+    sim_ok = all(r.lru_sim == (r.hits_total, r.misses_total) for r in runs if r.lru_sim != (0, 0))
     lines.append(f"(an LRU simulation of the same trace {'reproduces' if sim_ok else 'DOES NOT reproduce'} the streamer's hits and misses)")
     lines += ["", "time per decode token (ms):",
               f"{'budget':>8} {'wall':>7} {'attn+router':>11} {'experts':>8} {'readback':>8} {'stall':>7} {'reads*':>7} "
@@ -455,6 +465,8 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
     lines += [
         "",
         "100%+pre: every expert preloaded before the warm-up (no cold misses): the streaming machinery's own cost.",
+        "+spec: speculative next-layer prefetch (hits include prefetched experts; read MB/s: demand + prefetch",
+        "bytes over the time stalled, so reads hidden behind compute push it above the raw bandwidth).",
         "same: greedy tokens identical to resident. hit%: all calls (warm-up + decode); belady%: offline optimum",
         "on the same routing trace and slots. B/(miss*E): decode bytes read / (misses x expert bytes).",
         "read MB/s: decode bytes read / time stalled on reads. attn+router: evaluating the graph up to the router",
@@ -484,12 +496,14 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
 @click.option("--model-dir", type=click.Path(path_type=Path), default=None,
               help="write (or reuse) the generated model here; default: a temporary directory, removed after")
 @click.option("--raw-sample-mb", default=512, show_default=True, help="bytes read by the raw pread measurement")
+@click.option("--spec-budgets", default="25%", show_default=True,
+              help="budgets also run with speculative next-layer prefetch (prefetch_next); empty: none")
 @click.option("--preloaded/--no-preloaded", default=True, show_default=True,
               help="also run 100% with every expert preloaded (the machinery's own overhead, no cold misses)")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="also write the results as JSON")
 @click.option("--seed", default=0, show_default=True)
 def stream(layers, tokens, warmup, budgets, prefetch_workers, page_cache, dtype, hidden, expert_width, experts, top_k,
-           vocab, model_dir, raw_sample_mb, preloaded, json_out, seed) -> None:
+           vocab, model_dir, raw_sample_mb, spec_budgets, preloaded, json_out, seed) -> None:
     """Expert streaming vs resident mlx-lm on a model with Qwen3.6-35B-A3B expert shapes."""
     from .experts.prefetch import default_workers
 
@@ -518,6 +532,8 @@ def stream(layers, tokens, warmup, budgets, prefetch_workers, page_cache, dtype,
         try:
             for budget in [b.strip() for b in budgets.split(",") if b.strip()]:
                 contenders.append(load_streaming(path, budget, workers, page_cache))
+            for budget in [b.strip() for b in spec_budgets.split(",") if b.strip()]:
+                contenders.append(load_streaming(path, budget, workers, page_cache, speculative=True))
             if preloaded:
                 contenders.append(load_streaming(path, "100%", workers, page_cache, preload_all=True))
             click.echo(f"decoding, interleaved token by token: {', '.join(c.name for c in contenders)} ...", err=True)

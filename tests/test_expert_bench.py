@@ -46,7 +46,7 @@ def test_bench_stream_tiny(tmp_path):
     assert "raw parallel pread" in text and "time per decode token" in text
     assert "reproduces" in text
     data = json.loads(out.read_text())
-    assert [r["name"] for r in data["runs"]] == ["25%", "100%", "100%+pre"]
+    assert [r["name"] for r in data["runs"]] == ["25%", "100%", "25%+spec", "100%+pre"]
     resident = data["resident"]["tokens"]
     for run in data["runs"]:
         assert run["tokens"] == resident

@@ -138,6 +138,10 @@ class LayerPool:
         self._free = list(range(slots - 1, -1, -1))
 
     @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
     def pool_bytes(self) -> int:
         return self.slots * self.expert_bytes
 

@@ -256,7 +256,7 @@ class ExpertStreamer:
         wanted = [int(e) for e in experts if pool.slot_of[e] < 0]
         if not wanted or layer in self._inflight:
             return
-        free_before = len(pool._free)
+        free_before = pool.free_slots
         _hits, loads = pool.admit(wanted)
         self.counters.evictions += max(0, len(loads) - free_before)
         futures = self.reader.submit(self.store.jobs_for(pool, loads))
@@ -304,7 +304,7 @@ class ExpertStreamer:
         """Make `experts` resident in `layer`; returns (expert -> slot table, pools)."""
         pool = self.pools[layer]
         prefetched = self._await_prefetch(layer)
-        free_before = len(pool._free)
+        free_before = pool.free_slots
         hits, loads = pool.admit(experts)
         self.counters.evictions += max(0, len(loads) - free_before)
         self.counters.prefetch_hits += len(prefetched.intersection(int(e) for e in experts))
