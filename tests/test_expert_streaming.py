@@ -97,6 +97,22 @@ def test_no_stacked_experts_in_the_model(checkpoint_factory):
         streamer.close()
 
 
+def test_stacked_experts_are_never_materialized(checkpoint_factory):
+    """MLX's peak memory over load + prefill + decode stays near resident weights + slot pools."""
+    path = checkpoint_factory("qwen3_moe", num_layers=4, num_experts=64, expert_width=256)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    model, streamer = streaming(path, "10%")
+    try:
+        run(model)
+        peak = mx.get_peak_memory()
+        experts = streamer.layout.experts_bytes
+        assert streamer.resident_bytes < 0.15 * experts
+        assert peak < streamer.resident_weight_bytes + streamer.resident_bytes + 0.1 * experts
+    finally:
+        streamer.close()
+
+
 def test_chunked_prefill_and_mlx_lm_load_path(checkpoint_factory):
     """mlx_lm.load (the engine's path) + text generation; prefill in small chunks."""
     path = checkpoint_factory("qwen3_5_moe")
