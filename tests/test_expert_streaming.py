@@ -187,3 +187,31 @@ def test_speculative_next_layer_prefetch_is_exact(checkpoint_factory, arch):
     assert 0 < snap["prefetch_hits"] <= snap["prefetched"]
     assert snap["prefetch_bytes"] == snap["prefetched"] * snap["expert_bytes"]
     assert snap["bytes_read"] == snap["misses"] * snap["expert_bytes"]
+
+
+@pytest.mark.parametrize("mode,group_size,bits", [("mxfp4", 32, 4), ("mxfp8", 32, 8)])
+def test_microscaling_quantized_experts(checkpoint_factory, tmp_path, mode, group_size, bits):
+    """gpt_oss as mlx-community ships it: mxfp4 experts (uint8 scales, no quantization biases)."""
+    import contextlib
+    import io
+    import json
+
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    src = checkpoint_factory("gpt_oss")
+    model, _ = load_model(src)
+    with contextlib.redirect_stdout(io.StringIO()):
+        model, config = quantize_model(model, json.loads((src / "config.json").read_text()), group_size, bits, mode=mode)
+    path = tmp_path / mode
+    save_model(path, model)
+    save_config(config, path / "config.json")
+    del model
+    resident, _ = load_model(path)
+    want = run(resident)
+    for budget in (1, "50%"):
+        model, streamer = streaming(path, budget)
+        try:
+            assert {t.loc.dtype for t in streamer.pools[0].tensors if t.param == "scales"} == {"U8"}
+            assert run(model) == want
+        finally:
+            streamer.close()
