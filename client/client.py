@@ -151,7 +151,7 @@ class Client:
         fields = dict(prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                       seed=seed, raw=raw, model=model, telemetry_every=telemetry_every, trace=trace)
         if not resume:
-            yield from self._generate_once(request_id=request_id, resume_ids=resume_ids, **fields)
+            yield from self._generate_once(request_id, resume_ids, fields)
             return
         if temperature and seed is None:
             # Sampling is keyed by (seed, position): fix the seed here so a resumed run draws the same.
@@ -164,7 +164,7 @@ class Client:
             base = len(received)
             context = received[:-1] if received and resumes else received
             try:
-                for event in self._generate_once(request_id=None if resumes else request_id, resume_ids=context, **fields):
+                for event in self._generate_once(None if resumes else request_id, context, fields):
                     if isinstance(event, TokenEvent):
                         if event.index < base:
                             continue
@@ -209,42 +209,13 @@ class Client:
         finally:
             self.timeout = saved
 
-    def _generate_once(
-        self,
-        prompt: str | None = None,
-        *,
-        prompt_ids: list[int] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        raw: bool = False,
-        model: str | None = None,
-        request_id: Any = None,
-        telemetry_every: int | None = None,
-        resume_ids: list[int] | None = None,
-        trace: bool = False,
-    ) -> Iterator[Event]:
+    def _generate_once(self, request_id: Any, resume_ids: list[int] | None, fields: dict[str, Any]) -> Iterator[Event]:
+        """One generate request on the current connection; `fields` are the wire fields of `generate`."""
         self.connect()
         request_id = request_id if request_id is not None else self._next_id("gen")
         self.last_request_id = request_id
-        self._send(
-            wire.request(
-                MessageType.GENERATE,
-                request_id,
-                prompt=prompt,
-                prompt_ids=prompt_ids,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                seed=seed,
-                raw=raw or None,
-                model=model,
-                telemetry_every=telemetry_every,
-                resume_ids=resume_ids or None,
-                trace=trace or None,
-            )
-        )
+        wire_fields = {**fields, "raw": fields.get("raw") or None, "trace": fields.get("trace") or None}
+        self._send(wire.request(MessageType.GENERATE, request_id, resume_ids=resume_ids or None, **wire_fields))
         while True:
             msg = self._recv_for(request_id, None, heartbeat=True)
             kind = msg.get("type")
