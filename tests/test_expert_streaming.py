@@ -215,3 +215,30 @@ def test_microscaling_quantized_experts(checkpoint_factory, tmp_path, mode, grou
             assert run(model) == want
         finally:
             streamer.close()
+
+
+def test_transformed_expert_tensors_are_refused_clearly(checkpoint_factory, tmp_path):
+    """Raw Hugging Face qwen3_5_moe stores gate and up fused; sanitize slices them at load, so the
+    bytes of one projection are not a tensor on disk: refuse, naming the fix."""
+    import shutil
+
+    from moed.daemon.experts import CheckpointError
+
+    src = checkpoint_factory("qwen3_5_moe")
+    path = tmp_path / "fused"
+    shutil.copytree(src, path)
+    weights = mx.load(str(path / "model.safetensors"))
+    out = {}
+    for k, v in weights.items():
+        if ".switch_mlp." in k:
+            continue
+        out["model.language_model." + k.removeprefix("language_model.model.") if k.startswith("language_model.model.") else k.removeprefix("language_model.")] = v
+    for i in range(2):
+        p = f"language_model.model.layers.{i}.mlp.switch_mlp"
+        hf = f"model.language_model.layers.{i}.mlp.experts"
+        out[f"{hf}.gate_up_proj"] = mx.concatenate([weights[f"{p}.gate_proj.weight"], weights[f"{p}.up_proj.weight"]], axis=1)
+        out[f"{hf}.down_proj"] = weights[f"{p}.down_proj.weight"]
+    mx.save_safetensors(str(path / "model.safetensors"), out, metadata={"format": "mlx"})
+    model, _ = load_model(path, lazy=True)
+    with pytest.raises(CheckpointError, match="mlx_lm.convert"):
+        install_streaming(model, path, StreamingConfig(cache_budget="50%", memory_bytes=MEMORY))
