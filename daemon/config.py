@@ -37,6 +37,7 @@ class ServeConfig:
     cache_budget: str = "auto"  # bytes ("3000000"), "12GB", a fraction of the experts ("25%", "0.25"), or "auto"
     prefetch_workers: int = 0  # 0: sized to the machine
     page_cache: PageCachePolicy = PageCachePolicy.AUTO
+    prefetch_next: bool = False  # read the next layer's likely experts during this layer's compute
     max_prompt_tokens: int = 32768
     max_tokens_limit: int = 8192
     default_max_tokens: int = 256

@@ -20,6 +20,7 @@ from moed.protocol import ErrorCode, FinishReason, ProtocolError, ShedLevel
 from moed.protocol import messages as wire
 
 from .config import ServeConfig
+from .experts.telemetry import CUMULATIVE_KEYS
 from .exit_codes import DaemonExit
 from .status import DaemonState, EngineStatus
 from .telemetry.trace import finish_request_trace, recording, start_request_trace
@@ -63,18 +64,9 @@ def load_model(serve: ServeConfig, path: Path) -> LoadedModel:
     model, tokenizer, config = load(str(path), lazy=True, return_config=True)
     streamer = None
     if not serve.resident:
-        from .experts import StreamingConfig, install_streaming
+        from .experts import install_streaming
 
-        streamer = install_streaming(
-            model,
-            path,
-            StreamingConfig(
-                cache_budget=serve.cache_budget,
-                prefetch_workers=serve.prefetch_workers,
-                page_cache=serve.page_cache,
-                state_dir=serve.state_dir,
-            ),
-        )
+        streamer = install_streaming(model, path, streaming_config(serve))
         if not streamer.plan.fits:
             streamer.close()
             raise MemoryPlanRefused(streamer.plan.refusal())
@@ -83,6 +75,19 @@ def load_model(serve: ServeConfig, path: Path) -> LoadedModel:
         warmed = streamer.warm()  # the experts the saved usage profile found hot
         log.info("expert cache warmed with %d bytes from the usage profile", warmed)
     return LoadedModel(model, tokenizer, path, config, streamer)
+
+
+def streaming_config(serve: ServeConfig):
+    """The expert-streaming settings of a daemon configuration."""
+    from .experts import StreamingConfig
+
+    return StreamingConfig(
+        cache_budget=serve.cache_budget,
+        prefetch_workers=serve.prefetch_workers,
+        page_cache=serve.page_cache,
+        state_dir=serve.state_dir,
+        prefetch_next=serve.prefetch_next,
+    )
 
 
 class MemoryPlanRefused(RuntimeError):
@@ -99,16 +104,12 @@ def counters_delta(before: dict | None, after: dict | None) -> dict:
     for name, value in after.items():
         prior = before.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(prior, (int, float)):
-            out[name] = value - prior if name in _CUMULATIVE else value
+            out[name] = value - prior if name in CUMULATIVE_KEYS else value
         else:
             out[name] = value
     return out
 
 
-# Streamer counters that accumulate; the rest of a snapshot are gauges.
-_CUMULATIVE = frozenset(
-    {"hits", "misses", "bytes_read", "read_s", "stall_s", "router_readback_s", "reads", "evictions", "tokens", "layer_calls"}
-)
 
 
 class Generation:

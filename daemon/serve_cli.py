@@ -18,12 +18,13 @@ from .config import ConfigError, PageCachePolicy, load_config
 @click.option("--cache-budget", help="Expert cache budget: bytes, 12GB, 25% of the experts, or auto.")
 @click.option("--resident/--streaming", default=None, help="Keep every expert resident (plain mlx-lm) or stream them.")
 @click.option("--prefetch-workers", type=int, help="Expert read threads (default: sized to the machine).")
+@click.option("--prefetch-next/--no-prefetch-next", default=None, help="Speculatively read the next layer's experts (never changes tokens).")
 @click.option("--page-cache", type=click.Choice([p.value for p in PageCachePolicy]), help="Bypass or trust the OS page cache.")
 @click.option("--state-dir", type=click.Path(path_type=Path), help="Where state files live.")
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on 127.0.0.1:PORT.")
 @click.option("--trace-dir", help="Record a router trace of every generation into this folder (.moetrace files).")
 @click.option("--log-level", default="INFO", show_default=True)
-def serve(model, socket_path, config_file, cache_budget, resident, prefetch_workers, page_cache, state_dir, metrics_port, trace_dir, log_level) -> None:
+def serve(model, socket_path, config_file, cache_budget, resident, prefetch_workers, prefetch_next, page_cache, state_dir, metrics_port, trace_dir, log_level) -> None:
     """Run the daemon in the foreground until SIGTERM or `moe stop`."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
@@ -36,6 +37,7 @@ def serve(model, socket_path, config_file, cache_budget, resident, prefetch_work
                 "resident": resident,
                 "prefetch_workers": prefetch_workers,
                 "page_cache": page_cache,
+                "prefetch_next": prefetch_next,
                 "state_dir": state_dir,
                 "metrics_port": metrics_port,
                 "trace_dir": trace_dir,

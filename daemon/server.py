@@ -135,11 +135,10 @@ class Server:
         if self.serve.resident:
             return info  # nothing to shrink: every expert is resident by request
         try:
-            from .experts import StreamingConfig, plan_memory
+            from .engine import streaming_config
+            from .experts import plan_memory
 
-            cfg = StreamingConfig(cache_budget=self.serve.cache_budget, prefetch_workers=self.serve.prefetch_workers,
-                                  page_cache=self.serve.page_cache, state_dir=self.serve.state_dir)
-            full = plan_memory(self.model_path, cfg).cache_budget_bytes
+            full = plan_memory(self.model_path, streaming_config(self.serve)).cache_budget_bytes
         except Exception as exc:  # a model that cannot be planned fails at load with a better message
             log.warning("cache budget backoff skipped: %s", exc)
             return info

@@ -173,11 +173,14 @@ def test_second_daemon_refuses_live_socket_and_replaces_stale(daemon, tiny_model
         again.stop()
 
 
-@pytest.mark.parametrize("arch,budget", [("qwen3_moe", "10%"), ("mixtral", "50%"), ("deepseek_v3", "1")])
-def test_streaming_daemon_matches_resident_mlx_lm(arch, budget, checkpoint_factory, daemon_factory):
+@pytest.mark.parametrize(
+    "arch,budget,extra",
+    [("qwen3_moe", "10%", ()), ("mixtral", "50%", ()), ("deepseek_v3", "1", ()), ("olmoe", "25%", ("--prefetch-next",))],
+)
+def test_streaming_daemon_matches_resident_mlx_lm(arch, budget, extra, checkpoint_factory, daemon_factory):
     """The default (streaming) daemon at small budgets gives the resident model's tokens, with telemetry."""
     model_path = checkpoint_factory(arch)
-    d = daemon_factory(model_path, "--cache-budget", budget)
+    d = daemon_factory(model_path, "--cache-budget", budget, *extra)
     with d.client() as c:
         got, done = daemon_tokens(c, PROMPT, 24)
         status = c.status()
