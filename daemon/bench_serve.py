@@ -29,16 +29,16 @@ def _decode_tps(stamps: list[float]) -> float:
 
 
 def time_in_process(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> RunTiming:
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
+    """mlx-lm's own streaming loop (tokens and text), as a script using mlx-lm directly runs it."""
+    from mlx_lm import stream_generate
 
     t0 = time.perf_counter()
     stamps, tokens = [], []
-    for token, _ in generate_step(mx.array(prompt_ids, dtype=mx.uint32), model, max_tokens=max_tokens):
-        if token in tokenizer.eos_token_ids:  # the daemon stops here too
+    for response in stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens):
+        if response.finish_reason == "stop":  # the EOS token: the daemon sends no token event for it
             break
         stamps.append(time.perf_counter())
-        tokens.append(int(token))
+        tokens.append(int(response.token))
     return RunTiming(stamps[0] - t0, _decode_tps(stamps), tokens)
 
 
