@@ -4,8 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # A socket of its own, so the demo never touches a daemon the user runs as a service.
-DEMO_SOCKET := /tmp/moed-demo-$(shell id -u)/moed.sock
+DEMO_DIR := /tmp/moed-demo-$(shell id -u)
+DEMO_SOCKET := $(DEMO_DIR)/moed.sock
 PROMPT ?= def fibonacci(n):
+# A quarter of the demo's experts in the cache, so the run shows real streaming (misses, reads).
+BUDGET ?= 25%
 
 .PHONY: run test bench clean
 
@@ -17,7 +20,8 @@ $(STAMP): pyproject.toml
 
 # Start a daemon on the embedded demo model, stream a completion with telemetry, stop the daemon.
 run: $(STAMP)
-	@$(BIN)/moe --socket $(DEMO_SOCKET) run --raw --max-tokens 120 --start-timeout 300 '$(PROMPT)'; \
+	@MOED_CACHE_BUDGET='$(BUDGET)' MOED_STATE_DIR=$(DEMO_DIR)/state \
+	  $(BIN)/moe --socket $(DEMO_SOCKET) run --raw --max-tokens 120 --start-timeout 300 '$(PROMPT)'; \
 	  status=$$?; \
 	  $(BIN)/moe --socket $(DEMO_SOCKET) stats || true; \
 	  $(BIN)/moe --socket $(DEMO_SOCKET) stop >/dev/null 2>&1 || true; \
