@@ -38,6 +38,8 @@ class ServeConfig:
     prefetch_workers: int = 0  # 0: sized to the machine
     page_cache: PageCachePolicy = PageCachePolicy.AUTO
     prefetch_next: bool = False  # read the next layer's likely experts during this layer's compute
+    memory_limit_bytes: int = 0  # what the memory plan may use; 0: the machine's (RAM, cgroup, Metal working set)
+    plan_context_tokens: int = 8192  # the KV cache the memory plan keeps room for
     max_prompt_tokens: int = 32768
     max_tokens_limit: int = 8192
     default_max_tokens: int = 256

@@ -66,7 +66,7 @@ def load_model(serve: ServeConfig, path: Path) -> LoadedModel:
     if not serve.resident:
         from .experts import install_streaming
 
-        streamer = install_streaming(model, path, streaming_config(serve))
+        streamer = install_streaming(model, path, streaming_config(serve, config))
         if not streamer.plan.fits:
             streamer.close()
             raise MemoryPlanRefused(streamer.plan.refusal())
@@ -77,9 +77,9 @@ def load_model(serve: ServeConfig, path: Path) -> LoadedModel:
     return LoadedModel(model, tokenizer, path, config, streamer)
 
 
-def streaming_config(serve: ServeConfig):
-    """The expert-streaming settings of a daemon configuration."""
-    from .experts import StreamingConfig
+def streaming_config(serve: ServeConfig, model_config: dict):
+    """The expert-streaming settings of a daemon configuration, with room for its KV cache."""
+    from .experts import StreamingConfig, estimate_kv_bytes
 
     return StreamingConfig(
         cache_budget=serve.cache_budget,
@@ -87,6 +87,8 @@ def streaming_config(serve: ServeConfig):
         page_cache=serve.page_cache,
         state_dir=serve.state_dir,
         prefetch_next=serve.prefetch_next,
+        memory_bytes=serve.memory_limit_bytes,
+        kv_bytes=estimate_kv_bytes(model_config, serve.plan_context_tokens),
     )
 
 
@@ -268,6 +270,8 @@ class Engine:
         except BaseException as exc:  # a model that cannot load is fatal for the daemon
             log.exception("model load failed")
             self._record_crash(CrashKind.LOAD_FAILED, f"{exc.__class__.__name__}: {exc}")
+            if isinstance(exc, MemoryPlanRefused):
+                self.exit_code = DaemonExit.DOES_NOT_FIT
             self.fatal = exc
             self.status.update(state=DaemonState.FAILED.value, error=f"{exc.__class__.__name__}: {exc}")
             self._fail_queued(ErrorCode.INTERNAL, f"model failed to load: {exc}")

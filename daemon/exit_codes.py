@@ -10,3 +10,4 @@ class DaemonExit(enum.IntEnum):
     MODEL_NOT_FOUND = 3
     ALREADY_RUNNING = 4
     OUT_OF_MEMORY = 5
+    DOES_NOT_FIT = 6  # the memory plan refused the model at this budget: a restart cannot help

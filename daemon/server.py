@@ -7,6 +7,7 @@ generation. Startup → main loop → drain; signal handlers only set flags.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import signal
@@ -138,7 +139,8 @@ class Server:
             from .engine import streaming_config
             from .experts import plan_memory
 
-            full = plan_memory(self.model_path, streaming_config(self.serve)).cache_budget_bytes
+            model_config = json.loads((self.model_path / "config.json").read_text())
+            full = plan_memory(self.model_path, streaming_config(self.serve, model_config)).cache_budget_bytes
         except Exception as exc:  # a model that cannot be planned fails at load with a better message
             log.warning("cache budget backoff skipped: %s", exc)
             return info

@@ -125,3 +125,16 @@ def test_malformed_setting_is_a_config_error(tmp_path, tiny_model):
     out = subprocess.run(serve_command(tiny_model, sock, tmp_path), capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 2, out.stderr
     assert "configuration" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_memory_plan_refuses_a_model_that_cannot_fit(tmp_path, tiny_model):
+    """Refused before loading experts, with the plan in the message, and an exit code that stops restarts."""
+    from daemon_harness import start_daemon
+
+    d = start_daemon(tmp_path, tiny_model, "--cache-budget", "100%", env={"MOED_MEMORY_LIMIT_BYTES": "50000000"}, wait=False)
+    try:
+        assert d.proc.wait(60) == 6
+    finally:
+        d.stop()
+    log = d.log()
+    assert "does not fit" in log and "lower --cache-budget" in log

@@ -99,7 +99,7 @@ def test_unit_holds_the_policy(tmp_path, role):
     assert shlex.split(svc["ExecStart"][0]) == [sys.executable, "-m", "moed.daemon.cli", command, "--config", str(config)]
     assert svc["Restart"] == ["on-failure"]
     if role is Role.DAEMON:
-        assert svc["RestartPreventExitStatus"] == ["2 3 4"]  # config, model not found, already running
+        assert svc["RestartPreventExitStatus"] == ["2 3 4 6"]  # config, model not found, already running, does not fit
     assert int(svc["RestartSec"][0]) >= 5
     assert svc["KillSignal"] == ["SIGTERM"]
     assert svc["LimitCORE"] == ["0"]

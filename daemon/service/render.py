@@ -25,7 +25,7 @@ STOP_MARGIN_S = 15
 WATCHDOG_STOP_S = 10
 # Daemon exits that a restart cannot fix; systemd stops on them (launchd has no such key: there the
 # daemon's own restart budget ends the loop by exiting 0).
-PERMANENT_EXITS = (DaemonExit.CONFIG, DaemonExit.MODEL_NOT_FOUND, DaemonExit.ALREADY_RUNNING)
+PERMANENT_EXITS = (DaemonExit.CONFIG, DaemonExit.MODEL_NOT_FOUND, DaemonExit.ALREADY_RUNNING, DaemonExit.DOES_NOT_FIT)
 
 
 class Platform(str, enum.Enum):
