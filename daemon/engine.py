@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import logging
 import queue
-import random
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -20,193 +18,19 @@ from moed.protocol import ErrorCode, FinishReason, ProtocolError, ShedLevel
 from moed.protocol import messages as wire
 
 from .config import ServeConfig
-from .experts.telemetry import CUMULATIVE_KEYS
 from .exit_codes import DaemonExit
+from .generation import GenerateJob, Generation, RequestKey
+from .model_loader import LoadedModel, MemoryPlanRefused, describe_model, load_model
 from .status import DaemonState, EngineStatus
-from .telemetry.trace import finish_request_trace, recording, start_request_trace
+from .telemetry.delta import counters_delta
+from .telemetry.trace import finish_request_trace, start_request_trace
 from .watchdog.crashlog import CrashKind, is_out_of_memory
 from .watchdog.faults import Faults
 
 log = logging.getLogger("moed.engine")
 
-RequestKey = tuple[bytes, Any]  # (client identity, client-chosen request id)
-
-
 class EventSink(Protocol):
     def emit(self, identity: bytes, msg: dict, terminal: bool = False) -> None: ...
-
-
-@dataclass
-class GenerateJob:
-    identity: bytes
-    request: dict  # a validated `generate` message
-    received_at: float = field(default_factory=time.perf_counter)
-
-    @property
-    def key(self) -> RequestKey:
-        return (self.identity, self.request["id"])
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    model: Any
-    tokenizer: Any
-    path: Path
-    config: dict
-    streamer: Any  # ExpertStreamer or None when resident
-
-
-def load_model(serve: ServeConfig, path: Path) -> LoadedModel:
-    """Load lazily, swap in the streaming experts, then materialize only what stays resident."""
-    import mlx.core as mx
-    from mlx_lm.utils import load
-
-    model, tokenizer, config = load(str(path), lazy=True, return_config=True)
-    streamer = None
-    if not serve.resident:
-        from .experts import install_streaming
-
-        streamer = install_streaming(model, path, streaming_config(serve, config))
-        if not streamer.plan.fits:
-            streamer.close()
-            raise MemoryPlanRefused(streamer.plan.refusal())
-    mx.eval(model.parameters())
-    if streamer is not None:
-        warmed = streamer.warm()  # the experts the saved usage profile found hot
-        log.info("expert cache warmed with %d bytes from the usage profile", warmed)
-    return LoadedModel(model, tokenizer, path, config, streamer)
-
-
-def streaming_config(serve: ServeConfig, model_config: dict):
-    """The expert-streaming settings of a daemon configuration, with room for its KV cache."""
-    from .experts import StreamingConfig, estimate_kv_bytes
-
-    return StreamingConfig(
-        cache_budget=serve.cache_budget,
-        prefetch_workers=serve.prefetch_workers,
-        page_cache=serve.page_cache,
-        state_dir=serve.state_dir,
-        prefetch_next=serve.prefetch_next,
-        memory_bytes=serve.memory_limit_bytes,
-        kv_bytes=estimate_kv_bytes(model_config, serve.plan_context_tokens),
-    )
-
-
-class MemoryPlanRefused(RuntimeError):
-    """The memory plan says the model cannot fit: refuse before it can crash the process."""
-
-
-
-def counters_delta(before: dict | None, after: dict | None) -> dict:
-    """Per-request telemetry: numeric counters as differences, everything else as the latest value."""
-    if not after:
-        return {}
-    before = before or {}
-    out: dict[str, Any] = {}
-    for name, value in after.items():
-        prior = before.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(prior, (int, float)):
-            out[name] = value - prior if name in CUMULATIVE_KEYS else value
-        else:
-            out[name] = value
-    return out
-
-
-
-
-class Generation:
-    """One request's decoding state: its own KV cache, sampler and detokenizer."""
-
-    def __init__(self, job: GenerateJob, loaded: LoadedModel, serve: ServeConfig, stream_snapshot: dict | None,
-                 on_progress: Callable[[], None] | None = None):
-        import mlx.core as mx
-        from mlx_lm.generate import generate_step
-        from mlx_lm.models.cache import make_prompt_cache
-
-        from .sampling import SamplingParams, make_position_sampler
-
-        req = job.request
-        self.job = job
-        self.tokenizer = loaded.tokenizer
-        prompt_ids = tokenize_prompt(loaded.tokenizer, req)
-        if len(prompt_ids) > serve.max_prompt_tokens:
-            raise ProtocolError(
-                ErrorCode.PROMPT_TOO_LONG,
-                f"prompt is {len(prompt_ids)} tokens; this daemon accepts at most {serve.max_prompt_tokens}",
-            )
-        max_tokens = min(req.get("max_tokens") or serve.default_max_tokens, serve.max_tokens_limit)
-        resume_ids = list(req.get("resume_ids") or [])
-        if len(resume_ids) >= max_tokens:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, "resume_ids already reach max_tokens")
-        context = prompt_ids + resume_ids
-        params = SamplingParams(float(req.get("temperature") or 0.0), float(req.get("top_p") or 1.0), req.get("seed"))
-        sampler = make_position_sampler(params, len(context), default_seed=random.getrandbits(62))
-        self.prompt_tokens = len(prompt_ids)
-        self.index = len(resume_ids)  # token indices continue after a resume
-        self.completion = 0
-        self.telemetry_every = req.get("telemetry_every") or serve.telemetry_every
-        self.detokenizer = loaded.tokenizer.detokenizer
-        for token in resume_ids:  # so that text deltas continue mid-character after a resume
-            self.detokenizer.add_token(token)
-        if resume_ids:
-            _ = self.detokenizer.last_segment
-        self.stream_before = stream_snapshot
-        self.trace = None  # a TraceRecorder when the request is traced (set by the engine)
-        self.started = time.perf_counter()
-        self.first_token_at: float | None = None
-        self.steps = generate_step(
-            mx.array(context, dtype=mx.uint32),
-            loaded.model,
-            max_tokens=max_tokens - len(resume_ids),
-            sampler=sampler,
-            prompt_cache=make_prompt_cache(loaded.model),
-            # A long prefill yields no token for a while; report progress so the watchdog waits.
-            prompt_progress_callback=lambda done, total: on_progress() if on_progress else None,
-        )
-
-    def step(self) -> tuple[int | None, FinishReason | None]:
-        """Advance one token; returns (token, None) or (None, finish reason)."""
-        try:
-            with recording(self.trace):
-                token, _ = next(self.steps)
-        except StopIteration:
-            return None, FinishReason.LENGTH
-        if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-        if token in self.tokenizer.eos_token_ids:
-            return None, FinishReason.STOP
-        return int(token), None
-
-    def timings(self) -> dict:
-        now = time.perf_counter()
-        first = self.first_token_at or now
-        decode_s = now - first
-        return {
-            "queued_s": self.started - self.job.received_at,
-            "ttft_s": first - self.job.received_at,
-            "prompt_tps": self.prompt_tokens / max(first - self.started, 1e-9),
-            "decode_tps": (self.completion - 1) / decode_s if self.completion > 1 and decode_s > 0 else 0.0,
-            "total_s": now - self.job.received_at,
-        }
-
-
-def tokenize_prompt(tokenizer: Any, req: dict) -> list[int]:
-    """Tokenize as `mlx_lm.generate` does: the chat template unless raw, special tokens otherwise."""
-    if req.get("prompt_ids") is not None:
-        return list(req["prompt_ids"])
-    prompt = req["prompt"]
-    use_template = not req.get("raw") and getattr(tokenizer, "has_chat_template", False)
-    if use_template:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        return list(tokenizer.encode(prompt, add_special_tokens=False))
-    bos = getattr(tokenizer, "bos_token", None)
-    add_special = bos is None or not prompt.startswith(bos)
-    ids = list(tokenizer.encode(prompt, add_special_tokens=add_special))
-    if not ids:
-        raise ProtocolError(ErrorCode.INVALID_REQUEST, "the prompt tokenizes to nothing")
-    return ids
 
 
 class Engine:
@@ -479,17 +303,3 @@ class Engine:
         if self.loaded is None or self.loaded.streamer is None:
             return None
         return self.loaded.streamer.snapshot()
-
-
-def describe_model(loaded: LoadedModel) -> dict:
-    cfg = loaded.config
-    text_cfg = cfg.get("text_config", {}) if isinstance(cfg.get("text_config"), dict) else {}
-    return {
-        "path": str(loaded.path),
-        "name": loaded.path.name,
-        "model_type": cfg.get("model_type"),
-        "num_layers": cfg.get("num_hidden_layers") or text_cfg.get("num_hidden_layers"),
-        "quantization": cfg.get("quantization"),
-        "streaming": loaded.streamer is not None,
-        "chat_template": bool(getattr(loaded.tokenizer, "has_chat_template", False)),
-    }

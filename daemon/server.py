@@ -36,7 +36,7 @@ from moed.protocol import messages as wire
 
 from . import __version__
 from .config import ServeConfig
-from .engine import Engine, EventSink, GenerateJob, RequestKey
+from .engine import Engine, GenerateJob, RequestKey
 from .exit_codes import DaemonExit
 from .paths import endpoint_for, ensure_private_dir
 from .status import DaemonState, EngineStatus
@@ -136,7 +136,7 @@ class Server:
         if self.serve.resident:
             return info  # nothing to shrink: every expert is resident by request
         try:
-            from .engine import streaming_config
+            from .model_loader import streaming_config
             from .experts import plan_memory
 
             model_config = json.loads((self.model_path / "config.json").read_text())

@@ -354,7 +354,7 @@ def start_request_trace(loaded: Any, job: Any, serve: Any, emit: Callable[[dict]
             f.flush()
 
         sinks.append(to_file)
-    from moed.daemon.engine import describe_model
+    from moed.daemon.model_loader import describe_model
 
     header = trace_header(streamer, describe_model(loaded), {"id": str(req.get("id")), "prompt_tokens": prompt_tokens})
     recorder = TraceRecorder(streamer, header, lambda data: [s(data) for s in sinks])

@@ -1,0 +1,122 @@
+"""One generation: a request's KV cache, position-keyed sampler, detokenizer and timings."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from moed.protocol import ErrorCode, FinishReason, ProtocolError
+
+from .config import ServeConfig
+from .model_loader import LoadedModel
+from .telemetry.trace import recording
+
+RequestKey = tuple[bytes, Any]  # (client identity, client-chosen request id)
+
+
+@dataclass
+class GenerateJob:
+    identity: bytes
+    request: dict  # a validated `generate` message
+    received_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def key(self) -> RequestKey:
+        return (self.identity, self.request["id"])
+
+
+class Generation:
+    """One request's decoding state: its own KV cache, sampler and detokenizer."""
+
+    def __init__(self, job: GenerateJob, loaded: LoadedModel, serve: ServeConfig, stream_snapshot: dict | None,
+                 on_progress: Callable[[], None] | None = None):
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from .sampling import SamplingParams, make_position_sampler
+
+        req = job.request
+        self.job = job
+        self.tokenizer = loaded.tokenizer
+        prompt_ids = tokenize_prompt(loaded.tokenizer, req)
+        if len(prompt_ids) > serve.max_prompt_tokens:
+            raise ProtocolError(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt is {len(prompt_ids)} tokens; this daemon accepts at most {serve.max_prompt_tokens}",
+            )
+        max_tokens = min(req.get("max_tokens") or serve.default_max_tokens, serve.max_tokens_limit)
+        resume_ids = list(req.get("resume_ids") or [])
+        if len(resume_ids) >= max_tokens:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, "resume_ids already reach max_tokens")
+        context = prompt_ids + resume_ids
+        params = SamplingParams(float(req.get("temperature") or 0.0), float(req.get("top_p") or 1.0), req.get("seed"))
+        sampler = make_position_sampler(params, len(context), default_seed=random.getrandbits(62))
+        self.prompt_tokens = len(prompt_ids)
+        self.index = len(resume_ids)  # token indices continue after a resume
+        self.completion = 0
+        self.telemetry_every = req.get("telemetry_every") or serve.telemetry_every
+        self.detokenizer = loaded.tokenizer.detokenizer
+        for token in resume_ids:  # so that text deltas continue mid-character after a resume
+            self.detokenizer.add_token(token)
+        if resume_ids:
+            _ = self.detokenizer.last_segment
+        self.stream_before = stream_snapshot
+        self.trace = None  # a TraceRecorder when the request is traced (set by the engine)
+        self.started = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.steps = generate_step(
+            mx.array(context, dtype=mx.uint32),
+            loaded.model,
+            max_tokens=max_tokens - len(resume_ids),
+            sampler=sampler,
+            prompt_cache=make_prompt_cache(loaded.model),
+            # A long prefill yields no token for a while; report progress so the watchdog waits.
+            prompt_progress_callback=lambda done, total: on_progress() if on_progress else None,
+        )
+
+    def step(self) -> tuple[int | None, FinishReason | None]:
+        """Advance one token; returns (token, None) or (None, finish reason)."""
+        try:
+            with recording(self.trace):
+                token, _ = next(self.steps)
+        except StopIteration:
+            return None, FinishReason.LENGTH
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        if token in self.tokenizer.eos_token_ids:
+            return None, FinishReason.STOP
+        return int(token), None
+
+    def timings(self) -> dict:
+        now = time.perf_counter()
+        first = self.first_token_at or now
+        decode_s = now - first
+        return {
+            "queued_s": self.started - self.job.received_at,
+            "ttft_s": first - self.job.received_at,
+            "prompt_tps": self.prompt_tokens / max(first - self.started, 1e-9),
+            "decode_tps": (self.completion - 1) / decode_s if self.completion > 1 and decode_s > 0 else 0.0,
+            "total_s": now - self.job.received_at,
+        }
+
+
+def tokenize_prompt(tokenizer: Any, req: dict) -> list[int]:
+    """Tokenize as `mlx_lm.generate` does: the chat template unless raw, special tokens otherwise."""
+    if req.get("prompt_ids") is not None:
+        return list(req["prompt_ids"])
+    prompt = req["prompt"]
+    use_template = not req.get("raw") and getattr(tokenizer, "has_chat_template", False)
+    if use_template:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
+    bos = getattr(tokenizer, "bos_token", None)
+    add_special = bos is None or not prompt.startswith(bos)
+    ids = list(tokenizer.encode(prompt, add_special_tokens=add_special))
+    if not ids:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, "the prompt tokenizes to nothing")
+    return ids
