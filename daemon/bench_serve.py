@@ -63,7 +63,6 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
     """Daemon + client vs in-process mlx-lm: decode tok/s ratio and extra time to first token."""
     from mlx_lm import load
 
-
     from .model_source import resolve_model
 
     path = resolve_model(model)
