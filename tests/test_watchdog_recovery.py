@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from daemon_harness import serve_command
-from moed.client import Client, DaemonRestarted, DaemonUnavailable, DoneEvent, RequestFailed, TokenEvent
+from moed.client import Client, DaemonUnavailable, DoneEvent, RequestFailed, TokenEvent
 from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.watchdog.events import read_events
 from moed.protocol import ErrorCode

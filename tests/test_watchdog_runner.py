@@ -10,7 +10,6 @@ import sys
 import time
 from dataclasses import replace
 
-import pytest
 
 from moed.daemon.config import WatchdogConfig
 from moed.daemon.platform import Footprint, MemoryProbe, PressureLevel
