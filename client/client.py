@@ -58,6 +58,7 @@ class Client:
         self.welcome: dict | None = None
         self.boot_id: str | None = None
         self._socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
         self._buffered: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]
@@ -72,6 +73,8 @@ class Client:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        # The daemon's death drops the ipc connection at once: watch for that instead of waiting out pings.
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(f"ipc://{self.socket_path}")
         self._socket = sock
         request_id = self._next_id("hello")
@@ -86,6 +89,8 @@ class Client:
 
     def close(self) -> None:
         if self._socket is not None:
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
             self._socket.close(linger=0)
             self._socket = None
         self.welcome = None
@@ -255,6 +260,12 @@ class Client:
             self.close()
             raise DaemonRestarted(f"the daemon restarted (boot {old} → {boot_id})", old, boot_id)
 
+    def _poller(self) -> zmq.Poller:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        return poller
+
     def _recv_for(self, request_id: Any, deadline: float | None, heartbeat: bool) -> dict:
         """The next message for request_id; other ids' messages are kept for their readers."""
         queue = self._buffered.get(request_id)
@@ -276,9 +287,15 @@ class Client:
                 frame = self._socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 wait = self.heartbeat_s if deadline is None else min(self.heartbeat_s, max(deadline - now, 0.0))
-                if not self._socket.poll(int(wait * 1000) + 1):
+                ready = dict(self._poller().poll(int(wait * 1000) + 1))
+                if self._socket in ready:
+                    frame = self._socket.recv()
+                elif self._monitor in ready:
+                    if self._monitor.recv_multipart() and not self._socket.poll(0):
+                        raise DaemonUnavailable(f"the connection to the daemon at {self.socket_path} dropped (it exited or crashed)")
                     continue
-                frame = self._socket.recv()
+                else:
+                    continue
             msg = decode(frame)
             last_heard = time.monotonic()
             if not isinstance(msg, dict):
