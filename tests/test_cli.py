@@ -116,3 +116,22 @@ def test_model_from_local_hugging_face_cache(tiny_model, tmp_path, monkeypatch):
     assert resolve_model("mlx-community/Tiny-MoE") == (repo / "snapshots" / commit).resolve()
     with pytest.raises(ModelNotFound, match="not in the local Hugging Face cache"):
         resolve_model("mlx-community/Absent-Model")
+
+
+def test_ctrl_c_cancels_the_request(daemon):
+    import signal
+
+    cmd = [sys.executable, "-m", "moed.client.cli", "--socket", str(daemon.socket), "run", "--raw", "--no-start",
+           "--max-tokens", "8000", "hello"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with daemon.client() as c:
+        deadline = time.monotonic() + 30
+        while c.status()["active_requests"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == ExitCode.INTERRUPTED
+        deadline = time.monotonic() + 10
+        while c.status()["active_requests"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.status()["active_requests"] == 0
+    assert "cancelled" in proc.stderr.read().decode()
