@@ -30,8 +30,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# Each prints ratios measured side by side in one run; BENCHMARKS.md holds their latest output.
 bench: $(STAMP)
-	$(BIN)/moed bench all
+	$(BIN)/moed bench serve --max-tokens 200 --runs 9
+	$(BIN)/moed bench stream
+	$(BIN)/moed bench prewarm --runs 5
 
 clean:
 	rm -rf $(VENV) build *.egg-info
