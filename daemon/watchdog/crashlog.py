@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from moed.daemon.state import read_json, write_json_atomic
 
 CRASH_FILE = "crash.json"
@@ -88,7 +90,7 @@ def plan_start(state_dir: Path, restart_budget: int, window_s: float, now: float
                pid_alive=None) -> StartPlan:
     """Read the record at start: note an unclean previous exit, then judge backoff and budget."""
     now = time.time() if now is None else now
-    pid_alive = pid_alive or _pid_alive
+    pid_alive = pid_alive or psutil.pid_exists
     data = _load(state_dir)
     unclean = None
     run = data.get("run")
@@ -157,15 +159,6 @@ def _entry(kind: CrashKind, message: str, boot_id: Any, pid: Any, at: float) -> 
     return {"kind": kind.value, "message": message[:2000], "boot_id": boot_id, "pid": pid, "at": at,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(at))}
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def scale_budget(budget_bytes: int, factor: float) -> int:

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from moed.daemon.state import read_json, write_json_atomic
 
 EVENT_LOG_NAME = "watchdog.jsonl"
@@ -101,17 +103,8 @@ def read_state(state_dir: Path, stale_after_s: float = 30.0) -> dict | None:
     if not isinstance(state, dict):
         return None
     pid = state.get("pid")
-    alive = isinstance(pid, int) and _pid_alive(pid)
+    alive = isinstance(pid, int) and psutil.pid_exists(pid)
     fresh = time.time() - float(state.get("updated_at") or 0) <= max(stale_after_s, 3 * float(state.get("heartbeat_s") or 0))
     state["running"] = bool(alive and fresh and not state.get("stopped_at"))
     return state
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
