@@ -9,6 +9,8 @@ from typing import Any
 
 import click
 
+from moed.protocol import paths
+
 from .client import Client, default_socket_path
 from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
 from .events import DoneEvent, TelemetryEvent, TokenEvent, TraceEvent
@@ -147,16 +149,33 @@ def summary_line(done: DoneEvent) -> str:
     return "[moe] " + " · ".join(parts)
 
 
+def offline_state(state_dir: Path) -> dict:
+    """What the state directory says when no daemon answers: the last crash and the watchdog's last word."""
+    out = {}
+    for key, name, field in (("last_crash", "crash.json", "last"), ("watchdog", "watchdog.json", None)):
+        try:
+            data = json.loads((state_dir / name).read_text())
+        except (OSError, ValueError):
+            continue
+        out[key] = data.get(field) if field else {k: data.get(k) for k in ("state", "last_action", "updated_at")}
+    return out
+
+
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--state-dir", type=click.Path(path_type=Path), help="Where the daemon keeps its state (for an offline report).")
 @click.pass_obj
-def status(obj, as_json: bool) -> None:
-    """Show the daemon's state (exit 3 when none answers)."""
+def status(obj, as_json: bool, state_dir: Path | None) -> None:
+    """Show the daemon's state (exit 3 when none answers, with its last crash and the watchdog's last action)."""
     try:
         with Client(obj["socket"], timeout=obj["timeout"]) as client:
             body = client.status()
     except DaemonUnavailable as exc:
-        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc), as_json, code="daemon_unavailable")
+        offline = offline_state(state_dir or paths.state_dir())
+        for key, value in offline.items():
+            if not as_json and value:
+                click.echo(f"{key:<12} {json.dumps(value, default=str)}", err=True)
+        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc), as_json, code="daemon_unavailable", **offline)
     except RequestFailed as exc:
         _fail(ExitCode.REQUEST_FAILED, str(exc), as_json, code=getattr(exc.code, "value", exc.code))
     body = {k: v for k, v in body.items() if k not in ("v", "type", "id")}

@@ -20,24 +20,12 @@ import zmq
 
 from moed.protocol import ErrorCode, MessageType, decode, encode
 from moed.protocol import messages as wire
+from moed.protocol.paths import default_socket_path
 
 from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
 from .events import DoneEvent, Event, TelemetryEvent, TokenEvent, TraceEvent
 
 log = logging.getLogger("moed.client")
-
-
-def default_socket_path() -> Path:
-    # Same rule as moed.daemon.paths, repeated here so the client never imports the daemon package.
-    if env := os.environ.get("MOED_SOCKET"):
-        return Path(env)
-    if env := os.environ.get("MOED_RUNTIME_DIR"):
-        return Path(env) / "moed.sock"
-    import sys
-    import tempfile
-
-    base = Path("/tmp") if sys.platform == "darwin" else Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
-    return base / f"moed-{os.getuid()}" / "moed.sock"
 
 
 class Client:

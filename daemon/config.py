@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from . import paths
+from moed.protocol import paths
 
 DEMO_MODEL = "demo"  # resolved to the embedded demo checkpoint
 

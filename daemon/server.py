@@ -38,7 +38,7 @@ from . import __version__
 from .config import ServeConfig
 from .engine import Engine, GenerateJob, RequestKey
 from .exit_codes import DaemonExit
-from .paths import endpoint_for, ensure_private_dir
+from moed.protocol.paths import endpoint_for, ensure_private_dir
 from .status import DaemonState, EngineStatus
 from .telemetry import LiveTelemetry
 from .watchdog import crashlog

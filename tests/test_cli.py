@@ -135,3 +135,17 @@ def test_ctrl_c_cancels_the_request(daemon):
             time.sleep(0.05)
         assert c.status()["active_requests"] == 0
     assert "cancelled" in proc.stderr.read().decode()
+
+
+def test_status_offline_reports_last_crash_and_watchdog(daemon_factory, tiny_model, tmp_path):
+    d = daemon_factory(tiny_model, "--resident", env={"MOED_DEBUG_FAULTS": "oom_after=2"})
+    with d.client() as c:
+        try:
+            list(c.generate("hello", max_tokens=10, raw=True))
+        except Exception:
+            pass
+    assert d.proc.wait(30) == 5
+    out = moe(d.socket, "status", "--json", "--state-dir", str(d.state_dir))
+    assert out.returncode == ExitCode.DAEMON_UNAVAILABLE
+    body = json.loads(out.stdout.splitlines()[-1])
+    assert body["last_crash"]["kind"] == "out_of_memory"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from moed.daemon import paths
+from moed.protocol import paths
 from moed.daemon.config import load_config
 from moed.daemon.service.render import (
     Platform,

@@ -77,10 +77,10 @@ class ServiceLayout:
 
 
 def layout_for(platform: Platform, environ: Mapping[str, str] | None = None, config_file: Path | None = None) -> ServiceLayout:
-    """The standard per-user locations for a platform, from HOME and XDG_* like moed.daemon.paths.
+    """The standard per-user locations for a platform, from HOME and XDG_* like moed.protocol.paths.
 
     Computed here because a dry run may target the other platform; on the host platform the config
-    file agrees with moed.daemon.paths.config_path() (a test checks it).
+    file agrees with moed.protocol.paths.config_path() (a test checks it).
     """
     env = os.environ if environ is None else environ
     home = Path(env.get("HOME") or Path.home())
@@ -99,7 +99,7 @@ def layout_for(platform: Platform, environ: Mapping[str, str] | None = None, con
 def foreign_defaults(platform: Platform, environ: Mapping[str, str] | None = None) -> dict[str, Path]:
     """Serve settings whose defaults differ by platform, for rendering the other platform's files.
 
-    On the host these come from moed.daemon.paths; a dry run for the other platform uses these so
+    On the host these come from moed.protocol.paths; a dry run for the other platform uses these so
     that what it prints is what an install there would write.
     """
     env = os.environ if environ is None else environ
@@ -114,7 +114,7 @@ def foreign_defaults(platform: Platform, environ: Mapping[str, str] | None = Non
         logs = state / "logs"
         runtime = Path(env.get("XDG_RUNTIME_DIR") or "/tmp") / f"moed-{uid}"
     values = {"state_dir": state, "log_dir": logs, "socket": runtime / "moed.sock"}
-    # Explicit settings win on every platform, as in moed.daemon.paths.
+    # Explicit settings win on every platform, as in moed.protocol.paths.
     for name, var in (("state_dir", "MOED_STATE_DIR"), ("log_dir", "MOED_LOG_DIR"), ("socket", "MOED_SOCKET")):
         if env.get(var):
             values[name] = Path(env[var])

@@ -1,6 +1,6 @@
 """Per-user locations: the socket directory (mode 0700), the state directory and the log directory.
 
-Imports no mlx: the client uses the same defaults to find the daemon.
+Shared by the daemon and its clients (the socket path is part of the protocol); imports no mlx.
 """
 
 from __future__ import annotations
