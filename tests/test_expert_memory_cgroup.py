@@ -149,3 +149,38 @@ def test_streaming_fits_under_a_cgroup_limit_of_60_percent(tmp_path_factory):
     assert streamed["hwm"] < limit, streamed["plan"]
     if peak is not None:
         assert peak <= limit
+
+
+def test_the_daemon_serves_under_a_cgroup_limit_of_60_percent(tmp_path_factory, tmp_path):
+    """The same, through the real daemon and client: `moed serve` placed in the cgroup, auto budget."""
+    from daemon_harness import start_daemon
+    from moed.client import TokenEvent
+
+    path = write_large_checkpoint(tmp_path_factory.mktemp("large-d") / "qwen3_moe-300mb", 300)
+    size = sum(f.stat().st_size for f in path.glob("model*.safetensors"))
+    limit = int(0.6 * size)
+    resident = _child(path, "resident")
+
+    cgroup = MemoryCgroup(limit)
+    daemon = None
+    try:
+        # A short planned context: the default 8192-token KV reservation alone would not fit this limit.
+        daemon = start_daemon(tmp_path, path, env={"MOED_PLAN_CONTEXT_TOKENS": "512"}, preexec_fn=cgroup.enter)
+        prompt = [(13 * i + 7) % 300 + 3 for i in range(64)]
+        with daemon.client(timeout=60) as c:
+            tokens = [t for e in c.generate(prompt_ids=prompt, max_tokens=MAX_TOKENS) if isinstance(e, TokenEvent) for t in e.ids]
+            status = c.status()
+        assert daemon.stop() == 0
+        peak, kills = cgroup.peak(), cgroup.oom_kills()
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        cgroup.remove()
+    assert not cgroup.path.exists()
+    # The daemon stops at EOS where the reference (raw generate_step) runs on: compare that prefix.
+    assert tokens == resident["tokens"][: len(tokens)]
+    assert len(tokens) == MAX_TOKENS or resident["tokens"][len(tokens)] == 2  # 2: the fixture tokenizer's EOS
+    assert status["streaming"]["misses"] > 0 and status["streaming"]["budget_bytes"] < limit
+    assert kills == 0
+    if peak is not None:
+        assert peak <= limit
