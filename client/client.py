@@ -103,8 +103,10 @@ class Client:
     def ping(self) -> dict:
         return self._call(MessageType.PING)
 
-    def cancel(self, request_id: Any) -> bool:
-        return bool(self._call(MessageType.CANCEL, target=request_id).get("cancelled"))
+    def cancel(self, request_id: Any) -> dict:
+        """Cancel a generation of this client; the reply says whether it was in flight (`cancelled`)
+        and how many of its tokens the daemon had already sent (`tokens_sent`)."""
+        return self._call(MessageType.CANCEL, target=request_id)
 
     def shed(self, level: str = "cache", reason: str | None = None) -> dict:
         return self._call(MessageType.SHED, level=level, reason=reason)

@@ -43,6 +43,9 @@ def run_daemon(config: Config) -> int:
             print(f"moed: metrics port {serve.metrics_port}: {exc}", file=sys.stderr)
             return DaemonExit.CONFIG
     server.install_signal_handlers()
+    # The transport thread answers control messages while the engine thread runs Python between MLX
+    # evaluations; a 1 ms GIL switch interval (default 5 ms) bounds how long a `cancel` or `ping` waits.
+    sys.setswitchinterval(0.001)
     run_log = _open_run_log(server, model_path)
     log.info("moed %s serving %s on %s (boot %s)", server.status.get("version"), model_path, serve.socket, server.boot_id)
     code = server.run()

@@ -48,6 +48,7 @@ log = logging.getLogger("moed.server")
 
 EVENTS_ENDPOINT = "inproc://moed-events"
 _TERMINAL_FLAG = b"T"
+_TOKEN_FLAG = b"t"  # counted by the transport, so a cancel can say how many tokens had gone out
 
 
 class AlreadyRunning(RuntimeError):
@@ -63,7 +64,8 @@ class ZmqEventSink:
         self.socket.connect(EVENTS_ENDPOINT)
 
     def emit(self, identity: bytes, msg: dict, terminal: bool = False) -> None:
-        self.socket.send_multipart([identity, encode(msg), _TERMINAL_FLAG if terminal else b""])
+        flag = _TERMINAL_FLAG if terminal else _TOKEN_FLAG if msg.get("type") == "token" else b""
+        self.socket.send_multipart([identity, encode(msg), flag])
 
 
 def probe_live_daemon(endpoint: str, context: zmq.Context, timeout_s: float = 0.5) -> dict | None:
@@ -91,7 +93,7 @@ class Server:
     def __post_init__(self) -> None:
         self.context = zmq.Context.instance()
         self.endpoint = endpoint_for(self.serve.socket)
-        self._pending: dict[RequestKey, float] = {}  # admitted generate requests not yet terminal
+        self._pending: dict[RequestKey, int] = {}  # admitted generate requests not yet terminal: tokens sent
         self._order: list[RequestKey] = []
         self._draining = False
         self._restart_reason: str | None = None
@@ -270,10 +272,11 @@ class Server:
             return wire.result(req_id, **self.status_body())
         if kind is MessageType.CANCEL:
             key = (identity, msg["target"])
+            self._forward_events()  # tokens already produced go out first, and are counted
             found = key in self._pending
             if found:
                 self.engine.cancel(key)
-            return wire.result(req_id, cancelled=found)
+            return wire.result(req_id, cancelled=found, tokens_sent=self._pending.get(key, 0))
         if kind is MessageType.SHED:
             level = ShedLevel(msg.get("level") or ShedLevel.CACHE.value)
             log.warning("shed requested: level=%s reason=%s", level.value, msg.get("reason"))
@@ -310,7 +313,7 @@ class Server:
             raise ProtocolError(ErrorCode.PROMPT_TOO_LONG, f"prompt of {len(prompt)} characters is too long")
         if len(msg.get("prompt_ids") or []) + len(msg.get("resume_ids") or []) > self.serve.max_prompt_tokens:
             raise ProtocolError(ErrorCode.PROMPT_TOO_LONG, f"prompt exceeds {self.serve.max_prompt_tokens} tokens")
-        self._pending[key] = time.monotonic()
+        self._pending[key] = 0  # tokens sent so far
         self.engine.submit(GenerateJob(identity, msg))
         return None
 
@@ -332,6 +335,8 @@ class Server:
                 return
             if flag == _TERMINAL_FLAG:
                 self._pending.pop(self._key_of(identity, frame), None)
+            elif flag == _TOKEN_FLAG and (key := self._key_of(identity, frame)) in self._pending:
+                self._pending[key] += 1
             self._send(identity, [], frame)
 
     def _key_of(self, identity: bytes, frame: bytes) -> RequestKey:
