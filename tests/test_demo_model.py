@@ -66,6 +66,9 @@ def test_routing_is_not_uniform(demo):
     mean_unique = sum(s.unique for s in stats) / len(stats)
     assert mean_unique < base.unique - 1, [s.unique for s in stats]
     assert sum(s.top_share for s in stats) / len(stats) > base.top_share, stats
+    # Consecutive tokens share experts more often than k/E, the uniform expectation.
+    uniform_reuse = block.top_k / block.num_experts
+    assert sum(s.reuse for s in stats) / len(stats) > 1.5 * uniform_reuse, stats
 
 
 def _greedy(model, prompt_ids, n=40) -> list[int]:

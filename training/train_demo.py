@@ -56,14 +56,14 @@ class Hyper:
     expert_width: int = 64
     seq_len: int = 128
     batch_size: int = 8
-    steps: int = 600
-    warmup: int = 50
+    steps: int = 1600
+    warmup: int = 80
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     # Small on purpose: enough to keep experts alive, not enough to flatten the routing.
     aux_loss_coef: float = 1e-2
-    eval_every: int = 100
+    eval_every: int = 200
     eval_batches: int = 4
     max_train_bytes: int = 6_000_000
     max_val_bytes: int = 300_000
@@ -379,8 +379,10 @@ def train(h: Hyper, out: Path, log_path: Path) -> None:
 def parse_args(argv=None) -> tuple[Hyper, Path, Path]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     defaults = Hyper()
+    aliases = {"batch_size": ["--batch"], "seq_len": ["--seq"]}
     for name, value in asdict(defaults).items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+        p.add_argument(f"--{name.replace('_', '-')}", *aliases.get(name, []), dest=name,
+                       type=type(value), default=value)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--log", type=Path, default=DEFAULT_LOG)
     args = vars(p.parse_args(argv))
