@@ -66,10 +66,7 @@ def daemon_factory(tmp_path):
 
     yield make
     for d in started:
-        d.stop()
-        import shutil
-
-        shutil.rmtree(d.socket.parent, ignore_errors=True)
+        d.stop()  # also removes its socket directory
 
 
 @pytest.fixture

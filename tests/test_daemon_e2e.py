@@ -166,11 +166,17 @@ def test_second_daemon_refuses_live_socket_and_replaces_stale(daemon, tiny_model
     daemon.proc.send_signal(signal.SIGKILL)
     daemon.proc.wait()
     assert daemon.socket.exists()
-    from daemon_harness import start_daemon
+    # A new daemon on the very same path: the probe finds nobody, so the stale file is removed.
+    from daemon_harness import DaemonProcess
 
-    again = start_daemon(tmp_path / "again", tiny_model, "--resident")
+    log_path = tmp_path / "again.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(serve_command(tiny_model, daemon.socket, tmp_path / "s3", "--resident"),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    again = DaemonProcess(daemon.socket, tmp_path / "s3", log_path, proc)
     try:
         assert again.wait_ready()["state"] == "ready"
+        assert "removing stale socket" in again.log()
     finally:
         again.stop()
 
