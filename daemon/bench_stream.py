@@ -10,7 +10,6 @@ time of a token goes.
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import random
@@ -22,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import click
+import numpy as np
 
 PROMPT_TOKENS = 8  # short prompts: a prefill chunk fits the smallest budget in one pass
 
@@ -129,75 +129,18 @@ def write_bench_model(dest: Path, config: dict, dtype: str, seed: int = 0) -> Pa
 
 def simulate(trace: list[list[set[int]]], slots: int, policy: str) -> tuple[int, int]:
     """(hits, misses) of one layer-by-layer trace [call][layer] -> experts, counted as the
-    streamer counts them (each distinct expert of a call once), for "lru" or "belady"."""
+    streamer counts them (each distinct expert of a call once), for "lru" or "belady".
+    The simulators are `moed trace analyze`'s, so both commands judge a cache the same way."""
+    from .experts import LRUPolicy
+    from .telemetry.analyze import simulate as replay, simulate_belady
+
     hits = misses = 0
     layers = len(trace[0]) if trace else 0
     for layer in range(layers):
-        seq = [call[layer] for call in trace]
-        h, m = (_belady if policy == "belady" else _lru)(seq, slots)
+        calls = [np.array(sorted(call[layer]), dtype=np.int64) for call in trace]
+        h, m = simulate_belady(calls, slots) if policy == "belady" else replay(calls, slots, LRUPolicy())
         hits += h
         misses += m
-    return hits, misses
-
-
-def _passes(need: set[int], resident, slots: int) -> list[list[int]]:
-    """Split a call like ExpertStreamer.plan_passes: resident experts first, `slots` per pass."""
-    ordered = sorted(e for e in need if e in resident) + sorted(e for e in need if e not in resident)
-    return [ordered[i : i + slots] for i in range(0, len(ordered), slots)]
-
-
-def _lru(seq: list[set[int]], slots: int) -> tuple[int, int]:
-    from collections import OrderedDict
-
-    cache: OrderedDict[int, None] = OrderedDict()
-    hits = misses = 0
-    for need in seq:
-        for chunk in _passes(need, cache, slots):
-            wanted = set(chunk)
-            for e in chunk:
-                if e in cache:
-                    hits += 1
-                    cache.move_to_end(e)
-            for e in chunk:
-                if e in cache:
-                    continue
-                misses += 1
-                if len(cache) >= slots:
-                    victim = next(x for x in cache if x not in wanted)
-                    del cache[victim]
-                cache[e] = None
-    return hits, misses
-
-
-def _belady(seq: list[set[int]], slots: int) -> tuple[int, int]:
-    """Evict the resident expert used farthest in the future (Belady's MIN), same pass rule."""
-    uses: dict[int, list[int]] = {}
-    for t, need in enumerate(seq):
-        for e in need:
-            uses.setdefault(e, []).append(t)
-    never = len(seq) + 1
-
-    def next_use(e: int, t: int) -> int:
-        u = uses[e]
-        i = bisect.bisect_right(u, t)
-        return u[i] if i < len(u) else never
-
-    cache: set[int] = set()
-    hits = misses = 0
-    for t, need in enumerate(seq):
-        chunks = _passes(need, cache, slots)
-        for i, chunk in enumerate(chunks):
-            later = {e for c in chunks[i + 1 :] for e in c}  # still needed by this call
-            missing = [e for e in chunk if e not in cache]
-            hits += len(chunk) - len(missing)
-            misses += len(missing)
-            overflow = len(cache) + len(missing) - slots
-            if overflow > 0:
-                wanted = set(chunk)
-                candidates = sorted((e for e in cache if e not in wanted),
-                                    key=lambda e: t if e in later else next_use(e, t), reverse=True)
-                cache.difference_update(candidates[:overflow])
-            cache.update(missing)
     return hits, misses
 
 

@@ -6,14 +6,14 @@ import json
 
 from click.testing import CliRunner
 
-from moed.daemon.bench_stream import _belady, _lru, simulate, stream
+from moed.daemon.bench_stream import simulate, stream
 
 
 def test_belady_on_a_known_trace():
     # Classic single-request trace, 3 slots: Belady makes 7 misses, LRU 10.
-    seq = [{e} for e in [7, 0, 1, 2, 0, 3, 0, 4, 2, 3, 0, 3, 2, 1, 2, 0, 1, 7, 0, 1]]
-    assert _belady(seq, 3) == (11, 9)
-    assert _lru(seq, 3) == (8, 12)
+    trace = [[{e}] for e in [7, 0, 1, 2, 0, 3, 0, 4, 2, 3, 0, 3, 2, 1, 2, 0, 1, 7, 0, 1]]
+    assert simulate(trace, 3, "belady") == (11, 9)
+    assert simulate(trace, 3, "lru") == (8, 12)
 
 
 def test_belady_never_worse_than_lru_with_sets_and_passes():
@@ -21,9 +21,9 @@ def test_belady_never_worse_than_lru_with_sets_and_passes():
 
     rnd = random.Random(0)
     for slots in (1, 2, 4, 8):
-        seq = [set(rnd.sample(range(16), 4)) for _ in range(60)]
-        bh, bm = _belady(seq, slots)
-        lh, lm = _lru(seq, slots)
+        trace = [[set(rnd.sample(range(16), 4))] for _ in range(60)]
+        bh, bm = simulate(trace, slots, "belady")
+        lh, lm = simulate(trace, slots, "lru")
         assert bh + bm == lh + lm  # same pass rule: same number of requests
         assert bh >= lh
 
