@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,6 +62,9 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
     """Daemon + client vs in-process mlx-lm: decode tok/s ratio and extra time to first token."""
     from mlx_lm import load
 
+    from moed.client import Client, DaemonUnavailable
+    from moed.client.autostart import start_daemon, wait_until_ready
+
     from .model_source import resolve_model
 
     path = resolve_model(model)
@@ -71,11 +73,15 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
     prompt_ids = list(tokenizer.encode(prompt))
     sock_dir = Path(tempfile.mkdtemp(prefix="moed-bench-", dir="/tmp"))
     socket = sock_dir / "s.sock"
-    cmd = [sys.executable, "-m", "moed.daemon.cli", "serve", "--model", str(path), "--socket", str(socket),
-           "--state-dir", str(sock_dir / "state"), "--resident", "--log-level", "WARNING"]
-    daemon = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    # Its own state and log dirs: a benchmark leaves no trace in the user's daemon.log or profile.
+    daemon = start_daemon(socket, str(path), ("--state-dir", str(sock_dir / "state"), "--resident", "--log-level", "WARNING"),
+                          env={"MOED_LOG_DIR": str(sock_dir / "logs")})
     try:
-        client = _wait_for(socket, daemon)
+        try:
+            wait_until_ready(socket, daemon, 300)
+        except DaemonUnavailable as exc:
+            raise click.ClickException(str(exc)) from None
+        client = Client(socket, timeout=10.0)
         # Warm both sides (graph caches, allocator) before timing.
         time_in_process(mlx_model, tokenizer, prompt_ids, 8)
         time_through_daemon(client, prompt_ids, 8)
@@ -99,21 +105,3 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
     click.echo(f"{'decode tok/s (median)':24}{l_tps:20.1f}{r_tps:20.1f}{r_tps / l_tps:16.3f}")
     click.echo(f"{'time to first token':24}{l_ttft * 1000:18.2f}ms{r_ttft * 1000:18.2f}ms{(r_ttft - l_ttft) * 1000:+14.2f}ms")
     click.echo(f"identical tokens: {same}   (machine: {os.cpu_count()} cpus, {sys.platform})")
-
-
-def _wait_for(socket: Path, daemon: subprocess.Popen):
-    from moed.client import Client, DaemonUnavailable
-
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if daemon.poll() is not None:
-            raise click.ClickException(f"daemon exited: {daemon.stderr.read().decode(errors='replace')}")
-        try:
-            client = Client(socket, timeout=2.0)
-            if client.status().get("state") == "ready":
-                return client
-            client.close()
-        except DaemonUnavailable:
-            pass
-        time.sleep(0.1)
-    raise click.ClickException("daemon did not become ready")

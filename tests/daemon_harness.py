@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moed.client import Client, DaemonUnavailable
+from moed.client import Client
+from moed.client.autostart import wait_until_ready
 
 
 @dataclass
@@ -29,19 +30,7 @@ class DaemonProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout_s: float = 60.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with Client(self.socket, timeout=1.0) as c:
-                    st = c.status()
-                if st["state"] == "ready":
-                    return st
-            except DaemonUnavailable:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"daemon not ready in {timeout_s}s:\n{self.log()}")
+        return wait_until_ready(self.socket, self.proc, timeout_s, self.log_path)
 
     def stop(self, timeout_s: float = 15.0) -> int:
         if self.proc.poll() is None:

@@ -14,12 +14,12 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from moed.client import Client, DaemonUnavailable, DoneEvent, TokenEvent
+from moed.client import Client, DoneEvent, TokenEvent
+from moed.client.autostart import wait_until_ready
 
 from test_service_cli import fake_tools, invoke, service_env  # noqa: F401  (fixture re-used)
 
@@ -35,22 +35,6 @@ def unit_command(text: str) -> tuple[list[str], dict[str, str]]:
                 env[key] = value
     assert argv is not None
     return argv, env
-
-
-def wait_ready(socket: Path, proc: subprocess.Popen, output: Path, timeout_s: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"daemon exited with {proc.returncode}:\n{output.read_text(errors='replace')}")
-        try:
-            with Client(socket, timeout=1.0) as c:
-                st = c.status()
-            if st.get("state") == "ready":
-                return st
-        except DaemonUnavailable:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"daemon not ready in {timeout_s}s:\n{output.read_text(errors='replace')}")
 
 
 @pytest.mark.parametrize("platform", ["linux", "macos"])
@@ -78,7 +62,7 @@ def test_daemon_started_from_the_rendered_unit_serves(tmp_path, fake_tools, tiny
     with open(output, "ab") as out:
         proc = subprocess.Popen(argv, env=run_env, stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd="/", start_new_session=True)
     try:
-        status = wait_ready(socket, proc, output)
+        status = wait_until_ready(socket, proc, 120.0, output)
         assert status.get("state") == "ready"
         ids, done = [], None
         with Client(socket, timeout=30.0) as c:
