@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,25 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from fixtures.checkpoints import write_checkpoint  # noqa: E402
+
+# --- isolation from the user's own moed ------------------------------------------------------
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_moed_dirs(tmp_path_factory):
+    """Every daemon and client a test starts uses session-private state, log and config paths, so
+    the suite never writes into (or reads) the user's ~/.local/state/moed or talks to their daemon."""
+    root = tmp_path_factory.mktemp("moed-home")
+    private = {"MOED_STATE_DIR": root / "state", "MOED_LOG_DIR": root / "logs", "MOED_CONFIG": root / "config.toml"}
+    saved = {name: os.environ.get(name) for name in private}
+    os.environ.update({name: str(path) for name, path in private.items()})
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
 
 # --- tiny MoE checkpoints -------------------------------------------------------------------
 
