@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 
+import zmq
+
 from .config import Config
 from .exit_codes import DaemonExit
 from .model_source import ModelNotFound, resolve_model
@@ -31,8 +33,8 @@ def run_daemon(config: Config) -> int:
     except AlreadyRunning as exc:
         print(f"moed: {exc}", file=sys.stderr)
         return DaemonExit.ALREADY_RUNNING
-    except ValueError as exc:  # socket path too long
-        print(f"moed: {exc}", file=sys.stderr)
+    except (OSError, zmq.ZMQError) as exc:  # the socket directory cannot be made private, or bind failed
+        print(f"moed: socket {serve.socket}: {exc}", file=sys.stderr)
         return DaemonExit.CONFIG
     if serve.metrics_port:
         from .telemetry.http import start_metrics_server

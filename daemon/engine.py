@@ -41,9 +41,8 @@ class Engine:
         self.model_path = model_path
         self.status = status
         self._sink_factory = sink_factory
+        # Jobs and commands share one FIFO: a cancel always comes after the job it names.
         self._inbox: queue.Queue = queue.Queue()
-        self._cancelled: dict[RequestKey, FinishReason | ErrorCode] = {}
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._active: OrderedDict[RequestKey, Generation] = OrderedDict()
         self.loaded: LoadedModel | None = None
@@ -62,12 +61,8 @@ class Engine:
         self._inbox.put(job)
         self.status.add(queued_requests=1)
 
-    def cancel(self, key: RequestKey, reason: FinishReason | ErrorCode = FinishReason.CANCELLED) -> None:
-        with self._lock:
-            self._cancelled[key] = reason
-
-    def cancel_all(self, reason: FinishReason | ErrorCode) -> None:
-        self._inbox.put(("cancel_all", reason))
+    def cancel(self, key: RequestKey) -> None:
+        self._inbox.put(("cancel", key))
 
     def shed(self, level: ShedLevel) -> None:
         self._inbox.put(("shed", level))
@@ -100,16 +95,31 @@ class Engine:
             self.status.update(state=DaemonState.FAILED.value, error=f"{exc.__class__.__name__}: {exc}")
             self._fail_queued(ErrorCode.INTERNAL, f"model failed to load: {exc}")
             return
-        while not self._stop.is_set() and self.fatal is None:
-            self._drain_inbox(block=not self._active)
-            self._apply_cancels()
-            for key in list(self._active):
-                if key in self._active:
-                    self._step(key)
-            self.status.update(active_requests=len(self._active), busy=bool(self._active))
-        if self.fatal is None:
-            self._finish_all(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        try:
+            while not self._stop.is_set() and self.fatal is None:
+                self._drain_inbox(block=not self._active)
+                for key in list(self._active):
+                    if key in self._active:
+                        self._step(key)
+            if self.fatal is None:
+                self._finish_all(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        except Exception as exc:  # a bug outside a step: fail everyone and exit, never hang silently
+            self._engine_failed(exc)
         self._close_streamer()
+
+    def _engine_failed(self, exc: Exception) -> None:
+        log.exception("the engine failed")
+        self._record_crash(CrashKind.ENGINE_FAILED, f"{exc.__class__.__name__}: {exc}")
+        self.status.update(state=DaemonState.FAILED.value, error=f"{exc.__class__.__name__}: {exc}")
+        message = f"the engine failed ({exc.__class__.__name__}); the daemon restarts"
+        for gen in list(self._active.values()):
+            try:
+                self._finish(gen, ErrorCode.INTERNAL, message)
+            except Exception:
+                self._active.pop(gen.job.key, None)
+        self._fail_queued(ErrorCode.INTERNAL, message)
+        self.exit_code = DaemonExit.FAILED
+        self.fatal = exc  # last: the transport flushes the errors, then exits non-zero
 
     def _close_streamer(self) -> None:
         streamer = self.loaded.streamer if self.loaded else None
@@ -139,17 +149,13 @@ class Engine:
             self._admit(item)
             return
         command, arg = item
-        if command == "cancel_all":
-            self._finish_all(arg, "the daemon is shutting down")
+        if command == "cancel":
+            if (gen := self._active.get(arg)) is not None:  # else it already ended: nothing to do
+                self._finish(gen, FinishReason.CANCELLED)
         elif command == "shed":
             self._shed(arg)
 
     def _admit(self, job: GenerateJob) -> None:
-        with self._lock:
-            reason = self._cancelled.pop(job.key, None)
-        if reason is not None:
-            self._emit_terminal_cancel(job, reason)
-            return
         try:
             gen = Generation(job, self.loaded, self.serve, self._stream_snapshot(),
                              on_progress=lambda: self.status.update(last_progress_at=time.time()))
@@ -166,20 +172,6 @@ class Engine:
             log.exception("request %r could not start", job.request.get("id"))
             self._emit_error(job, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
 
-    def _apply_cancels(self) -> None:
-        with self._lock:
-            if not self._cancelled:
-                return
-            pending = self._cancelled
-            self._cancelled = {}
-        for key, reason in pending.items():
-            gen = self._active.get(key)
-            if gen is not None:
-                self._finish(gen, reason)
-            else:  # still queued: remember until admission
-                with self._lock:
-                    self._cancelled.setdefault(key, reason)
-
     def _step(self, key: RequestKey) -> None:
         gen = self._active[key]
         try:
@@ -191,10 +183,7 @@ class Engine:
                 self._out_of_memory(exc)
                 return
             log.exception("generation %r failed", gen.job.request.get("id"))
-            self._active.pop(key, None)
-            self.status.update(active_requests=len(self._active), busy=bool(self._active))
-            self.status.add(requests_failed=1)
-            self._emit_error(gen.job, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
+            self._finish(gen, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
             return
         if finish is not None:
             self._finish(gen, finish)
@@ -208,8 +197,8 @@ class Engine:
         if gen.completion % gen.telemetry_every == 0:
             self.sink.emit(gen.job.identity, wire.telemetry(gen.job.request["id"], self._telemetry(gen)))
 
-    def _telemetry(self, gen: Generation) -> dict:
-        data = {"tokens": gen.completion, **gen.timings()}
+    def _telemetry(self, gen: Generation, timings: dict | None = None) -> dict:
+        data = {"tokens": gen.completion, **(timings or gen.timings())}
         snapshot = self._stream_snapshot()
         if snapshot is not None:
             self.status.update(streaming=snapshot)
@@ -255,12 +244,13 @@ class Engine:
             self.sink.emit(gen.job.identity, wire.token(req_id, gen.index, [], tail))
         self.status.add(requests_served=1)
         usage = {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion}
-        msg = wire.done(req_id, reason, usage, gen.timings(), telemetry=self._telemetry(gen))
+        timings = gen.timings()
+        msg = wire.done(req_id, reason, usage, timings, telemetry=self._telemetry(gen, timings))
         self.sink.emit(gen.job.identity, msg, terminal=True)
 
     def _finish_all(self, code: ErrorCode, message: str) -> None:
         for gen in list(self._active.values()):
-            self._finish(gen, code)
+            self._finish(gen, code, message)
         self._fail_queued(code, message)
 
     def _fail_queued(self, code: ErrorCode, message: str) -> None:
@@ -291,13 +281,6 @@ class Engine:
 
     def _emit_error(self, job: GenerateJob, code: ErrorCode, message: str) -> None:
         self.sink.emit(job.identity, wire.error(job.request["id"], code, message), terminal=True)
-
-    def _emit_terminal_cancel(self, job: GenerateJob, reason: FinishReason | ErrorCode) -> None:
-        if isinstance(reason, ErrorCode):
-            self._emit_error(job, reason, "the daemon is shutting down")
-        else:
-            usage = {"prompt_tokens": 0, "completion_tokens": 0}
-            self.sink.emit(job.identity, wire.done(job.request["id"], reason, usage, {}), terminal=True)
 
     def _stream_snapshot(self) -> dict | None:
         if self.loaded is None or self.loaded.streamer is None:

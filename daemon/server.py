@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import zmq
 
 from moed.protocol import (
@@ -104,6 +105,7 @@ class Server:
         self.budget_backoff = self._back_off_budget()
         self.engine = Engine(self.serve, self.model_path, lambda: ZmqEventSink(self.context), self.status)
         self.engine.on_crash = self._record_crash
+        self._process = psutil.Process()
         self.telemetry = LiveTelemetry(self.status_body, lambda: self.engine.loaded and self.engine.loaded.streamer,
                                        lambda: self.status.get("tokens_generated"))
 
@@ -195,8 +197,7 @@ class Server:
                         self._receive_all()
                     else:
                         self._forward_events()
-            self.engine.cancel_all(ErrorCode.SHUTTING_DOWN)
-            self.engine.stop()
+            self.engine.stop()  # what is still in flight ends with `shutting_down`
             self.engine.thread.join(timeout=5.0)
             self._flush_events(poller)
             if self.engine.thread.is_alive():
@@ -223,6 +224,7 @@ class Server:
             self._forward_events()
 
     def _close(self) -> None:
+        self.telemetry.close()
         self.router.close(linger=0)
         self.events.close(linger=0)
         try:
@@ -354,6 +356,7 @@ class Server:
     def _client_gone(self, identity: bytes) -> None:
         for key in [k for k in self._pending if k[0] == identity]:
             log.info("client gone; cancelling request %r", key[1])
+            del self._pending[key]  # once: its later frames are undeliverable too
             self.engine.cancel(key)
 
     # ---- bodies ------------------------------------------------------------------------------
@@ -378,14 +381,12 @@ class Server:
         }
 
     def status_body(self) -> dict[str, Any]:
-        import psutil
-
         snap = self.status.snapshot()
         snap["pending_requests"] = len(self._pending)
         snap["boot_id"] = self.boot_id
         snap["pid"] = os.getpid()
         snap["uptime_s"] = time.time() - snap["started_at"]
-        snap["rss_bytes"] = psutil.Process().memory_info().rss
+        snap["rss_bytes"] = self._process.memory_info().rss
         snap["last_crash"] = self.start_plan.last_crash
         snap["recent_crashes"] = self.start_plan.recent_crashes  # crash restarts within the restart window
         snap["budget_backoff"] = self.budget_backoff

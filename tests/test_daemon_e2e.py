@@ -197,3 +197,17 @@ def test_streaming_daemon_matches_resident_mlx_lm(arch, budget, extra, checkpoin
     assert "memory plan" in status["memory_plan"]
     experts = done.telemetry["experts"]
     assert experts["misses"] > 0 and experts["bytes_read"] > 0
+
+
+def test_a_request_id_can_be_reused_after_a_cancel(daemon):
+    """A cancel is tied to the request it named: the next request with the same id runs normally."""
+    with daemon.client() as c:
+        for n, event in enumerate(c.generate(LONG_PROMPT, max_tokens=2000, raw=True, request_id="again")):
+            if n == 0:
+                assert c.cancel("again")["cancelled"] is True
+            if isinstance(event, DoneEvent):
+                assert event.finish_reason == "cancelled"
+                break
+        c.cancel("again")  # late: the request already ended, so this must not linger
+        got, done = daemon_tokens(c, PROMPT, 8, request_id="again")
+    assert done.finish_reason in ("length", "stop") and got
