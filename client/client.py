@@ -48,6 +48,7 @@ class Client:
         self._socket: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._buffered: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
+        self._streams: set[Any] = set()  # generate ids being read: only their messages are kept
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]
 
@@ -65,6 +66,9 @@ class Client:
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(f"ipc://{self.socket_path}")
         self._socket = sock
+        self._poller = zmq.Poller()  # built once: the wait for the next token is the hot path
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         request_id = self._next_id("hello")
         self._send(wire.request(MessageType.HELLO, request_id, client=self.name))
         msg = self._recv_for(request_id, time.monotonic() + self.timeout, heartbeat=False)
@@ -211,20 +215,31 @@ class Client:
         self.last_request_id = request_id
         wire_fields = {**fields, "raw": fields.get("raw") or None, "trace": fields.get("trace") or None}
         self._send(wire.request(MessageType.GENERATE, request_id, resume_ids=resume_ids or None, **wire_fields))
-        while True:
-            msg = self._recv_for(request_id, None, heartbeat=True)
-            kind = msg.get("type")
-            if kind == MessageType.TOKEN.value:
-                yield TokenEvent(msg["index"], list(msg["ids"]), msg["text"])
-            elif kind == MessageType.TELEMETRY.value:
-                yield TelemetryEvent(msg.get("data") or {})
-            elif kind == MessageType.TRACE.value:
-                yield TraceEvent(int(msg.get("seq", 0)), bytes(msg.get("data") or b""))
-            elif kind == MessageType.DONE.value:
-                yield DoneEvent(msg["finish_reason"], msg.get("usage") or {}, msg.get("timings") or {}, msg.get("telemetry") or {})
-                return
-            elif kind == MessageType.ERROR.value:
-                raise RequestFailed(msg.get("code"), msg.get("message", ""), bool(msg.get("retryable")))
+        self._streams.add(request_id)
+        ended = False
+        try:
+            while True:
+                msg = self._recv_for(request_id, None, heartbeat=True)
+                kind = msg.get("type")
+                if kind == MessageType.TOKEN.value:
+                    yield TokenEvent(msg["index"], list(msg["ids"]), msg["text"])
+                elif kind == MessageType.TELEMETRY.value:
+                    yield TelemetryEvent(msg.get("data") or {})
+                elif kind == MessageType.TRACE.value:
+                    yield TraceEvent(int(msg.get("seq", 0)), bytes(msg.get("data") or b""))
+                elif kind == MessageType.DONE.value:
+                    ended = True
+                    yield DoneEvent(msg["finish_reason"], msg.get("usage") or {}, msg.get("timings") or {}, msg.get("telemetry") or {})
+                    return
+                elif kind == MessageType.ERROR.value:
+                    ended = True
+                    raise RequestFailed(msg.get("code"), msg.get("message", ""), bool(msg.get("retryable")))
+        finally:
+            self._streams.discard(request_id)
+            self._buffered.pop(request_id, None)
+            if not ended and self._socket is not None:
+                # The caller stopped reading: stop the daemon generating for nobody (no reply awaited).
+                self._send(wire.request(MessageType.CANCEL, self._next_id("cancel"), target=request_id))
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _next_id(self, kind: str) -> str:
@@ -250,17 +265,14 @@ class Client:
             self.close()
             raise DaemonRestarted(f"the daemon restarted (boot {old} → {boot_id})", old, boot_id)
 
-    def _poller(self) -> zmq.Poller:
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        return poller
-
     def _recv_for(self, request_id: Any, deadline: float | None, heartbeat: bool) -> dict:
         """The next message for request_id; other ids' messages are kept for their readers."""
         queue = self._buffered.get(request_id)
         if queue:
-            return queue.popleft()
+            msg = queue.popleft()
+            if not queue:
+                del self._buffered[request_id]
+            return msg
         assert self._socket is not None
         last_heard = time.monotonic()
         ping_id = None
@@ -277,7 +289,7 @@ class Client:
                 frame = self._socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 wait = self.heartbeat_s if deadline is None else min(self.heartbeat_s, max(deadline - now, 0.0))
-                ready = dict(self._poller().poll(int(wait * 1000) + 1))
+                ready = dict(self._poller.poll(int(wait * 1000) + 1))
                 if self._socket in ready:
                     frame = self._socket.recv()
                 elif self._monitor in ready:
@@ -295,8 +307,8 @@ class Client:
                 ping_id = None
                 self._check_boot(msg.get("boot_id"))
                 continue
-            if isinstance(msg_id, str) and "-hb-" in msg_id:
-                continue  # a late answer to an earlier heartbeat
             if msg_id == request_id:
                 return msg
-            self._buffered[msg_id].append(msg)
+            if msg_id in self._streams:  # another stream of ours, read by its own iterator
+                self._buffered[msg_id].append(msg)
+            # Anything else is late: an earlier heartbeat's answer, an abandoned stream, a timed-out call.

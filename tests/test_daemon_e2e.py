@@ -211,3 +211,16 @@ def test_a_request_id_can_be_reused_after_a_cancel(daemon):
         c.cancel("again")  # late: the request already ended, so this must not linger
         got, done = daemon_tokens(c, PROMPT, 8, request_id="again")
     assert done.finish_reason in ("length", "stop") and got
+
+
+def test_a_stream_left_unread_is_cancelled(daemon):
+    """Breaking out of generate() tells the daemon: it stops generating for nobody."""
+    with daemon.client() as c:
+        for event in c.generate(LONG_PROMPT, max_tokens=5000, raw=True):
+            break
+        deadline = time.monotonic() + 10
+        while c.status()["active_requests"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.status()["active_requests"] == 0
+        got, _ = daemon_tokens(c, PROMPT, 4)  # and the connection still works, with no stale replies
+    assert got
