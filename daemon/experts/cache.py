@@ -9,6 +9,7 @@ costs one `preadv` and no staging copy.
 from __future__ import annotations
 
 import abc
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Container, Iterable
@@ -98,11 +99,11 @@ class PooledTensor:
     param: str
     loc: TensorLoc
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         return f"{self.proj}.{self.param}"
 
-    @property
+    @functools.cached_property
     def slot_bytes(self) -> int:
         return self.loc.expert_stride
 
@@ -168,13 +169,9 @@ class LayerPool:
         for e in experts:
             if self.slot_of[e] >= 0:
                 continue
-            if self._free:
-                slot = self._free.pop()
-            else:
-                victim = self.policy.victim(wanted)
-                slot = int(self.slot_of[victim])
-                self._evict(victim)
-                self._free.remove(slot)
+            if not self._free:
+                self._evict(self.policy.victim(wanted))  # frees exactly one slot
+            slot = self._free.pop()
             self.slot_of[e] = slot
             self.expert_in[slot] = e
             self.policy.insert(e)

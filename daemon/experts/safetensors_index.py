@@ -9,6 +9,7 @@ the headers ourselves so that an expert's slice of a stacked `(E, ...)` tensor c
 from __future__ import annotations
 
 import json
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ class TensorLoc:
     def itemsize(self) -> int:
         return DTYPE_SIZES[self.dtype]
 
-    @property
+    @functools.cached_property  # asked once per expert read: compute it once per tensor
     def expert_stride(self) -> int:
         """Bytes of one leading-axis slice (one expert of a stacked tensor)."""
         return math.prod(self.shape[1:]) * self.itemsize

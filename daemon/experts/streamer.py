@@ -361,7 +361,8 @@ class ExpertStreamer:
             "num_layers": len(self.pools),
             "num_experts": self.layout.num_experts[0] if self.layout.num_experts else 0,
             "slots_per_layer": self.slots,
-            "cached_experts": sum(len(p.resident) for p in self.pools),
+            # Every slot is free or holds one expert: no walk over the slot tables needed.
+            "cached_experts": sum(p.slots - p.free_slots for p in self.pools),
             "prefetch_workers": self.reader.workers,
             "page_cache_bypass": self.bypass_page_cache,
         })

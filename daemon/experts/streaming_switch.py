@@ -89,7 +89,7 @@ class StreamingSwitch(nn.Module):
             x, idx, inv_order = _gather_sort(x, indices)
 
         out = None
-        for experts in passes:
+        for n, experts in enumerate(passes):
             table, pools = streamer.load(layer, experts)
             y = self._experts(x, mx.array(table)[idx], do_sort, pools)
             if len(passes) > 1:
@@ -97,8 +97,8 @@ class StreamingSwitch(nn.Module):
                 member[experts] = True
                 if out is not None:
                     y = mx.where(mx.expand_dims(mx.array(member)[idx], (-1, -2)), y, out)
-                # The next pass overwrites slots this one reads: finish it first.
-                streamer.finish(y)
+                if n < len(passes) - 1:  # the next pass overwrites slots this one reads: finish it first
+                    streamer.finish(y)
             out = y
 
         if do_sort:
