@@ -147,17 +147,6 @@ def simulate(trace: list[list[set[int]]], slots: int, policy: str) -> tuple[int,
 # -- measurements ----------------------------------------------------------------------------
 
 
-def drop_page_cache(files: list[Path]) -> None:
-    """Drop the files' clean cached pages (no root needed); later reads come from the device."""
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def raw_pread_bandwidth(model_path: Path, workers: int, sample_bytes: int, seed: int = 0) -> dict:
     """Parallel pread of expert-sized slices (every tensor of randomly chosen experts) with the
     page cache dropped, with the streamer's worker count: the bandwidth the store could reach."""
@@ -180,6 +169,8 @@ def raw_pread_bandwidth(model_path: Path, workers: int, sample_bytes: int, seed:
             total += n
         if total >= sample_bytes:
             break
+    from .experts.store import drop_page_cache
+
     drop_page_cache(index.files)
     fds = {f: os.open(f, os.O_RDONLY) for f in index.files}
     for fd in fds.values():
@@ -339,6 +330,8 @@ def load_streaming(path: Path, budget: str, workers: int, page_cache: str, prelo
 
 
 def measure(contenders: list[Contender], files: list[Path], warm_prompt, prompt, warmup: int, tokens: int) -> None:
+    from .experts.store import drop_page_cache
+
     drop_page_cache(files)
     for c in contenders:
         c.warm_up(warm_prompt, warmup)

@@ -4,7 +4,6 @@ hit / page-cache / SSD classes checked against the cache counters and the page c
 from __future__ import annotations
 
 import io
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -88,26 +87,13 @@ def test_page_cache_and_ssd_classes_follow_the_page_cache(tiny_model):
 
     from moed.daemon.experts import PageCachePolicy, StreamingConfig, install_streaming
     from moed.daemon.telemetry.residency import PageCacheProbe
-    from moed.daemon.telemetry.trace import TraceRecorder, recording, trace_header
-
-    def drop_page_cache():
-        for f in tiny_model.glob("*.safetensors"):
-            fd = os.open(f, os.O_RDONLY)
-            os.fsync(fd)  # dirty pages (a freshly written fixture) cannot be dropped
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+    from moed.daemon.experts.store import drop_page_cache
+    from moed.daemon.telemetry.trace import TraceRecorder, record_steps, trace_header
 
     def traced_run(model, streamer) -> dict:
         buf = io.BytesIO()
         rec = TraceRecorder(streamer, trace_header(streamer, {"name": "tiny"}, {"id": "t"}), buf.write)
-        steps = generate_step(mx.array([5, 6, 7, 8]), model, max_tokens=6)
-        while True:
-            with recording(rec):
-                try:
-                    next(steps)
-                except StopIteration:
-                    break
-        rec.close()
+        record_steps(rec, generate_step(mx.array([5, 6, 7, 8]), model, max_tokens=6))
         return parse_trace(io.BytesIO(buf.getvalue())).class_counts()
 
     results = {}
@@ -121,7 +107,7 @@ def test_page_cache_and_ssd_classes_follow_the_page_cache(tiny_model):
                 for f in tiny_model.glob("*.safetensors"):
                     f.read_bytes()  # pull the whole file into the page cache
             else:
-                drop_page_cache()
+                drop_page_cache(tiny_model.glob("*.safetensors"))
                 if PageCacheProbe().resident_fraction(next(tiny_model.glob("*.safetensors")), 0, 1 << 20) == 1.0:
                     pytest.skip("this filesystem keeps the checkpoint cached (tmpfs?)")
             results[cached] = traced_run(model, streamer)

@@ -56,6 +56,21 @@ def open_for_reads(path: Path, bypass: bool) -> int:
     return fd
 
 
+def drop_page_cache(files) -> bool:
+    """Evict whole files' cached pages (Linux: fsync, then fadvise DONTNEED; dirty pages cannot be
+    dropped). False where the OS offers no unprivileged way (macOS: `sudo purge`)."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
 def drop_cached(fd: int, offset: int, length: int) -> None:
     """Ask the kernel to drop clean cached pages of a range we just read (Linux; macOS uses F_NOCACHE)."""
     if hasattr(os, "posix_fadvise"):

@@ -58,21 +58,6 @@ def checkpoint_files(path: Path) -> list[Path]:
     return sorted(Path(path).glob("*.safetensors"))
 
 
-def drop_page_cache(path: Path) -> bool:
-    """Evict the checkpoint's clean pages (Linux: fadvise DONTNEED after fsync). False where the
-    OS offers no unprivileged way (macOS: run `sudo purge` yourself between runs)."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    for f in checkpoint_files(path):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # dirty pages cannot be dropped
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return True
-
-
 def fill_page_cache(path: Path) -> None:
     for f in checkpoint_files(path):
         with open(f, "rb") as fh:
@@ -130,21 +115,14 @@ def record_trace(model_path: Path, budget: str, page_cache: str, prompt_ids: lis
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from .trace import TraceRecorder, parse_trace, recording, trace_header
+    from .trace import TraceRecorder, parse_trace, record_steps, trace_header
 
     model, _tok, streamer = _load(model_path, budget, page_cache, None)
     buf = io.BytesIO()
     try:
         rec = TraceRecorder(streamer, trace_header(streamer, {"name": model_path.name, "path": str(model_path)},
                                                    {"id": "bench-prewarm", "prompt_tokens": len(prompt_ids)}), buf.write)
-        steps = generate_step(mx.array(prompt_ids, dtype=mx.uint32), model, max_tokens=max_tokens)
-        while True:
-            with recording(rec):
-                try:
-                    next(steps)
-                except StopIteration:
-                    break
-        rec.close()
+        record_steps(rec, generate_step(mx.array(prompt_ids, dtype=mx.uint32), model, max_tokens=max_tokens))
     finally:
         streamer.close()
     return buf.getvalue(), parse_trace(io.BytesIO(buf.getvalue()))
@@ -154,6 +132,7 @@ def measure(model_path: Path, scenario: str, budget: str, page_cache: str, promp
             counts: list[np.ndarray] | None) -> Run:
     from moed.daemon.bench_serve import time_in_process
     from moed.daemon.experts import profile as profile_mod
+    from moed.daemon.experts.store import drop_page_cache
 
     with tempfile.TemporaryDirectory(prefix="moed-prewarm-") as tmp:
         state_dir = Path(tmp) if scenario == "prewarm" else None
@@ -164,7 +143,7 @@ def measure(model_path: Path, scenario: str, budget: str, page_cache: str, promp
             if scenario == "warm page cache":
                 fill_page_cache(model_path)
             else:
-                drop_page_cache(model_path)
+                drop_page_cache(checkpoint_files(model_path))
             preload_s = preload_bytes = 0
             if scenario == "prewarm":
                 t0 = time.perf_counter()

@@ -318,6 +318,20 @@ def recording(recorder: "TraceRecorder | None") -> Iterator[None]:
 # ---- the engine's side: one recorder per traced request ---------------------------------------
 
 
+def record_steps(recorder: "TraceRecorder", steps: Iterator) -> None:
+    """Run a generation (an mlx-lm `generate_step` iterator) to its end, recording every step,
+    then close the recorder (also when a step raises)."""
+    try:
+        while True:
+            with recording(recorder):
+                try:
+                    next(steps)
+                except StopIteration:
+                    return
+    finally:
+        recorder.close()
+
+
 def _safe(name: Any) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name))[:64] or "request"
 
