@@ -69,6 +69,8 @@ class Supervisor:
                     # No core dumps, as the service units say (LimitCORE=0); ulimit is fork-safe here.
                     self.proc = subprocess.Popen(["sh", "-c", 'ulimit -c 0; exec "$@"', "sh", *self.args], stdout=out,
                                                  stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+                if self._stop.is_set():  # stop() may have looked at the previous, dead process
+                    self.proc.kill()
                 code = self.proc.wait()
                 self.exits.append(code)
                 if code == 0 or self._stop.is_set():
