@@ -80,8 +80,11 @@ class Generation:
     def step(self) -> tuple[int | None, FinishReason | None]:
         """Advance one token; returns (token, None) or (None, finish reason)."""
         try:
-            with recording(self.trace):
+            if self.trace is None:  # the common case: no context manager per token
                 token, _ = next(self.steps)
+            else:
+                with recording(self.trace):
+                    token, _ = next(self.steps)
         except StopIteration:
             return None, FinishReason.LENGTH
         if self.first_token_at is None:

@@ -65,8 +65,9 @@ class ZmqEventSink:
         self.socket.connect(EVENTS_ENDPOINT)
 
     def emit(self, identity: bytes, msg: dict, terminal: bool = False) -> None:
-        flag = _TERMINAL_FLAG if terminal else _TOKEN_FLAG if msg.get("type") == "token" else b""
-        self.socket.send_multipart([identity, encode(msg), flag])
+        flag = _TERMINAL_FLAG if terminal else _TOKEN_FLAG if msg["type"] == "token" else b""
+        # The request id rides in its own small frame, so the transport never decodes a message.
+        self.socket.send_multipart([identity, encode(msg), flag, encode(msg["id"])])
 
 
 def probe_live_daemon(endpoint: str, context: zmq.Context, timeout_s: float = 0.5) -> dict | None:
@@ -332,17 +333,16 @@ class Server:
     def _forward_events(self) -> None:
         while True:
             try:
-                identity, frame, flag = self.events.recv_multipart(zmq.NOBLOCK)
+                identity, frame, flag, id_frame = self.events.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if flag == _TERMINAL_FLAG:
-                self._pending.pop(self._key_of(identity, frame), None)
-            elif flag == _TOKEN_FLAG and (key := self._key_of(identity, frame)) in self._pending:
-                self._pending[key] += 1
+            if flag:
+                key = (identity, decode(id_frame))
+                if flag == _TERMINAL_FLAG:
+                    self._pending.pop(key, None)
+                elif key in self._pending:
+                    self._pending[key] += 1
             self._send(identity, [], frame)
-
-    def _key_of(self, identity: bytes, frame: bytes) -> RequestKey:
-        return (identity, decode(frame).get("id"))
 
     def _send(self, identity: bytes, envelope: list[bytes], frame: bytes) -> None:
         try:
