@@ -256,9 +256,7 @@ class ExpertStreamer:
         wanted = [int(e) for e in experts if pool.slot_of[e] < 0]
         if not wanted or layer in self._inflight:
             return
-        free_before = pool.free_slots
-        _hits, loads = pool.admit(wanted)
-        self.counters.evictions += max(0, len(loads) - free_before)
+        _hits, loads = self._admit(pool, wanted)
         futures = self.reader.submit(self.store.jobs_for(pool, loads))
         self._inflight[layer] = (futures, loads, {e for e, _ in loads})
         self.counters.prefetched += len(loads)
@@ -278,10 +276,7 @@ class ExpertStreamer:
             log.warning("prefetch read failed: %s", exc)
             c.stall_s += time.perf_counter() - t0
             return set()
-        c.stall_s += res.wall_s
-        c.prefetch_bytes += res.bytes_read
-        c.read_s += res.read_s
-        c.reads += len(futures)
+        self._count_reads(res, len(futures), prefetch=True)
         return experts
 
     def _drain_prefetch(self) -> None:
@@ -304,9 +299,7 @@ class ExpertStreamer:
         """Make `experts` resident in `layer`; returns (expert -> slot table, pools)."""
         pool = self.pools[layer]
         prefetched = self._await_prefetch(layer)
-        free_before = pool.free_slots
-        hits, loads = pool.admit(experts)
-        self.counters.evictions += max(0, len(loads) - free_before)
+        hits, loads = self._admit(pool, experts)
         self.counters.prefetch_hits += len(prefetched.intersection(int(e) for e in experts))
         lc = self.counters.layers[layer]
         lc.hits += len(hits)
@@ -334,11 +327,24 @@ class ExpertStreamer:
         except BaseException:
             pool.forget(loads)
             raise
+        self._count_reads(res, len(futures))
+
+    def _admit(self, pool: LayerPool, experts) -> tuple[list[int], list[tuple[int, int]]]:
+        free_before = pool.free_slots
+        hits, loads = pool.admit(experts)
+        self.counters.evictions += max(0, len(loads) - free_before)  # loads beyond free slots evicted
+        return hits, loads
+
+    def _count_reads(self, res, jobs: int, prefetch: bool = False) -> None:
+        """Account reads the engine waited for (demand misses, or speculative reads it caught up with)."""
         c = self.counters
-        c.reads += len(futures)
+        c.reads += jobs
         c.read_s += res.read_s
-        c.bytes_read += res.bytes_read
         c.stall_s += res.wall_s
+        if prefetch:
+            c.prefetch_bytes += res.bytes_read
+        else:
+            c.bytes_read += res.bytes_read
 
     # -- public API ------------------------------------------------------------------------
 

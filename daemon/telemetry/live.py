@@ -57,7 +57,8 @@ def expert_stats(snap: dict | None) -> dict | None:
         "bytes_read": snap.get("bytes_read", 0),
         "bytes_read_per_token": _ratio(snap.get("bytes_read", 0), tokens),
         # What the engine thread saw: bytes over the time it waited for them.
-        "read_bandwidth_bps": _ratio(snap.get("bytes_read", 0), snap.get("stall_s", 0.0)),
+        # Stalls include waiting for speculative (prefetch) reads, so their bytes count here too.
+        "read_bandwidth_bps": _ratio(snap.get("bytes_read", 0) + snap.get("prefetch_bytes", 0), snap.get("stall_s", 0.0)),
         "stall_s": snap.get("stall_s", 0.0),
         "stall_ms_per_token": _per_token_ms(snap.get("stall_s", 0.0), tokens),
         "router_readback_s": snap.get("router_readback_s", 0.0),
