@@ -179,3 +179,14 @@ def test_snapshot_is_plain_data(checkpoint_factory):
         assert snap["hits"] + snap["misses"] > 0 and snap["router_readback_s"] > 0
     finally:
         streamer.close()
+
+
+def test_an_unstreamable_dtype_is_a_checkpoint_error():
+    import pytest
+
+    from moed.daemon.experts import CheckpointError
+    from moed.daemon.experts.cache import mlx_dtype
+
+    assert mlx_dtype("F32") is not None
+    with pytest.raises(CheckpointError, match="F64"):
+        mlx_dtype("F64")

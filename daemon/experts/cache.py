@@ -17,7 +17,7 @@ from typing import Callable, Container, Iterable
 import mlx.core as mx
 import numpy as np
 
-from .safetensors_index import TensorLoc
+from .safetensors_index import CheckpointError, TensorLoc
 
 # safetensors dtype -> (numpy dtype used to allocate, MLX dtype of the pool)
 _DTYPES = {
@@ -36,8 +36,15 @@ _DTYPES = {
 }
 
 
+def _pool_dtypes(st_dtype: str) -> tuple:
+    try:
+        return _DTYPES[st_dtype]
+    except KeyError:
+        raise CheckpointError(f"expert tensors of dtype {st_dtype} cannot be streamed (supported: {', '.join(_DTYPES)})") from None
+
+
 def mlx_dtype(st_dtype: str):
-    return _DTYPES[st_dtype][1]
+    return _pool_dtypes(st_dtype)[1]
 
 
 class EvictionPolicy(abc.ABC):
@@ -109,7 +116,7 @@ class PooledTensor:
 
 
 def _alloc(loc: TensorLoc, slots: int) -> mx.array:
-    np_dtype, mx_dtype = _DTYPES[loc.dtype]
+    np_dtype, mx_dtype = _pool_dtypes(loc.dtype)
     # Built from numpy so the array owns a dense buffer (mx.zeros may be a broadcast scalar).
     arr = mx.array(np.zeros((slots, *loc.shape[1:]), dtype=np_dtype))
     if arr.dtype != mx_dtype:

@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-# safetensors dtype name -> (bytes per element, numpy dtype name used for host staging)
+# safetensors dtype name -> bytes per element (what the header parser accepts)
 DTYPE_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
     "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
