@@ -5,6 +5,15 @@ from .errors import ClientError, DaemonRestarted, DaemonUnavailable, RequestFail
 from .events import DoneEvent, Event, TelemetryEvent, TokenEvent, TraceEvent
 
 __all__ = [
-    "Client", "ClientError", "DaemonRestarted", "DaemonUnavailable", "DoneEvent", "Event", "RequestFailed",
-    "TelemetryEvent", "TokenEvent", "TraceEvent", "default_socket_path",
+    "Client",
+    "ClientError",
+    "DaemonRestarted",
+    "DaemonUnavailable",
+    "DoneEvent",
+    "Event",
+    "RequestFailed",
+    "TelemetryEvent",
+    "TokenEvent",
+    "TraceEvent",
+    "default_socket_path",
 ]

@@ -16,33 +16,57 @@ def log_path_for(socket_path: Path) -> Path:
     return socket_path.parent / "moed-autostart.log"
 
 
-def start_daemon(socket_path: Path, model: str | None = None, extra_args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_daemon(
+    socket_path: Path,
+    model: str | None = None,
+    extra_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
     socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    cmd = [sys.executable, "-m", "moed.daemon.cli", "serve", "--socket", str(socket_path), *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moed.daemon.cli",
+        "serve",
+        "--socket",
+        str(socket_path),
+        *extra_args,
+    ]
     if model:
         cmd += ["--model", model]
     with open(log_path_for(socket_path), "ab") as log:  # the child keeps its own copy of the fd
         # A new session: the daemon outlives this shell and ignores its Ctrl-C.
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+        return subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
 
 
-def wait_until_ready(socket_path: Path, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None) -> dict:
+def wait_until_ready(
+    socket_path: Path, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None
+) -> dict:
     """Poll a starting daemon until its model is loaded; its `status` body. Raises DaemonUnavailable
     (with the tail of its log) when it exits, fails to load, or is not ready in time."""
     log_path = log_path or log_path_for(socket_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise DaemonUnavailable(f"the daemon exited with code {proc.returncode} while starting:\n{_tail(log_path)}")
+            raise DaemonUnavailable(
+                f"the daemon exited with code {proc.returncode} while starting:\n{_tail(log_path)}"
+            )
         status = _status_or_none(socket_path)
         if status is not None and status.get("state") == "ready":
             return status
         if status is not None and status.get("state") == "failed":
             raise DaemonUnavailable(f"the daemon could not load its model: {status.get('error')}")
         time.sleep(0.1)
-    raise DaemonUnavailable(f"the daemon did not become ready within {timeout_s:.0f}s:\n{_tail(log_path)}")
+    raise DaemonUnavailable(
+        f"the daemon did not become ready within {timeout_s:.0f}s:\n{_tail(log_path)}"
+    )
 
 
 def _status_or_none(socket_path: Path) -> dict | None:

@@ -19,8 +19,19 @@ from .trace_file import TraceFile
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--socket", "socket_path", type=click.Path(path_type=Path), help="Daemon socket (default: $MOED_SOCKET or the per-user default).")
-@click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds to wait for a control answer.")
+@click.option(
+    "--socket",
+    "socket_path",
+    type=click.Path(path_type=Path),
+    help="Daemon socket (default: $MOED_SOCKET or the per-user default).",
+)
+@click.option(
+    "--timeout",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds to wait for a control answer.",
+)
 @click.pass_context
 def main(ctx: click.Context, socket_path: Path | None, timeout: float) -> None:
     """moe: talk to the moed daemon (run prompts, status, stop)."""
@@ -41,16 +52,50 @@ def _fail(exit_code: ExitCode, message: str, as_json: bool = False, **fields: An
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, help="Seed for sampling (reproducible run to run).")
 @click.option("--raw", is_flag=True, help="Send the prompt as is, without the chat template.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per line: token, telemetry, then done or error.")
-@click.option("--no-start", is_flag=True, help="Fail instead of starting a daemon when none is running.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="One JSON object per line: token, telemetry, then done or error.",
+)
+@click.option(
+    "--no-start", is_flag=True, help="Fail instead of starting a daemon when none is running."
+)
 @click.option("--model", help="Model for a daemon that `moe run` starts (default: the demo model).")
-@click.option("--start-timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for a started daemon.")
-@click.option("--trace", "trace_path", type=click.Path(path_type=Path, dir_okay=False),
-              help="Write the router trace of this generation to FILE (read it with `moed trace analyze`).")
-@click.option("--resume", is_flag=True,
-              help="If the daemon restarts mid-stream, wait for it and continue where the text left off.")
+@click.option(
+    "--start-timeout",
+    type=float,
+    default=300.0,
+    show_default=True,
+    help="Seconds to wait for a started daemon.",
+)
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Write the router trace of this generation to FILE (read it with `moed trace analyze`).",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="If the daemon restarts mid-stream, wait for it and continue where the text left off.",
+)
 @click.pass_obj
-def run(obj, prompt, max_tokens, temperature, top_p, seed, raw, as_json, no_start, model, start_timeout, trace_path, resume) -> None:
+def run(
+    obj,
+    prompt,
+    max_tokens,
+    temperature,
+    top_p,
+    seed,
+    raw,
+    as_json,
+    no_start,
+    model,
+    start_timeout,
+    trace_path,
+    resume,
+) -> None:
     """Generate from PROMPT (or stdin with '-') and stream the text."""
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
@@ -58,8 +103,16 @@ def run(obj, prompt, max_tokens, temperature, top_p, seed, raw, as_json, no_star
         _fail(ExitCode.USAGE, "empty prompt", as_json)
     socket_path: Path = obj["socket"]
     client = _connect_or_start(socket_path, obj["timeout"], no_start, model, start_timeout, as_json)
-    events = client.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, raw=raw,
-                             trace=trace_path is not None, resume=resume)
+    events = client.generate(
+        prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        raw=raw,
+        trace=trace_path is not None,
+        resume=resume,
+    )
     trace_out = TraceFile(trace_path) if trace_path else None
     try:
         for event in events:
@@ -75,18 +128,33 @@ def run(obj, prompt, max_tokens, temperature, top_p, seed, raw, as_json, no_star
             pass
         _fail(ExitCode.INTERRUPTED, "interrupted; request cancelled", as_json, code="cancelled")
     except RequestFailed as exc:
-        _fail(ExitCode.REQUEST_FAILED, str(exc), as_json, code=getattr(exc.code, "value", exc.code), retryable=exc.retryable)
+        _fail(
+            ExitCode.REQUEST_FAILED,
+            str(exc),
+            as_json,
+            code=getattr(exc.code, "value", exc.code),
+            retryable=exc.retryable,
+        )
     except DaemonRestarted as exc:
         _fail(ExitCode.DAEMON_RESTARTED, str(exc), as_json, code="daemon_restarted", retryable=True)
     except DaemonUnavailable as exc:
-        _fail(ExitCode.DAEMON_RESTARTED, str(exc), as_json, code="daemon_unavailable", retryable=True)
+        _fail(
+            ExitCode.DAEMON_RESTARTED, str(exc), as_json, code="daemon_unavailable", retryable=True
+        )
     finally:
         client.close()
         if trace_out is not None:
             trace_out.close()
 
 
-def _connect_or_start(socket_path: Path, timeout: float, no_start: bool, model: str | None, start_timeout: float, as_json: bool) -> Client:
+def _connect_or_start(
+    socket_path: Path,
+    timeout: float,
+    no_start: bool,
+    model: str | None,
+    start_timeout: float,
+    as_json: bool,
+) -> Client:
     client = Client(socket_path, timeout=timeout)
     try:
         client.connect()
@@ -94,12 +162,20 @@ def _connect_or_start(socket_path: Path, timeout: float, no_start: bool, model: 
     except DaemonUnavailable as exc:
         client.close()
         if no_start:
-            _fail(ExitCode.DAEMON_UNAVAILABLE, f"{exc} (and --no-start was given)", as_json, code="daemon_unavailable")
+            _fail(
+                ExitCode.DAEMON_UNAVAILABLE,
+                f"{exc} (and --no-start was given)",
+                as_json,
+                code="daemon_unavailable",
+            )
     except RequestFailed as exc:
         _fail(ExitCode.REQUEST_FAILED, str(exc), as_json, code=getattr(exc.code, "value", exc.code))
     from .autostart import start_daemon, wait_until_ready
 
-    click.echo(f"moe: no daemon on {socket_path}; starting one (log: {socket_path.parent}/moed-autostart.log)", err=True)
+    click.echo(
+        f"moe: no daemon on {socket_path}; starting one (log: {socket_path.parent}/moed-autostart.log)",
+        err=True,
+    )
     proc = start_daemon(socket_path, model)
     try:
         wait_until_ready(socket_path, proc, start_timeout)
@@ -113,7 +189,11 @@ def _connect_or_start(socket_path: Path, timeout: float, no_start: bool, model: 
 def _print_event(event, as_json: bool) -> None:
     if isinstance(event, TokenEvent):
         if as_json:
-            click.echo(json.dumps({"type": "token", "index": event.index, "ids": event.ids, "text": event.text}))
+            click.echo(
+                json.dumps(
+                    {"type": "token", "index": event.index, "ids": event.ids, "text": event.text}
+                )
+            )
         else:
             sys.stdout.write(event.text)
             sys.stdout.flush()
@@ -122,8 +202,17 @@ def _print_event(event, as_json: bool) -> None:
             click.echo(json.dumps({"type": "telemetry", **event.data}))
     elif isinstance(event, DoneEvent):
         if as_json:
-            click.echo(json.dumps({"type": "done", "finish_reason": event.finish_reason, "usage": event.usage,
-                                   "timings": event.timings, "telemetry": event.telemetry}))
+            click.echo(
+                json.dumps(
+                    {
+                        "type": "done",
+                        "finish_reason": event.finish_reason,
+                        "usage": event.usage,
+                        "timings": event.timings,
+                        "telemetry": event.telemetry,
+                    }
+                )
+            )
         else:
             sys.stdout.write("\n")
             click.echo(summary_line(event), err=True)
@@ -152,18 +241,29 @@ def summary_line(done: DoneEvent) -> str:
 def offline_state(state_dir: Path) -> dict:
     """What the state directory says when no daemon answers: the last crash and the watchdog's last word."""
     out = {}
-    for key, name, field in (("last_crash", "crash.json", "last"), ("watchdog", "watchdog.json", None)):
+    for key, name, field in (
+        ("last_crash", "crash.json", "last"),
+        ("watchdog", "watchdog.json", None),
+    ):
         try:
             data = json.loads((state_dir / name).read_text())
         except (OSError, ValueError):
             continue
-        out[key] = data.get(field) if field else {k: data.get(k) for k in ("state", "last_action", "updated_at")}
+        out[key] = (
+            data.get(field)
+            if field
+            else {k: data.get(k) for k in ("state", "last_action", "updated_at")}
+        )
     return out
 
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
-@click.option("--state-dir", type=click.Path(path_type=Path), help="Where the daemon keeps its state (for an offline report).")
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path),
+    help="Where the daemon keeps its state (for an offline report).",
+)
 @click.pass_obj
 def status(obj, as_json: bool, state_dir: Path | None) -> None:
     """Show the daemon's state (exit 3 when none answers, with its last crash and the watchdog's last action)."""
@@ -183,9 +283,15 @@ def status(obj, as_json: bool, state_dir: Path | None) -> None:
         click.echo(json.dumps(body, default=str))
         return
     model = body.get("model") or {}
-    click.echo(f"state        {body.get('state')}  (pid {body.get('pid')}, boot {str(body.get('boot_id'))[:8]}, up {body.get('uptime_s', 0):.0f}s)")
-    click.echo(f"model        {model.get('name')}  ({model.get('model_type')}, {'streaming' if model.get('streaming') else 'resident'})")
-    click.echo(f"requests     active {body.get('active_requests')}  pending {body.get('pending_requests')}  served {body.get('requests_served')}  failed {body.get('requests_failed')}")
+    click.echo(
+        f"state        {body.get('state')}  (pid {body.get('pid')}, boot {str(body.get('boot_id'))[:8]}, up {body.get('uptime_s', 0):.0f}s)"
+    )
+    click.echo(
+        f"model        {model.get('name')}  ({model.get('model_type')}, {'streaming' if model.get('streaming') else 'resident'})"
+    )
+    click.echo(
+        f"requests     active {body.get('active_requests')}  pending {body.get('pending_requests')}  served {body.get('requests_served')}  failed {body.get('requests_failed')}"
+    )
     click.echo(f"tokens       {body.get('tokens_generated')}")
     click.echo(f"memory       rss {body.get('rss_bytes', 0) / 2**20:.0f} MiB")
     for key in ("last_crash", "watchdog"):
@@ -206,7 +312,8 @@ def stop(obj, reason: str) -> None:
     click.echo("moe: daemon stopping", err=True)
 
 
-from .stats_cli import metrics as _metrics, stats as _stats  # noqa: E402  (registered like built-ins)
+from .stats_cli import metrics as _metrics  # noqa: E402  (registered like built-ins)
+from .stats_cli import stats as _stats
 
 main.add_command(_stats)
 main.add_command(_metrics)

@@ -13,8 +13,9 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import zmq
 
@@ -87,7 +88,7 @@ class Client:
             self._socket = None
         self.welcome = None
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         self.connect()
         return self
 
@@ -147,8 +148,18 @@ class Client:
         as `resume_ids`: the daemon continues from there, so the caller sees one stream, identical
         to an uninterrupted run for greedy decoding and for seeded sampling.
         """
-        fields = dict(prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                      seed=seed, raw=raw, model=model, telemetry_every=telemetry_every, trace=trace)
+        fields = dict(
+            prompt=prompt,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            raw=raw,
+            model=model,
+            telemetry_every=telemetry_every,
+            trace=trace,
+        )
         if not resume:
             yield from self._generate_once(request_id, resume_ids, fields)
             return
@@ -169,8 +180,14 @@ class Client:
                             continue
                         received.extend(event.ids)
                     elif isinstance(event, DoneEvent) and resumes:
-                        usage = {**event.usage, "completion_tokens": len(received), "resumes": resumes}
-                        event = DoneEvent(event.finish_reason, usage, event.timings, event.telemetry)
+                        usage = {
+                            **event.usage,
+                            "completion_tokens": len(received),
+                            "resumes": resumes,
+                        }
+                        event = DoneEvent(
+                            event.finish_reason, usage, event.timings, event.telemetry
+                        )
                     yield event
                 return
             except (DaemonUnavailable, RequestFailed) as exc:
@@ -185,8 +202,12 @@ class Client:
                 resumes += 1
                 if resumes > max_resumes:
                     raise
-                log.warning("generation interrupted (%s); resuming after %d token(s)", exc, len(received))
-                self._await_daemon(time.monotonic() + resume_timeout_s, failed_boot if need_new_boot else None, exc)
+                log.warning(
+                    "generation interrupted (%s); resuming after %d token(s)", exc, len(received)
+                )
+                self._await_daemon(
+                    time.monotonic() + resume_timeout_s, failed_boot if need_new_boot else None, exc
+                )
 
     def _await_daemon(self, deadline: float, not_boot: str | None, cause: Exception) -> dict:
         """Reconnect until a daemon answers (a different one than `not_boot`, if given)."""
@@ -208,13 +229,23 @@ class Client:
         finally:
             self.timeout = saved
 
-    def _generate_once(self, request_id: Any, resume_ids: list[int] | None, fields: dict[str, Any]) -> Iterator[Event]:
+    def _generate_once(
+        self, request_id: Any, resume_ids: list[int] | None, fields: dict[str, Any]
+    ) -> Iterator[Event]:
         """One generate request on the current connection; `fields` are the wire fields of `generate`."""
         self.connect()
         request_id = request_id if request_id is not None else self._next_id("gen")
         self.last_request_id = request_id
-        wire_fields = {**fields, "raw": fields.get("raw") or None, "trace": fields.get("trace") or None}
-        self._send(wire.request(MessageType.GENERATE, request_id, resume_ids=resume_ids or None, **wire_fields))
+        wire_fields = {
+            **fields,
+            "raw": fields.get("raw") or None,
+            "trace": fields.get("trace") or None,
+        }
+        self._send(
+            wire.request(
+                MessageType.GENERATE, request_id, resume_ids=resume_ids or None, **wire_fields
+            )
+        )
         self._streams.add(request_id)
         ended = False
         try:
@@ -229,17 +260,26 @@ class Client:
                     yield TraceEvent(int(msg.get("seq", 0)), bytes(msg.get("data") or b""))
                 elif kind == MessageType.DONE.value:
                     ended = True
-                    yield DoneEvent(msg["finish_reason"], msg.get("usage") or {}, msg.get("timings") or {}, msg.get("telemetry") or {})
+                    yield DoneEvent(
+                        msg["finish_reason"],
+                        msg.get("usage") or {},
+                        msg.get("timings") or {},
+                        msg.get("telemetry") or {},
+                    )
                     return
                 elif kind == MessageType.ERROR.value:
                     ended = True
-                    raise RequestFailed(msg.get("code"), msg.get("message", ""), bool(msg.get("retryable")))
+                    raise RequestFailed(
+                        msg.get("code"), msg.get("message", ""), bool(msg.get("retryable"))
+                    )
         finally:
             self._streams.discard(request_id)
             self._buffered.pop(request_id, None)
             if not ended and self._socket is not None:
                 # The caller stopped reading: stop the daemon generating for nobody (no reply awaited).
-                self._send(wire.request(MessageType.CANCEL, self._next_id("cancel"), target=request_id))
+                self._send(
+                    wire.request(MessageType.CANCEL, self._next_id("cancel"), target=request_id)
+                )
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _next_id(self, kind: str) -> str:
@@ -279,7 +319,9 @@ class Client:
         while True:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                raise DaemonUnavailable(f"no answer from the daemon at {self.socket_path} within {self.timeout:.1f}s")
+                raise DaemonUnavailable(
+                    f"no answer from the daemon at {self.socket_path} within {self.timeout:.1f}s"
+                )
             if heartbeat and now - last_heard > self.dead_after_s:
                 raise DaemonUnavailable(f"the daemon at {self.socket_path} stopped answering")
             if heartbeat and ping_id is None and now - last_heard > self.heartbeat_s:
@@ -288,13 +330,19 @@ class Client:
             try:  # while tokens stream, a frame is usually waiting: skip the poll syscall
                 frame = self._socket.recv(zmq.NOBLOCK)
             except zmq.Again:
-                wait = self.heartbeat_s if deadline is None else min(self.heartbeat_s, max(deadline - now, 0.0))
+                wait = (
+                    self.heartbeat_s
+                    if deadline is None
+                    else min(self.heartbeat_s, max(deadline - now, 0.0))
+                )
                 ready = dict(self._poller.poll(int(wait * 1000) + 1))
                 if self._socket in ready:
                     frame = self._socket.recv()
                 elif self._monitor in ready:
                     if self._monitor.recv_multipart() and not self._socket.poll(0):
-                        raise DaemonUnavailable(f"the connection to the daemon at {self.socket_path} dropped (it exited or crashed)")
+                        raise DaemonUnavailable(
+                            f"the connection to the daemon at {self.socket_path} dropped (it exited or crashed)"
+                        )
                     continue
                 else:
                     continue

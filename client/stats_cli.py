@@ -34,7 +34,12 @@ def _num(x, fmt: str = "{:.1f}", unit: str = "") -> str:
 
 def format_stats(s: dict) -> str:
     """The human view of a `stats` body (one screen)."""
-    model, req, tok, mem = s.get("model") or {}, s.get("requests") or {}, s.get("tokens") or {}, s.get("memory") or {}
+    model, req, tok, mem = (
+        s.get("model") or {},
+        s.get("requests") or {},
+        s.get("tokens") or {},
+        s.get("memory") or {},
+    )
     lines = [
         f"moed {s.get('version')}  pid {s.get('pid')}  boot {str(s.get('boot_id'))[:8]}  "
         f"state {s.get('state')}  up {_num(s.get('uptime_s'), '{:.0f}', 's')}",
@@ -62,12 +67,15 @@ def format_stats(s: dict) -> str:
         lines.append("experts      resident (no expert streaming)")
     phys = mem.get("phys_footprint_bytes")
     lines.append(
-        f"memory       rss {_bytes(mem.get('rss_bytes'))}" + (f"  footprint {_bytes(phys)}" if phys is not None else "")
+        f"memory       rss {_bytes(mem.get('rss_bytes'))}"
+        + (f"  footprint {_bytes(phys)}" if phys is not None else "")
         + f"  swap {_bytes(mem.get('swap_used_bytes'))}  pressure {mem.get('pressure')}"
     )
     crash = s.get("last_crash")
-    lines.append(f"restarts     {s.get('restarts') if s.get('restarts') is not None else '-'}  "
-                 f"last crash {json.dumps(crash, default=str) if crash else '-'}")
+    lines.append(
+        f"restarts     {s.get('restarts') if s.get('restarts') is not None else '-'}  "
+        f"last crash {json.dumps(crash, default=str) if crash else '-'}"
+    )
     return "\n".join(lines)
 
 
@@ -83,7 +91,13 @@ def _fail(code: ExitCode, message: str) -> None:
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (per refresh with --watch).")
 @click.option("--watch", is_flag=True, help="Refresh in place until interrupted.")
-@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between refreshes with --watch.")
+@click.option(
+    "--interval",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Seconds between refreshes with --watch.",
+)
 @click.pass_obj
 def stats(obj, as_json: bool, watch: bool, interval: float) -> None:
     """Live counters: expert cache, reads, stalls, tokens/s, memory, requests."""

@@ -30,7 +30,13 @@ class TraceFile:
     def close(self) -> None:
         self._f.close()
         if self.chunks:
-            click.echo(f"moe: router trace written to {self.path} ({self.bytes} bytes); "
-                       f"analyse it with `moed trace analyze {self.path}`", err=True)
+            click.echo(
+                f"moe: router trace written to {self.path} ({self.bytes} bytes); "
+                f"analyse it with `moed trace analyze {self.path}`",
+                err=True,
+            )
         else:
-            click.echo("moe: the daemon sent no trace (it keeps every expert resident: nothing is streamed)", err=True)
+            click.echo(
+                "moe: the daemon sent no trace (it keeps every expert resident: nothing is streamed)",
+                err=True,
+            )

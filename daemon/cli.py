@@ -13,19 +13,19 @@ def main() -> None:
 
 def _register() -> None:
     # Each subcommand lives beside the code it drives; import errors surface at startup, not later.
-    from .serve_cli import serve
+    from moed.daemon.runtime.cli import serve
 
     main.add_command(serve)
-    from .watchdog.cli import watchdog
+    from moed.daemon.watchdog.cli import watchdog
 
     main.add_command(watchdog)
-    from .service.cli import service
+    from moed.daemon.service.cli import service
 
     main.add_command(service)
-    from .bench_cli import bench
+    from moed.daemon.bench.cli import bench
 
     main.add_command(bench)
-    from .telemetry.cli import trace
+    from moed.daemon.telemetry.cli import trace
 
     main.add_command(trace)
 

@@ -12,9 +12,10 @@ import os
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from moed.protocol import paths
 
@@ -34,11 +35,15 @@ class ServeConfig:
     state_dir: Path = field(default_factory=paths.state_dir)
     log_dir: Path = field(default_factory=paths.log_dir)
     resident: bool = False  # keep every expert in memory (plain mlx-lm path)
-    cache_budget: str = "auto"  # bytes ("3000000"), "12GB", a fraction of the experts ("25%", "0.25"), or "auto"
+    cache_budget: str = (
+        "auto"  # bytes ("3000000"), "12GB", a fraction of the experts ("25%", "0.25"), or "auto"
+    )
     prefetch_workers: int = 0  # 0: sized to the machine
     page_cache: PageCachePolicy = PageCachePolicy.AUTO
     prefetch_next: bool = False  # read the next layer's likely experts during this layer's compute
-    memory_limit_bytes: int = 0  # what the memory plan may use; 0: the machine's (RAM, cgroup, Metal working set)
+    memory_limit_bytes: int = (
+        0  # what the memory plan may use; 0: the machine's (RAM, cgroup, Metal working set)
+    )
     plan_context_tokens: int = 8192  # the KV cache the memory plan keeps room for
     max_prompt_tokens: int = 32768
     max_tokens_limit: int = 8192
@@ -84,7 +89,9 @@ def load_config(
 ) -> Config:
     """Merge file < environment < flags. Flags given as None are ignored."""
     environ = os.environ if environ is None else environ
-    file = file or (Path(environ["MOED_CONFIG"]) if environ.get("MOED_CONFIG") else paths.config_path())
+    file = file or (
+        Path(environ["MOED_CONFIG"]) if environ.get("MOED_CONFIG") else paths.config_path()
+    )
     table: dict = {}
     if file.exists():
         try:
@@ -92,14 +99,30 @@ def load_config(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{file}: {exc}") from None
     serve = _build(ServeConfig, table.get("serve", {}), environ, "MOED_", serve_overrides or {})
-    watchdog = _build(WatchdogConfig, table.get("watchdog", {}), environ, "MOED_WATCHDOG_", watchdog_overrides or {})
+    watchdog = _build(
+        WatchdogConfig,
+        table.get("watchdog", {}),
+        environ,
+        "MOED_WATCHDOG_",
+        watchdog_overrides or {},
+    )
     # One socket for both processes unless the watchdog's was set on its own.
-    if "socket" not in table.get("watchdog", {}) and "MOED_WATCHDOG_SOCKET" not in environ and not (watchdog_overrides or {}).get("socket"):
+    if (
+        "socket" not in table.get("watchdog", {})
+        and "MOED_WATCHDOG_SOCKET" not in environ
+        and not (watchdog_overrides or {}).get("socket")
+    ):
         watchdog = dataclasses.replace(watchdog, socket=serve.socket, state_dir=serve.state_dir)
     return Config(serve=serve, watchdog=watchdog)
 
 
-def _build(cls: type, table: Mapping[str, Any], environ: Mapping[str, str], prefix: str, overrides: Mapping[str, Any]):
+def _build(
+    cls: type,
+    table: Mapping[str, Any],
+    environ: Mapping[str, str],
+    prefix: str,
+    overrides: Mapping[str, Any],
+):
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(table) - known

@@ -2,10 +2,29 @@
 
 from .codec import MAX_FRAME_BYTES, decode, encode
 from .errors import RETRYABLE, ErrorCode, ProtocolError
-from .messages import CONTROL_TYPES, TERMINAL_TYPES, FinishReason, MessageType, ShedLevel, validate_request
+from .messages import (
+    CONTROL_TYPES,
+    TERMINAL_TYPES,
+    FinishReason,
+    MessageType,
+    ShedLevel,
+    validate_request,
+)
 from .version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 
 __all__ = [
-    "CONTROL_TYPES", "TERMINAL_TYPES", "MAX_FRAME_BYTES", "PROTOCOL_MAJOR", "PROTOCOL_MINOR", "RETRYABLE",
-    "ErrorCode", "FinishReason", "MessageType", "ProtocolError", "ShedLevel", "decode", "encode", "validate_request",
+    "CONTROL_TYPES",
+    "TERMINAL_TYPES",
+    "MAX_FRAME_BYTES",
+    "PROTOCOL_MAJOR",
+    "PROTOCOL_MINOR",
+    "RETRYABLE",
+    "ErrorCode",
+    "FinishReason",
+    "MessageType",
+    "ProtocolError",
+    "ShedLevel",
+    "decode",
+    "encode",
+    "validate_request",
 ]

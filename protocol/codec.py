@@ -18,7 +18,9 @@ def encode(msg: dict) -> bytes:
 
 def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Any:
     if len(frame) > max_bytes:
-        raise ProtocolError(ErrorCode.FRAME_TOO_LARGE, f"frame of {len(frame)} bytes exceeds {max_bytes}")
+        raise ProtocolError(
+            ErrorCode.FRAME_TOO_LARGE, f"frame of {len(frame)} bytes exceeds {max_bytes}"
+        )
     try:
         return msgpack.unpackb(
             frame,
@@ -29,7 +31,9 @@ def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Any:
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame is not valid msgpack: {exc.__class__.__name__}") from None
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME, f"frame is not valid msgpack: {exc.__class__.__name__}"
+        ) from None
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:

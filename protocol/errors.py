@@ -23,7 +23,12 @@ class ErrorCode(str, enum.Enum):
 
 
 RETRYABLE = frozenset(
-    {ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN, ErrorCode.OUT_OF_MEMORY, ErrorCode.DAEMON_RESTARTED}
+    {
+        ErrorCode.OVERLOADED,
+        ErrorCode.SHUTTING_DOWN,
+        ErrorCode.OUT_OF_MEMORY,
+        ErrorCode.DAEMON_RESTARTED,
+    }
 )
 
 

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ErrorCode, ProtocolError, RETRYABLE
+from .errors import RETRYABLE, ErrorCode, ProtocolError
 from .version import PROTOCOL_MAJOR
 
 
@@ -115,7 +115,9 @@ def validate_request(msg: Any) -> tuple[MessageType, Any]:
     try:
         kind = MessageType(msg.get("type"))
     except ValueError:
-        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg.get('type')!r}") from None
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg.get('type')!r}"
+        ) from None
     if kind not in REQUEST_TYPES:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{kind.value!r} is not a request type")
     if request_id is None:
@@ -124,29 +126,43 @@ def validate_request(msg: Any) -> tuple[MessageType, Any]:
         value = msg.get(name)
         if value is None:
             if spec.required:
-                raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{kind.value}: field {name!r} is required")
+                raise ProtocolError(
+                    ErrorCode.INVALID_REQUEST, f"{kind.value}: field {name!r} is required"
+                )
             continue
         if isinstance(value, bool) and bool not in spec.types:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{kind.value}: field {name!r} has the wrong type")
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST, f"{kind.value}: field {name!r} has the wrong type"
+            )
         if not isinstance(value, spec.types):
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{kind.value}: field {name!r} has the wrong type")
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST, f"{kind.value}: field {name!r} has the wrong type"
+            )
     if kind is MessageType.GENERATE:
         _validate_generate(msg)
     if kind is MessageType.SHED and msg.get("level") is not None:
         try:
             ShedLevel(msg["level"])
         except ValueError:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"shed: unknown level {msg['level']!r}") from None
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST, f"shed: unknown level {msg['level']!r}"
+            ) from None
     return kind, request_id
 
 
 def _validate_generate(msg: dict) -> None:
     if (msg.get("prompt") is None) == (msg.get("prompt_ids") is None):
-        raise ProtocolError(ErrorCode.INVALID_REQUEST, "generate: give exactly one of 'prompt' or 'prompt_ids'")
+        raise ProtocolError(
+            ErrorCode.INVALID_REQUEST, "generate: give exactly one of 'prompt' or 'prompt_ids'"
+        )
     for name in ("prompt_ids", "resume_ids"):
         ids = msg.get(name)
-        if ids is not None and not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"generate: {name!r} must be a list of token ids")
+        if ids is not None and not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+        ):
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST, f"generate: {name!r} must be a list of token ids"
+            )
     if msg.get("prompt_ids") == []:
         raise ProtocolError(ErrorCode.INVALID_REQUEST, "generate: the prompt is empty")
     max_tokens = msg.get("max_tokens")
@@ -165,7 +181,12 @@ def _base(kind: MessageType, request_id: Any) -> dict:
 
 
 def error(request_id: Any, code: ErrorCode, message: str) -> dict:
-    return {**_base(MessageType.ERROR, request_id), "code": code.value, "message": message, "retryable": code in RETRYABLE}
+    return {
+        **_base(MessageType.ERROR, request_id),
+        "code": code.value,
+        "message": message,
+        "retryable": code in RETRYABLE,
+    }
 
 
 def result(request_id: Any, **body: Any) -> dict:
@@ -185,8 +206,19 @@ def telemetry(request_id: Any, data: dict) -> dict:
     return {**_base(MessageType.TELEMETRY, request_id), "data": data}
 
 
-def done(request_id: Any, finish_reason: FinishReason, usage: dict, timings: dict, telemetry: dict | None = None) -> dict:
-    msg = {**_base(MessageType.DONE, request_id), "finish_reason": finish_reason.value, "usage": usage, "timings": timings}
+def done(
+    request_id: Any,
+    finish_reason: FinishReason,
+    usage: dict,
+    timings: dict,
+    telemetry: dict | None = None,
+) -> dict:
+    msg = {
+        **_base(MessageType.DONE, request_id),
+        "finish_reason": finish_reason.value,
+        "usage": usage,
+        "timings": timings,
+    }
     if telemetry is not None:
         msg["telemetry"] = telemetry
     return msg

@@ -18,7 +18,11 @@ def runtime_dir() -> Path:
     if env := os.environ.get("MOED_RUNTIME_DIR"):
         return Path(env)
     # $TMPDIR on macOS is a long /var/folders path; /tmp keeps the socket path short.
-    base = Path("/tmp") if sys.platform == "darwin" else Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+    base = (
+        Path("/tmp")
+        if sys.platform == "darwin"
+        else Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+    )
     return base / f"moed-{os.getuid()}"
 
 
@@ -49,7 +53,9 @@ def config_path() -> Path:
         return Path(env)
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Application Support" / "moed" / "config.toml"
-    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "moed" / "config.toml"
+    return (
+        Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "moed" / "config.toml"
+    )
 
 
 def ensure_private_dir(path: Path) -> Path:
@@ -63,5 +69,7 @@ def ensure_private_dir(path: Path) -> Path:
 def endpoint_for(socket_path: Path) -> str:
     text = str(socket_path)
     if len(text.encode()) > MAX_SOCKET_PATH:
-        raise ValueError(f"socket path is {len(text.encode())} bytes, over the {MAX_SOCKET_PATH}-byte limit: {text}")
+        raise ValueError(
+            f"socket path is {len(text.encode())} bytes, over the {MAX_SOCKET_PATH}-byte limit: {text}"
+        )
     return f"ipc://{text}"

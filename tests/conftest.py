@@ -22,7 +22,11 @@ def _private_moed_dirs(tmp_path_factory):
     """Every daemon and client a test starts uses session-private state, log and config paths, so
     the suite never writes into (or reads) the user's ~/.local/state/moed or talks to their daemon."""
     root = tmp_path_factory.mktemp("moed-home")
-    private = {"MOED_STATE_DIR": root / "state", "MOED_LOG_DIR": root / "logs", "MOED_CONFIG": root / "config.toml"}
+    private = {
+        "MOED_STATE_DIR": root / "state",
+        "MOED_LOG_DIR": root / "logs",
+        "MOED_CONFIG": root / "config.toml",
+    }
     saved = {name: os.environ.get(name) for name in private}
     os.environ.update({name: str(path) for name, path in private.items()})
     yield

@@ -40,17 +40,36 @@ class DaemonProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shutil.rmtree(self.socket.parent, ignore_errors=True)  # the short-path socket dir lives in /tmp
+        shutil.rmtree(
+            self.socket.parent, ignore_errors=True
+        )  # the short-path socket dir lives in /tmp
         return self.proc.returncode
 
 
 def serve_command(model: Path | str, socket: Path, state_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "moed.daemon.cli", "serve", "--model", str(model), "--socket", str(socket),
-            "--state-dir", str(state_dir), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "moed.daemon.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--socket",
+        str(socket),
+        "--state-dir",
+        str(state_dir),
+        *extra,
+    ]
 
 
-def start_daemon(tmp: Path, model: Path | str, *extra: str, env: dict | None = None, wait: bool = True,
-                 preexec_fn=None) -> DaemonProcess:
+def start_daemon(
+    tmp: Path,
+    model: Path | str,
+    *extra: str,
+    env: dict | None = None,
+    wait: bool = True,
+    preexec_fn=None,
+) -> DaemonProcess:
     tmp.mkdir(parents=True, exist_ok=True)
     # Short socket path: AF_UNIX paths are limited to about 100 bytes.
     sock_dir = Path(f"/tmp/moedt-{os.getpid()}-{time.monotonic_ns() % 10**9}")
@@ -60,8 +79,14 @@ def start_daemon(tmp: Path, model: Path | str, *extra: str, env: dict | None = N
     args = serve_command(model, socket, state_dir, *extra)
     full_env = {**os.environ, "MOED_LOG_DIR": str(tmp / "logs"), **(env or {})}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-                                preexec_fn=preexec_fn)
+        proc = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+            preexec_fn=preexec_fn,
+        )
     daemon = DaemonProcess(socket, state_dir, log_path, proc, args)
     if wait:
         try:

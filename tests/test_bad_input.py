@@ -40,13 +40,30 @@ CASES = [
     (msgpack.packb([1, 2, 3]), "bad_frame"),
     (msgpack.packb({"v": 1, "type": "generate", "id": 1}), "invalid_request"),
     (msgpack.packb({"v": 1, "type": "generate", "id": 2, "prompt": 42}), "invalid_request"),
-    (msgpack.packb({"v": 1, "type": "generate", "id": 3, "prompt": "a", "max_tokens": "many"}), "invalid_request"),
+    (
+        msgpack.packb({"v": 1, "type": "generate", "id": 3, "prompt": "a", "max_tokens": "many"}),
+        "invalid_request",
+    ),
     (msgpack.packb({"v": 1, "type": "teleport", "id": 4}), "unknown_type"),
     (msgpack.packb({"v": 99, "type": "hello", "id": 5}), "unsupported_version"),
-    (msgpack.packb({"v": 1, "type": "generate", "id": 6, "prompt": "a" * 2_000_000}), "prompt_too_long"),
-    (msgpack.packb({"v": 1, "type": "generate", "id": 7, "prompt_ids": [1] * 40_000}), "prompt_too_long"),
-    (msgpack.packb({"v": 1, "type": "generate", "id": 8, "prompt": "x" * 5_000_000}), "frame_too_large"),
-    (msgpack.packb({"v": 1, "type": "generate", "id": 9, "prompt": "a", "model": "/no/such/model"}), "model_not_found"),
+    (
+        msgpack.packb({"v": 1, "type": "generate", "id": 6, "prompt": "a" * 2_000_000}),
+        "prompt_too_long",
+    ),
+    (
+        msgpack.packb({"v": 1, "type": "generate", "id": 7, "prompt_ids": [1] * 40_000}),
+        "prompt_too_long",
+    ),
+    (
+        msgpack.packb({"v": 1, "type": "generate", "id": 8, "prompt": "x" * 5_000_000}),
+        "frame_too_large",
+    ),
+    (
+        msgpack.packb(
+            {"v": 1, "type": "generate", "id": 9, "prompt": "a", "model": "/no/such/model"}
+        ),
+        "model_not_found",
+    ),
     (msgpack.packb(msgpack.ExtType(3, b"boom")), "bad_frame"),
 ]
 
@@ -81,12 +98,21 @@ def test_multi_frame_and_garbage_storm_then_generate(daemon, raw_socket):
         assert raw_socket.poll(5000)
         raw_socket.recv()
     with daemon.client() as c:
-        text = "".join(e.text for e in c.generate("hi", max_tokens=4, raw=True) if hasattr(e, "text"))
+        text = "".join(
+            e.text for e in c.generate("hi", max_tokens=4, raw=True) if hasattr(e, "text")
+        )
     assert isinstance(text, str)
 
 
 def test_duplicate_request_id_is_refused(daemon, raw_socket):
-    gen = {"v": 1, "type": "generate", "id": "dup", "prompt": "hello", "max_tokens": 5000, "raw": True}
+    gen = {
+        "v": 1,
+        "type": "generate",
+        "id": "dup",
+        "prompt": "hello",
+        "max_tokens": 5000,
+        "raw": True,
+    }
     raw_socket.send(msgpack.packb(gen))
     raw_socket.send(msgpack.packb(gen))
     codes = []
@@ -112,7 +138,12 @@ def test_spec_minimal_python_client_runs(daemon):
 def test_unknown_model_path_fails_serve_clearly(tmp_path):
     from daemon_harness import serve_command
 
-    out = subprocess.run(serve_command("/no/such/model", Path(f"/tmp/moedt-x{tmp_path.name[-8:]}/s"), tmp_path), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        serve_command("/no/such/model", Path(f"/tmp/moedt-x{tmp_path.name[-8:]}/s"), tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 3
     assert "does not exist" in out.stderr
 
@@ -122,7 +153,13 @@ def test_malformed_setting_is_a_config_error(tmp_path, tiny_model):
 
     sock = Path(f"/tmp/moedt-cfg{tmp_path.name[-8:]}/s")
     env = {**__import__("os").environ, "MOED_DEBUG_FAULTS": "explode=yes"}
-    out = subprocess.run(serve_command(tiny_model, sock, tmp_path), capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run(
+        serve_command(tiny_model, sock, tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert out.returncode == 2, out.stderr
     assert "configuration" in out.stderr and "Traceback" not in out.stderr
 
@@ -131,7 +168,14 @@ def test_memory_plan_refuses_a_model_that_cannot_fit(tmp_path, tiny_model):
     """Refused before loading experts, with the plan in the message, and an exit code that stops restarts."""
     from daemon_harness import start_daemon
 
-    d = start_daemon(tmp_path, tiny_model, "--cache-budget", "100%", env={"MOED_MEMORY_LIMIT_BYTES": "50000000"}, wait=False)
+    d = start_daemon(
+        tmp_path,
+        tiny_model,
+        "--cache-budget",
+        "100%",
+        env={"MOED_MEMORY_LIMIT_BYTES": "50000000"},
+        wait=False,
+    )
     try:
         assert d.proc.wait(60) == 6
     finally:

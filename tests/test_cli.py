@@ -15,9 +15,22 @@ import pytest
 from moed.client.exit_codes import ExitCode
 
 
-def moe(socket: Path, *args: str, input: str | None = None, env: dict | None = None, timeout: float = 120):
+def moe(
+    socket: Path,
+    *args: str,
+    input: str | None = None,
+    env: dict | None = None,
+    timeout: float = 120,
+):
     cmd = [sys.executable, "-m", "moed.client.cli", "--socket", str(socket), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        input=input,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_run_json_stream_shape(daemon):
@@ -77,7 +90,12 @@ def test_help_and_round_trip_never_import_mlx(daemon):
     assert "mlx" not in out.stdout.replace("moed", "")
     assert "moed.daemon" not in out.stdout
     t0 = time.perf_counter()
-    assert subprocess.run([sys.executable, "-m", "moed.client.cli", "--help"], capture_output=True, timeout=30).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "moed.client.cli", "--help"], capture_output=True, timeout=30
+        ).returncode
+        == 0
+    )
     assert time.perf_counter() - t0 < 5  # generous on a loaded 2-core CI box; typically ~0.15 s
 
 
@@ -86,7 +104,9 @@ def test_run_autostarts_a_daemon(tiny_model, tmp_path):
     sock = sock_dir / "s.sock"
     env = {"MOED_STATE_DIR": str(tmp_path / "state"), "MOED_RESIDENT": "1"}
     try:
-        out = moe(sock, "run", "--raw", "--max-tokens", "4", "--model", str(tiny_model), "hello", env=env)
+        out = moe(
+            sock, "run", "--raw", "--max-tokens", "4", "--model", str(tiny_model), "hello", env=env
+        )
         assert out.returncode == 0, out.stderr
         assert "starting one" in out.stderr
         assert moe(sock, "status").returncode == 0  # it keeps running in the background
@@ -100,7 +120,7 @@ def test_run_autostarts_a_daemon(tiny_model, tmp_path):
 
 
 def test_model_from_local_hugging_face_cache(tiny_model, tmp_path, monkeypatch):
-    from moed.daemon.model_source import ModelNotFound, resolve_model
+    from moed.daemon.model.source import ModelNotFound, resolve_model
 
     # The layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<commit>/...}.
     repo = tmp_path / "hub" / "models--mlx-community--Tiny-MoE"
@@ -121,8 +141,19 @@ def test_model_from_local_hugging_face_cache(tiny_model, tmp_path, monkeypatch):
 def test_ctrl_c_cancels_the_request(daemon):
     import signal
 
-    cmd = [sys.executable, "-m", "moed.client.cli", "--socket", str(daemon.socket), "run", "--raw", "--no-start",
-           "--max-tokens", "8000", "hello"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moed.client.cli",
+        "--socket",
+        str(daemon.socket),
+        "run",
+        "--raw",
+        "--no-start",
+        "--max-tokens",
+        "8000",
+        "hello",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     with daemon.client() as c:
         deadline = time.monotonic() + 30

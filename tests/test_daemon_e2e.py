@@ -9,8 +9,8 @@ import threading
 import time
 
 import pytest
-
 from fixtures.checkpoints import ARCHS
+
 from moed.client import DoneEvent, TokenEvent
 
 PROMPT = "def fibonacci(n):"
@@ -171,8 +171,12 @@ def test_second_daemon_refuses_live_socket_and_replaces_stale(daemon, tiny_model
 
     log_path = tmp_path / "again.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(serve_command(tiny_model, daemon.socket, tmp_path / "s3", "--resident"),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            serve_command(tiny_model, daemon.socket, tmp_path / "s3", "--resident"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     again = DaemonProcess(daemon.socket, tmp_path / "s3", log_path, proc)
     try:
         assert again.wait_ready()["state"] == "ready"
@@ -183,9 +187,16 @@ def test_second_daemon_refuses_live_socket_and_replaces_stale(daemon, tiny_model
 
 @pytest.mark.parametrize(
     "arch,budget,extra",
-    [("qwen3_moe", "10%", ()), ("mixtral", "50%", ()), ("deepseek_v3", "1", ()), ("olmoe", "25%", ("--prefetch-next",))],
+    [
+        ("qwen3_moe", "10%", ()),
+        ("mixtral", "50%", ()),
+        ("deepseek_v3", "1", ()),
+        ("olmoe", "25%", ("--prefetch-next",)),
+    ],
 )
-def test_streaming_daemon_matches_resident_mlx_lm(arch, budget, extra, checkpoint_factory, daemon_factory):
+def test_streaming_daemon_matches_resident_mlx_lm(
+    arch, budget, extra, checkpoint_factory, daemon_factory
+):
     """The default (streaming) daemon at small budgets gives the resident model's tokens, with telemetry."""
     model_path = checkpoint_factory(arch)
     d = daemon_factory(model_path, "--cache-budget", budget, *extra)
@@ -202,7 +213,9 @@ def test_streaming_daemon_matches_resident_mlx_lm(arch, budget, extra, checkpoin
 def test_a_request_id_can_be_reused_after_a_cancel(daemon):
     """A cancel is tied to the request it named: the next request with the same id runs normally."""
     with daemon.client() as c:
-        for n, event in enumerate(c.generate(LONG_PROMPT, max_tokens=2000, raw=True, request_id="again")):
+        for n, event in enumerate(
+            c.generate(LONG_PROMPT, max_tokens=2000, raw=True, request_id="again")
+        ):
             if n == 0:
                 assert c.cancel("again")["cancelled"] is True
             if isinstance(event, DoneEvent):
@@ -222,5 +235,7 @@ def test_a_stream_left_unread_is_cancelled(daemon):
         while c.status()["active_requests"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert c.status()["active_requests"] == 0
-        got, _ = daemon_tokens(c, PROMPT, 4)  # and the connection still works, with no stale replies
+        got, _ = daemon_tokens(
+            c, PROMPT, 4
+        )  # and the connection still works, with no stale replies
     assert got

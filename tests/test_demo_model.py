@@ -14,7 +14,7 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
-from moed.daemon.demo import demo_model_path
+from moed.daemon.model.demo import demo_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the training/ scripts
 from training.routing_stats import greedy_routes, layer_stats, uniform_baseline  # noqa: E402
@@ -30,7 +30,9 @@ def demo():
 def test_checkpoint_is_stock_and_small():
     path = demo_model_path()
     files = {f.name: f.stat().st_size for f in path.iterdir() if f.is_file()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(files)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(
+        files
+    )
     assert sum(files.values()) <= MAX_BYTES
     config = json.loads((path / "config.json").read_text())
     assert config["model_type"] == "qwen3_moe"
@@ -51,8 +53,9 @@ def test_fibonacci_continuation_looks_like_python(demo):
 
 def test_chat_template_renders_the_prompt(demo):
     _, tokenizer = demo
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "import os"}],
-                                        add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "import os"}], add_generation_prompt=True
+    )
     assert tokenizer.decode(ids) == "import os"
 
 

@@ -6,7 +6,7 @@ import json
 
 from click.testing import CliRunner
 
-from moed.daemon.bench_stream import simulate, stream
+from moed.daemon.bench.stream import simulate, stream
 
 
 def test_belady_on_a_known_trace():
@@ -36,11 +36,35 @@ def test_simulate_sums_layers():
 
 def test_bench_stream_tiny(tmp_path):
     out = tmp_path / "bench.json"
-    result = CliRunner().invoke(stream, [
-        "--layers", "2", "--hidden", "128", "--expert-width", "64", "--experts", "16", "--top-k", "4",
-        "--vocab", "512", "--tokens", "8", "--warmup", "4", "--raw-sample-mb", "2", "--budgets", "25%,100%",
-        "--model-dir", str(tmp_path / "model"), "--json", str(out),
-    ])
+    result = CliRunner().invoke(
+        stream,
+        [
+            "--layers",
+            "2",
+            "--hidden",
+            "128",
+            "--expert-width",
+            "64",
+            "--experts",
+            "16",
+            "--top-k",
+            "4",
+            "--vocab",
+            "512",
+            "--tokens",
+            "8",
+            "--warmup",
+            "4",
+            "--raw-sample-mb",
+            "2",
+            "--budgets",
+            "25%,100%",
+            "--model-dir",
+            str(tmp_path / "model"),
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     text = result.output
     assert "raw parallel pread" in text and "time per decode token" in text
@@ -55,5 +79,8 @@ def test_bench_stream_tiny(tmp_path):
             assert c["bytes_read"] == c["misses"] * run["expert_bytes"]
         bh, bm = run["belady"]
         if bh + bm:
-            assert bh / (bh + bm) >= run["hits_total"] / (run["hits_total"] + run["misses_total"]) - 1e-9
+            assert (
+                bh / (bh + bm)
+                >= run["hits_total"] / (run["hits_total"] + run["misses_total"]) - 1e-9
+            )
     assert data["runs"][-1]["counters"]["misses"] == 0  # everything preloaded

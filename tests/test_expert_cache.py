@@ -7,11 +7,17 @@ import threading
 
 import mlx.core as mx
 import pytest
+from fixtures.checkpoints import ARCHS
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
-from fixtures.checkpoints import ARCHS
-from moed.daemon.experts import BudgetError, StreamingConfig, install_streaming, parse_budget, plan_memory
+from moed.daemon.experts import (
+    BudgetError,
+    StreamingConfig,
+    install_streaming,
+    parse_budget,
+    plan_memory,
+)
 from moed.daemon.experts.memory_plan import cgroup_memory_limit, machine_memory
 
 MEMORY = 8 << 30
@@ -30,10 +36,21 @@ def streaming(path, **cfg):
     return model, streamer
 
 
-@pytest.mark.parametrize("spec,want", [
-    (1000, 1000), ("1000", 1000), ("12GB", 12 * 10**9), ("512MB", 512 * 10**6), ("1.5GiB", int(1.5 * 2**30)),
-    ("25%", 250), ("0.25", 250), (0.5, 500), ("100%", 1000), ("auto", 777),
-])
+@pytest.mark.parametrize(
+    "spec,want",
+    [
+        (1000, 1000),
+        ("1000", 1000),
+        ("12GB", 12 * 10**9),
+        ("512MB", 512 * 10**6),
+        ("1.5GiB", int(1.5 * 2**30)),
+        ("25%", 250),
+        ("0.25", 250),
+        (0.5, 500),
+        ("100%", 1000),
+        ("auto", 777),
+    ],
+)
 def test_parse_budget(spec, want):
     assert parse_budget(spec, 1000, auto_bytes=777) == want
 
@@ -55,8 +72,14 @@ def test_shed_shrinks_cache_and_keeps_tokens(checkpoint_factory):
         assert before["slots_per_layer"] == [8, 8]
         released = streamer.shed(0.5)
         after = streamer.snapshot()
-        assert released == before["resident_bytes"] - after["resident_bytes"] == before["resident_bytes"] // 2
-        assert after["slots_per_layer"] == [4, 4] and after["budget_bytes"] == after["resident_bytes"]
+        assert (
+            released
+            == before["resident_bytes"] - after["resident_bytes"]
+            == before["resident_bytes"] // 2
+        )
+        assert (
+            after["slots_per_layer"] == [4, 4] and after["budget_bytes"] == after["resident_bytes"]
+        )
         assert after["cached_experts"] == 8  # the most recent experts survive the shrink
         assert tokens(model, n=16) == want
 
@@ -99,7 +122,9 @@ def test_profile_saved_atomically_and_warms_the_next_start(checkpoint_factory, t
         top = sorted(range(8), key=lambda e: -data["layers"][0][e])[:4]
         assert set(top) <= set(range(8)) and snap["cached_experts"] == 8
         streamer.save_profile()
-        assert sum(map(sum, json.loads(saved.read_text())["layers"])) > sum(map(sum, data["layers"]))
+        assert sum(map(sum, json.loads(saved.read_text())["layers"])) > sum(
+            map(sum, data["layers"])
+        )
     finally:
         streamer.close()
 
@@ -120,15 +145,38 @@ def test_corrupt_profile_is_ignored(checkpoint_factory, tmp_path):
 def test_memory_plan(checkpoint_factory):
     path = checkpoint_factory("qwen3_moe")
     mem = (10**9, 10**9, "test")
-    plan = plan_memory(path, StreamingConfig(cache_budget="50%"), kv_bytes=1000, working_bytes=2000, baseline_bytes=4000, memory=mem)
-    assert plan.fits and plan.slots_per_layer == 4 and plan.num_experts == 8 and plan.num_layers == 2
+    plan = plan_memory(
+        path,
+        StreamingConfig(cache_budget="50%"),
+        kv_bytes=1000,
+        working_bytes=2000,
+        baseline_bytes=4000,
+        memory=mem,
+    )
+    assert (
+        plan.fits and plan.slots_per_layer == 4 and plan.num_experts == 8 and plan.num_layers == 2
+    )
     assert plan.cache_budget_bytes * 2 == plan.experts_bytes
     assert plan.required_bytes == plan.resident_bytes + plan.cache_budget_bytes + 7000
     text = plan.describe()
-    for word in ("resident weights", "expert cache", "KV cache", "working memory", "process baseline", "fits", "4 of 8 slots"):
+    for word in (
+        "resident weights",
+        "expert cache",
+        "KV cache",
+        "working memory",
+        "process baseline",
+        "fits",
+        "4 of 8 slots",
+    ):
         assert word in text
 
-    tight = plan_memory(path, StreamingConfig(cache_budget="100%"), working_bytes=1, baseline_bytes=0, memory=(10**5, 10**5, "test"))
+    tight = plan_memory(
+        path,
+        StreamingConfig(cache_budget="100%"),
+        working_bytes=1,
+        baseline_bytes=0,
+        memory=(10**5, 10**5, "test"),
+    )
     assert not tight.fits and "does not fit" in tight.refusal()
 
     # auto: what is left after resident weights, KV and working memory; clamped to [1 slot, all].
@@ -136,9 +184,13 @@ def test_memory_plan(checkpoint_factory):
     assert roomy.slots_per_layer == 8
     per_slot = plan.cache_budget_bytes // 4
     room = plan.resident_bytes + 1 + 3 * per_slot + per_slot // 2
-    auto = plan_memory(path, StreamingConfig(), working_bytes=1, baseline_bytes=0, memory=(room, room, "test"))
+    auto = plan_memory(
+        path, StreamingConfig(), working_bytes=1, baseline_bytes=0, memory=(room, room, "test")
+    )
     assert auto.slots_per_layer == 3 and auto.fits
-    none = plan_memory(path, StreamingConfig(), working_bytes=1, baseline_bytes=0, memory=(1000, 1000, "test"))
+    none = plan_memory(
+        path, StreamingConfig(), working_bytes=1, baseline_bytes=0, memory=(1000, 1000, "test")
+    )
     assert none.slots_per_layer == 1 and not none.fits
 
 
@@ -148,7 +200,9 @@ def test_plan_from_names_matches_the_model(checkpoint_factory, arch):
     path = checkpoint_factory(arch, bits=4 if arch in ("gpt_oss", "qwen3_moe") else None)
     model, streamer = streaming(path, cache_budget="50%")
     try:
-        plan = plan_memory(path, StreamingConfig(cache_budget="50%"), memory=(MEMORY, MEMORY, "test"))
+        plan = plan_memory(
+            path, StreamingConfig(cache_budget="50%"), memory=(MEMORY, MEMORY, "test")
+        )
         assert plan.experts_bytes == streamer.layout.experts_bytes
         assert plan.resident_bytes == streamer.resident_weight_bytes
         assert plan.cache_budget_bytes == streamer.resident_bytes
@@ -173,8 +227,20 @@ def test_snapshot_is_plain_data(checkpoint_factory):
         tokens(model)
         snap = streamer.snapshot()
         assert msgpack.unpackb(msgpack.packb(snap)) == snap
-        for key in ("hits", "misses", "bytes_read", "read_s", "stall_s", "router_readback_s", "layer_hit_rates",
-                    "resident_bytes", "budget_bytes", "slots_per_layer", "expert_bytes", "tokens"):
+        for key in (
+            "hits",
+            "misses",
+            "bytes_read",
+            "read_s",
+            "stall_s",
+            "router_readback_s",
+            "layer_hit_rates",
+            "resident_bytes",
+            "budget_bytes",
+            "slots_per_layer",
+            "expert_bytes",
+            "tokens",
+        ):
             assert key in snap
         assert snap["hits"] + snap["misses"] > 0 and snap["router_readback_s"] > 0
     finally:

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from fixtures.checkpoints import write_large_checkpoint
 
 pytestmark = [
@@ -118,8 +117,13 @@ def _read(path: Path) -> str:
 
 
 def _child(path: Path, mode: str, budget: str = "", preexec=None) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(path), mode, budget], capture_output=True, text=True,
-                          preexec_fn=preexec, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path), mode, budget],
+        capture_output=True,
+        text=True,
+        preexec_fn=preexec,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"{mode} child failed ({proc.returncode}): {proc.stderr[-3000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -154,6 +158,7 @@ def test_streaming_fits_under_a_cgroup_limit_of_60_percent(tmp_path_factory):
 def test_the_daemon_serves_under_a_cgroup_limit_of_60_percent(tmp_path_factory, tmp_path):
     """The same, through the real daemon and client: `moed serve` placed in the cgroup, auto budget."""
     from daemon_harness import start_daemon
+
     from moed.client import TokenEvent
 
     path = write_large_checkpoint(tmp_path_factory.mktemp("large-d") / "qwen3_moe-300mb", 300)
@@ -165,10 +170,17 @@ def test_the_daemon_serves_under_a_cgroup_limit_of_60_percent(tmp_path_factory, 
     daemon = None
     try:
         # A short planned context: the default 8192-token KV reservation alone would not fit this limit.
-        daemon = start_daemon(tmp_path, path, env={"MOED_PLAN_CONTEXT_TOKENS": "512"}, preexec_fn=cgroup.enter)
+        daemon = start_daemon(
+            tmp_path, path, env={"MOED_PLAN_CONTEXT_TOKENS": "512"}, preexec_fn=cgroup.enter
+        )
         prompt = [(13 * i + 7) % 300 + 3 for i in range(64)]
         with daemon.client(timeout=60) as c:
-            tokens = [t for e in c.generate(prompt_ids=prompt, max_tokens=MAX_TOKENS) if isinstance(e, TokenEvent) for t in e.ids]
+            tokens = [
+                t
+                for e in c.generate(prompt_ids=prompt, max_tokens=MAX_TOKENS)
+                if isinstance(e, TokenEvent)
+                for t in e.ids
+            ]
             status = c.status()
         assert daemon.stop() == 0
         peak, kills = cgroup.peak(), cgroup.oom_kills()
@@ -179,7 +191,9 @@ def test_the_daemon_serves_under_a_cgroup_limit_of_60_percent(tmp_path_factory, 
     assert not cgroup.path.exists()
     # The daemon stops at EOS where the reference (raw generate_step) runs on: compare that prefix.
     assert tokens == resident["tokens"][: len(tokens)]
-    assert len(tokens) == MAX_TOKENS or resident["tokens"][len(tokens)] == 2  # 2: the fixture tokenizer's EOS
+    assert (
+        len(tokens) == MAX_TOKENS or resident["tokens"][len(tokens)] == 2
+    )  # 2: the fixture tokenizer's EOS
     assert status["streaming"]["misses"] > 0 and status["streaming"]["budget_bytes"] < limit
     assert kills == 0
     if peak is not None:

@@ -46,13 +46,17 @@ def test_header_offsets_match_safetensors(checkpoint_factory, bits):
 def test_adjacent_misses_coalesce_into_one_preadv(checkpoint_factory):
     path = checkpoint_factory("qwen3_moe", bits=4)
     model, _ = load_model(path, lazy=True)
-    streamer = install_streaming(model, path, StreamingConfig(cache_budget="100%", memory_bytes=MEMORY))
+    streamer = install_streaming(
+        model, path, StreamingConfig(cache_budget="100%", memory_bytes=MEMORY)
+    )
     try:
         pool = streamer.pools[0]
         _hits, loads = pool.admit([2, 3, 5, 6, 7])
         jobs = streamer.store.jobs_for(pool, loads)
         assert len(jobs) == 2 * len(pool.tensors)  # runs 2-3 and 5-7 of each tensor
-        assert sorted(len(j.buffers) for j in jobs) == [2] * len(pool.tensors) + [3] * len(pool.tensors)
+        assert sorted(len(j.buffers) for j in jobs) == [2] * len(pool.tensors) + [3] * len(
+            pool.tensors
+        )
         streamer.reader.read(jobs)
         # The slots now hold exactly the experts' bytes from the file.
         for t in pool.tensors:
@@ -93,7 +97,9 @@ def test_page_cache_modes_give_identical_tokens(checkpoint_factory, policy):
     path = checkpoint_factory("mixtral")
     want = tokens(load_model(path)[0])
     model, _ = load_model(path, lazy=True)
-    streamer = install_streaming(model, path, StreamingConfig(cache_budget="25%", page_cache=policy, memory_bytes=MEMORY))
+    streamer = install_streaming(
+        model, path, StreamingConfig(cache_budget="25%", page_cache=policy, memory_bytes=MEMORY)
+    )
     mx.eval(model.parameters())
     try:
         assert streamer.snapshot()["page_cache_bypass"] is (policy is PageCachePolicy.BYPASS)
@@ -107,7 +113,9 @@ def test_failed_read_raises_and_leaves_no_stale_slot(checkpoint_factory, tmp_pat
     path = tmp_path / "ck"
     shutil.copytree(src, path)
     model, _ = load_model(path, lazy=True)
-    streamer = install_streaming(model, path, StreamingConfig(cache_budget="50%", memory_bytes=MEMORY))
+    streamer = install_streaming(
+        model, path, StreamingConfig(cache_budget="50%", memory_bytes=MEMORY)
+    )
     mx.eval(model.parameters())
     try:
         loc = streamer.pools[1].tensors[0].loc

@@ -39,15 +39,27 @@ CASES = [
 MEMORY = 8 << 30  # plan against a fixed machine so the test does not depend on this one
 
 
-def run(model, sampler=None, prompt=PROMPT, max_tokens=MAX_TOKENS, prefill_step_size=2048) -> list[int]:
+def run(
+    model, sampler=None, prompt=PROMPT, max_tokens=MAX_TOKENS, prefill_step_size=2048
+) -> list[int]:
     mx.random.seed(1234)
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=sampler,
-                                             prefill_step_size=prefill_step_size)]
+    return [
+        int(t)
+        for t, _ in generate_step(
+            mx.array(prompt),
+            model,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            prefill_step_size=prefill_step_size,
+        )
+    ]
 
 
 def streaming(path, budget, **cfg):
     model, _ = load_model(path, lazy=True)
-    streamer = install_streaming(model, path, StreamingConfig(cache_budget=budget, memory_bytes=MEMORY, **cfg))
+    streamer = install_streaming(
+        model, path, StreamingConfig(cache_budget=budget, memory_bytes=MEMORY, **cfg)
+    )
     mx.eval(model.parameters())
     return model, streamer
 
@@ -81,9 +93,13 @@ def test_tokens_identical_to_resident(checkpoint_factory, arch, bits):
             assert snap["misses"] <= experts * len(slots)  # each expert read once
         if slots[0] < experts:
             assert snap["passes"] > 0  # the prompt needed more experts than fit in one pass
-        assert 2 * (len(PROMPT) + MAX_TOKENS - 1) <= snap["tokens"] <= 2 * (len(PROMPT) + MAX_TOKENS)
+        assert (
+            2 * (len(PROMPT) + MAX_TOKENS - 1) <= snap["tokens"] <= 2 * (len(PROMPT) + MAX_TOKENS)
+        )
         assert snap["cached_experts"] == snap["misses"] - snap["evictions"]
-        assert snap0["bytes_read"] == 0 and snap["bytes_read"] == snap["misses"] * snap["expert_bytes"]
+        assert (
+            snap0["bytes_read"] == 0 and snap["bytes_read"] == snap["misses"] * snap["expert_bytes"]
+        )
 
 
 def test_no_stacked_experts_in_the_model(checkpoint_factory):
@@ -120,7 +136,9 @@ def test_chunked_prefill_and_mlx_lm_load_path(checkpoint_factory):
     want = mlx_lm.generate(model, tokenizer, "def fibonacci(n):", max_tokens=12)
     want_chunked = run(model, prefill_step_size=32)
     model, tokenizer = mlx_lm.load(str(path), lazy=True)
-    streamer = install_streaming(model, path, StreamingConfig(cache_budget="25%", memory_bytes=MEMORY))
+    streamer = install_streaming(
+        model, path, StreamingConfig(cache_budget="25%", memory_bytes=MEMORY)
+    )
     mx.eval(model.parameters())
     try:
         assert mlx_lm.generate(model, tokenizer, "def fibonacci(n):", max_tokens=12) == want
@@ -154,16 +172,22 @@ def test_keys_renamed_by_sanitize(checkpoint_factory, tmp_path):
 
     def hf_name(k):
         if k.startswith("language_model.model."):
-            return "model.language_model." + k[len("language_model.model."):]
+            return "model.language_model." + k[len("language_model.model.") :]
         return k.removeprefix("language_model.")
 
-    mx.save_safetensors(str(path / "model.safetensors"), {hf_name(k): v for k, v in weights.items()}, metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(path / "model.safetensors"),
+        {hf_name(k): v for k, v in weights.items()},
+        metadata={"format": "mlx"},
+    )
     del weights
     resident, _ = load_model(path)
     want = run(resident)
     model, streamer = streaming(path, "25%")
     try:
-        assert streamer.paths == [f"language_model.model.layers.{i}.mlp.switch_mlp" for i in range(2)]
+        assert streamer.paths == [
+            f"language_model.model.layers.{i}.mlp.switch_mlp" for i in range(2)
+        ]
         assert streamer.pools[0].tensors[0].loc.name.startswith("model.language_model.layers.0.")
         assert run(model) == want
     finally:
@@ -201,7 +225,9 @@ def test_microscaling_quantized_experts(checkpoint_factory, tmp_path, mode, grou
     src = checkpoint_factory("gpt_oss")
     model, _ = load_model(src)
     with contextlib.redirect_stdout(io.StringIO()):
-        model, config = quantize_model(model, json.loads((src / "config.json").read_text()), group_size, bits, mode=mode)
+        model, config = quantize_model(
+            model, json.loads((src / "config.json").read_text()), group_size, bits, mode=mode
+        )
     path = tmp_path / mode
     save_model(path, model)
     save_config(config, path / "config.json")
@@ -232,11 +258,17 @@ def test_transformed_expert_tensors_are_refused_clearly(checkpoint_factory, tmp_
     for k, v in weights.items():
         if ".switch_mlp." in k:
             continue
-        out["model.language_model." + k.removeprefix("language_model.model.") if k.startswith("language_model.model.") else k.removeprefix("language_model.")] = v
+        out[
+            "model.language_model." + k.removeprefix("language_model.model.")
+            if k.startswith("language_model.model.")
+            else k.removeprefix("language_model.")
+        ] = v
     for i in range(2):
         p = f"language_model.model.layers.{i}.mlp.switch_mlp"
         hf = f"model.language_model.layers.{i}.mlp.experts"
-        out[f"{hf}.gate_up_proj"] = mx.concatenate([weights[f"{p}.gate_proj.weight"], weights[f"{p}.up_proj.weight"]], axis=1)
+        out[f"{hf}.gate_up_proj"] = mx.concatenate(
+            [weights[f"{p}.gate_proj.weight"], weights[f"{p}.up_proj.weight"]], axis=1
+        )
         out[f"{hf}.down_proj"] = weights[f"{p}.down_proj.weight"]
     mx.save_safetensors(str(path / "model.safetensors"), out, metadata={"format": "mlx"})
     model, _ = load_model(path, lazy=True)

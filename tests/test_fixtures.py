@@ -7,11 +7,10 @@ import json
 import mlx.core as mx
 import mlx_lm
 import pytest
-from mlx_lm.models.switch_layers import SwitchGLU
-from safetensors import safe_open
-
 from fixtures.checkpoints import ARCHS, large_checkpoint_kwargs
 from fixtures.tokenizer import EOS_TOKEN
+from mlx_lm.models.switch_layers import SwitchGLU
+from safetensors import safe_open
 
 PROMPT = "def fibonacci(n):"
 
@@ -21,8 +20,7 @@ CASES = [(arch, None) for arch in ARCHS] + [("qwen3_moe", 4), ("mixtral", 4)]
 def greedy_tokens(path, prompt=PROMPT, max_tokens=8, **load_kwargs) -> list[int]:
     model, tokenizer = mlx_lm.load(str(path), **load_kwargs)
     return [
-        r.token
-        for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)
+        r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)
     ]
 
 

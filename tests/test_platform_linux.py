@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from moed.daemon.platform import PressureLevel, probe_for_platform
-from moed.daemon.platform.linux import PSI, LinuxProbe, level_from_psi, parse_psi, swap_used_from_meminfo
+from moed.daemon.platform.linux import (
+    PSI,
+    LinuxProbe,
+    level_from_psi,
+    parse_psi,
+    swap_used_from_meminfo,
+)
 
 MEMINFO = """\
 MemTotal:       24598432 kB
@@ -38,7 +44,11 @@ def test_meminfo_without_swap_lines_is_refused():
 
 @pytest.mark.parametrize(
     "text, level",
-    [(PSI_CALM, PressureLevel.NORMAL), (PSI_CHURN, PressureLevel.WARN), (PSI_THRASH, PressureLevel.CRITICAL)],
+    [
+        (PSI_CALM, PressureLevel.NORMAL),
+        (PSI_CHURN, PressureLevel.WARN),
+        (PSI_THRASH, PressureLevel.CRITICAL),
+    ],
 )
 def test_psi_levels(text, level):
     assert level_from_psi(parse_psi(text)) is level
@@ -56,7 +66,9 @@ def _fake_proc(tmp_path: Path, psi: str | None) -> Path:
         (tmp_path / "pressure").mkdir()
         (tmp_path / "pressure" / "memory").write_text(psi)
     (tmp_path / "42").mkdir()
-    (tmp_path / "42" / "status").write_text("Name:\tmoed\nState:\tS (sleeping)\nVmRSS:\t  204800 kB\nVmSwap:\t    1024 kB\n")
+    (tmp_path / "42" / "status").write_text(
+        "Name:\tmoed\nState:\tS (sleeping)\nVmRSS:\t  204800 kB\nVmSwap:\t    1024 kB\n"
+    )
     return tmp_path
 
 

@@ -54,10 +54,15 @@ def test_parse_recorded_pressure_level(name, level):
 
 
 def test_unexpected_pressure_value_is_unknown():
-    assert macos.parse_pressure_level("kern.memorystatus_vm_pressure_level: 0\n") is PressureLevel.UNKNOWN
+    assert (
+        macos.parse_pressure_level("kern.memorystatus_vm_pressure_level: 0\n")
+        is PressureLevel.UNKNOWN
+    )
 
 
-@pytest.mark.parametrize("text", ["", "sysctl: unknown oid 'vm.swapusage'", "total = 1.00M  used = 0.50M"])
+@pytest.mark.parametrize(
+    "text", ["", "sysctl: unknown oid 'vm.swapusage'", "total = 1.00M  used = 0.50M"]
+)
 def test_garbage_swapusage_is_refused(text):
     with pytest.raises(ValueError):
         macos.parse_swapusage(text)

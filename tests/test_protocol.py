@@ -29,7 +29,18 @@ def spec_examples() -> list[tuple[str, str]]:
 
 def test_spec_has_an_example_per_core_type():
     kinds = {kind for kind, _ in spec_examples()}
-    assert {"hello", "welcome", "generate", "token", "telemetry", "done", "error", "cancel", "result", "ping"} <= kinds
+    assert {
+        "hello",
+        "welcome",
+        "generate",
+        "token",
+        "telemetry",
+        "done",
+        "error",
+        "cancel",
+        "result",
+        "ping",
+    } <= kinds
 
 
 @pytest.mark.parametrize("kind,body", spec_examples())
@@ -37,7 +48,10 @@ def test_spec_examples_decode_and_validate(kind, body):
     msg = json.loads(body)
     assert msg["type"] == kind
     assert decode(encode(msg)) == msg  # survives the msgpack codec unchanged
-    if MessageType(kind) in {MessageType(t) for t in ("hello", "generate", "cancel", "ping", "shed", "status", "shutdown")}:
+    if MessageType(kind) in {
+        MessageType(t)
+        for t in ("hello", "generate", "cancel", "ping", "shed", "status", "shutdown")
+    }:
         assert validate_request(msg) == (MessageType(kind), msg["id"])
     if kind == "error":
         assert ErrorCode(msg["code"]) and msg["retryable"] == (ErrorCode(msg["code"]) in RETRYABLE)
@@ -61,11 +75,23 @@ def test_spec_lists_every_error_code():
         ({"v": 1, "type": "ping", "id": 1.5}, ErrorCode.INVALID_REQUEST),
         ({"v": 1, "type": "generate", "id": 1}, ErrorCode.INVALID_REQUEST),
         ({"v": 1, "type": "generate", "id": 1, "prompt": 5}, ErrorCode.INVALID_REQUEST),
-        ({"v": 1, "type": "generate", "id": 1, "prompt": "a", "prompt_ids": [1]}, ErrorCode.INVALID_REQUEST),
+        (
+            {"v": 1, "type": "generate", "id": 1, "prompt": "a", "prompt_ids": [1]},
+            ErrorCode.INVALID_REQUEST,
+        ),
         ({"v": 1, "type": "generate", "id": 1, "prompt_ids": ["a"]}, ErrorCode.INVALID_REQUEST),
-        ({"v": 1, "type": "generate", "id": 1, "prompt": "a", "max_tokens": 0}, ErrorCode.INVALID_REQUEST),
-        ({"v": 1, "type": "generate", "id": 1, "prompt": "a", "max_tokens": True}, ErrorCode.INVALID_REQUEST),
-        ({"v": 1, "type": "generate", "id": 1, "prompt": "a", "top_p": 1.5}, ErrorCode.INVALID_REQUEST),
+        (
+            {"v": 1, "type": "generate", "id": 1, "prompt": "a", "max_tokens": 0},
+            ErrorCode.INVALID_REQUEST,
+        ),
+        (
+            {"v": 1, "type": "generate", "id": 1, "prompt": "a", "max_tokens": True},
+            ErrorCode.INVALID_REQUEST,
+        ),
+        (
+            {"v": 1, "type": "generate", "id": 1, "prompt": "a", "top_p": 1.5},
+            ErrorCode.INVALID_REQUEST,
+        ),
         ({"v": 1, "type": "cancel", "id": 1}, ErrorCode.INVALID_REQUEST),
         ({"v": 1, "type": "shed", "id": 1, "level": "everything"}, ErrorCode.INVALID_REQUEST),
     ],
@@ -90,5 +116,17 @@ def test_codec_refuses_garbage_ext_types_and_oversize():
 
 def test_reply_builders_carry_envelope():
     msg = wire.error("x", ErrorCode.OVERLOADED, "busy")
-    assert msg == {"v": 1, "type": "error", "id": "x", "code": "overloaded", "message": "busy", "retryable": True}
-    assert wire.request(MessageType.GENERATE, 3, prompt="hi", seed=None) == {"v": 1, "type": "generate", "id": 3, "prompt": "hi"}
+    assert msg == {
+        "v": 1,
+        "type": "error",
+        "id": "x",
+        "code": "overloaded",
+        "message": "busy",
+        "retryable": True,
+    }
+    assert wire.request(MessageType.GENERATE, 3, prompt="hi", seed=None) == {
+        "v": 1,
+        "type": "generate",
+        "id": 3,
+        "prompt": "hi",
+    }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from moed.daemon.service.logs import read_start_records
+from moed.daemon.runtime.run_log import read_start_records
 
 
 def test_start_records_carry_model_budget_and_previous_exit(daemon_factory, tiny_model, tmp_path):
@@ -13,11 +13,15 @@ def test_start_records_carry_model_budget_and_previous_exit(daemon_factory, tiny
     first.proc.send_signal(signal.SIGKILL)  # dies without a word: the next start must say so
     first.proc.wait()
     env_state = {"MOED_LOG_DIR": str(tmp_path / "d0" / "logs")}
-    second = daemon_factory(tiny_model, "--cache-budget", "50%", "--state-dir", str(first.state_dir), env=env_state)
+    second = daemon_factory(
+        tiny_model, "--cache-budget", "50%", "--state-dir", str(first.state_dir), env=env_state
+    )
     assert second.stop() == 0
     records = read_start_records(log_path)
     assert len(records) == 2
     assert records[0]["model"] == str(tiny_model) and records[0]["budget"] == "50%"
     assert "unclean_exit" in records[1]["previous_exit"]
     text = log_path.read_text()
-    assert "moed exit code=0" in text and "model loaded" in text  # logging goes through the rotating file
+    assert (
+        "moed exit code=0" in text and "model loaded" in text
+    )  # logging goes through the rotating file

@@ -60,7 +60,11 @@ def heredocs(output: str) -> dict[str, str]:
 
 def command_lines(output: str) -> list[str]:
     """Lines that run a service-manager or log command (not file writes)."""
-    return [line for line in output.splitlines() if line.split(" ", 1)[0] in ("launchctl", "systemctl", "journalctl", "tail")]
+    return [
+        line
+        for line in output.splitlines()
+        if line.split(" ", 1)[0] in ("launchctl", "systemctl", "journalctl", "tail")
+    ]
 
 
 # --- dry runs: the exact command lines, for both platforms, and nothing written ------------------
@@ -111,7 +115,9 @@ def _linux(home: Path):
             "systemctl --user show -p LoadState,ActiveState,SubState,UnitFileState,MainPID,ExecMainCode,ExecMainStatus,Result,NRestarts moed-watchdog.service",
         ],
         "logs": ["journalctl --user -u moed.service -u moed-watchdog.service -n 200 --no-pager"],
-        "logs -f": ["journalctl --user -u moed.service -u moed-watchdog.service -n 200 --no-pager -f"],
+        "logs -f": [
+            "journalctl --user -u moed.service -u moed-watchdog.service -n 200 --no-pager -f"
+        ],
     }
 
 
@@ -135,24 +141,42 @@ def test_dry_run_prints_exact_commands(tmp_path, platform, verb):
 def test_dry_run_install_prints_every_file(tmp_path, platform):
     env = service_env(tmp_path)
     home = Path(env["HOME"])
-    result = invoke(env, "install", "--dry-run", "--platform", platform, "--model", "/models/tiny", "--cache-budget", "2GB")
+    result = invoke(
+        env,
+        "install",
+        "--dry-run",
+        "--platform",
+        platform,
+        "--model",
+        "/models/tiny",
+        "--cache-budget",
+        "2GB",
+    )
     files = heredocs(result.output)
     if platform == "macos":
         config = home / "Library" / "Application Support" / "moed" / "config.toml"
-        units = [home / "Library" / "LaunchAgents" / f"com.moed.{r}.plist" for r in ("daemon", "watchdog")]
+        units = [
+            home / "Library" / "LaunchAgents" / f"com.moed.{r}.plist"
+            for r in ("daemon", "watchdog")
+        ]
         for unit in units:
             assert plistlib.loads(files[str(unit)].encode())["Label"] == unit.stem
         assert f"mkdir -p {home}/Library/Logs/moed" in result.output.splitlines()
     else:
         config = home / ".config" / "moed" / "config.toml"
-        units = [home / ".config" / "systemd" / "user" / n for n in ("moed.service", "moed-watchdog.service")]
+        units = [
+            home / ".config" / "systemd" / "user" / n
+            for n in ("moed.service", "moed-watchdog.service")
+        ]
         for unit in units:
             assert "ExecStart=" + sys.executable in files[str(unit)]
     assert set(files) == {str(config), *map(str, units)}
     import tomllib
 
     settings = tomllib.loads(files[str(config)])
-    assert settings["serve"]["model"] == "/models/tiny" and settings["serve"]["cache_budget"] == "2GB"
+    assert (
+        settings["serve"]["model"] == "/models/tiny" and settings["serve"]["cache_budget"] == "2GB"
+    )
     assert settings["serve"]["socket"] == env["MOED_SOCKET"]
 
 
@@ -249,12 +273,31 @@ def test_install_status_uninstall_leaves_nothing(tmp_path, fake_tools, platform)
     assert result.exit_code == 0, result.output
     installed = files_under(home)
     if platform == "macos":
-        assert {p.name for p in installed} == {"com.moed.daemon.plist", "com.moed.watchdog.plist", "config.toml"}
+        assert {p.name for p in installed} == {
+            "com.moed.daemon.plist",
+            "com.moed.watchdog.plist",
+            "config.toml",
+        }
         assert (home / "Library" / "Logs" / "moed").is_dir()
-        assert [c[1] for c in calls() if c[0] == "launchctl"] == ["bootout", "enable", "bootstrap"] * 2
+        assert [c[1] for c in calls() if c[0] == "launchctl"] == [
+            "bootout",
+            "enable",
+            "bootstrap",
+        ] * 2
     else:
-        assert {p.name for p in installed} == {"moed.service", "moed-watchdog.service", "config.toml"}
-        assert calls()[-1] == ["systemctl", "--user", "enable", "--now", "moed.service", "moed-watchdog.service"]
+        assert {p.name for p in installed} == {
+            "moed.service",
+            "moed-watchdog.service",
+            "config.toml",
+        }
+        assert calls()[-1] == [
+            "systemctl",
+            "--user",
+            "enable",
+            "--now",
+            "moed.service",
+            "moed-watchdog.service",
+        ]
 
     # A second install keeps the config and replaces the loaded jobs without error.
     config = next(p for p in installed if p.name == "config.toml")
@@ -266,8 +309,12 @@ def test_install_status_uninstall_leaves_nothing(tmp_path, fake_tools, platform)
     # Loaded and running per the service manager; the daemon itself does not answer: exit 3.
     assert result.exit_code == 3, result.output
     pid = "4127" if platform == "macos" else "812"
-    assert re.search(rf"^daemon .*: loaded, running, pid {pid}", result.output, flags=re.M), result.output
-    assert re.search(rf"^watchdog .*: loaded, running, pid {pid}", result.output, flags=re.M), result.output
+    assert re.search(rf"^daemon .*: loaded, running, pid {pid}", result.output, flags=re.M), (
+        result.output
+    )
+    assert re.search(rf"^watchdog .*: loaded, running, pid {pid}", result.output, flags=re.M), (
+        result.output
+    )
     assert "daemon does not answer on " + env["MOED_SOCKET"] in result.output
 
     report = json.loads(invoke(env, "status", "--platform", platform, "--json").output)
@@ -330,7 +377,9 @@ def test_restart_when_not_loaded_says_what_to_do(tmp_path, fake_tools):
 def test_status_reports_a_crash(tmp_path, fake_tools):
     bin_dir, state, _ = fake_tools
     env = service_env(tmp_path, bin_dir)
-    env.update(FAKE_STATE=str(state), FAKE_PRINT=str(DATA / "launchctl_print_restarted_after_crash.txt"))
+    env.update(
+        FAKE_STATE=str(state), FAKE_PRINT=str(DATA / "launchctl_print_restarted_after_crash.txt")
+    )
     assert invoke(env, "install", "--platform", "macos").exit_code == 0
     result = invoke(env, "status", "--platform", "macos")
     assert "loaded, running, pid 5230, runs 3, last exit: killed by Abort trap: 6" in result.output
@@ -341,7 +390,18 @@ def test_logs_runs_the_viewer(tmp_path, fake_tools):
     env = service_env(tmp_path, bin_dir)
     env["FAKE_STATE"] = str(state)
     assert invoke(env, "logs", "--platform", "linux", "-f", "-n", "5").exit_code == 0
-    assert calls()[-1] == ["journalctl", "--user", "-u", "moed.service", "-u", "moed-watchdog.service", "-n", "5", "--no-pager", "-f"]
+    assert calls()[-1] == [
+        "journalctl",
+        "--user",
+        "-u",
+        "moed.service",
+        "-u",
+        "moed-watchdog.service",
+        "-n",
+        "5",
+        "--no-pager",
+        "-f",
+    ]
 
 
 def test_macos_stop_then_start(tmp_path, fake_tools):

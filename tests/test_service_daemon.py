@@ -17,20 +17,22 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_service_cli import fake_tools, invoke, service_env  # noqa: F401  (fixture re-used)
 
 from moed.client import Client, DoneEvent, TokenEvent
 from moed.client.autostart import wait_until_ready
-
-from test_service_cli import fake_tools, invoke, service_env  # noqa: F401  (fixture re-used)
 
 
 def unit_command(text: str) -> tuple[list[str], dict[str, str]]:
     argv, env = None, {}
     for line in text.splitlines():
         if line.startswith("ExecStart="):
-            argv = [w.replace("%%", "%").replace("$$", "$") for w in shlex.split(line[len("ExecStart="):])]
+            argv = [
+                w.replace("%%", "%").replace("$$", "$")
+                for w in shlex.split(line[len("ExecStart=") :])
+            ]
         elif line.startswith("Environment="):
-            for word in shlex.split(line[len("Environment="):]):
+            for word in shlex.split(line[len("Environment=") :]):
                 key, value = word.replace("%%", "%").split("=", 1)
                 env[key] = value
     assert argv is not None
@@ -48,10 +50,14 @@ def test_daemon_started_from_the_rendered_unit_serves(tmp_path, fake_tools, tiny
     assert result.exit_code == 0, result.output
 
     if platform == "linux":
-        argv, unit_env = unit_command((home / ".config" / "systemd" / "user" / "moed.service").read_text())
+        argv, unit_env = unit_command(
+            (home / ".config" / "systemd" / "user" / "moed.service").read_text()
+        )
         output = tmp_path / "journal.log"  # systemd would send stdout/stderr to the journal
     else:
-        job = plistlib.loads((home / "Library" / "LaunchAgents" / "com.moed.daemon.plist").read_bytes())
+        job = plistlib.loads(
+            (home / "Library" / "LaunchAgents" / "com.moed.daemon.plist").read_bytes()
+        )
         argv, unit_env = job["ProgramArguments"], job["EnvironmentVariables"]
         output = Path(job["StandardOutPath"])  # launchd opens it; install made its directory
         assert job["StandardErrorPath"] == str(output) and output.parent.is_dir()
@@ -60,7 +66,15 @@ def test_daemon_started_from_the_rendered_unit_serves(tmp_path, fake_tools, tiny
     # Only what the service manager provides: no MOED_* from the test's environment.
     run_env = {"HOME": str(home), "PATH": "/usr/bin:/bin", **unit_env}
     with open(output, "ab") as out:
-        proc = subprocess.Popen(argv, env=run_env, stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd="/", start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            env=run_env,
+            stdout=out,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            cwd="/",
+            start_new_session=True,
+        )
     try:
         status = wait_until_ready(socket, proc, 120.0, output)
         assert status.get("state") == "ready"

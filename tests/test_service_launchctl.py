@@ -26,7 +26,12 @@ def test_running_agent():
     assert st.last_exit() == "never exited"
     assert st.path == "/Users/ana/Library/LaunchAgents/com.moed.daemon.plist"
     assert st.arguments[-1] == "/Users/ana/Library/Application Support/moed/config.toml"
-    assert st.arguments[:4] == ("/Users/ana/moed/.venv/bin/python", "-m", "moed.daemon.cli", "serve")
+    assert st.arguments[:4] == (
+        "/Users/ana/moed/.venv/bin/python",
+        "-m",
+        "moed.daemon.cli",
+        "serve",
+    )
     # What the plist asked for, as launchd understood it.
     assert st.spawn_type == "interactive (4)"
     assert st.minimum_runtime == 10  # ThrottleInterval
@@ -70,19 +75,39 @@ def test_other_failures_raise():
 
 @pytest.mark.parametrize(
     "line,code,text",
-    [("0", 0, "exited 0"), ("1", 1, "exited 1"), ("-9", -9, "exited -9"), ("1: Operation not permitted", 1, "exited 1 (Operation not permitted)")],
+    [
+        ("0", 0, "exited 0"),
+        ("1", 1, "exited 1"),
+        ("-9", -9, "exited -9"),
+        ("1: Operation not permitted", 1, "exited 1 (Operation not permitted)"),
+    ],
 )
 def test_exit_code_forms(line, code, text):
-    st = launchctl.parse_print(f"gui/501/x = {{\n\tstate = not running\n\tlast exit code = {line}\n}}\n")
+    st = launchctl.parse_print(
+        f"gui/501/x = {{\n\tstate = not running\n\tlast exit code = {line}\n}}\n"
+    )
     assert st.last_exit_code == code and st.last_exit() == text
 
 
 def test_command_lines():
     plist = Path("/Users/ana/Library/LaunchAgents/com.moed.daemon.plist")
     assert launchctl.bootstrap(501, plist) == ["launchctl", "bootstrap", "gui/501", str(plist)]
-    assert launchctl.bootout(501, "com.moed.daemon") == ["launchctl", "bootout", "gui/501/com.moed.daemon"]
-    assert launchctl.kickstart(501, "com.moed.daemon", kill=True) == ["launchctl", "kickstart", "-k", "gui/501/com.moed.daemon"]
-    assert launchctl.print_(501, "com.moed.daemon") == ["launchctl", "print", "gui/501/com.moed.daemon"]
+    assert launchctl.bootout(501, "com.moed.daemon") == [
+        "launchctl",
+        "bootout",
+        "gui/501/com.moed.daemon",
+    ]
+    assert launchctl.kickstart(501, "com.moed.daemon", kill=True) == [
+        "launchctl",
+        "kickstart",
+        "-k",
+        "gui/501/com.moed.daemon",
+    ]
+    assert launchctl.print_(501, "com.moed.daemon") == [
+        "launchctl",
+        "print",
+        "gui/501/com.moed.daemon",
+    ]
 
 
 SHOW_RUNNING = """LoadState=loaded
@@ -148,7 +173,9 @@ class _Run:
 
         self.argv = argv
         text = recorded(self.name)
-        return subprocess.CompletedProcess(argv, self.code, text if self.code == 0 else "", text if self.code else "")
+        return subprocess.CompletedProcess(
+            argv, self.code, text if self.code == 0 else "", text if self.code else ""
+        )
 
 
 def test_previous_exit_from_inside_a_launchd_job():

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from moed.daemon.service.logs import RotatingLog, read_start_records, record_start
+from moed.daemon.runtime.run_log import RotatingLog, read_start_records, record_start
 
 
 def test_rotates_by_size_and_keeps_a_few_generations(tmp_path):
@@ -52,7 +52,11 @@ def test_start_record_round_trip(tmp_path):
 def test_start_records_survive_rotation(tmp_path):
     for i in range(5):
         record_start(tmp_path, "0.1.0", f"m{i}", "auto", None, max_bytes=150, backups=3).close()
-    assert [r["model"] for r in read_start_records(tmp_path / "daemon.log")][-3:] == ["m2", "m3", "m4"]
+    assert [r["model"] for r in read_start_records(tmp_path / "daemon.log")][-3:] == [
+        "m2",
+        "m3",
+        "m4",
+    ]
 
 
 def test_logging_handler(tmp_path):
@@ -62,7 +66,10 @@ def test_logging_handler(tmp_path):
     logger.addHandler(log.handler())
     logger.warning("cache shrunk to %s", "2GB")
     log.close()
-    assert "WARNING moed.test.service.logs: cache shrunk to 2GB" in (tmp_path / "daemon.log").read_text()
+    assert (
+        "WARNING moed.test.service.logs: cache shrunk to 2GB"
+        in (tmp_path / "daemon.log").read_text()
+    )
 
 
 def test_stdio_follows_rotation(tmp_path):
@@ -72,7 +79,7 @@ def test_stdio_follows_rotation(tmp_path):
     script = textwrap.dedent(
         f"""
         import os, sys
-        from moed.daemon.service.logs import record_start
+        from moed.daemon.runtime.run_log import record_start
         log = record_start({str(tmp_path)!r}, "0.1.0", "demo", "auto", None, max_bytes=200, backups=2)
         print("before rotation", file=sys.stderr, flush=True)
         log.write("y" * 300)   # past the bound: rotates
@@ -95,7 +102,7 @@ def test_adopt_logging_avoids_duplicates_when_stderr_is_the_log(tmp_path):
     script = textwrap.dedent(
         f"""
         import logging, sys
-        from moed.daemon.service.logs import record_start
+        from moed.daemon.runtime.run_log import record_start
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
         log = record_start({str(tmp_path)!r}, "0.1.0", "demo", "auto", None)
         assert log.owns_stderr()

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from moed.protocol import paths
 from moed.daemon.config import load_config
 from moed.daemon.service.render import (
     Platform,
@@ -25,6 +24,7 @@ from moed.daemon.service.render import (
     systemd_quote,
     templates_dir,
 )
+from moed.protocol import paths
 
 
 def _ctx(tmp_path: Path, platform: Platform, **serve):
@@ -45,7 +45,14 @@ def test_plist_parses_and_holds_the_policy(tmp_path, role):
     command = "serve" if role is Role.DAEMON else "watchdog"
 
     assert job["Label"] == f"com.moed.{role.value}"
-    assert job["ProgramArguments"] == [sys.executable, "-m", "moed.daemon.cli", command, "--config", str(config)]
+    assert job["ProgramArguments"] == [
+        sys.executable,
+        "-m",
+        "moed.daemon.cli",
+        command,
+        "--config",
+        str(config),
+    ]
     assert Path(job["ProgramArguments"][0]).is_absolute()
     assert job["RunAtLoad"] is True
     assert job["KeepAlive"] == {"SuccessfulExit": False, "Crashed": True}
@@ -80,7 +87,11 @@ def test_plist_escapes_awkward_paths(tmp_path):
     # A home folder with XML metacharacters still renders a well-formed plist.
     odd = tmp_path / "a & <b>"
     layout = layout_for(Platform.MACOS, {"HOME": str(odd)})
-    config = load_config(tmp_path / "absent.toml", environ={}, serve_overrides=foreign_defaults(Platform.MACOS, {"HOME": str(odd)}))
+    config = load_config(
+        tmp_path / "absent.toml",
+        environ={},
+        serve_overrides=foreign_defaults(Platform.MACOS, {"HOME": str(odd)}),
+    )
     ctx = make_context(layout, config, python="/opt/my env/bin/python", uid=501)
     job = plistlib.loads(render_plist(ctx, Role.DAEMON))
     assert job["ProgramArguments"][0] == "/opt/my env/bin/python"
@@ -96,10 +107,19 @@ def test_unit_holds_the_policy(tmp_path, role):
     assert unit["StartLimitBurst"] == ["4"] and unit["StartLimitIntervalSec"] == ["300s"]
     config = tmp_path / "home" / ".config" / "moed" / "config.toml"
     command = "serve" if role is Role.DAEMON else "watchdog"
-    assert shlex.split(svc["ExecStart"][0]) == [sys.executable, "-m", "moed.daemon.cli", command, "--config", str(config)]
+    assert shlex.split(svc["ExecStart"][0]) == [
+        sys.executable,
+        "-m",
+        "moed.daemon.cli",
+        command,
+        "--config",
+        str(config),
+    ]
     assert svc["Restart"] == ["on-failure"]
     if role is Role.DAEMON:
-        assert svc["RestartPreventExitStatus"] == ["2 3 4 6"]  # config, model not found, already running, does not fit
+        assert svc["RestartPreventExitStatus"] == [
+            "2 3 4 6"
+        ]  # config, model not found, already running, does not fit
     assert int(svc["RestartSec"][0]) >= 5
     assert svc["KillSignal"] == ["SIGTERM"]
     assert svc["LimitCORE"] == ["0"]
@@ -159,7 +179,9 @@ def _analyze_env(tmp_path: Path) -> dict:
     return {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed"
+)
 def test_units_pass_systemd_analyze_verify(tmp_path):
     ctx = _ctx(tmp_path, Platform.LINUX)
     files = []
@@ -168,18 +190,30 @@ def test_units_pass_systemd_analyze_verify(tmp_path):
         path.write_text(render_unit(ctx, role))
         files.append(str(path))
     proc = subprocess.run(
-        ["systemd-analyze", "verify", "--user", *files], capture_output=True, text=True, env=_analyze_env(tmp_path), timeout=60
+        ["systemd-analyze", "verify", "--user", *files],
+        capture_output=True,
+        text=True,
+        env=_analyze_env(tmp_path),
+        timeout=60,
     )
     # Unknown or malformed settings are only warnings ("..., ignoring"): demand silence too.
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "" and proc.stderr.strip() == "", proc.stdout + proc.stderr
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed"
+)
 def test_systemd_analyze_catches_a_bad_unit(tmp_path):
     # The verify test above is only worth something if the tool complains about a broken unit here.
     ctx = _ctx(tmp_path, Platform.LINUX)
     bad = tmp_path / "moed.service"
     bad.write_text(render_unit(ctx, Role.DAEMON).replace("Restart=on-failure", "Restart=sometimes"))
-    proc = subprocess.run(["systemd-analyze", "verify", "--user", str(bad)], capture_output=True, text=True, env=_analyze_env(tmp_path), timeout=60)
+    proc = subprocess.run(
+        ["systemd-analyze", "verify", "--user", str(bad)],
+        capture_output=True,
+        text=True,
+        env=_analyze_env(tmp_path),
+        timeout=60,
+    )
     assert "sometimes" in proc.stdout + proc.stderr

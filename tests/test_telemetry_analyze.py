@@ -24,19 +24,45 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def record(daemon, path: Path, prompt: str, tokens: int) -> None:
-    out = run("-m", "moed.client.cli", "--socket", str(daemon.socket), "run", "--raw", "--max-tokens", str(tokens),
-              "--trace", str(path), prompt)
+    out = run(
+        "-m",
+        "moed.client.cli",
+        "--socket",
+        str(daemon.socket),
+        "run",
+        "--raw",
+        "--max-tokens",
+        str(tokens),
+        "--trace",
+        str(path),
+        prompt,
+    )
     assert out.returncode == 0, out.stderr
 
 
 def test_trace_from_a_model_becomes_table_and_plots(tiny_model, daemon_factory, tmp_path):
     d = daemon_factory(tiny_model, "--cache-budget", "25%")
     record(d, tmp_path / "a.moetrace", "def fibonacci(n):", 24)
-    out = run("-m", "moed.daemon.cli", "trace", "analyze", str(tmp_path / "a.moetrace"), "--out", str(tmp_path / "plots"))
+    out = run(
+        "-m",
+        "moed.daemon.cli",
+        "trace",
+        "analyze",
+        str(tmp_path / "a.moetrace"),
+        "--out",
+        str(tmp_path / "plots"),
+    )
     assert out.returncode == 0, out.stderr
     table = out.stdout
-    for heading in ("distinct", "top-10% share", "token-to-token reuse", "hit rate vs cache size", "LRU", "Belady",
-                    "<- recorded"):
+    for heading in (
+        "distinct",
+        "top-10% share",
+        "token-to-token reuse",
+        "hit rate vs cache size",
+        "LRU",
+        "Belady",
+        "<- recorded",
+    ):
         assert heading in table, heading
     # The daemon's run replays exactly: same slots, same starting cache, same policy.
     assert "(match)" in table
@@ -46,8 +72,18 @@ def test_trace_from_a_model_becomes_table_and_plots(tiny_model, daemon_factory, 
 
     # Two traces together, as JSON: the curves are hit rates, Belady never below LRU, all rising.
     record(d, tmp_path / "b.moetrace", "class Stack:", 16)
-    out = run("-m", "moed.daemon.cli", "trace", "analyze", str(tmp_path / "a.moetrace"), str(tmp_path / "b.moetrace"),
-              "--json", "--no-plots", "--sizes", "1,2,4,8")
+    out = run(
+        "-m",
+        "moed.daemon.cli",
+        "trace",
+        "analyze",
+        str(tmp_path / "a.moetrace"),
+        str(tmp_path / "b.moetrace"),
+        "--json",
+        "--no-plots",
+        "--sizes",
+        "1,2,4,8",
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["sizes"] == [1, 2, 4, 8] and report["layers"] == 2 and report["top_k"] == 2
@@ -97,14 +133,24 @@ def test_belady_is_never_worse_and_full_cache_misses_once():
         assert simulate(seq, E, LRUPolicy())[1] == simulate_belady(seq, E)[1] == distinct
 
 
-@pytest.mark.skipif(not (Path(__file__).parent.parent / "daemon" / "demo_model" / "config.json").exists(),
-                    reason="the demo model is not in this checkout")
+@pytest.mark.skipif(
+    not (Path(__file__).parent.parent / "daemon" / "demo_model" / "config.json").exists(),
+    reason="the demo model is not in this checkout",
+)
 def test_demo_model_trace(daemon_factory, tmp_path):
-    from moed.daemon.demo import demo_model_path
+    from moed.daemon.model.demo import demo_model_path
 
     d = daemon_factory(demo_model_path(), "--cache-budget", "25%")
     record(d, tmp_path / "demo.moetrace", "def fibonacci(n):", 16)
-    out = run("-m", "moed.daemon.cli", "trace", "analyze", str(tmp_path / "demo.moetrace"), "--out", str(tmp_path / "p"))
+    out = run(
+        "-m",
+        "moed.daemon.cli",
+        "trace",
+        "analyze",
+        str(tmp_path / "demo.moetrace"),
+        "--out",
+        str(tmp_path / "p"),
+    )
     assert out.returncode == 0, out.stderr
     assert "(match)" in out.stdout
     assert all((tmp_path / "p" / name).read_bytes().startswith(PNG) for name in PLOTS)

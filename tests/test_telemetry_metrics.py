@@ -46,18 +46,44 @@ def test_metrics_parse_and_counters_move(tiny_model, daemon_factory):
         before = samples(c.metrics()["text"])
         generate(c, 12)
         after = samples(c.metrics()["text"])
-    assert value(before, "moed_expert_hits_total") == 0 and value(before, "moed_expert_read_bytes_total") == 0
-    assert value(after, "moed_requests_served_total") == value(before, "moed_requests_served_total") + 1
-    assert value(after, "moed_tokens_generated_total") >= value(before, "moed_tokens_generated_total") + 1
-    for name in ("moed_expert_hits_total", "moed_expert_misses_total", "moed_expert_read_bytes_total",
-                 "moed_expert_routed_tokens_total", "moed_router_readback_seconds_total"):
+    assert (
+        value(before, "moed_expert_hits_total") == 0
+        and value(before, "moed_expert_read_bytes_total") == 0
+    )
+    assert (
+        value(after, "moed_requests_served_total")
+        == value(before, "moed_requests_served_total") + 1
+    )
+    assert (
+        value(after, "moed_tokens_generated_total")
+        >= value(before, "moed_tokens_generated_total") + 1
+    )
+    for name in (
+        "moed_expert_hits_total",
+        "moed_expert_misses_total",
+        "moed_expert_read_bytes_total",
+        "moed_expert_routed_tokens_total",
+        "moed_router_readback_seconds_total",
+    ):
         assert value(after, name) > value(before, name), name
     layers = {dict(k[1])["layer"] for k in after if k[0] == "moed_expert_layer_misses_total"}
     assert layers == {"0", "1"}
-    assert sum(value(after, "moed_expert_layer_hits_total", layer=l) for l in layers) == value(after, "moed_expert_hits_total")
+    assert sum(value(after, "moed_expert_layer_hits_total", layer=l) for l in layers) == value(
+        after, "moed_expert_hits_total"
+    )
     assert value(after, "moed_expert_cache_budget_bytes") > 0
-    assert value(after, "moed_info", version="0.1.0", model=tiny_model.name, model_type="qwen3_moe",
-                 boot_id=c.boot_id, mode="streaming") == 1
+    assert (
+        value(
+            after,
+            "moed_info",
+            version="0.1.0",
+            model=tiny_model.name,
+            model_type="qwen3_moe",
+            boot_id=c.boot_id,
+            mode="streaming",
+        )
+        == 1
+    )
     assert value(after, "moed_process_resident_bytes") > 0
 
 
@@ -102,22 +128,47 @@ def test_moe_stats_while_a_generation_runs(tiny_model, daemon_factory):
     human = moe(d.socket, "stats")
     t.join(120)
     assert done.is_set()
-    if not live["requests"]["active"]:  # the generation ended early (end of sequence): still counted
+    if not live["requests"][
+        "active"
+    ]:  # the generation ended early (end of sequence): still counted
         assert live["requests"]["served"] == 1
     ex = live["experts"]
     assert ex["hit_rate"] > 0 and ex["bytes_read"] > 0 and ex["hits"] > 0
     assert len(ex["layer_hit_rates"]) == 2 and ex["bytes_read_per_token"] > 0
     assert ex["budget_bytes"] == ex["resident_bytes"] > 0
-    assert live["memory"]["rss_bytes"] > 0 and live["memory"]["pressure"] in ("normal", "warn", "critical", "unknown")
+    assert live["memory"]["rss_bytes"] > 0 and live["memory"]["pressure"] in (
+        "normal",
+        "warn",
+        "critical",
+        "unknown",
+    )
     assert live["model"]["streaming"] is True and live["tokens"]["generated"] > 0
     assert "last_crash" in live and "restarts" in live
     assert human.returncode == 0, human.stderr
-    assert "hit rate" in human.stdout and "per layer" in human.stdout and "router read-back" in human.stdout
+    assert (
+        "hit rate" in human.stdout
+        and "per layer" in human.stdout
+        and "router read-back" in human.stdout
+    )
 
 
 def test_stats_watch_refreshes(daemon):
-    proc = subprocess.Popen([sys.executable, "-m", "moed.client.cli", "--socket", str(daemon.socket), "stats", "--json",
-                             "--watch", "--interval", "0.2"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "moed.client.cli",
+            "--socket",
+            str(daemon.socket),
+            "stats",
+            "--json",
+            "--watch",
+            "--interval",
+            "0.2",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = [json.loads(proc.stdout.readline()) for _ in range(3)]
     finally:
@@ -129,7 +180,9 @@ def test_stats_watch_refreshes(daemon):
 
 
 def test_client_side_never_imports_mlx():
-    code = ("import sys, moed.client.cli, moed.client.stats_cli; "
-            "bad = [m for m in sys.modules if m.split('.')[0] == 'mlx' or m.startswith('moed.daemon')]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, moed.client.cli, moed.client.stats_cli; "
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'mlx' or m.startswith('moed.daemon')]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})

@@ -8,13 +8,27 @@ import sys
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moed.daemon.cli", "bench", "prewarm", *args],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "moed.daemon.cli", "bench", "prewarm", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_prewarm_bench_json_and_table(tiny_model, tmp_path):
     trace = tmp_path / "hot.moetrace"
-    out = bench("--model", str(tiny_model), "--runs", "1", "--max-tokens", "8", "--json", "--save-trace", str(trace))
+    out = bench(
+        "--model",
+        str(tiny_model),
+        "--runs",
+        "1",
+        "--max-tokens",
+        "8",
+        "--json",
+        "--save-trace",
+        str(trace),
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["identical_tokens"] is True
@@ -27,7 +41,9 @@ def test_prewarm_bench_json_and_table(tiny_model, tmp_path):
     assert "recording a trace" in out.stderr and "run 3/3" in out.stderr  # progress lines
 
     # A previous trace instead of a fresh recording; the human table.
-    out = bench("--model", str(tiny_model), "--runs", "1", "--max-tokens", "8", "--trace", str(trace))
+    out = bench(
+        "--model", str(tiny_model), "--runs", "1", "--max-tokens", "8", "--trace", str(trace)
+    )
     assert out.returncode == 0, out.stderr
     assert "hot experts from 1 trace(s)" in out.stderr
     lines = out.stdout.splitlines()

@@ -7,9 +7,16 @@ import json
 
 import pytest
 
-from moed.daemon.watchdog import crashlog
-from moed.daemon.watchdog.crashlog import CrashKind, begin_run, end_run, is_out_of_memory, plan_start, record_crash
-from moed.daemon.watchdog.faults import METAL_OOM_MESSAGE, Fault, Faults
+from moed.daemon.runtime import crashlog
+from moed.daemon.runtime.crashlog import (
+    CrashKind,
+    begin_run,
+    end_run,
+    is_out_of_memory,
+    plan_start,
+    record_crash,
+)
+from moed.daemon.runtime.faults import METAL_OOM_MESSAGE, Fault, Faults
 
 WINDOW = 600.0
 DEAD = lambda pid: False  # noqa: E731
@@ -18,7 +25,12 @@ ALIVE = lambda pid: True  # noqa: E731
 
 def test_first_start_is_clean(tmp_path):
     plan = plan_start(tmp_path, restart_budget=5, window_s=WINDOW)
-    assert plan.last_crash is None and plan.budget_factor == 1.0 and plan.refuse is None and plan.unclean_previous is None
+    assert (
+        plan.last_crash is None
+        and plan.budget_factor == 1.0
+        and plan.refuse is None
+        and plan.unclean_previous is None
+    )
 
 
 def test_clean_exit_leaves_no_trace(tmp_path):
@@ -47,7 +59,10 @@ def test_recorded_oom_is_not_counted_twice(tmp_path):
     record_crash(tmp_path, CrashKind.OUT_OF_MEMORY, METAL_OOM_MESSAGE, "boot-1")
     plan = plan_start(tmp_path, 5, WINDOW, pid_alive=DEAD)
     assert plan.recent_crashes == 1 and plan.unclean_previous is None
-    assert plan.last_crash["kind"] == "out_of_memory" and "Insufficient Memory" in plan.last_crash["message"]
+    assert (
+        plan.last_crash["kind"] == "out_of_memory"
+        and "Insufficient Memory" in plan.last_crash["message"]
+    )
     data = json.loads((tmp_path / "crash.json").read_text())
     assert "run" not in data
 
@@ -94,10 +109,18 @@ def test_corrupt_record_reads_as_empty(tmp_path):
     [
         (RuntimeError(METAL_OOM_MESSAGE), True),
         (RuntimeError("[METAL] Command buffer execution failed: Caused GPU Timeout Error"), True),
-        (RuntimeError("[metal::malloc] Attempting to allocate 70000000000 bytes which is greater than the maximum allowed"), True),
+        (
+            RuntimeError(
+                "[metal::malloc] Attempting to allocate 70000000000 bytes which is greater than the maximum allowed"
+            ),
+            True,
+        ),
         (MemoryError(), True),
         (RuntimeError("shapes (3,4) and (5,6) cannot be broadcast"), False),
-        (ValueError("Insufficient Memory"), False),  # only MLX's RuntimeError carries the Metal failure
+        (
+            ValueError("Insufficient Memory"),
+            False,
+        ),  # only MLX's RuntimeError carries the Metal failure
     ],
 )
 def test_out_of_memory_classification(exc, oom):

@@ -5,11 +5,22 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moed.daemon.platform import PressureLevel
-from moed.daemon.watchdog.policy import Action, DaemonReading, LADDER, Policy, PolicyParams, Rule, Sample, State
+from moed.daemon.watchdog.policy import (
+    LADDER,
+    Action,
+    DaemonReading,
+    Policy,
+    PolicyParams,
+    Rule,
+    Sample,
+    State,
+)
 
 MIB = 1024 * 1024
 DAEMON = DaemonReading(reachable=True, pid=4242, alive=True, boot_id="boot-1")
-PARAMS = PolicyParams(consecutive=3, swap_growth_bytes=512 * MIB, progress_timeout_s=60.0, step_grace_s=5.0)
+PARAMS = PolicyParams(
+    consecutive=3, swap_growth_bytes=512 * MIB, progress_timeout_s=60.0, step_grace_s=5.0
+)
 
 
 class Clock:
@@ -85,7 +96,9 @@ def test_no_recovery_while_swap_still_climbs():
     clock.feed(0)
     swap, out = 0.0, []
     for _ in range(400):
-        swap += 20  # 20 MiB/s: the 512 MiB limit is crossed again every ~26 s, well within recover_s
+        swap += (
+            20  # 20 MiB/s: the 512 MiB limit is crossed again every ~26 s, well within recover_s
+        )
         out.append(clock.feed(swap))
     assert actions(out) == list(LADDER)
     assert not any("recovered" in n for d in out for n in d.notes)
@@ -103,7 +116,10 @@ def test_swap_shrinking_rebases_the_baseline():
 def test_page_cache_churn_never_acts():
     # Free memory collapses and PSI "some" rises (reclaim), but swap is flat: nothing to do.
     clock = Clock(Policy(PARAMS))
-    out = [clock.feed(1000 + (i % 3), PressureLevel.WARN if i % 2 else PressureLevel.NORMAL) for i in range(300)]
+    out = [
+        clock.feed(1000 + (i % 3), PressureLevel.WARN if i % 2 else PressureLevel.NORMAL)
+        for i in range(300)
+    ]
     assert actions(out) == []
     assert clock.policy.state is State.OK
 
@@ -135,7 +151,11 @@ def test_wedged_engine_gets_sigterm_then_sigkill():
     assert [d.action for _, d in taken] == [Action.SIGTERM, Action.SIGKILL]
     (t_term, term), (t_kill, _) = taken
     assert term.rule is Rule.PROGRESS and "no token for" in term.reason
-    assert PARAMS.progress_timeout_s <= clock.wall0 + t_term + 1 - last_token <= PARAMS.progress_timeout_s + 1
+    assert (
+        PARAMS.progress_timeout_s
+        <= clock.wall0 + t_term + 1 - last_token
+        <= PARAMS.progress_timeout_s + 1
+    )
     assert t_kill - t_term >= PARAMS.step_grace_s
 
 
@@ -155,7 +175,14 @@ def test_tokens_flowing_is_progress():
     clock = Clock(Policy(PARAMS))
     out = []
     for _ in range(300):
-        out.append(clock.feed(0, daemon=replace(DAEMON, busy=True, active_requests=1, last_token_at=clock.wall0 + clock.t)))
+        out.append(
+            clock.feed(
+                0,
+                daemon=replace(
+                    DAEMON, busy=True, active_requests=1, last_token_at=clock.wall0 + clock.t
+                ),
+            )
+        )
     assert actions(out) == []
 
 
@@ -163,7 +190,13 @@ def test_a_long_prefill_reporting_progress_is_not_wedged():
     clock = Clock(Policy(PARAMS))
     out = []
     for _ in range(300):  # no token for 300 s, but a prefill chunk finishes every second
-        busy = replace(DAEMON, busy=True, active_requests=1, last_token_at=None, last_progress_at=clock.wall0 + clock.t)
+        busy = replace(
+            DAEMON,
+            busy=True,
+            active_requests=1,
+            last_token_at=None,
+            last_progress_at=clock.wall0 + clock.t,
+        )
         out.append(clock.feed(0, daemon=busy))
     assert actions(out) == []
 

@@ -23,15 +23,17 @@ import time
 from pathlib import Path
 
 import pytest
-
 from daemon_harness import serve_command
+
 from moed.client import Client, DaemonUnavailable, DoneEvent, RequestFailed, TokenEvent
 from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.watchdog.events import read_events
 from moed.protocol import ErrorCode
 
 pytestmark = [
-    pytest.mark.skipif(not sys.platform.startswith("linux") and sys.platform != "darwin", reason="POSIX signals"),
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux") and sys.platform != "darwin", reason="POSIX signals"
+    ),
     pytest.mark.timeout(240),
 ]
 
@@ -42,7 +44,14 @@ PROMPT = "hello"
 class Supervisor:
     """Runs `moed serve` and restarts it like KeepAlive: again after a crash, not after exit 0."""
 
-    def __init__(self, tmp: Path, model: Path, *serve_args: str, env: dict | None = None, throttle_s: float = 0.2):
+    def __init__(
+        self,
+        tmp: Path,
+        model: Path,
+        *serve_args: str,
+        env: dict | None = None,
+        throttle_s: float = 0.2,
+    ):
         self.tmp = tmp
         self.socket = Path(f"/tmp/moedw-{os.getpid()}-{time.monotonic_ns() % 10**9}") / "d.sock"
         self.state_dir = tmp / "state"
@@ -56,7 +65,7 @@ class Supervisor:
         self.finished = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def start(self) -> "Supervisor":
+    def start(self) -> Supervisor:
         self._thread.start()
         return self
 
@@ -67,8 +76,13 @@ class Supervisor:
                 self.logs.append(log)
                 with open(log, "wb") as out:
                     # No core dumps, as the service units say (LimitCORE=0); ulimit is fork-safe here.
-                    self.proc = subprocess.Popen(["sh", "-c", 'ulimit -c 0; exec "$@"', "sh", *self.args], stdout=out,
-                                                 stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+                    self.proc = subprocess.Popen(
+                        ["sh", "-c", 'ulimit -c 0; exec "$@"', "sh", *self.args],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=self.env,
+                        start_new_session=True,
+                    )
                 if self._stop.is_set():  # stop() may have looked at the previous, dead process
                     self.proc.kill()
                 code = self.proc.wait()
@@ -93,10 +107,14 @@ class Supervisor:
             if self.finished.is_set():
                 raise RuntimeError(f"the supervisor stopped: exits {self.exits}\n{self.log_text()}")
             time.sleep(0.05)
-        raise TimeoutError(f"no ready daemon in {timeout_s}s; exits {self.exits}\n{self.log_text()}")
+        raise TimeoutError(
+            f"no ready daemon in {timeout_s}s; exits {self.exits}\n{self.log_text()}"
+        )
 
     def log_text(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')}" for p in self.logs if p.exists())
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')}" for p in self.logs if p.exists()
+        )
 
     def stop(self) -> None:
         self._stop.set()
@@ -170,7 +188,10 @@ def test_signal_mid_generation_is_a_typed_error_within_2s(sig, supervisor, tiny_
     ids, _ = _reference(sup, 8)
     assert len(ids) == 8
     # The next start knows the previous run died without a word.
-    assert second["last_crash"]["kind"] == "unclean_exit" and second["last_crash"]["boot_id"] == first["boot_id"]
+    assert (
+        second["last_crash"]["kind"] == "unclean_exit"
+        and second["last_crash"]["boot_id"] == first["boot_id"]
+    )
 
 
 def test_resume_after_sigabrt_gives_the_identical_stream(supervisor, tiny_model):
@@ -182,7 +203,9 @@ def test_resume_after_sigabrt_gives_the_identical_stream(supervisor, tiny_model)
     ref_ids, ref_text = _reference(sup, 1000)
     ids, text, done = [], [], None
     with Client(sup.socket) as c:
-        for event in c.generate(PROMPT, max_tokens=1000, raw=True, resume=True, resume_timeout_s=60):
+        for event in c.generate(
+            PROMPT, max_tokens=1000, raw=True, resume=True, resume_timeout_s=60
+        ):
             if isinstance(event, TokenEvent):
                 ids += event.ids
                 text.append(event.text)
@@ -193,15 +216,31 @@ def test_resume_after_sigabrt_gives_the_identical_stream(supervisor, tiny_model)
     assert sup.exits == [-sig]  # it really died once, mid-stream
     assert ids == ref_ids
     assert "".join(text) == ref_text
-    assert done.finish_reason == "length" and done.usage["completion_tokens"] == 1000 and done.usage["resumes"] == 1
+    assert (
+        done.finish_reason == "length"
+        and done.usage["completion_tokens"] == 1000
+        and done.usage["resumes"] == 1
+    )
 
 
 def test_moe_run_resume(supervisor, tiny_model):
     sup = supervisor(tiny_model, "--resident")
     first = sup.wait_ready()
     _, ref_text = _reference(sup, 1000)
-    cmd = [sys.executable, "-m", "moed.client.cli", "--socket", str(sup.socket), "run", "--raw", "--no-start",
-           "--max-tokens", "1000", "--resume", PROMPT]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moed.client.cli",
+        "--socket",
+        str(sup.socket),
+        "run",
+        "--raw",
+        "--no-start",
+        "--max-tokens",
+        "1000",
+        "--resume",
+        PROMPT,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         # Some text has arrived: the stream is under way. (A raw read: communicate() below reads the
@@ -221,7 +260,9 @@ def test_moe_run_resume(supervisor, tiny_model):
 
 
 def test_injected_oom_fails_requests_records_the_crash_and_backs_off(supervisor, tiny_model):
-    sup = supervisor(tiny_model, env={"MOED_DEBUG_FAULTS": "oom_after=20"})  # streaming: a cache to shrink
+    sup = supervisor(
+        tiny_model, env={"MOED_DEBUG_FAULTS": "oom_after=20"}
+    )  # streaming: a cache to shrink
     first = sup.wait_ready()
     full_budget = first["streaming"]["budget_bytes"]
     assert first["last_crash"] is None and first["budget_backoff"] is None
@@ -234,7 +275,9 @@ def test_injected_oom_fails_requests_records_the_crash_and_backs_off(supervisor,
     second = sup.wait_ready(not_boot=first["boot_id"])
     assert sup.exits == [DaemonExit.OUT_OF_MEMORY]
     record = _crash_record(sup.state_dir)
-    assert record["last"]["kind"] == "out_of_memory" and record["last"]["boot_id"] == first["boot_id"]
+    assert (
+        record["last"]["kind"] == "out_of_memory" and record["last"]["boot_id"] == first["boot_id"]
+    )
     assert "run" not in record or record["run"]["boot_id"] == second["boot_id"]
     # The next start: the crash is reported, and the cache budget is backed off.
     assert second["last_crash"]["kind"] == "out_of_memory"
@@ -242,11 +285,17 @@ def test_injected_oom_fails_requests_records_the_crash_and_backs_off(supervisor,
     assert second["streaming"]["budget_bytes"] <= full_budget // 2 + 1
     with Client(sup.socket) as c:
         assert c.welcome["last_crash"]["kind"] == "out_of_memory"
-    print(f"\ncache budget {full_budget} -> {second['streaming']['budget_bytes']} bytes after the OOM")
+    print(
+        f"\ncache budget {full_budget} -> {second['streaming']['budget_bytes']} bytes after the OOM"
+    )
 
 
 def test_restart_budget_stops_the_restart_loop(supervisor, tiny_model):
-    env = {"MOED_DEBUG_FAULTS": "oom_after=0", "MOED_RESTART_BUDGET": "2", "MOED_RESTART_WINDOW_S": "600"}
+    env = {
+        "MOED_DEBUG_FAULTS": "oom_after=0",
+        "MOED_RESTART_BUDGET": "2",
+        "MOED_RESTART_WINDOW_S": "600",
+    }
     sup = supervisor(tiny_model, "--resident", env=env)
     boot = None
     for _ in range(2):
@@ -271,9 +320,27 @@ def test_hung_engine_is_killed_by_the_progress_watchdog(supervisor, tiny_model, 
     first = sup.wait_ready()
     wd_log = open(tmp_path / "watchdog.log", "wb")
     watchdog = subprocess.Popen(
-        [sys.executable, "-m", "moed.daemon.cli", "watchdog", "--socket", str(sup.socket), "--state-dir", str(sup.state_dir),
-         "--interval", "0.2", "--progress-timeout", "2", "--step-grace", "1", "--swap-growth-mb", "100000"],
-        stdout=wd_log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "moed.daemon.cli",
+            "watchdog",
+            "--socket",
+            str(sup.socket),
+            "--state-dir",
+            str(sup.state_dir),
+            "--interval",
+            "0.2",
+            "--progress-timeout",
+            "2",
+            "--step-grace",
+            "1",
+            "--swap-growth-mb",
+            "100000",
+        ],
+        stdout=wd_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     wd_log.close()
     try:
@@ -289,13 +356,17 @@ def test_hung_engine_is_killed_by_the_progress_watchdog(supervisor, tiny_model, 
         stuck_for = time.monotonic() - last_token_at
         assert tokens == 10
         second = sup.wait_ready(not_boot=first["boot_id"])
-        actions = [e for e in read_events(sup.state_dir / "watchdog.jsonl") if e["event"] == "action"]
+        actions = [
+            e for e in read_events(sup.state_dir / "watchdog.jsonl") if e["event"] == "action"
+        ]
         assert [a["action"] for a in actions] == ["sigterm", "sigkill"], actions
         assert all(a["rule"] == "progress" and a["outcome"]["ok"] for a in actions)
         assert "no token for" in actions[0]["reason"]
         assert sup.exits == [-signal.SIGKILL]
         gap = actions[1]["ts"] - actions[0]["ts"]
-        print(f"\nhang: client error {stuck_for:.2f}s after the last token; sigterm -> sigkill {gap:.2f}s")
+        print(
+            f"\nhang: client error {stuck_for:.2f}s after the last token; sigterm -> sigkill {gap:.2f}s"
+        )
         assert 1.0 <= gap < 5.0 and stuck_for < 15.0
         # `moe status` shows the watchdog and what it did last.
         with Client(sup.socket) as c:

@@ -10,7 +10,6 @@ import sys
 import time
 from dataclasses import replace
 
-
 from moed.daemon.config import WatchdogConfig
 from moed.daemon.platform import Footprint, MemoryProbe, PressureLevel
 from moed.daemon.watchdog.events import EventLog, read_events, read_state
@@ -38,8 +37,15 @@ class ScriptedProbe(MemoryProbe):
 
 
 def _config(tmp_path, socket, **kw) -> WatchdogConfig:
-    base = WatchdogConfig(socket=socket, state_dir=tmp_path / "wd", interval_s=0.05, consecutive=2, swap_growth_mb=100,
-                          progress_timeout_s=600, step_grace_s=0.0)
+    base = WatchdogConfig(
+        socket=socket,
+        state_dir=tmp_path / "wd",
+        interval_s=0.05,
+        consecutive=2,
+        swap_growth_mb=100,
+        progress_timeout_s=600,
+        step_grace_s=0.0,
+    )
     return replace(base, **kw)
 
 
@@ -47,8 +53,11 @@ def test_pressure_escalates_through_the_control_channel(daemon, tmp_path):
     probe = ScriptedProbe()
     signals: list[tuple[int, int]] = []
     # A grace long enough for the daemon to finish its graceful exit before a signal would be due.
-    dog = Watchdog(_config(tmp_path, daemon.socket, step_grace_s=1.0), probe=probe,
-                   send_signal=lambda pid, sig: signals.append((pid, sig)))
+    dog = Watchdog(
+        _config(tmp_path, daemon.socket, step_grace_s=1.0),
+        probe=probe,
+        send_signal=lambda pid, sig: signals.append((pid, sig)),
+    )
     dog.startup()
     try:
         assert dog.tick().action is None  # baseline, daemon known
@@ -66,7 +75,10 @@ def test_pressure_escalates_through_the_control_channel(daemon, tmp_path):
         assert daemon.proc.wait(15) == 5
         crash = json.loads((daemon.state_dir / "crash.json").read_text())
         assert crash["last"]["kind"] == "memory_pressure"
-        assert "shed requested: level=cache" in daemon.log() and "shed requested: level=cancel_newest" in daemon.log()
+        assert (
+            "shed requested: level=cache" in daemon.log()
+            and "shed requested: level=cancel_newest" in daemon.log()
+        )
         # The daemon is gone: no signal goes to its (possibly recycled) pid.
         for _ in range(10):
             dog.tick()
@@ -77,7 +89,10 @@ def test_pressure_escalates_through_the_control_channel(daemon, tmp_path):
     assert [e["event"] for e in events][0] == "start" and events[-1]["event"] == "stop"
     actions = [e for e in events if e["event"] == "action"]
     assert [a["action"] for a in actions] == ["shed_cache", "shed_cancel_newest", "shutdown"]
-    assert all("memory pressure is critical" in a["reason"] and a["readings"]["pressure"] == "critical" for a in actions)
+    assert all(
+        "memory pressure is critical" in a["reason"] and a["readings"]["pressure"] == "critical"
+        for a in actions
+    )
     assert actions[0]["outcome"] == {"ok": True, "reply": {"accepted": True, "level": "cache"}}
     state = json.loads(dog.state_path.read_text())
     assert state["state"] == "stopped" and state["last_action"]["action"] == "shutdown"
@@ -85,13 +100,20 @@ def test_pressure_escalates_through_the_control_channel(daemon, tmp_path):
 
 def test_the_daemon_status_shows_the_watchdog(daemon, tmp_path):
     # Same state directory as the daemon: `moe status` (the daemon's status) carries the watchdog.
-    dog = Watchdog(_config(tmp_path, daemon.socket, state_dir=daemon.state_dir), probe=ScriptedProbe())
+    dog = Watchdog(
+        _config(tmp_path, daemon.socket, state_dir=daemon.state_dir), probe=ScriptedProbe()
+    )
     dog.startup()
     try:
         dog.tick()
         with daemon.client() as c:
             wd = c.status()["watchdog"]
-        assert wd["running"] and wd["state"] == "ok" and wd["pid"] == os.getpid() and wd["last_action"] is None
+        assert (
+            wd["running"]
+            and wd["state"] == "ok"
+            and wd["pid"] == os.getpid()
+            and wd["last_action"] is None
+        )
     finally:
         dog.shutdown()
     with daemon.client() as c:
@@ -102,8 +124,12 @@ def test_signals_go_only_to_the_process_first_seen(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         sent: list[tuple[int, int]] = []
-        dog = Watchdog(_config(tmp_path, tmp_path / "none.sock"), probe=ScriptedProbe(), pid_override=child.pid,
-                       send_signal=lambda pid, sig: sent.append((pid, sig)))
+        dog = Watchdog(
+            _config(tmp_path, tmp_path / "none.sock"),
+            probe=ScriptedProbe(),
+            pid_override=child.pid,
+            send_signal=lambda pid, sig: sent.append((pid, sig)),
+        )
         decision = type("D", (), {"action": Action.SIGTERM, "reason": "test"})()
         assert dog.act(decision, child.pid)["ok"]
         # Same pid, another process (a recycled pid): refused.
@@ -118,20 +144,50 @@ def test_signals_go_only_to_the_process_first_seen(tmp_path):
 
 
 def test_cli_once(daemon):
-    out = subprocess.run([sys.executable, "-m", "moed.daemon.cli", "watchdog", "--once", "--socket", str(daemon.socket),
-                          "--state-dir", str(daemon.state_dir)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moed.daemon.cli",
+            "watchdog",
+            "--once",
+            "--socket",
+            str(daemon.socket),
+            "--state-dir",
+            str(daemon.state_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["state"] == "ok"
-    assert report["readings"]["daemon"]["reachable"] and report["readings"]["daemon"]["pid"] == daemon.proc.pid
+    assert (
+        report["readings"]["daemon"]["reachable"]
+        and report["readings"]["daemon"]["pid"] == daemon.proc.pid
+    )
     assert report["readings"]["swap_used_mb"] is not None
 
 
 def test_cli_stops_cleanly_on_sigterm(tmp_path):
     state_dir = tmp_path / "wd"
-    proc = subprocess.Popen([sys.executable, "-m", "moed.daemon.cli", "watchdog", "--socket", str(tmp_path / "none.sock"),
-                             "--state-dir", str(state_dir), "--interval", "0.2"], stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "moed.daemon.cli",
+            "watchdog",
+            "--socket",
+            str(tmp_path / "none.sock"),
+            "--state-dir",
+            str(state_dir),
+            "--interval",
+            "0.2",
+        ],
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while read_state(state_dir) is None and time.monotonic() < deadline:
@@ -147,13 +203,23 @@ def test_cli_stops_cleanly_on_sigterm(tmp_path):
             proc.kill()
             proc.wait()
     state = read_state(state_dir)
-    assert state["state"] == "stopped" and state["stop_reason"] == "SIGTERM" and not state["running"]
-    assert [e["event"] for e in read_events(state_dir / "watchdog.jsonl")] == ["start", "note", "stop"]
+    assert (
+        state["state"] == "stopped" and state["stop_reason"] == "SIGTERM" and not state["running"]
+    )
+    assert [e["event"] for e in read_events(state_dir / "watchdog.jsonl")] == [
+        "start",
+        "note",
+        "stop",
+    ]
 
 
 def test_cli_rejects_nonsense():
-    out = subprocess.run([sys.executable, "-m", "moed.daemon.cli", "watchdog", "--interval", "0", "--once"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "moed.daemon.cli", "watchdog", "--interval", "0", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0 and "--interval" in out.stderr
 
 
@@ -166,6 +232,9 @@ def test_event_log_appends_whole_lines(tmp_path):
     with EventLog(path) as log:
         log.write("stop", reason="x")
     events = read_events(path)
-    assert [e["event"] for e in events] == ["action", "stop"]  # the torn line is skipped, nothing else
+    assert [e["event"] for e in events] == [
+        "action",
+        "stop",
+    ]  # the torn line is skipped, nothing else
     assert events[0]["action"] == "shed_cache" and events[0]["ts"] > 0
     assert oct(path.stat().st_mode & 0o777) == "0o600"

@@ -22,13 +22,15 @@ import time
 from pathlib import Path
 
 import pytest
-
 from daemon_harness import start_daemon
+
 from moed.client import RequestFailed, TokenEvent
 from moed.daemon.watchdog.events import read_events, read_state
 
 pytestmark = [
-    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="swap files and cgroups are Linux"),
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"), reason="swap files and cgroups are Linux"
+    ),
     pytest.mark.skipif(os.geteuid() != 0, reason="swapon and cgroups need root"),
     pytest.mark.timeout(180),
 ]
@@ -40,8 +42,18 @@ HOG_MB = 1024  # ~770 MiB of it must go to swap: enough fresh growth for three s
 CHURN_FILE_MB = 1024
 
 # The watchdog, tuned for a test: sample fast, act on small growth, short grace between steps.
-WATCHDOG_ARGS = ["--interval", "0.2", "--consecutive", "2", "--swap-growth-mb", "64", "--step-grace", "0.5",
-                 "--progress-timeout", "600"]
+WATCHDOG_ARGS = [
+    "--interval",
+    "0.2",
+    "--consecutive",
+    "2",
+    "--swap-growth-mb",
+    "64",
+    "--step-grace",
+    "0.5",
+    "--progress-timeout",
+    "600",
+]
 
 HOG = """
 import sys
@@ -84,14 +96,18 @@ def swap_file(tmp_path_factory):
     active = False
     try:
         try:
-            subprocess.run(["fallocate", "-l", f"{SWAP_MB}M", str(path)], check=True, capture_output=True)
+            subprocess.run(
+                ["fallocate", "-l", f"{SWAP_MB}M", str(path)], check=True, capture_output=True
+            )
             os.chmod(path, 0o600)
             subprocess.run(["mkswap", str(path)], check=True, capture_output=True)
             subprocess.run(["swapon", str(path)], check=True, capture_output=True)
             active = True
         except (OSError, subprocess.CalledProcessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
-            pytest.skip(f"cannot enable a swap file here ({exc}; {detail.decode(errors='replace').strip()})")
+            pytest.skip(
+                f"cannot enable a swap file here ({exc}; {detail.decode(errors='replace').strip()})"
+            )
         yield path
     finally:
         if active:
@@ -108,7 +124,9 @@ class MemoryCgroup:
     def __init__(self, name: str, limit_bytes: int):
         v2_root = Path("/sys/fs/cgroup")
         v1_root = Path("/sys/fs/cgroup/memory")
-        self.v2 = (v2_root / "cgroup.controllers").exists() and "memory" in (v2_root / "cgroup.controllers").read_text().split()
+        self.v2 = (v2_root / "cgroup.controllers").exists() and "memory" in (
+            v2_root / "cgroup.controllers"
+        ).read_text().split()
         if self.v2:
             subtree = (v2_root / "cgroup.subtree_control").read_text().split()
             if "memory" not in subtree:
@@ -187,7 +205,12 @@ def memory_cgroup():
 
 
 def _start_in_cgroup(cg: MemoryCgroup, script: str, *args: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     cg.add(proc.pid)  # before it allocates anything: it waits for a line on stdin
     proc.stdin.write("go\n")
     proc.stdin.flush()
@@ -219,8 +242,17 @@ def watchdog_process(tmp_path):
     def start(daemon) -> tuple[subprocess.Popen, Path]:
         state_dir = tmp_path / "watchdog"
         log = open(tmp_path / "watchdog.log", "wb")
-        args = [sys.executable, "-m", "moed.daemon.cli", "watchdog", "--socket", str(daemon.socket), "--state-dir",
-                str(state_dir), *WATCHDOG_ARGS]
+        args = [
+            sys.executable,
+            "-m",
+            "moed.daemon.cli",
+            "watchdog",
+            "--socket",
+            str(daemon.socket),
+            "--state-dir",
+            str(state_dir),
+            *WATCHDOG_ARGS,
+        ]
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         started.append(proc)
@@ -253,7 +285,9 @@ def _actions(state_dir: Path) -> list[dict]:
 # --- tests ----------------------------------------------------------------------------------------
 
 
-def test_swapping_hog_makes_the_watchdog_escalate(swap_file, memory_cgroup, daemon, watchdog_process):
+def test_swapping_hog_makes_the_watchdog_escalate(
+    swap_file, memory_cgroup, daemon, watchdog_process
+):
     _, state_dir = watchdog_process(daemon)
     cg = memory_cgroup(CGROUP_LIMIT_MB)
 
@@ -287,8 +321,10 @@ def test_swapping_hog_makes_the_watchdog_escalate(swap_file, memory_cgroup, daem
         events = _actions(state_dir)
         assert [e["action"] for e in events[:3]] == wanted, events
         swapped = _swap_used() - swap_before
-        print(f"\nescalation after the hog started: {', '.join(f'{a} {t:.2f}s' for a, t in seen.items())}; "
-              f"swap grew {swapped / MIB:.0f} MiB")
+        print(
+            f"\nescalation after the hog started: {', '.join(f'{a} {t:.2f}s' for a, t in seen.items())}; "
+            f"swap grew {swapped / MIB:.0f} MiB"
+        )
         assert seen["shed_cache"] < 15.0 and seen["shutdown"] < 30.0
         for e in events[:3]:
             assert e["rule"] == "memory" and e["outcome"]["ok"], e
@@ -306,7 +342,9 @@ def test_swapping_hog_makes_the_watchdog_escalate(swap_file, memory_cgroup, daem
         _stop(hog)
 
 
-def test_page_cache_churn_triggers_nothing(swap_file, memory_cgroup, daemon, watchdog_process, tmp_path):
+def test_page_cache_churn_triggers_nothing(
+    swap_file, memory_cgroup, daemon, watchdog_process, tmp_path
+):
     # A file four times the cgroup's limit, its pages evicted so that the reader must fault them in.
     data = tmp_path / "big.bin"
     block = os.urandom(16 * MIB)
@@ -326,14 +364,20 @@ def test_page_cache_churn_triggers_nothing(swap_file, memory_cgroup, daemon, wat
         assert reader.wait(60) == 0
         time.sleep(1.0)  # a few more samples after the churn
         peak = cg.peak_bytes()
-        print(f"\npage-cache churn: read {2 * CHURN_FILE_MB} MiB through a {CGROUP_LIMIT_MB} MiB cgroup, "
-              f"peak {None if peak is None else peak // MIB} MiB, swap delta {(_swap_used() - swap_before) / MIB:.1f} MiB")
+        print(
+            f"\npage-cache churn: read {2 * CHURN_FILE_MB} MiB through a {CGROUP_LIMIT_MB} MiB cgroup, "
+            f"peak {None if peak is None else peak // MIB} MiB, swap delta {(_swap_used() - swap_before) / MIB:.1f} MiB"
+        )
         if peak is not None:
             assert peak >= 0.8 * cg.limit_bytes  # the cache really filled the cgroup
         assert _swap_used() - swap_before < 64 * MIB
         assert _actions(state_dir) == []
         state = read_state(state_dir)
-        assert state["running"] and state["last_action"] is None and state["state"] in ("ok", "suspect")
+        assert (
+            state["running"]
+            and state["last_action"] is None
+            and state["state"] in ("ok", "suspect")
+        )
         assert daemon.proc.poll() is None
     finally:
         _stop(reader)

@@ -14,7 +14,6 @@ import argparse
 import math
 from pathlib import Path
 
-import mlx.core as mx
 import mlx.nn as nn
 from tokenizers import Tokenizer
 
@@ -33,7 +32,7 @@ def validation_loss(model, windows) -> float:
 def main(argv=None) -> None:
     from mlx_lm import load
 
-    from moed.daemon.demo import demo_model_path
+    from moed.daemon.model.demo import demo_model_path
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="default: the embedded demo model")

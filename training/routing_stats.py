@@ -80,8 +80,9 @@ class RoutingRecorder:
         return out
 
 
-def greedy_routes(model, tokenizer, prompt: str, n_tokens: int = 150, temp: float = 0.0,
-                  seed: int = 0):
+def greedy_routes(
+    model, tokenizer, prompt: str, n_tokens: int = 150, temp: float = 0.0, seed: int = 0
+):
     """Decode `n_tokens` and return (token ids, per-layer routes of those tokens).
 
     Greedy by default; `temp` > 0 samples (seeded). The routes are those taken when each
@@ -145,12 +146,19 @@ def _top_share(routes: np.ndarray, num_experts: int) -> float:
     return float(np.sort(counts)[::-1][:n_top].sum() / counts.sum())
 
 
-def measure(model, tokenizer, prompts=PROMPTS, n_tokens: int = 150, temp: float = 0.0,
-            seed: int = 0) -> dict:
+def measure(
+    model, tokenizer, prompts=PROMPTS, n_tokens: int = 150, temp: float = 0.0, seed: int = 0
+) -> dict:
     blocks = moe_blocks(model)
     num_experts, k = blocks[0].num_experts, blocks[0].top_k
-    report = {"num_experts": num_experts, "top_k": k, "n_tokens": n_tokens, "temp": temp,
-              "seed": seed, "prompts": []}
+    report = {
+        "num_experts": num_experts,
+        "top_k": k,
+        "n_tokens": n_tokens,
+        "temp": temp,
+        "seed": seed,
+        "prompts": [],
+    }
     for prompt in prompts:
         tokens, routes = greedy_routes(model, tokenizer, prompt, n_tokens, temp, seed)
         layers = [layer_stats(r, num_experts) for r in routes]
@@ -172,7 +180,11 @@ def measure(model, tokenizer, prompts=PROMPTS, n_tokens: int = 150, temp: float 
 def format_report(report: dict) -> str:
     E, k, T = report["num_experts"], report["top_k"], report["n_tokens"]
     n_top = max(1, round(TOP_FRACTION * E))
-    how = "greedy" if report["temp"] <= 0 else f"sampled (temp {report['temp']}, seed {report['seed']})"
+    how = (
+        "greedy"
+        if report["temp"] <= 0
+        else f"sampled (temp {report['temp']}, seed {report['seed']})"
+    )
     lines = [
         f"{T} {how} tokens per prompt, {E} experts, top-{k}; top share = share of routed slots "
         f"on the {n_top} most used experts ({TOP_FRACTION:.0%} of {E})",
@@ -200,7 +212,7 @@ def format_report(report: dict) -> str:
 def main(argv=None) -> None:
     from mlx_lm import load
 
-    from moed.daemon.demo import demo_model_path
+    from moed.daemon.model.demo import demo_model_path
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="default: the embedded demo model")
@@ -209,8 +221,11 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     p.add_argument("--samples", action="store_true", help="also print each generation")
-    p.add_argument("--stream-budget", default=None,
-                   help="stream experts with this cache budget (e.g. 25%%) and report hits")
+    p.add_argument(
+        "--stream-budget",
+        default=None,
+        help="stream experts with this cache budget (e.g. 25%%) and report hits",
+    )
     args = p.parse_args(argv)
     path = args.model or demo_model_path()
     streamer = None
@@ -236,9 +251,11 @@ def main(argv=None) -> None:
     print(format_report(report))
     if "streaming" in report:
         st = report["streaming"]
-        print(f"\nstreaming at {args.stream_budget}: {st['slots_per_layer']} slots per layer, "
-              f"{st['hits']} hits, {st['misses']} misses, hit rate {st['hit_rate']:.1%} "
-              "(prefills included)")
+        print(
+            f"\nstreaming at {args.stream_budget}: {st['slots_per_layer']} slots per layer, "
+            f"{st['hits']} hits, {st['misses']} misses, hit rate {st['hit_rate']:.1%} "
+            "(prefills included)"
+        )
     if args.samples:
         for p_ in report["prompts"]:
             print(f"\n--- {p_['prompt']!r}\n{p_['prompt']}{p_['text']}")

@@ -1,6 +1,6 @@
 """Train the embedded demo model: a small stock-mlx-lm `qwen3_moe` on the Python standard library.
 
-    python -m training.train_demo                 # full run, writes daemon/demo_model/
+    python -m training.train_demo                 # full run, writes daemon/model/demo_model/
     python -m training.train_demo --steps 30 --out /tmp/demo-timing --log /tmp/timing.txt
 
 Everything is seeded (file split, tokenizer, init, batches), so a rerun on the same Python
@@ -279,14 +279,18 @@ def train(h: Hyper, out: Path, log_path: Path) -> None:
     total, active = count_params(config)
     unigram = unigram_baseline(train_ids, val_ids, h.vocab_size)
 
-    log(f"# moed demo model training log")
+    log("# moed demo model training log")
     log(f"# command: python -m training.train_demo {' '.join(sys.argv[1:])}".rstrip())
-    log(f"# python {platform.python_version()}, mlx {mx.__version__}, {platform.machine()}, "
-        f"device {mx.default_device()}")
+    log(
+        f"# python {platform.python_version()}, mlx {mx.__version__}, {platform.machine()}, "
+        f"device {mx.default_device()}"
+    )
     log(f"# hyper: {json.dumps(asdict(h))}")
     log(f"# corpus: {corpus.describe()}")
-    log(f"# tokens: train {len(train_ids)}, val {len(val_ids)} "
-        f"({len(train_text.encode()) / len(train_ids):.2f} bytes/token on train)")
+    log(
+        f"# tokens: train {len(train_ids)}, val {len(val_ids)} "
+        f"({len(train_text.encode()) / len(train_ids):.2f} bytes/token on train)"
+    )
     log(f"# params: total {total}, active per token {active}")
     log(f"# unigram baseline (val, add-one smoothed train unigram): {unigram:.4f} nats/token")
     log(f"# tokenizer + encoding took {time.time() - t_start:.1f} s")
@@ -326,8 +330,10 @@ def train(h: Hyper, out: Path, log_path: Path) -> None:
     val_small = eval_windows(val_ids, h, h.eval_batches)
     rng = np.random.default_rng(h.seed)
     data = batches(train_ids, h, rng)
-    log(f"step  train_ce  aux  val_ce(first {h.eval_batches} val batches)  lr  tokens/s  "
-        "elapsed_s  [per layer: experts with >=1% of the routed slots / largest share]")
+    log(
+        f"step  train_ce  aux  val_ce(first {h.eval_batches} val batches)  lr  tokens/s  "
+        "elapsed_s  [per layer: experts with >=1% of the routed slots / largest share]"
+    )
     t_train = time.time()
     t_last, ce_acc, aux_acc, n_acc = time.time(), 0.0, 0.0, 0
     load_acc = mx.zeros((h.num_layers, h.num_experts))
@@ -342,23 +348,33 @@ def train(h: Hyper, out: Path, log_path: Path) -> None:
         n_acc += 1
         if it % 25 == 0 or it == h.steps or it % h.eval_every == 0:
             now = time.time()
-            val = evaluate(model, val_small, tap) if (it % h.eval_every == 0 or it == h.steps) else None
+            val = (
+                evaluate(model, val_small, tap)
+                if (it % h.eval_every == 0 or it == h.steps)
+                else None
+            )
             tps = n_acc * tokens_per_step / (now - t_last)
             share = np.array(load_acc / n_acc)
             usage = " ".join(f"{(r >= 0.01).sum()}/{r.max():.2f}" for r in share)
-            log(f"{it:5d}  {ce_acc / n_acc:.4f}  {aux_acc / n_acc:.3f}  "
+            log(
+                f"{it:5d}  {ce_acc / n_acc:.4f}  {aux_acc / n_acc:.3f}  "
                 f"{'-' if val is None else f'{val:.4f}'}  {schedule(it).item():.2e}  "
-                f"{tps:.0f}  {time.time() - t_start:.0f}  [{usage}]")
+                f"{tps:.0f}  {time.time() - t_start:.0f}  [{usage}]"
+            )
             t_last, ce_acc, aux_acc, n_acc = time.time(), 0.0, 0.0, 0
             load_acc = mx.zeros((h.num_layers, h.num_experts))
     load_acc = mx.zeros((h.num_layers, h.num_experts))
 
     train_secs = time.time() - t_train
     val_full = evaluate(model, eval_windows(val_ids, h, None), tap)
-    log(f"# training wall time {train_secs:.0f} s ({h.steps} steps, "
-        f"{h.steps * tokens_per_step} tokens)")
-    log(f"# final validation cross-entropy (full val split): {val_full:.4f} nats/token "
-        f"vs unigram {unigram:.4f} (ppl {math.exp(val_full):.1f} vs {math.exp(unigram):.1f})")
+    log(
+        f"# training wall time {train_secs:.0f} s ({h.steps} steps, "
+        f"{h.steps * tokens_per_step} tokens)"
+    )
+    log(
+        f"# final validation cross-entropy (full val split): {val_full:.4f} nats/token "
+        f"vs unigram {unigram:.4f} (ppl {math.exp(val_full):.1f} vs {math.exp(unigram):.1f})"
+    )
 
     # Undo the training-only router tap so the saved model is the stock module tree.
     for layer in model.model.layers:
@@ -372,8 +388,10 @@ def train(h: Hyper, out: Path, log_path: Path) -> None:
     save_config(config, out / "config.json")
     save_tokenizer(tok, out)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    log(f"# saved to {out.relative_to(REPO) if out.is_relative_to(REPO) else out} "
-        f"({size / 1e6:.2f} MB); total wall time {time.time() - t_start:.0f} s")
+    log(
+        f"# saved to {out.relative_to(REPO) if out.is_relative_to(REPO) else out} "
+        f"({size / 1e6:.2f} MB); total wall time {time.time() - t_start:.0f} s"
+    )
 
 
 def parse_args(argv=None) -> tuple[Hyper, Path, Path]:
@@ -381,8 +399,13 @@ def parse_args(argv=None) -> tuple[Hyper, Path, Path]:
     defaults = Hyper()
     aliases = {"batch_size": ["--batch"], "seq_len": ["--seq"]}
     for name, value in asdict(defaults).items():
-        p.add_argument(f"--{name.replace('_', '-')}", *aliases.get(name, []), dest=name,
-                       type=type(value), default=value)
+        p.add_argument(
+            f"--{name.replace('_', '-')}",
+            *aliases.get(name, []),
+            dest=name,
+            type=type(value),
+            default=value,
+        )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--log", type=Path, default=DEFAULT_LOG)
     args = vars(p.parse_args(argv))

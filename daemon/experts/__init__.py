@@ -6,13 +6,17 @@ workers fill with `os.preadv` straight from the safetensors files.
 """
 
 from moed.daemon.config import PageCachePolicy
-
-from .budget import BudgetError, parse_budget
-from .cache import EvictionPolicy, LRUPolicy
-from .memory_plan import MemoryPlan, estimate_kv_bytes, machine_memory, plan_memory
-from .safetensors_index import CheckpointError, CheckpointIndex, TensorLoc
-from .streamer import ExpertStreamer, StreamingConfig, install_streaming
-from .telemetry import CUMULATIVE_KEYS
+from moed.daemon.experts.budget import BudgetError, parse_budget
+from moed.daemon.experts.cache import EvictionPolicy, LRUPolicy
+from moed.daemon.experts.counters import CUMULATIVE_KEYS
+from moed.daemon.experts.memory_plan import (
+    MemoryPlan,
+    estimate_kv_bytes,
+    machine_memory,
+    plan_memory,
+)
+from moed.daemon.experts.safetensors_index import CheckpointError, CheckpointIndex, TensorLoc
+from moed.daemon.experts.streamer import ExpertStreamer, StreamingConfig, install_streaming
 
 __all__ = [
     "BudgetError",

@@ -9,9 +9,20 @@ from __future__ import annotations
 import re
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
@@ -40,7 +51,9 @@ def parse_budget(spec: str | int | float, experts_bytes: int, auto_bytes: int | 
             raise BudgetError(f"invalid cache budget {spec!r}") from None
     m = _SIZE.match(text)
     if not m or m.group(2) not in _UNITS:
-        raise BudgetError(f"invalid cache budget {spec!r} (use bytes, 12GB, 512MiB, 25%, 0.25 or auto)")
+        raise BudgetError(
+            f"invalid cache budget {spec!r} (use bytes, 12GB, 512MiB, 25%, 0.25 or auto)"
+        )
     number, unit = float(m.group(1)), m.group(2)
     # A bare number below or at 1 is a fraction ("0.25"); anything else is bytes.
     if unit == "" and number <= 1.0 and "." in m.group(1):
@@ -60,7 +73,9 @@ def _positive(n: int, spec) -> int:
     return n
 
 
-def slots_per_layer(budget_bytes: int, layer_expert_bytes: list[int], num_experts: list[int]) -> list[int]:
+def slots_per_layer(
+    budget_bytes: int, layer_expert_bytes: list[int], num_experts: list[int]
+) -> list[int]:
     """The same slot count for every layer: as many as the budget pays for, at least one and at
     most all of the layer's experts."""
     per_slot_all_layers = sum(layer_expert_bytes)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import abc
 import functools
 from collections import OrderedDict
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
-from typing import Callable, Container, Iterable
 
 import mlx.core as mx
 import numpy as np
 
-from .safetensors_index import CheckpointError, TensorLoc
+from moed.daemon.experts.safetensors_index import CheckpointError, TensorLoc
 
 # safetensors dtype -> (numpy dtype used to allocate, MLX dtype of the pool)
 _DTYPES = {
@@ -40,7 +40,9 @@ def _pool_dtypes(st_dtype: str) -> tuple:
     try:
         return _DTYPES[st_dtype]
     except KeyError:
-        raise CheckpointError(f"expert tensors of dtype {st_dtype} cannot be streamed (supported: {', '.join(_DTYPES)})") from None
+        raise CheckpointError(
+            f"expert tensors of dtype {st_dtype} cannot be streamed (supported: {', '.join(_DTYPES)})"
+        ) from None
 
 
 def mlx_dtype(st_dtype: str):
@@ -128,7 +130,14 @@ def _alloc(loc: TensorLoc, slots: int) -> mx.array:
 class LayerPool:
     """The slots of one MoE layer: pools, expert <-> slot tables, and the layer's policy."""
 
-    def __init__(self, layer: int, tensors: list[PooledTensor], num_experts: int, slots: int, policy: EvictionPolicy):
+    def __init__(
+        self,
+        layer: int,
+        tensors: list[PooledTensor],
+        num_experts: int,
+        slots: int,
+        policy: EvictionPolicy,
+    ):
         self.layer = layer
         self.tensors = tensors
         self.num_experts = num_experts
@@ -140,7 +149,9 @@ class LayerPool:
         self.slots = slots
         self.arrays: dict[str, mx.array] = {t.key: _alloc(t.loc, slots) for t in self.tensors}
         # Byte views of each pool; workers write through these (no MLX calls off the engine thread).
-        self.views: dict[str, memoryview] = {k: memoryview(a).cast("B") for k, a in self.arrays.items()}
+        self.views: dict[str, memoryview] = {
+            k: memoryview(a).cast("B") for k, a in self.arrays.items()
+        }
         self.slot_of = np.full(self.num_experts, -1, dtype=np.int64)
         self.expert_in = np.full(slots, -1, dtype=np.int64)
         self._free = list(range(slots - 1, -1, -1))
@@ -166,7 +177,9 @@ class LayerPool:
         read]). The caller guarantees no pending computation still reads an evicted slot."""
         experts = [int(e) for e in experts]
         if len(experts) > self.slots:
-            raise ValueError(f"layer {self.layer}: {len(experts)} experts do not fit {self.slots} slots")
+            raise ValueError(
+                f"layer {self.layer}: {len(experts)} experts do not fit {self.slots} slots"
+            )
         wanted = set(experts)
         hits, loads = [], []
         for e in experts:
@@ -214,7 +227,9 @@ class LayerPool:
             slot = self._free.pop()
             for t in self.tensors:
                 n = t.slot_bytes
-                self.views[t.key][slot * n : (slot + 1) * n] = old_views[t.key][src * n : (src + 1) * n]
+                self.views[t.key][slot * n : (slot + 1) * n] = old_views[t.key][
+                    src * n : (src + 1) * n
+                ]
             self.slot_of[e] = slot
             self.expert_in[slot] = e
             self.policy.insert(e)

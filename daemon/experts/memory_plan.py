@@ -9,15 +9,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .budget import parse_budget, slots_per_layer
-from .safetensors_index import CheckpointIndex
+from moed.daemon.experts.budget import parse_budget, slots_per_layer
+from moed.daemon.experts.safetensors_index import CheckpointIndex
 
 GB = 1e9
 LINUX_USABLE_FRACTION = 0.85  # leave the rest to the OS and other processes
 MIN_WORKING_BYTES = 32 * 2**20
 
 # Stacked expert tensors of stock mlx-lm checkpoints (SwitchGLU / SwitchMLP owners in any arch).
-_EXPERT_TENSOR = re.compile(r"^(?P<owner>.*\.(?:switch_mlp|experts))\.(?P<proj>gate_proj|up_proj|down_proj|fc1|fc2)\.(?P<param>weight|scales|biases|bias|global_scale)$")
+_EXPERT_TENSOR = re.compile(
+    r"^(?P<owner>.*\.(?:switch_mlp|experts))\.(?P<proj>gate_proj|up_proj|down_proj|fc1|fc2)\.(?P<param>weight|scales|biases|bias|global_scale)$"
+)
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,13 @@ class MemoryPlan:
 
     @property
     def required_bytes(self) -> int:
-        return self.baseline_bytes + self.resident_bytes + self.cache_budget_bytes + self.kv_bytes + self.working_bytes
+        return (
+            self.baseline_bytes
+            + self.resident_bytes
+            + self.cache_budget_bytes
+            + self.kv_bytes
+            + self.working_bytes
+        )
 
     @property
     def fits(self) -> bool:
@@ -46,16 +54,18 @@ class MemoryPlan:
     def describe(self) -> str:
         pct = 100.0 * self.cache_budget_bytes / self.experts_bytes if self.experts_bytes else 0.0
         verdict = "fits" if self.fits else "DOES NOT FIT"
-        return "\n".join([
-            f"memory plan ({verdict}): {_gb(self.usable_memory)} usable of {_gb(self.total_memory)} ({self.memory_source})",
-            f"  process baseline {_gb(self.baseline_bytes):>10}",
-            f"  resident weights {_gb(self.resident_bytes):>10}",
-            f"  expert cache     {_gb(self.cache_budget_bytes):>10}  ({pct:.0f}% of {_gb(self.experts_bytes)} of experts: "
-            f"{self.slots_per_layer} of {self.num_experts} slots x {self.num_layers} layers)",
-            f"  KV cache         {_gb(self.kv_bytes):>10}",
-            f"  working memory   {_gb(self.working_bytes):>10}",
-            f"  total            {_gb(self.required_bytes):>10}",
-        ])
+        return "\n".join(
+            [
+                f"memory plan ({verdict}): {_gb(self.usable_memory)} usable of {_gb(self.total_memory)} ({self.memory_source})",
+                f"  process baseline {_gb(self.baseline_bytes):>10}",
+                f"  resident weights {_gb(self.resident_bytes):>10}",
+                f"  expert cache     {_gb(self.cache_budget_bytes):>10}  ({pct:.0f}% of {_gb(self.experts_bytes)} of experts: "
+                f"{self.slots_per_layer} of {self.num_experts} slots x {self.num_layers} layers)",
+                f"  KV cache         {_gb(self.kv_bytes):>10}",
+                f"  working memory   {_gb(self.working_bytes):>10}",
+                f"  total            {_gb(self.required_bytes):>10}",
+            ]
+        )
 
     def refusal(self) -> str:
         return (
@@ -184,7 +194,11 @@ def make_plan(
     experts = layout.experts_bytes
     auto = usable - baseline - resident_bytes - kv_bytes - working
     budget = parse_budget(cache_budget, experts, auto_bytes=max(0, auto))
-    slots = slots_per_layer(budget, layout.expert_bytes, layout.num_experts) if layout.num_experts else [0]
+    slots = (
+        slots_per_layer(budget, layout.expert_bytes, layout.num_experts)
+        if layout.num_experts
+        else [0]
+    )
     allocated = sum(s * b for s, b in zip(slots, layout.expert_bytes))
     return MemoryPlan(
         total_memory=total,
@@ -202,8 +216,15 @@ def make_plan(
     )
 
 
-def plan_memory(model_path: Path, cfg, *, kv_bytes: int = 0, working_bytes: int = 0, baseline_bytes: int | None = None,
-                memory: tuple[int, int, str] | None = None) -> MemoryPlan:
+def plan_memory(
+    model_path: Path,
+    cfg,
+    *,
+    kv_bytes: int = 0,
+    working_bytes: int = 0,
+    baseline_bytes: int | None = None,
+    memory: tuple[int, int, str] | None = None,
+) -> MemoryPlan:
     """Plan from the checkpoint alone (before loading). `cfg` is a StreamingConfig."""
     index = CheckpointIndex(Path(model_path))
     layout = layout_from_index(index)
@@ -231,5 +252,8 @@ def estimate_kv_bytes(config: dict, tokens: int, dtype_bytes: int = 2) -> int:
     cfg = config.get("text_config", config)
     layers = int(cfg.get("num_hidden_layers", 0))
     heads = int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 0))
-    head_dim = int(cfg.get("head_dim") or (cfg.get("hidden_size", 0) // max(1, cfg.get("num_attention_heads", 1))))
+    head_dim = int(
+        cfg.get("head_dim")
+        or (cfg.get("hidden_size", 0) // max(1, cfg.get("num_attention_heads", 1)))
+    )
     return 2 * layers * heads * head_dim * tokens * dtype_bytes

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .store import ExpertStore, ReadJob
+from moed.daemon.experts.store import ExpertStore, ReadJob
 
 
 def default_workers() -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moed.daemon.state import read_json, write_json_atomic
+from moed.daemon.runtime.state_files import read_json, write_json_atomic
 
 VERSION = 1
 
@@ -19,11 +19,14 @@ def profile_path(state_dir: Path, model_path: Path) -> Path:
 
 
 def save_profile(path: Path, model_path: Path, counts: list[np.ndarray]) -> None:
-    write_json_atomic(path, {
-        "version": VERSION,
-        "model_path": str(Path(model_path).resolve()),
-        "layers": [[int(c) for c in layer] for layer in counts],
-    })
+    write_json_atomic(
+        path,
+        {
+            "version": VERSION,
+            "model_path": str(Path(model_path).resolve()),
+            "layers": [[int(c) for c in layer] for layer in counts],
+        },
+    )
 
 
 def load_profile(path: Path, num_experts: list[int]) -> list[np.ndarray] | None:

@@ -8,8 +8,8 @@ the headers ourselves so that an expert's slice of a stacked `(E, ...)` tensor c
 
 from __future__ import annotations
 
-import json
 import functools
+import json
 import math
 import struct
 from dataclasses import dataclass
@@ -17,10 +17,21 @@ from pathlib import Path
 
 # safetensors dtype name -> bytes per element (what the header parser accepts)
 DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
-    "U32": 4, "I32": 4, "F32": 4,
-    "U64": 8, "I64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
 }
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit; guards against a corrupt length

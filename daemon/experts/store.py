@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moed.daemon.config import PageCachePolicy
-
-from .cache import LayerPool
+from moed.daemon.experts.cache import LayerPool
 
 F_NOCACHE = 48  # macOS <sys/fcntl.h>: turn data caching off for this file descriptor
 IOV_MAX = 1024  # POSIX minimum guaranteed is 16; Linux and macOS allow 1024
@@ -81,7 +80,9 @@ class ExpertStore:
     def __init__(self, files: list[Path], bypass_page_cache: bool, split_bytes: int | None = None):
         self.bypass = bypass_page_cache
         self.split_bytes = SPLIT_BYTES if split_bytes is None else split_bytes
-        self.fds: dict[Path, int] = {Path(f): open_for_reads(Path(f), bypass_page_cache) for f in files}
+        self.fds: dict[Path, int] = {
+            Path(f): open_for_reads(Path(f), bypass_page_cache) for f in files
+        }
 
     def jobs_for(self, pool: LayerPool, loads: list[tuple[int, int]]) -> list[ReadJob]:
         """Read jobs that fill `loads` [(expert, slot)] of `pool`, adjacent experts coalesced."""

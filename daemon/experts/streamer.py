@@ -15,15 +15,20 @@ import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
 from moed.daemon.config import PageCachePolicy
-
-from . import profile as profile_mod
-from .cache import LayerPool, LRUPolicy, PolicyFactory, PooledTensor, mlx_dtype
-from .memory_plan import ExpertLayout, MemoryPlan, _memory_override, _natural, make_plan
-from .prefetch import ReadPool
-from .safetensors_index import CheckpointError, CheckpointIndex, TensorLoc
-from .store import ExpertStore, resolve_page_cache
-from .streaming_switch import ProjSpec, StreamingSwitch
-from .telemetry import Counters, LayerCounters
+from moed.daemon.experts import profile as profile_mod
+from moed.daemon.experts.cache import LayerPool, LRUPolicy, PolicyFactory, PooledTensor, mlx_dtype
+from moed.daemon.experts.counters import Counters, LayerCounters
+from moed.daemon.experts.memory_plan import (
+    ExpertLayout,
+    MemoryPlan,
+    _memory_override,
+    _natural,
+    make_plan,
+)
+from moed.daemon.experts.prefetch import ReadPool
+from moed.daemon.experts.safetensors_index import CheckpointError, CheckpointIndex, TensorLoc
+from moed.daemon.experts.store import ExpertStore, resolve_page_cache
+from moed.daemon.experts.streaming_switch import ProjSpec, StreamingSwitch
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +64,25 @@ class _Switch:
 
 def find_switches(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every SwitchGLU / SwitchMLP, in depth order (named_modules lists them last layer first)."""
-    found = [(name, m) for name, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))]
+    found = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))
+    ]
     return sorted(found, key=lambda nm: _natural(nm[0]))
 
 
 def _proj_spec(name: str, lin: nn.Module) -> tuple[ProjSpec, dict[str, mx.array]]:
     arrays = {p: lin[p] for p in _PARAMS if p in lin and isinstance(lin[p], mx.array)}
     if isinstance(lin, QuantizedSwitchLinear):
-        spec = ProjSpec(name, True, lin.group_size, lin.bits, lin.mode,
-                        has_biases="biases" in arrays, has_bias="bias" in arrays,
-                        has_global_scale="global_scale" in arrays)
+        spec = ProjSpec(
+            name,
+            True,
+            lin.group_size,
+            lin.bits,
+            lin.mode,
+            has_biases="biases" in arrays,
+            has_bias="bias" in arrays,
+            has_global_scale="global_scale" in arrays,
+        )
     elif isinstance(lin, SwitchLinear):
         spec = ProjSpec(name, False, has_bias="bias" in arrays)
     else:
@@ -76,7 +90,9 @@ def _proj_spec(name: str, lin: nn.Module) -> tuple[ProjSpec, dict[str, mx.array]
     return spec, arrays
 
 
-def _resolve(model: nn.Module, index: CheckpointIndex, wanted: dict[str, mx.array]) -> dict[str, TensorLoc]:
+def _resolve(
+    model: nn.Module, index: CheckpointIndex, wanted: dict[str, mx.array]
+) -> dict[str, TensorLoc]:
     """Map model parameter paths to tensors on disk. Names usually match; when the model's
     sanitize renames keys (e.g. qwen3_5_moe's language_model prefix), follow the renaming by
     identity of the lazily loaded arrays; as a last resort match the `layers.N...` suffix."""
@@ -101,8 +117,12 @@ def _resolve(model: nn.Module, index: CheckpointIndex, wanted: dict[str, mx.arra
     for p in missing:
         if "layers." not in p:
             continue
-        tail = p[p.index("layers."):]
-        cands = [loc for n, loc in index.tensors.items() if (n == tail or n.endswith("." + tail)) and loc.shape == tuple(wanted[p].shape)]
+        tail = p[p.index("layers.") :]
+        cands = [
+            loc
+            for n, loc in index.tensors.items()
+            if (n == tail or n.endswith("." + tail)) and loc.shape == tuple(wanted[p].shape)
+        ]
         if len(cands) == 1:
             found[p] = cands[0]
     for p, arr in wanted.items():
@@ -140,13 +160,17 @@ def _describe_switches(model: nn.Module, index: CheckpointIndex) -> list[_Switch
         tensors = [PooledTensor(name, p, locs[f"{path}.{name}.{p}"]) for (name, p) in arrays]
         num = {t.loc.shape[0] for t in tensors}
         if len(num) != 1:
-            raise CheckpointError(f"{path}: expert tensors disagree on the number of experts {sorted(num)}")
+            raise CheckpointError(
+                f"{path}: expert tensors disagree on the number of experts {sorted(num)}"
+            )
         n = num.pop()
         out.append(_Switch(path, kind, m, projs, tensors, n, _find_router(model, path, m, n)))
     return out
 
 
-def _find_router(model: nn.Module, path: str, switch: nn.Module, num_experts: int) -> nn.Module | None:
+def _find_router(
+    model: nn.Module, path: str, switch: nn.Module, num_experts: int
+) -> nn.Module | None:
     """The switch's sibling whose weight maps the hidden state to one logit per expert (`gate`,
     `router`, DeepSeek's MoEGate); None when there is no single such module."""
     parent: Any = model
@@ -177,22 +201,47 @@ def _set_module(model: nn.Module, path: str, new: nn.Module) -> None:
 class ExpertStreamer:
     """Owns the slot pools, the store, the read workers, the counters and the usage profile."""
 
-    def __init__(self, model_path: Path, cfg: StreamingConfig, index: CheckpointIndex, switches: list[_Switch],
-                 policy_factory: PolicyFactory = lambda layer, n: LRUPolicy(n)):
+    def __init__(
+        self,
+        model_path: Path,
+        cfg: StreamingConfig,
+        index: CheckpointIndex,
+        switches: list[_Switch],
+        policy_factory: PolicyFactory = lambda layer, n: LRUPolicy(n),
+    ):
         self.model_path = Path(model_path)
         self.cfg = cfg
         self.index = index
         self.paths = [s.path for s in switches]
-        self.layout = ExpertLayout([sum(t.slot_bytes for t in s.tensors) for s in switches], [s.num_experts for s in switches])
+        self.layout = ExpertLayout(
+            [sum(t.slot_bytes for t in s.tensors) for s in switches],
+            [s.num_experts for s in switches],
+        )
         self.resident_weight_bytes = index.total_bytes - self.layout.experts_bytes
-        self.plan = make_plan(self.layout, self.resident_weight_bytes, cfg.cache_budget,
-                              kv_bytes=cfg.kv_bytes, working_bytes=cfg.working_bytes, memory=_memory_override(cfg))
+        self.plan = make_plan(
+            self.layout,
+            self.resident_weight_bytes,
+            cfg.cache_budget,
+            kv_bytes=cfg.kv_bytes,
+            working_bytes=cfg.working_bytes,
+            memory=_memory_override(cfg),
+        )
         self.baseline_bytes = self.plan.baseline_bytes  # measured before weights and pools exist
         self.budget_bytes = self.plan.cache_budget_bytes
         slots = self.plan.slots_per_layer
-        self.pools = [LayerPool(i, s.tensors, s.num_experts, min(slots, s.num_experts), policy_factory(i, s.num_experts))
-                      for i, s in enumerate(switches)]
-        self.bypass_page_cache = resolve_page_cache(cfg.page_cache, self.layout.experts_bytes, self.plan.total_memory)
+        self.pools = [
+            LayerPool(
+                i,
+                s.tensors,
+                s.num_experts,
+                min(slots, s.num_experts),
+                policy_factory(i, s.num_experts),
+            )
+            for i, s in enumerate(switches)
+        ]
+        self.bypass_page_cache = resolve_page_cache(
+            cfg.page_cache, self.layout.experts_bytes, self.plan.total_memory
+        )
         self.store = ExpertStore(index.files, self.bypass_page_cache)
         self.reader = ReadPool(self.store, cfg.prefetch_workers)
         self.counters = Counters(layers=[LayerCounters() for _ in switches])
@@ -220,7 +269,9 @@ class ExpertStreamer:
         mx.eval(indices) if predicted is None else mx.eval(indices, predicted)
         t1 = time.perf_counter()
         host = np.array(indices)
-        self._predicted = (layer + 1, np.unique(np.array(predicted))) if predicted is not None else None
+        self._predicted = (
+            (layer + 1, np.unique(np.array(predicted))) if predicted is not None else None
+        )
         flat = host.reshape(-1)
         self.usage[layer] += np.bincount(flat, minlength=self.usage[layer].shape[0])
         if layer == 0:
@@ -240,7 +291,12 @@ class ExpertStreamer:
     def _prediction(self, layer: int, indices: mx.array, x: mx.array | None) -> mx.array | None:
         """Layer L+1's router applied to layer L's input (decode steps only: a few tokens)."""
         nxt = layer + 1
-        if not self.cfg.prefetch_next or x is None or nxt >= len(self.pools) or self.routers[nxt] is None:
+        if (
+            not self.cfg.prefetch_next
+            or x is None
+            or nxt >= len(self.pools)
+            or self.routers[nxt] is None
+        ):
             return None
         k = indices.shape[-1] if indices.ndim else 1
         if indices.size > 4 * k or self.pools[nxt].slots < 2 * k:
@@ -332,7 +388,9 @@ class ExpertStreamer:
     def _admit(self, pool: LayerPool, experts) -> tuple[list[int], list[tuple[int, int]]]:
         free_before = pool.free_slots
         hits, loads = pool.admit(experts)
-        self.counters.evictions += max(0, len(loads) - free_before)  # loads beyond free slots evicted
+        self.counters.evictions += max(
+            0, len(loads) - free_before
+        )  # loads beyond free slots evicted
         return hits, loads
 
     def _count_reads(self, res, jobs: int, prefetch: bool = False) -> None:
@@ -358,29 +416,38 @@ class ExpertStreamer:
 
     def snapshot(self) -> dict:
         snap = self.counters.snapshot()
-        snap.update({
-            "resident_bytes": self.resident_bytes,
-            "budget_bytes": self.budget_bytes,
-            "resident_weight_bytes": self.resident_weight_bytes,
-            "experts_bytes": self.layout.experts_bytes,
-            "expert_bytes": self.layout.expert_bytes[0] if self.layout.expert_bytes else 0,
-            "num_layers": len(self.pools),
-            "num_experts": self.layout.num_experts[0] if self.layout.num_experts else 0,
-            "slots_per_layer": self.slots,
-            # Every slot is free or holds one expert: no walk over the slot tables needed.
-            "cached_experts": sum(p.slots - p.free_slots for p in self.pools),
-            "prefetch_workers": self.reader.workers,
-            "page_cache_bypass": self.bypass_page_cache,
-        })
+        snap.update(
+            {
+                "resident_bytes": self.resident_bytes,
+                "budget_bytes": self.budget_bytes,
+                "resident_weight_bytes": self.resident_weight_bytes,
+                "experts_bytes": self.layout.experts_bytes,
+                "expert_bytes": self.layout.expert_bytes[0] if self.layout.expert_bytes else 0,
+                "num_layers": len(self.pools),
+                "num_experts": self.layout.num_experts[0] if self.layout.num_experts else 0,
+                "slots_per_layer": self.slots,
+                # Every slot is free or holds one expert: no walk over the slot tables needed.
+                "cached_experts": sum(p.slots - p.free_slots for p in self.pools),
+                "prefetch_workers": self.reader.workers,
+                "page_cache_bypass": self.bypass_page_cache,
+            }
+        )
         return snap
 
-    def memory_plan(self, kv_bytes: int | None = None, working_bytes: int | None = None) -> MemoryPlan:
+    def memory_plan(
+        self, kv_bytes: int | None = None, working_bytes: int | None = None
+    ) -> MemoryPlan:
         """The plan for the slots actually allocated, with a new KV / working estimate."""
         budget = self.resident_bytes
-        return make_plan(self.layout, self.resident_weight_bytes, budget,
-                         kv_bytes=self.cfg.kv_bytes if kv_bytes is None else kv_bytes,
-                         working_bytes=(working_bytes or self.cfg.working_bytes),
-                         baseline_bytes=self.baseline_bytes, memory=_memory_override(self.cfg))
+        return make_plan(
+            self.layout,
+            self.resident_weight_bytes,
+            budget,
+            kv_bytes=self.cfg.kv_bytes if kv_bytes is None else kv_bytes,
+            working_bytes=(working_bytes or self.cfg.working_bytes),
+            baseline_bytes=self.baseline_bytes,
+            memory=_memory_override(self.cfg),
+        )
 
     def shed(self, fraction: float) -> int:
         """Shrink the cache to `fraction` of its current size (at least one slot per layer).
@@ -391,7 +458,11 @@ class ExpertStreamer:
         with self._lock:
             current = self._pending_slots if self._pending_slots is not None else min(self.slots)
             target = max(1, int(current * fraction))
-            released = sum((p.slots - min(target, p.num_experts)) * p.expert_bytes for p in self.pools if p.slots > target)
+            released = sum(
+                (p.slots - min(target, p.num_experts)) * p.expert_bytes
+                for p in self.pools
+                if p.slots > target
+            )
             self._pending_slots = target
         if self._engine_thread == threading.get_ident():
             self._apply_shed()
@@ -471,8 +542,12 @@ class ExpertStreamer:
         self.store.close()
 
 
-def install_streaming(model: nn.Module, model_path: Path, cfg: StreamingConfig | None = None,
-                      policy_factory: PolicyFactory | None = None) -> ExpertStreamer:
+def install_streaming(
+    model: nn.Module,
+    model_path: Path,
+    cfg: StreamingConfig | None = None,
+    policy_factory: PolicyFactory | None = None,
+) -> ExpertStreamer:
     """Replace every SwitchGLU / SwitchMLP of a lazily loaded mlx-lm model with a streaming twin.
     Call before `mx.eval(model.parameters())`, which then materializes only non-expert weights."""
     cfg = cfg or StreamingConfig()
@@ -483,5 +558,10 @@ def install_streaming(model: nn.Module, model_path: Path, cfg: StreamingConfig |
     for layer, sw in enumerate(switches):
         twin = StreamingSwitch(sw.kind, sw.projs, sw.module.activation, layer, streamer)
         _set_module(model, sw.path, twin)
-    log.info("streaming %d MoE layers, %d slots per layer\n%s", len(switches), min(streamer.slots), streamer.plan.describe())
+    log.info(
+        "streaming %d MoE layers, %d slots per layer\n%s",
+        len(switches),
+        min(streamer.slots),
+        streamer.plan.describe(),
+    )
     return streamer

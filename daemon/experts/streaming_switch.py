@@ -19,7 +19,7 @@ import numpy as np
 from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
 
 if TYPE_CHECKING:
-    from .streamer import ExpertStreamer
+    from moed.daemon.experts.streamer import ExpertStreamer
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,14 @@ class ProjSpec:
 
 
 class StreamingSwitch(nn.Module):
-    def __init__(self, kind: str, projs: dict[str, ProjSpec], activation, layer: int, streamer: "ExpertStreamer"):
+    def __init__(
+        self,
+        kind: str,
+        projs: dict[str, ProjSpec],
+        activation,
+        layer: int,
+        streamer: ExpertStreamer,
+    ):
         super().__init__()
         self.kind = kind  # "glu" or "mlp"
         self.activation = activation
@@ -61,7 +68,12 @@ class StreamingSwitch(nn.Module):
                 sorted_indices=sorted_indices,
             )
         else:
-            y = mx.gather_mm(x, pools[f"{name}.weight"].swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sorted_indices)
+            y = mx.gather_mm(
+                x,
+                pools[f"{name}.weight"].swapaxes(-1, -2),
+                rhs_indices=idx,
+                sorted_indices=sorted_indices,
+            )
         if spec.has_bias:
             y = y + mx.expand_dims(pools[f"{name}.bias"][idx], -2)
         return y
@@ -97,7 +109,9 @@ class StreamingSwitch(nn.Module):
                 member[experts] = True
                 if out is not None:
                     y = mx.where(mx.expand_dims(mx.array(member)[idx], (-1, -2)), y, out)
-                if n < len(passes) - 1:  # the next pass overwrites slots this one reads: finish it first
+                if (
+                    n < len(passes) - 1
+                ):  # the next pass overwrites slots this one reads: finish it first
                     streamer.finish(y)
             out = y
 

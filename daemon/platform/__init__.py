@@ -49,11 +49,11 @@ class MemoryProbe(abc.ABC):
 def probe_for_platform(platform: str | None = None) -> MemoryProbe:
     platform = platform or sys.platform
     if platform == "darwin":
-        from .macos import MacOSProbe
+        from moed.daemon.platform.macos import MacOSProbe
 
         return MacOSProbe()
     if platform.startswith("linux"):
-        from .linux import LinuxProbe
+        from moed.daemon.platform.linux import LinuxProbe
 
         return LinuxProbe()
     raise RuntimeError(f"no memory probe for platform {platform!r}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import Footprint, MemoryProbe, PressureLevel
+from moed.daemon.platform import Footprint, MemoryProbe, PressureLevel
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,10 @@ def parse_psi(text: str) -> PSI:
 
 
 def level_from_psi(psi: PSI, thresholds: PSIThresholds = PSIThresholds()) -> PressureLevel:
-    if psi.some_avg10 >= thresholds.critical_some or (psi.full_avg10 or 0.0) >= thresholds.critical_full:
+    if (
+        psi.some_avg10 >= thresholds.critical_some
+        or (psi.full_avg10 or 0.0) >= thresholds.critical_full
+    ):
         return PressureLevel.CRITICAL
     if psi.some_avg10 >= thresholds.warn_some:
         return PressureLevel.WARN

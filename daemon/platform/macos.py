@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from . import Footprint, MemoryProbe, PressureLevel
+from moed.daemon.platform import Footprint, MemoryProbe, PressureLevel
 
 _MIB = 1024 * 1024
 # sysctl(8) prints xsw_usage as "total = %.2fM  used = %.2fM  free = %.2fM  %s" (MiB, always "M").
@@ -41,7 +41,9 @@ def parse_swapusage(text: str) -> SwapUsage:
         fields[name.lower()] = int(round(float(number) * _UNIT[unit.upper()]))
     missing = {"total", "used", "free"} - fields.keys()
     if missing:
-        raise ValueError(f"not vm.swapusage output (missing {', '.join(sorted(missing))}): {text.strip()!r}")
+        raise ValueError(
+            f"not vm.swapusage output (missing {', '.join(sorted(missing))}): {text.strip()!r}"
+        )
     return SwapUsage(fields["total"], fields["used"], fields["free"], "(encrypted)" in text)
 
 
@@ -55,7 +57,9 @@ def parse_pressure_level(text: str) -> PressureLevel:
 
 
 def _sysctl(name: str) -> str:
-    proc = subprocess.run([SYSCTL, name], capture_output=True, text=True, timeout=SYSCTL_TIMEOUT_S, check=True)
+    proc = subprocess.run(
+        [SYSCTL, name], capture_output=True, text=True, timeout=SYSCTL_TIMEOUT_S, check=True
+    )
     return proc.stdout
 
 

@@ -12,14 +12,21 @@ import os
 import shlex
 import subprocess
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
-from ..exit_codes import DaemonExit
-from ..state import write_atomic
-from . import launchctl, systemd
-from .render import START_ORDER, STOP_ORDER, Platform, Role, ServiceContext, render
+from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.runtime.state_files import write_atomic
+from moed.daemon.service import launchctl, systemd
+from moed.daemon.service.render import (
+    START_ORDER,
+    STOP_ORDER,
+    Platform,
+    Role,
+    ServiceContext,
+    render,
+)
 
 HEREDOC_END = "MOED_EOF"
 
@@ -34,7 +41,9 @@ class Result:
 class CommandFailed(RuntimeError):
     def __init__(self, argv: list[str], result: Result, hint: str = ""):
         detail = (result.stderr or result.stdout).strip()
-        message = f"`{shlex.join(argv)}` exited {result.returncode}" + (f": {detail}" if detail else "")
+        message = f"`{shlex.join(argv)}` exited {result.returncode}" + (
+            f": {detail}" if detail else ""
+        )
         super().__init__(message + (f"\n{hint}" if hint else ""))
         self.argv = argv
         self.result = result
@@ -51,7 +60,9 @@ class Executor:
         if self.dry_run:
             text = content.decode()
             self.echo(f"mkdir -p {shlex.quote(str(path.parent))}")
-            self.echo(f"cat > {shlex.quote(str(path))} <<'{HEREDOC_END}'\n{text.rstrip(chr(10))}\n{HEREDOC_END}")
+            self.echo(
+                f"cat > {shlex.quote(str(path))} <<'{HEREDOC_END}'\n{text.rstrip(chr(10))}\n{HEREDOC_END}"
+            )
             return
         write_atomic(path, content)
         os.chmod(path, mode)
@@ -77,7 +88,9 @@ class Executor:
         except OSError:
             pass  # not empty, or not there
 
-    def run(self, argv: list[str], ok: Iterable[int] = (0,), tolerate: bool = False, hint: str = "") -> Result:
+    def run(
+        self, argv: list[str], ok: Iterable[int] = (0,), tolerate: bool = False, hint: str = ""
+    ) -> Result:
         """Run a command; a dry run prints it and reports success. tolerate: never raise."""
         if self.dry_run:
             self.echo(shlex.join(argv) + (" || true" if tolerate else ""))
@@ -181,7 +194,9 @@ class ServiceBackend(abc.ABC):
                 self.ex.remove(config_file)
                 self.ex.rmdir_if_empty(config_file.parent)
             else:
-                notes.append(f"kept your config {config_file} (edited since install; --purge removes it)")
+                notes.append(
+                    f"kept your config {config_file} (edited since install; --purge removes it)"
+                )
         log_dir = self.ctx.log_dir
         if purge:
             for role in START_ORDER:
@@ -222,7 +237,11 @@ class ServiceBackend(abc.ABC):
 
 
 def _generations(path: Path, keep: int = 9) -> list[Path]:
-    return [path] + [path.with_name(f"{path.name}.{i}") for i in range(1, keep + 1) if path.with_name(f"{path.name}.{i}").exists()]
+    return [path] + [
+        path.with_name(f"{path.name}.{i}")
+        for i in range(1, keep + 1)
+        if path.with_name(f"{path.name}.{i}").exists()
+    ]
 
 
 class LaunchdBackend(ServiceBackend):
@@ -313,13 +332,35 @@ class LaunchdBackend(ServiceBackend):
             except launchctl.LaunchctlError as exc:
                 out.append(RoleStatus(role, role.label, installed, False, False, error=str(exc)))
                 continue
-            last = _name_exit(role, st.last_exit(), st.last_exit_code if ":" not in (st.last_exit_text or "") else None)
-            out.append(RoleStatus(role, role.label, installed, st.loaded, st.running, st.pid, st.state, last, st.runs))
+            last = _name_exit(
+                role,
+                st.last_exit(),
+                st.last_exit_code if ":" not in (st.last_exit_text or "") else None,
+            )
+            out.append(
+                RoleStatus(
+                    role,
+                    role.label,
+                    installed,
+                    st.loaded,
+                    st.running,
+                    st.pid,
+                    st.state,
+                    last,
+                    st.runs,
+                )
+            )
         return None if self.ex.dry_run else out
 
     def logs_command(self, lines: int, follow: bool) -> list[str]:
         # -F follows across rotation (the daemon renames its log when it grows too large).
-        return ["tail", "-n", str(lines), *(["-F"] if follow else []), *(str(self.ctx.log_path(r)) for r in START_ORDER)]
+        return [
+            "tail",
+            "-n",
+            str(lines),
+            *(["-F"] if follow else []),
+            *(str(self.ctx.log_path(r)) for r in START_ORDER),
+        ]
 
 
 class SystemdBackend(ServiceBackend):
@@ -371,7 +412,19 @@ class SystemdBackend(ServiceBackend):
                 continue
             code = st.exec_main_status if st.exec_main_code == 1 else None
             last = _name_exit(role, st.last_exit(), code)
-            out.append(RoleStatus(role, role.unit, installed, st.loaded, st.running, st.pid, st.state, last, restarts=st.restarts))
+            out.append(
+                RoleStatus(
+                    role,
+                    role.unit,
+                    installed,
+                    st.loaded,
+                    st.running,
+                    st.pid,
+                    st.state,
+                    last,
+                    restarts=st.restarts,
+                )
+            )
         return None if self.ex.dry_run else out
 
     def logs_command(self, lines: int, follow: bool) -> list[str]:
@@ -388,7 +441,10 @@ def _name_exit(role: Role, text: str | None, code: int | None) -> str | None:
         return text
 
 
-BACKENDS: dict[Platform, type[ServiceBackend]] = {Platform.MACOS: LaunchdBackend, Platform.LINUX: SystemdBackend}
+BACKENDS: dict[Platform, type[ServiceBackend]] = {
+    Platform.MACOS: LaunchdBackend,
+    Platform.LINUX: SystemdBackend,
+}
 
 
 def backend_for(ctx: ServiceContext, ex: Executor) -> ServiceBackend:

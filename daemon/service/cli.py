@@ -7,15 +7,29 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
-from ..config import ConfigError, load_config, to_toml
-from . import logs as service_logs
-from .backend import BACKENDS, CommandFailed, Executor, RoleStatus, ServiceBackend
-from .render import Platform, Role, ServiceContext, foreign_defaults, layout_for, make_context
+from moed.daemon.config import ConfigError, load_config, to_toml
+from moed.daemon.runtime import run_log as service_logs
+from moed.daemon.service.backend import (
+    BACKENDS,
+    CommandFailed,
+    Executor,
+    RoleStatus,
+    ServiceBackend,
+)
+from moed.daemon.service.render import (
+    Platform,
+    Role,
+    ServiceContext,
+    foreign_defaults,
+    layout_for,
+    make_context,
+)
 
 DIGEST_PREFIX = "# sha256 of the settings below as written: "
 
@@ -40,14 +54,24 @@ def is_pristine(text: str) -> bool:
     head, sep, body = text.partition("\n\n")
     for line in head.splitlines():
         if line.startswith(DIGEST_PREFIX):
-            return sep != "" and hashlib.sha256(body.encode()).hexdigest() == line[len(DIGEST_PREFIX):].strip()
+            return (
+                sep != ""
+                and hashlib.sha256(body.encode()).hexdigest() == line[len(DIGEST_PREFIX) :].strip()
+            )
     return False
 
 
 class _Session:
     """What every verb needs: the target platform, its config and the backend driving it."""
 
-    def __init__(self, platform: str | None, config_file: Path | None, dry_run: bool, serve_overrides: dict[str, Any] | None = None, factory: Callable | None = None):
+    def __init__(
+        self,
+        platform: str | None,
+        config_file: Path | None,
+        dry_run: bool,
+        serve_overrides: dict[str, Any] | None = None,
+        factory: Callable | None = None,
+    ):
         self.platform = Platform(platform) if platform else Platform.host()
         environ = dict(os.environ)
         self.layout = layout_for(self.platform, environ, config_file)
@@ -69,7 +93,11 @@ class _Session:
 
 
 def _common(fn):
-    fn = click.option("--dry-run", is_flag=True, help="Print every file and command instead of writing or running it.")(fn)
+    fn = click.option(
+        "--dry-run",
+        is_flag=True,
+        help="Print every file and command instead of writing or running it.",
+    )(fn)
     fn = click.option(
         "--platform",
         type=click.Choice([p.value for p in Platform]),
@@ -106,13 +134,27 @@ def service() -> None:
 @service.command()
 @_common
 @click.option("--model", default=None, help="Model for a first install's config file.")
-@click.option("--cache-budget", default=None, help="Expert cache budget for a first install's config file.")
-@click.option("--socket", type=click.Path(path_type=Path), default=None, help="Socket path for a first install's config file.")
+@click.option(
+    "--cache-budget", default=None, help="Expert cache budget for a first install's config file."
+)
+@click.option(
+    "--socket",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Socket path for a first install's config file.",
+)
 def install(dry_run, platform, config_file, model, cache_budget, socket):
     """Write the config (first time only) and the service definitions; load and start both processes."""
-    s = _session(platform, config_file, dry_run, {"model": model, "cache_budget": cache_budget, "socket": socket})
+    s = _session(
+        platform,
+        config_file,
+        dry_run,
+        {"model": model, "cache_budget": cache_budget, "socket": socket},
+    )
     if s.layout.config_file.exists() and any(v is not None for v in (model, cache_budget, socket)):
-        click.echo(f"note: {s.layout.config_file} exists and is kept; edit it to change settings", err=True)
+        click.echo(
+            f"note: {s.layout.config_file} exists and is kept; edit it to change settings", err=True
+        )
     notes = _guard(lambda: s.backend.install(s.first_config()))
     for note in notes:
         click.echo(f"note: {note}", err=True)
@@ -160,7 +202,9 @@ def restart(dry_run, platform, config_file):
 @service.command()
 @_common
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--timeout", default=2.0, show_default=True, help="Seconds to wait for the daemon's own answer.")
+@click.option(
+    "--timeout", default=2.0, show_default=True, help="Seconds to wait for the daemon's own answer."
+)
 def status(dry_run, platform, config_file, as_json, timeout):
     """Loaded/running/pid/last exit of both processes, and the daemon's own status when it answers."""
     s = _session(platform, config_file, dry_run)
@@ -191,7 +235,9 @@ def status(dry_run, platform, config_file, as_json, timeout):
 @service.command("logs")
 @_common
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
-@click.option("-n", "--lines", default=200, show_default=True, help="Lines of history to show first.")
+@click.option(
+    "-n", "--lines", default=200, show_default=True, help="Lines of history to show first."
+)
 def logs_cmd(dry_run, platform, config_file, follow, lines):
     """Show the daemon's and the watchdog's logs (the journal on Linux)."""
     s = _session(platform, config_file, dry_run)
@@ -226,21 +272,39 @@ def daemon_status(socket: Path, timeout: float) -> tuple[dict | None, str | None
 
 
 # The daemon's status fields worth a line; `status --json` has them all.
-STATUS_KEYS = ("state", "model", "version", "pid", "uptime_s", "requests_served", "requests_failed", "active_requests", "queued_requests")
+STATUS_KEYS = (
+    "state",
+    "model",
+    "version",
+    "pid",
+    "uptime_s",
+    "requests_served",
+    "requests_failed",
+    "active_requests",
+    "queued_requests",
+)
 
 
 def _short(value: Any) -> str:
     return f"{value:.0f}" if isinstance(value, float) else str(value)
 
 
-def format_status(roles: list[RoleStatus], socket: Path, answer: dict | None, why: str | None, last_start: dict | None) -> str:
+def format_status(
+    roles: list[RoleStatus],
+    socket: Path,
+    answer: dict | None,
+    why: str | None,
+    last_start: dict | None,
+) -> str:
     lines = []
     for r in roles:
         if r.error:
             lines.append(f"{r.role.value:9} {r.name}: cannot ask the service manager: {r.error}")
             continue
         if not r.loaded:
-            lines.append(f"{r.role.value:9} {r.name}: not loaded ({'installed' if r.installed else 'not installed'})")
+            lines.append(
+                f"{r.role.value:9} {r.name}: not loaded ({'installed' if r.installed else 'not installed'})"
+            )
             continue
         bits = ["running" if r.running else (r.state or "not running")]
         if r.pid:

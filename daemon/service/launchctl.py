@@ -57,7 +57,9 @@ class LaunchdState:
     pid: int | None = None
     runs: int | None = None
     last_exit_code: int | None = None  # None: never exited, or ended by a signal
-    last_exit_text: str | None = None  # the value as printed: "1", "78: EX_CONFIG", "(never exited)"
+    last_exit_text: str | None = (
+        None  # the value as printed: "1", "78: EX_CONFIG", "(never exited)"
+    )
     last_signal: str | None = None  # "Abort trap: 6": replaces the exit code line after a crash
     last_exit_reason: str | None = None  # printed by some macOS versions (e.g. jetsam kills)
     program: str | None = None
@@ -82,7 +84,11 @@ class LaunchdState:
         if self.last_signal:
             return f"killed by {self.last_signal}"
         if self.last_exit_code is not None:
-            rest = self.last_exit_text.split(":", 1)[1].strip() if self.last_exit_text and ":" in self.last_exit_text else ""
+            rest = (
+                self.last_exit_text.split(":", 1)[1].strip()
+                if self.last_exit_text and ":" in self.last_exit_text
+                else ""
+            )
             text = f"exited {self.last_exit_code}" + (f" ({rest})" if rest else "")
             return text + (f", {self.last_exit_reason}" if self.last_exit_reason else "")
         if self.last_exit_reason:

@@ -12,20 +12,25 @@ import math
 import os
 import plistlib
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Mapping
 
-from ..config import Config
-from ..exit_codes import DaemonExit
+from moed.daemon.config import Config
+from moed.daemon.exit_codes import DaemonExit
 
 # launchd sends SIGKILL this long after SIGTERM if the drain has not finished.
 STOP_MARGIN_S = 15
 WATCHDOG_STOP_S = 10
 # Daemon exits that a restart cannot fix; systemd stops on them (launchd has no such key: there the
 # daemon's own restart budget ends the loop by exiting 0).
-PERMANENT_EXITS = (DaemonExit.CONFIG, DaemonExit.MODEL_NOT_FOUND, DaemonExit.ALREADY_RUNNING, DaemonExit.DOES_NOT_FIT)
+PERMANENT_EXITS = (
+    DaemonExit.CONFIG,
+    DaemonExit.MODEL_NOT_FOUND,
+    DaemonExit.ALREADY_RUNNING,
+    DaemonExit.DOES_NOT_FIT,
+)
 
 
 class Platform(str, enum.Enum):
@@ -33,7 +38,7 @@ class Platform(str, enum.Enum):
     LINUX = "linux"
 
     @classmethod
-    def host(cls) -> "Platform":
+    def host(cls) -> Platform:
         return cls.MACOS if sys.platform == "darwin" else cls.LINUX
 
 
@@ -76,7 +81,9 @@ class ServiceLayout:
         return self.unit_dir / template_name(self.platform, role)
 
 
-def layout_for(platform: Platform, environ: Mapping[str, str] | None = None, config_file: Path | None = None) -> ServiceLayout:
+def layout_for(
+    platform: Platform, environ: Mapping[str, str] | None = None, config_file: Path | None = None
+) -> ServiceLayout:
     """The standard per-user locations for a platform, from HOME and XDG_* like moed.protocol.paths.
 
     Computed here because a dry run may target the other platform; on the host platform the config
@@ -96,7 +103,9 @@ def layout_for(platform: Platform, environ: Mapping[str, str] | None = None, con
     return ServiceLayout(platform, home, config_file.expanduser().absolute(), unit_dir)
 
 
-def foreign_defaults(platform: Platform, environ: Mapping[str, str] | None = None) -> dict[str, Path]:
+def foreign_defaults(
+    platform: Platform, environ: Mapping[str, str] | None = None
+) -> dict[str, Path]:
     """Serve settings whose defaults differ by platform, for rendering the other platform's files.
 
     On the host these come from moed.protocol.paths; a dry run for the other platform uses these so
@@ -115,7 +124,11 @@ def foreign_defaults(platform: Platform, environ: Mapping[str, str] | None = Non
         runtime = Path(env.get("XDG_RUNTIME_DIR") or "/tmp") / f"moed-{uid}"
     values = {"state_dir": state, "log_dir": logs, "socket": runtime / "moed.sock"}
     # Explicit settings win on every platform, as in moed.protocol.paths.
-    for name, var in (("state_dir", "MOED_STATE_DIR"), ("log_dir", "MOED_LOG_DIR"), ("socket", "MOED_SOCKET")):
+    for name, var in (
+        ("state_dir", "MOED_STATE_DIR"),
+        ("log_dir", "MOED_LOG_DIR"),
+        ("socket", "MOED_SOCKET"),
+    ):
         if env.get(var):
             values[name] = Path(env[var])
     return values
@@ -141,14 +154,23 @@ class ServiceContext:
         return self.log_dir / role.log_name
 
 
-def make_context(layout: ServiceLayout, config: Config, python: str | Path | None = None, uid: int | None = None) -> ServiceContext:
+def make_context(
+    layout: ServiceLayout, config: Config, python: str | Path | None = None, uid: int | None = None
+) -> ServiceContext:
     # Keep a venv's bin/python symlink as it is: resolving it would escape the venv.
     py = Path(python or sys.executable).absolute()
     return ServiceContext(layout, config, py, os.getuid() if uid is None else uid)
 
 
 def program_arguments(ctx: ServiceContext, role: Role) -> list[str]:
-    return [str(ctx.python), "-m", "moed.daemon.cli", role.command, "--config", str(ctx.layout.config_file)]
+    return [
+        str(ctx.python),
+        "-m",
+        "moed.daemon.cli",
+        role.command,
+        "--config",
+        str(ctx.layout.config_file),
+    ]
 
 
 def stop_timeout_s(ctx: ServiceContext, role: Role) -> int:
@@ -208,7 +230,7 @@ def render_plist(ctx: ServiceContext, role: Role) -> bytes:
 def systemd_quote(arg: str) -> str:
     """Quote one ExecStart/Environment word: '%' is a specifier and '$' an expansion in units."""
     text = arg.replace("%", "%%").replace("$", "$$")
-    if text and not any(c in text for c in ' \t"\'\\;'):
+    if text and not any(c in text for c in " \t\"'\\;"):
         return text
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -225,7 +247,9 @@ def render_unit(ctx: ServiceContext, role: Role) -> str:
         "@RESTART_PREVENT@": " ".join(str(int(code)) for code in PERMANENT_EXITS),
     }
     # Comment lines about the template itself are for readers of launchd/, not of the unit.
-    lines = [line for line in template.splitlines(keepends=True) if not line.startswith("# Template:")]
+    lines = [
+        line for line in template.splitlines(keepends=True) if not line.startswith("# Template:")
+    ]
     text = "".join(lines)
     for key, value in mapping.items():
         text = text.replace(key, value)

@@ -5,7 +5,7 @@ renders the same numbers in the Prometheus text format; `trace` records and read
 `analyze` turns traces into tables and plots; `prewarm` is the `moed bench prewarm` experiment.
 """
 
-from .live import LiveTelemetry, build_stats
-from .metrics import render_metrics
+from moed.daemon.telemetry.live import LiveTelemetry, build_stats
+from moed.daemon.telemetry.metrics import render_metrics
 
 __all__ = ["LiveTelemetry", "build_stats", "render_metrics"]

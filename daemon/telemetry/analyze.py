@@ -11,13 +11,13 @@ expert, as the daemon's own counters count them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 
-from .trace import CLASSES, Trace
+from moed.daemon.telemetry.trace import CLASSES, Trace
 
 Calls = list[np.ndarray]  # per layer call: the distinct experts, ascending
 
@@ -37,7 +37,9 @@ class _Policy:
 def _passes(needed: np.ndarray, resident: set[int], slots: int) -> list[list[int]]:
     if needed.size <= slots:
         return [needed.tolist()]
-    ordered = [e for e in needed.tolist() if e in resident] + [e for e in needed.tolist() if e not in resident]
+    ordered = [e for e in needed.tolist() if e in resident] + [
+        e for e in needed.tolist() if e not in resident
+    ]
     return [ordered[i : i + slots] for i in range(0, len(ordered), slots)]
 
 
@@ -96,7 +98,9 @@ def simulate_belady(calls: Calls, slots: int) -> tuple[int, int]:
                     continue
                 misses += 1
                 if len(resident) >= slots:
-                    victim = max((r for r in resident if r not in wanted), key=lambda r: resident[r])
+                    victim = max(
+                        (r for r in resident if r not in wanted), key=lambda r: resident[r]
+                    )
                     del resident[victim]
                 resident[e] = next_use[t][e]
     return hits, misses
@@ -159,11 +163,21 @@ class Report:
 
     def to_json(self) -> dict:
         return {
-            "files": self.files, "model": self.model, "layers": self.layers, "top_k": self.top_k,
-            "experts": self.experts, "expert_bytes": self.expert_bytes, "tokens": self.tokens, "passes": self.passes,
-            "recorded_slots": self.recorded_slots, "policy": self.policy,
+            "files": self.files,
+            "model": self.model,
+            "layers": self.layers,
+            "top_k": self.top_k,
+            "experts": self.experts,
+            "expert_bytes": self.expert_bytes,
+            "tokens": self.tokens,
+            "passes": self.passes,
+            "recorded_slots": self.recorded_slots,
+            "policy": self.policy,
             "per_layer": [vars(l) for l in self.per_layer],
-            "sizes": self.sizes, "hit_rate": self.curves, "recorded": self.recorded, "replay": self.replay,
+            "sizes": self.sizes,
+            "hit_rate": self.curves,
+            "recorded": self.recorded,
+            "replay": self.replay,
         }
 
 
@@ -185,13 +199,19 @@ def _reuse(rows: np.ndarray) -> float:
     return float(overlap.mean() / k)
 
 
-def analyze(traces: list[Trace], files: list[str], sizes: list[int] | None = None,
-            progress: Callable[[int], None] | None = None) -> Report:
+def analyze(
+    traces: list[Trace],
+    files: list[str],
+    sizes: list[int] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Report:
     """Analyse one or more traces of the same model, replayed in the order given."""
     first = traces[0].header
     for t in traces[1:]:
         if (t.header["layers"], t.header["experts"]) != (first["layers"], first["experts"]):
-            raise ValueError("traces of different models (layers/experts differ) cannot be analysed together")
+            raise ValueError(
+                "traces of different models (layers/experts differ) cannot be analysed together"
+            )
     L = int(first["layers"])
     E = int(max(first["experts"]))
     k = max(int(t.header.get("top_k") or 0) for t in traces)
@@ -216,8 +236,17 @@ def analyze(traces: list[Trace], files: list[str], sizes: list[int] | None = Non
         cover = int(np.searchsorted(np.cumsum(ranked), 0.8 * total) + 1) if ranked.sum() else 0
         hits = sum(int(np.count_nonzero(p.classes[layer] == 0)) for t in traces for p in t.passes)
         looked = sum(int(p.classes[layer].size) for t in traces for p in t.passes)
-        per_layer.append(LayerStats(layer, int(np.count_nonzero(counts)), E, float(ranked[:top].sum() / total),
-                                    cover, _reuse(rows), hits / looked if looked else None))
+        per_layer.append(
+            LayerStats(
+                layer,
+                int(np.count_nonzero(counts)),
+                E,
+                float(ranked[:top].sum() / total),
+                cover,
+                _reuse(rows),
+                hits / looked if looked else None,
+            )
+        )
         calls = _layer_calls(traces, layer)
         for i, s in enumerate(sizes):
             totals["LRU"][i] += simulate(calls, s, LRUPolicy(E))
@@ -235,9 +264,24 @@ def analyze(traces: list[Trace], files: list[str], sizes: list[int] | None = Non
         for c, n in t.class_counts().items():
             recorded[c] += n
     replay = _replay(traces, make_policy, E) if len(traces) == 1 else None
-    report = Report(files, first.get("model"), L, k, E, int(max(first.get("expert_bytes") or [0])),
-                    sum(t.tokens for t in traces), sum(len(t.passes) for t in traces), recorded_slots,
-                    policy_name, per_layer, popularity, sizes, curves, recorded, replay)
+    report = Report(
+        files,
+        first.get("model"),
+        L,
+        k,
+        E,
+        int(max(first.get("expert_bytes") or [0])),
+        sum(t.tokens for t in traces),
+        sum(len(t.passes) for t in traces),
+        recorded_slots,
+        policy_name,
+        per_layer,
+        popularity,
+        sizes,
+        curves,
+        recorded,
+        replay,
+    )
     for t in traces:
         for p in t.passes:
             report.pass_ms.append(p.ms)
@@ -259,12 +303,22 @@ def _replay(traces: list[Trace], make_policy, E: int) -> dict:
     start = t.header.get("resident_at_start") or [[] for _ in slots]
     hits = misses = 0
     for layer, s in enumerate(slots):
-        h, m = simulate(_layer_calls([t], layer), int(s), make_policy(E), start[layer] if layer < len(start) else ())
+        h, m = simulate(
+            _layer_calls([t], layer),
+            int(s),
+            make_policy(E),
+            start[layer] if layer < len(start) else (),
+        )
         hits, misses = hits + h, misses + m
     rec = t.class_counts()
     rec_misses = rec["page_cache"] + rec["ssd"] + rec["read"]
-    return {"hits": hits, "misses": misses, "recorded_hits": rec["hit"], "recorded_misses": rec_misses,
-            "match": hits == rec["hit"] and misses == rec_misses}
+    return {
+        "hits": hits,
+        "misses": misses,
+        "recorded_hits": rec["hit"],
+        "recorded_misses": rec_misses,
+        "match": hits == rec["hit"] and misses == rec_misses,
+    }
 
 
 # ---- text -------------------------------------------------------------------------------------
@@ -284,26 +338,43 @@ def format_report(r: Report) -> str:
     ]
     looked = sum(r.recorded.values())
     if looked:
-        lines.append("recorded  " + "  ".join(f"{c} {n} ({n / looked:.1%})" for c, n in r.recorded.items())
-                     + f"   at {r.recorded_slots} slots/layer")
+        lines.append(
+            "recorded  "
+            + "  ".join(f"{c} {n} ({n / looked:.1%})" for c, n in r.recorded.items())
+            + f"   at {r.recorded_slots} slots/layer"
+        )
     if r.replay:
         rp = r.replay
-        lines.append(f"replay    {r.policy} from the recorded start: {rp['hits']} hits / {rp['misses']} misses vs "
-                     f"{rp['recorded_hits']} / {rp['recorded_misses']} recorded ({'match' if rp['match'] else 'DIFFERENT'})")
-    lines += ["", "layer  distinct  top-10% share  experts for 80%  token-to-token reuse  recorded hit rate"]
+        lines.append(
+            f"replay    {r.policy} from the recorded start: {rp['hits']} hits / {rp['misses']} misses vs "
+            f"{rp['recorded_hits']} / {rp['recorded_misses']} recorded ({'match' if rp['match'] else 'DIFFERENT'})"
+        )
+    lines += [
+        "",
+        "layer  distinct  top-10% share  experts for 80%  token-to-token reuse  recorded hit rate",
+    ]
     for l in r.per_layer:
         rec = "-" if l.recorded_hit_rate is None else f"{l.recorded_hit_rate:.1%}"
-        lines.append(f"{l.layer:>5}  {l.unique:>4}/{l.experts:<4} {l.top10_share:>12.1%}  {l.cover80:>15}  "
-                     f"{l.reuse:>20.1%}  {rec:>17}")
+        lines.append(
+            f"{l.layer:>5}  {l.unique:>4}/{l.experts:<4} {l.top10_share:>12.1%}  {l.cover80:>15}  "
+            f"{l.reuse:>20.1%}  {rec:>17}"
+        )
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
-    lines.append(f"{'all':>5}  {mean([l.unique for l in r.per_layer]):>9.1f} {mean([l.top10_share for l in r.per_layer]):>12.1%}  "
-                 f"{mean([l.cover80 for l in r.per_layer]):>15.1f}  {mean([l.reuse for l in r.per_layer]):>20.1%}")
-    lines += ["", f"hit rate vs cache size (daemon policy: {r.policy})",
-              f"{'slots/layer':>11}  {'% experts':>9}  {'cache':>10}  {'LRU':>7}  {'daemon':>7}  {'Belady':>7}"]
+    lines.append(
+        f"{'all':>5}  {mean([l.unique for l in r.per_layer]):>9.1f} {mean([l.top10_share for l in r.per_layer]):>12.1%}  "
+        f"{mean([l.cover80 for l in r.per_layer]):>15.1f}  {mean([l.reuse for l in r.per_layer]):>20.1%}"
+    )
+    lines += [
+        "",
+        f"hit rate vs cache size (daemon policy: {r.policy})",
+        f"{'slots/layer':>11}  {'% experts':>9}  {'cache':>10}  {'LRU':>7}  {'daemon':>7}  {'Belady':>7}",
+    ]
     for i, s in enumerate(r.sizes):
         mark = "  <- recorded" if s == r.recorded_slots else ""
-        lines.append(f"{s:>11}  {s / r.experts:>9.1%}  {_gb(s * r.expert_bytes * r.layers):>10}  "
-                     f"{r.curves['LRU'][i]:>7.1%}  {r.curves['daemon'][i]:>7.1%}  {r.curves['Belady'][i]:>7.1%}{mark}")
+        lines.append(
+            f"{s:>11}  {s / r.experts:>9.1%}  {_gb(s * r.expert_bytes * r.layers):>10}  "
+            f"{r.curves['LRU'][i]:>7.1%}  {r.curves['daemon'][i]:>7.1%}  {r.curves['Belady'][i]:>7.1%}{mark}"
+        )
     return "\n".join(lines)
 
 
@@ -324,7 +395,11 @@ def write_plots(r: Report, out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     x = [100.0 * s / r.experts for s in r.sizes]
     for name, style in (("LRU", "o-"), ("daemon", "s--"), ("Belady", "^-")):
-        label = f"daemon ({r.policy})" if name == "daemon" else ("Belady (offline optimum)" if name == "Belady" else name)
+        label = (
+            f"daemon ({r.policy})"
+            if name == "daemon"
+            else ("Belady (offline optimum)" if name == "Belady" else name)
+        )
         ax.plot(x, [100 * v for v in r.curves[name]], style, label=label)
     ax.axvline(100.0 * r.recorded_slots / r.experts, color="grey", ls=":", label="recorded budget")
     if x and x[-1] / x[0] > 10:
@@ -347,7 +422,11 @@ def write_plots(r: Report, out: Path) -> list[Path]:
     fig.colorbar(im, ax=a1)
     for layer in range(r.layers):
         ranked = np.sort(share[layer])[::-1]
-        a2.plot(100 * np.arange(0, r.experts + 1) / r.experts, 100 * np.concatenate([[0], np.cumsum(ranked)]), alpha=0.6)
+        a2.plot(
+            100 * np.arange(0, r.experts + 1) / r.experts,
+            100 * np.concatenate([[0], np.cumsum(ranked)]),
+            alpha=0.6,
+        )
     a2.plot([0, 100], [0, 100], "k:", label="uniform")
     a2.set_xlabel("most used experts (% of the layer)")
     a2.set_ylabel("routings covered (%)")
@@ -358,8 +437,19 @@ def write_plots(r: Report, out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     layers = [l.layer for l in r.per_layer]
-    ax.bar(layers, [100 * l.unique / l.experts for l in r.per_layer], alpha=0.5, label="distinct experts used (% of layer)")
-    ax.plot(layers, [100 * l.reuse for l in r.per_layer], "o-", color="C3", label="token-to-token reuse (%)")
+    ax.bar(
+        layers,
+        [100 * l.unique / l.experts for l in r.per_layer],
+        alpha=0.5,
+        label="distinct experts used (% of layer)",
+    )
+    ax.plot(
+        layers,
+        [100 * l.reuse for l in r.per_layer],
+        "o-",
+        color="C3",
+        label="token-to-token reuse (%)",
+    )
     ax.set_xlabel("MoE layer")
     ax.set_ylabel("%")
     ax.set_ylim(0, 105)

@@ -14,16 +14,27 @@ def trace() -> None:
 
 
 @trace.command("analyze")
-@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Folder for the PNG plots (default: <first trace>-analysis/ beside it).")
-@click.option("--sizes", help="Cache sizes to simulate, in slots per layer, comma-separated (default: a grid).")
+@click.argument(
+    "files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Folder for the PNG plots (default: <first trace>-analysis/ beside it).",
+)
+@click.option(
+    "--sizes",
+    help="Cache sizes to simulate, in slots per layer, comma-separated (default: a grid).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of tables.")
 @click.option("--no-plots", is_flag=True, help="Tables only.")
-def analyze_cmd(files: tuple[Path, ...], out_dir: Path | None, sizes: str | None, as_json: bool, no_plots: bool) -> None:
+def analyze_cmd(
+    files: tuple[Path, ...], out_dir: Path | None, sizes: str | None, as_json: bool, no_plots: bool
+) -> None:
     """Distinct experts, popularity, reuse and hit rate vs cache size (LRU, daemon policy, Belady)."""
-    from .analyze import analyze, default_sizes, format_report, write_plots
-    from .trace import TraceFormatError, read_trace
+    from moed.daemon.telemetry.analyze import analyze, default_sizes, format_report, write_plots
+    from moed.daemon.telemetry.trace import TraceFormatError, read_trace
 
     traces = []
     for f in files:
@@ -31,11 +42,25 @@ def analyze_cmd(files: tuple[Path, ...], out_dir: Path | None, sizes: str | None
             traces.append(read_trace(f))
         except (TraceFormatError, ValueError, KeyError) as exc:
             raise click.ClickException(f"{f}: {exc}") from None
-        click.echo(f"read {f}: {traces[-1].tokens} token rows, {len(traces[-1].passes)} passes", err=True)
+        click.echo(
+            f"read {f}: {traces[-1].tokens} token rows, {len(traces[-1].passes)} passes", err=True
+        )
     grid = [int(s) for s in sizes.split(",")] if sizes else None
     h = traces[0].header
-    n_sizes = len(grid) if grid else len(default_sizes(int(max(h["experts"])), int(min(h.get("slots_per_layer") or h["experts"]))))
-    with click.progressbar(length=int(h["layers"]) * n_sizes, label="simulating caches", file=click.get_text_stream("stderr")) as bar:
+    n_sizes = (
+        len(grid)
+        if grid
+        else len(
+            default_sizes(
+                int(max(h["experts"])), int(min(h.get("slots_per_layer") or h["experts"]))
+            )
+        )
+    )
+    with click.progressbar(
+        length=int(h["layers"]) * n_sizes,
+        label="simulating caches",
+        file=click.get_text_stream("stderr"),
+    ) as bar:
         try:
             report = analyze(traces, [str(f) for f in files], grid, progress=bar.update)
         except ValueError as exc:
@@ -49,5 +74,7 @@ def analyze_cmd(files: tuple[Path, ...], out_dir: Path | None, sizes: str | None
         try:
             paths = write_plots(report, out)
         except ImportError:
-            raise click.ClickException("plots need matplotlib: pip install 'moed[plots]' (or pass --no-plots)") from None
+            raise click.ClickException(
+                "plots need matplotlib: pip install 'moed[plots]' (or pass --no-plots)"
+            ) from None
         click.echo(f"plots: {', '.join(str(p) for p in paths)}", err=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..experts.telemetry import CUMULATIVE_KEYS
+from moed.daemon.experts.counters import CUMULATIVE_KEYS
 
 
 def counters_delta(before: dict | None, after: dict | None) -> dict:
@@ -15,7 +15,11 @@ def counters_delta(before: dict | None, after: dict | None) -> dict:
     out: dict[str, Any] = {}
     for name, value in after.items():
         prior = before.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(prior, (int, float)):
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and isinstance(prior, (int, float))
+        ):
             out[name] = value - prior if name in CUMULATIVE_KEYS else value
         else:
             out[name] = value

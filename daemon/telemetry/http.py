@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
-from .metrics import CONTENT_TYPE
+from moed.daemon.telemetry.metrics import CONTENT_TYPE
 
 log = logging.getLogger("moed.telemetry")
 
 
-def start_metrics_server(port: int, render: Callable[[], str], host: str = "127.0.0.1") -> ThreadingHTTPServer:
+def start_metrics_server(
+    port: int, render: Callable[[], str], host: str = "127.0.0.1"
+) -> ThreadingHTTPServer:
     """Serve `render()` at /metrics (and /) on host:port; returns the running server."""
 
     class Handler(BaseHTTPRequestHandler):

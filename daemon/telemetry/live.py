@@ -10,7 +10,8 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("moed.telemetry")
 
@@ -58,7 +59,9 @@ def expert_stats(snap: dict | None) -> dict | None:
         "bytes_read_per_token": _ratio(snap.get("bytes_read", 0), tokens),
         # What the engine thread saw: bytes over the time it waited for them.
         # Stalls include waiting for speculative (prefetch) reads, so their bytes count here too.
-        "read_bandwidth_bps": _ratio(snap.get("bytes_read", 0) + snap.get("prefetch_bytes", 0), snap.get("stall_s", 0.0)),
+        "read_bandwidth_bps": _ratio(
+            snap.get("bytes_read", 0) + snap.get("prefetch_bytes", 0), snap.get("stall_s", 0.0)
+        ),
         "stall_s": snap.get("stall_s", 0.0),
         "stall_ms_per_token": _per_token_ms(snap.get("stall_s", 0.0), tokens),
         "router_readback_s": snap.get("router_readback_s", 0.0),
@@ -108,7 +111,12 @@ class _Sampler:
         self.sample()
         with self._lock:
             if len(self._samples) < 2:
-                return {"window_s": 0.0, "tokens_per_s": None, "bytes_read_per_s": None, "hit_rate": None}
+                return {
+                    "window_s": 0.0,
+                    "tokens_per_s": None,
+                    "bytes_read_per_s": None,
+                    "hit_rate": None,
+                }
             first, last = self._samples[0], self._samples[-1]
         dt = last[0] - first[0]
         d_tokens, d_bytes, d_hits, d_misses = (b - a for a, b in zip(first[1:], last[1:]))
@@ -130,8 +138,13 @@ def _probe():
 
 
 def memory_stats(pid: int, rss_bytes: int | None, probe) -> dict:
-    out: dict[str, Any] = {"rss_bytes": rss_bytes, "phys_footprint_bytes": None, "process_swap_bytes": None,
-                           "swap_used_bytes": None, "pressure": "unknown"}
+    out: dict[str, Any] = {
+        "rss_bytes": rss_bytes,
+        "phys_footprint_bytes": None,
+        "process_swap_bytes": None,
+        "swap_used_bytes": None,
+        "pressure": "unknown",
+    }
     if probe is None:
         return out
     try:
@@ -147,7 +160,9 @@ def memory_stats(pid: int, rss_bytes: int | None, probe) -> dict:
     return out
 
 
-def build_stats(status: dict, streamer_snapshot: dict | None, rates: dict | None = None, probe=None) -> dict:
+def build_stats(
+    status: dict, streamer_snapshot: dict | None, rates: dict | None = None, probe=None
+) -> dict:
     """The `stats` body from a status snapshot (Server.status_body) and a streamer snapshot."""
     model = status.get("model") or {}
     rates = rates or {}
@@ -182,7 +197,9 @@ def build_stats(status: dict, streamer_snapshot: dict | None, rates: dict | None
         },
         "experts": experts,
         "memory": memory_stats(status.get("pid") or 0, status.get("rss_bytes"), probe),
-        "restarts": status.get("restarts", status.get("recent_crashes")),  # crash restarts in the restart window
+        "restarts": status.get(
+            "restarts", status.get("recent_crashes")
+        ),  # crash restarts in the restart window
         "last_crash": crash if crash else None,
         "time": time.time(),
     }
@@ -195,7 +212,12 @@ class LiveTelemetry:
     read from the transport (or HTTP) thread: plain ints the engine thread only adds to.
     """
 
-    def __init__(self, status_body: Callable[[], dict], streamer: Callable[[], Any], tokens: Callable[[], int]):
+    def __init__(
+        self,
+        status_body: Callable[[], dict],
+        streamer: Callable[[], Any],
+        tokens: Callable[[], int],
+    ):
         self._status_body = status_body
         self._streamer = streamer
         self._tokens = tokens
@@ -222,10 +244,12 @@ class LiveTelemetry:
         return tokens, c.bytes_read, sum(l.hits for l in c.layers), sum(l.misses for l in c.layers)
 
     def stats(self) -> dict:
-        return build_stats(self._status_body(), self._streamer_snapshot(), self._sampler.rates(), self._probe)
+        return build_stats(
+            self._status_body(), self._streamer_snapshot(), self._sampler.rates(), self._probe
+        )
 
     def metrics_text(self) -> str:
-        from .metrics import render_metrics
+        from moed.daemon.telemetry.metrics import render_metrics
 
         return render_metrics(self.stats())
 

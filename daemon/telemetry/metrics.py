@@ -50,7 +50,9 @@ def _render(families: list[Family]) -> str:
         lines.append(f"# TYPE {name} {fam.kind}")
         for labels, value in fam.samples:
             label_text = ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels.items())
-            lines.append(f"{name}{{{label_text}}} {_fmt(value)}" if label_text else f"{name} {_fmt(value)}")
+            lines.append(
+                f"{name}{{{label_text}}} {_fmt(value)}" if label_text else f"{name} {_fmt(value)}"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -63,38 +65,66 @@ def _families(stats: dict) -> list[Family]:
 
     model = stats.get("model") or {}
     fam("info", "gauge", "Daemon build and model (value is always 1).").add(
-        1, version=str(stats.get("version") or ""), model=str(model.get("name") or ""),
-        model_type=str(model.get("model_type") or ""), boot_id=str(stats.get("boot_id") or ""),
-        mode="streaming" if model.get("streaming") else "resident")
+        1,
+        version=str(stats.get("version") or ""),
+        model=str(model.get("name") or ""),
+        model_type=str(model.get("model_type") or ""),
+        boot_id=str(stats.get("boot_id") or ""),
+        mode="streaming" if model.get("streaming") else "resident",
+    )
     fam("state", "gauge", "1 for the daemon's current state.").add(1, state=str(stats.get("state")))
     fam("uptime_seconds", "gauge", "Seconds since the daemon started.").add(stats.get("uptime_s"))
 
     req = stats.get("requests") or {}
     fam("requests_served", "counter", "Generations that finished with done.").add(req.get("served"))
-    fam("requests_failed", "counter", "Generations that ended with an error.").add(req.get("failed"))
+    fam("requests_failed", "counter", "Generations that ended with an error.").add(
+        req.get("failed")
+    )
     fam("requests_active", "gauge", "Generations being decoded.").add(req.get("active"))
-    fam("requests_pending", "gauge", "Generations admitted and not yet finished.").add(req.get("pending"))
+    fam("requests_pending", "gauge", "Generations admitted and not yet finished.").add(
+        req.get("pending")
+    )
 
     tok = stats.get("tokens") or {}
     fam("tokens_generated", "counter", "Tokens generated for clients.").add(tok.get("generated"))
-    fam("tokens_per_second", "gauge", "Tokens generated per second over the recent window.").add(tok.get("per_s"))
+    fam("tokens_per_second", "gauge", "Tokens generated per second over the recent window.").add(
+        tok.get("per_s")
+    )
 
     mem = stats.get("memory") or {}
-    fam("process_resident_bytes", "gauge", "Resident set size of the daemon.").add(mem.get("rss_bytes"))
-    fam("process_phys_footprint_bytes", "gauge", "macOS phys_footprint of the daemon.").add(mem.get("phys_footprint_bytes"))
-    fam("process_swap_bytes", "gauge", "Swapped-out memory of the daemon (Linux).").add(mem.get("process_swap_bytes"))
+    fam("process_resident_bytes", "gauge", "Resident set size of the daemon.").add(
+        mem.get("rss_bytes")
+    )
+    fam("process_phys_footprint_bytes", "gauge", "macOS phys_footprint of the daemon.").add(
+        mem.get("phys_footprint_bytes")
+    )
+    fam("process_swap_bytes", "gauge", "Swapped-out memory of the daemon (Linux).").add(
+        mem.get("process_swap_bytes")
+    )
     fam("swap_used_bytes", "gauge", "Swap in use, system-wide.").add(mem.get("swap_used_bytes"))
-    fam("memory_pressure_level", "gauge", "Kernel memory pressure: 0 normal, 1 warn, 2 critical.").add(
-        _PRESSURE.get(str(mem.get("pressure"))))
-    fam("crash_restarts", "gauge", "Restarts after a crash within the restart window.").add(stats.get("restarts"))
+    fam(
+        "memory_pressure_level", "gauge", "Kernel memory pressure: 0 normal, 1 warn, 2 critical."
+    ).add(_PRESSURE.get(str(mem.get("pressure"))))
+    fam("crash_restarts", "gauge", "Restarts after a crash within the restart window.").add(
+        stats.get("restarts")
+    )
     fam("last_crash_timestamp_seconds", "gauge", "When the last recorded crash happened.").add(
-        (stats.get("last_crash") or {}).get("at") if isinstance(stats.get("last_crash"), dict) else None)
+        (stats.get("last_crash") or {}).get("at")
+        if isinstance(stats.get("last_crash"), dict)
+        else None
+    )
 
     ex = stats.get("experts")
     if ex:
-        fam("expert_cache_budget_bytes", "gauge", "Expert cache budget.").add(ex.get("budget_bytes"))
-        fam("expert_cache_resident_bytes", "gauge", "Bytes of expert slots allocated.").add(ex.get("resident_bytes"))
-        fam("expert_cache_experts", "gauge", "Experts resident in the cache.").add(ex.get("cached_experts"))
+        fam("expert_cache_budget_bytes", "gauge", "Expert cache budget.").add(
+            ex.get("budget_bytes")
+        )
+        fam("expert_cache_resident_bytes", "gauge", "Bytes of expert slots allocated.").add(
+            ex.get("resident_bytes")
+        )
+        fam("expert_cache_experts", "gauge", "Experts resident in the cache.").add(
+            ex.get("cached_experts")
+        )
         fam("expert_hits", "counter", "Expert lookups served from the cache.").add(ex.get("hits"))
         fam("expert_misses", "counter", "Expert lookups that needed a read.").add(ex.get("misses"))
         fam("expert_hit_ratio", "gauge", "Hit rate since start.").add(ex.get("hit_rate"))
@@ -103,19 +133,41 @@ def _families(stats: dict) -> list[Family]:
         for i, (h, m) in enumerate(zip(ex.get("layer_hits") or [], ex.get("layer_misses") or [])):
             layer_hits.add(h, layer=str(i))
             layer_misses.add(m, layer=str(i))
-        fam("expert_routed_tokens", "counter", "Token rows routed through the first MoE layer.").add(ex.get("tokens"))
-        fam("expert_read_bytes", "counter", "Expert bytes read from disk on misses.").add(ex.get("bytes_read"))
-        fam("expert_warm_bytes", "counter", "Expert bytes read to warm the cache.").add(ex.get("warm_bytes"))
+        fam(
+            "expert_routed_tokens", "counter", "Token rows routed through the first MoE layer."
+        ).add(ex.get("tokens"))
+        fam("expert_read_bytes", "counter", "Expert bytes read from disk on misses.").add(
+            ex.get("bytes_read")
+        )
+        fam("expert_warm_bytes", "counter", "Expert bytes read to warm the cache.").add(
+            ex.get("warm_bytes")
+        )
         fam("expert_reads", "counter", "preadv jobs run by the read workers.").add(ex.get("reads"))
-        fam("expert_evictions", "counter", "Experts evicted from the cache.").add(ex.get("evictions"))
-        fam("expert_read_seconds", "counter", "Worker time in preadv, summed.").add(ex.get("read_s"))
-        fam("expert_stall_seconds", "counter", "Engine time waiting for expert reads.").add(ex.get("stall_s"))
-        fam("router_readback_seconds", "counter", "Engine time reading router choices back to the host.").add(
-            ex.get("router_readback_s"))
-        fam("expert_compute_seconds", "counter", "Engine time evaluating expert outputs.").add(ex.get("expert_compute_s"))
-        fam("expert_extra_passes", "counter", "Extra passes when a call needed more experts than slots.").add(ex.get("passes"))
-        fam("expert_read_bytes_per_second", "gauge", "Expert read rate over the recent window.").add(
-            ex.get("recent_bytes_read_per_s"))
+        fam("expert_evictions", "counter", "Experts evicted from the cache.").add(
+            ex.get("evictions")
+        )
+        fam("expert_read_seconds", "counter", "Worker time in preadv, summed.").add(
+            ex.get("read_s")
+        )
+        fam("expert_stall_seconds", "counter", "Engine time waiting for expert reads.").add(
+            ex.get("stall_s")
+        )
+        fam(
+            "router_readback_seconds",
+            "counter",
+            "Engine time reading router choices back to the host.",
+        ).add(ex.get("router_readback_s"))
+        fam("expert_compute_seconds", "counter", "Engine time evaluating expert outputs.").add(
+            ex.get("expert_compute_s")
+        )
+        fam(
+            "expert_extra_passes",
+            "counter",
+            "Extra passes when a call needed more experts than slots.",
+        ).add(ex.get("passes"))
+        fam(
+            "expert_read_bytes_per_second", "gauge", "Expert read rate over the recent window."
+        ).add(ex.get("recent_bytes_read_per_s"))
     return list(fams.values())
 
 

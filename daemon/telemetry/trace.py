@@ -35,9 +35,10 @@ import contextlib
 import logging
 import re
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -122,7 +123,9 @@ def parse_trace(stream) -> Trace:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise TraceFormatError("not a moed trace (no moed-trace header)")
     if header.get("version") != VERSION:
-        raise TraceFormatError(f"trace version {header.get('version')} is not supported (this reads {VERSION})")
+        raise TraceFormatError(
+            f"trace version {header.get('version')} is not supported (this reads {VERSION})"
+        )
     dtype = np.dtype("<u2" if header.get("id_dtype") == "u2" else "u1")
     L, k = int(header["layers"]), int(header["top_k"])
     trace = Trace(header)
@@ -130,7 +133,9 @@ def parse_trace(stream) -> Trace:
         n = int(rec["n"])
         ids = np.frombuffer(rec["ids"], dtype=dtype)
         if ids.size != L * n * k:
-            raise TraceFormatError(f"pass {len(trace.passes)}: {ids.size} ids, expected {L}*{n}*{k}")
+            raise TraceFormatError(
+                f"pass {len(trace.passes)}: {ids.size} ids, expected {L}*{n}*{k}"
+            )
         ids = ids.reshape(L, n, k)
         cls = np.frombuffer(rec["cls"], dtype=np.uint8)
         classes, at = [], 0
@@ -139,9 +144,20 @@ def parse_trace(stream) -> Trace:
             classes.append(cls[at : at + m])
             at += m
         if at != cls.size:
-            raise TraceFormatError(f"pass {len(trace.passes)}: {cls.size} classes for {at} distinct experts")
-        trace.passes.append(Pass(n, ids, classes, float(rec.get("ms", 0.0)), float(rec.get("stall_ms", 0.0)),
-                                 float(rec.get("router_ms", 0.0)), int(rec.get("read_bytes", 0))))
+            raise TraceFormatError(
+                f"pass {len(trace.passes)}: {cls.size} classes for {at} distinct experts"
+            )
+        trace.passes.append(
+            Pass(
+                n,
+                ids,
+                classes,
+                float(rec.get("ms", 0.0)),
+                float(rec.get("stall_ms", 0.0)),
+                float(rec.get("router_ms", 0.0)),
+                int(rec.get("read_bytes", 0)),
+            )
+        )
     return trace
 
 
@@ -163,8 +179,14 @@ class TraceRecorder:
     objects in chunks of about CHUNK_BYTES; `close()` flushes the rest.
     """
 
-    def __init__(self, streamer: Any, header: dict, write: Callable[[bytes], None], chunk_bytes: int = CHUNK_BYTES):
-        from .residency import PageCacheProbe
+    def __init__(
+        self,
+        streamer: Any,
+        header: dict,
+        write: Callable[[bytes], None],
+        chunk_bytes: int = CHUNK_BYTES,
+    ):
+        from moed.daemon.telemetry.residency import PageCacheProbe
 
         self.streamer = streamer
         self.layers = len(streamer.pools)
@@ -186,7 +208,9 @@ class TraceRecorder:
 
     def begin(self) -> None:
         if self._resident_at_start is None:
-            self._resident_at_start = [list(map(int, p.policy.order())) for p in self.streamer.pools]
+            self._resident_at_start = [
+                list(map(int, p.policy.order())) for p in self.streamer.pools
+            ]
 
     def end(self) -> None:
         self._close_pass()
@@ -234,22 +258,26 @@ class TraceRecorder:
         stall, router, read = (b - a for a, b in zip(p.counters0, self._counters()))
         n, k = p.ids[0].shape
         if not self._header_done:
-            self._emit({**self.header, "top_k": int(k), "resident_at_start": self._resident_at_start or []})
+            self._emit(
+                {**self.header, "top_k": int(k), "resident_at_start": self._resident_at_start or []}
+            )
             self._header_done = True
         ids = np.concatenate([p.ids[layer] for layer in range(self.layers)]).astype(self._dtype)
         cls = []
         for layer in range(self.layers):
             got = p.cls.get(layer, {})
             cls.extend(got.get(int(e), READ) for e in np.unique(p.ids[layer]))
-        self._emit({
-            "n": int(n),
-            "ids": ids.tobytes(),
-            "cls": bytes(cls),
-            "ms": round((time.perf_counter() - p.t0) * 1000.0, 4),
-            "stall_ms": round(stall * 1000.0, 4),
-            "router_ms": round(router * 1000.0, 4),
-            "read_bytes": int(read),
-        })
+        self._emit(
+            {
+                "n": int(n),
+                "ids": ids.tobytes(),
+                "cls": bytes(cls),
+                "ms": round((time.perf_counter() - p.t0) * 1000.0, 4),
+                "stall_ms": round(stall * 1000.0, 4),
+                "router_ms": round(router * 1000.0, 4),
+                "read_bytes": int(read),
+            }
+        )
         self.passes += 1
 
     def _emit(self, obj: dict) -> None:
@@ -269,7 +297,9 @@ class TraceRecorder:
         self.closed = True
         self._close_pass()
         if not self._header_done:  # no pass at all: still a valid (empty) trace
-            self._emit({**self.header, "top_k": 0, "resident_at_start": self._resident_at_start or []})
+            self._emit(
+                {**self.header, "top_k": 0, "resident_at_start": self._resident_at_start or []}
+            )
             self._header_done = True
         self.flush()
         self._probe.close()
@@ -301,7 +331,7 @@ def trace_header(streamer: Any, model: dict, request: dict) -> dict:
 
 
 @contextlib.contextmanager
-def recording(recorder: "TraceRecorder | None") -> Iterator[None]:
+def recording(recorder: TraceRecorder | None) -> Iterator[None]:
     """Attach `recorder` to its streamer for the duration of one engine step of its request."""
     if recorder is None:
         yield
@@ -318,7 +348,7 @@ def recording(recorder: "TraceRecorder | None") -> Iterator[None]:
 # ---- the engine's side: one recorder per traced request ---------------------------------------
 
 
-def record_steps(recorder: "TraceRecorder", steps: Iterator) -> None:
+def record_steps(recorder: TraceRecorder, steps: Iterator) -> None:
     """Run a generation (an mlx-lm `generate_step` iterator) to its end, recording every step,
     then close the recorder (also when a step raises)."""
     try:
@@ -336,8 +366,13 @@ def _safe(name: Any) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name))[:64] or "request"
 
 
-def start_request_trace(loaded: Any, job: Any, serve: Any, emit: Callable[[dict], None],
-                        prompt_tokens: int | None = None) -> TraceRecorder | None:
+def start_request_trace(
+    loaded: Any,
+    job: Any,
+    serve: Any,
+    emit: Callable[[dict], None],
+    prompt_tokens: int | None = None,
+) -> TraceRecorder | None:
     """A recorder for this request when it asked for a trace (`trace: true`: chunks go back to the
     client as `trace` messages) or the daemon traces everything (`trace_dir`: a file per request).
     None otherwise, or when the model is resident (no streaming, nothing to observe)."""
@@ -348,7 +383,10 @@ def start_request_trace(loaded: Any, job: Any, serve: Any, emit: Callable[[dict]
         return None
     streamer = getattr(loaded, "streamer", None)
     if streamer is None:
-        log.info("request %r asked for a trace, but the model is resident: nothing to trace", req.get("id"))
+        log.info(
+            "request %r asked for a trace, but the model is resident: nothing to trace",
+            req.get("id"),
+        )
         return None
     from moed.protocol import messages as wire
 
@@ -368,9 +406,11 @@ def start_request_trace(loaded: Any, job: Any, serve: Any, emit: Callable[[dict]
             f.flush()
 
         sinks.append(to_file)
-    from moed.daemon.model_loader import describe_model
+    from moed.daemon.model.loader import describe_model
 
-    header = trace_header(streamer, describe_model(loaded), {"id": str(req.get("id")), "prompt_tokens": prompt_tokens})
+    header = trace_header(
+        streamer, describe_model(loaded), {"id": str(req.get("id")), "prompt_tokens": prompt_tokens}
+    )
     recorder = TraceRecorder(streamer, header, lambda data: [s(data) for s in sinks])
     if trace_dir:
         recorder.file = f  # closed by finish_request_trace

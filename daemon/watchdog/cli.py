@@ -13,20 +13,55 @@ from moed.daemon.config import ConfigError, load_config
 
 
 @click.command()
-@click.option("--config", "config_file", type=click.Path(path_type=Path, dir_okay=False), help="TOML config file.")
-@click.option("--socket", "socket_path", type=click.Path(path_type=Path), help="The daemon's ipc socket path.")
-@click.option("--state-dir", type=click.Path(path_type=Path), help="Where the event log and state file go.")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="TOML config file.",
+)
+@click.option(
+    "--socket", "socket_path", type=click.Path(path_type=Path), help="The daemon's ipc socket path."
+)
+@click.option(
+    "--state-dir", type=click.Path(path_type=Path), help="Where the event log and state file go."
+)
 @click.option("--interval", type=float, help="Seconds between samples.")
 @click.option("--consecutive", type=int, help="Bad samples in a row before acting.")
-@click.option("--swap-growth-mb", type=float, help="Swap growth over the baseline that counts as bad.")
-@click.option("--progress-timeout", type=float, help="Seconds busy without a token before the daemon counts as wedged.")
+@click.option(
+    "--swap-growth-mb", type=float, help="Swap growth over the baseline that counts as bad."
+)
+@click.option(
+    "--progress-timeout",
+    type=float,
+    help="Seconds busy without a token before the daemon counts as wedged.",
+)
 @click.option("--step-grace", type=float, help="Seconds between escalation steps.")
 @click.option("--pid", type=int, help="The daemon's pid (default: the pid its status reports).")
-@click.option("--once", is_flag=True, help="Take one sample, print readings and verdict as JSON, take no action.")
+@click.option(
+    "--once",
+    is_flag=True,
+    help="Take one sample, print readings and verdict as JSON, take no action.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
-def watchdog(config_file, socket_path, state_dir, interval, consecutive, swap_growth_mb, progress_timeout, step_grace, pid, once, log_level) -> None:
+def watchdog(
+    config_file,
+    socket_path,
+    state_dir,
+    interval,
+    consecutive,
+    swap_growth_mb,
+    progress_timeout,
+    step_grace,
+    pid,
+    once,
+    log_level,
+) -> None:
     """Guard memory (swap growth, pressure) and progress; escalate shed -> shutdown -> SIGTERM -> SIGKILL."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     try:
         config = load_config(
             config_file,
@@ -45,14 +80,23 @@ def watchdog(config_file, socket_path, state_dir, interval, consecutive, swap_gr
     if config.interval_s <= 0 or config.consecutive < 1:
         raise click.ClickException("--interval must be > 0 and --consecutive at least 1")
 
-    from .runner import Watchdog
+    from moed.daemon.watchdog.runner import Watchdog
 
     dog = Watchdog(config, pid_override=pid)
     if once:
         sample = dog.sampler.sample()
         decision = dog.policy.observe(sample)
         dog.link.close()
-        click.echo(json.dumps({"state": decision.state.value, "reason": decision.reason, "readings": decision.readings}, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "state": decision.state.value,
+                    "reason": decision.reason,
+                    "readings": decision.readings,
+                },
+                indent=2,
+            )
+        )
         return
     dog.install_signal_handlers()
     sys.exit(dog.run())

@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from moed.daemon.state import read_json, write_json_atomic
+from moed.daemon.runtime.state_files import read_json, write_json_atomic
 
 EVENT_LOG_NAME = "watchdog.jsonl"
 STATE_FILE_NAME = "watchdog.json"
@@ -53,7 +53,12 @@ class EventLog:
 
     def write(self, event: str, **fields: Any) -> dict:
         now = time.time()
-        record = {"ts": round(now, 3), "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)), "event": event, **fields}
+        record = {
+            "ts": round(now, 3),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
+            "event": event,
+            **fields,
+        }
         line = json.dumps(record, default=_jsonable, sort_keys=False) + "\n"
         os.write(self._fd, line.encode())
         return record
@@ -63,7 +68,7 @@ class EventLog:
             os.close(self._fd)
             self._fd = -1
 
-    def __enter__(self) -> "EventLog":
+    def __enter__(self) -> EventLog:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -104,7 +109,8 @@ def read_state(state_dir: Path, stale_after_s: float = 30.0) -> dict | None:
         return None
     pid = state.get("pid")
     alive = isinstance(pid, int) and psutil.pid_exists(pid)
-    fresh = time.time() - float(state.get("updated_at") or 0) <= max(stale_after_s, 3 * float(state.get("heartbeat_s") or 0))
+    fresh = time.time() - float(state.get("updated_at") or 0) <= max(
+        stale_after_s, 3 * float(state.get("heartbeat_s") or 0)
+    )
     state["running"] = bool(alive and fresh and not state.get("stopped_at"))
     return state
-

@@ -87,7 +87,7 @@ class PolicyParams:
     recover_s: float = 60.0  # quiet time after the last step before the ladder starts over
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "PolicyParams":
+    def from_config(cls, cfg: Any) -> PolicyParams:
         return cls(
             consecutive=max(1, int(cfg.consecutive)),
             swap_growth_bytes=int(cfg.swap_growth_mb * _MIB),
@@ -143,7 +143,10 @@ class Policy:
         rule: Rule | None = None
         reason = wedged_reason or memory_reason or "ok"
         has_target = s.daemon.reachable or s.daemon.alive
-        grace_over = self.last_action_mono is None or s.mono - self.last_action_mono >= self.params.step_grace_s
+        grace_over = (
+            self.last_action_mono is None
+            or s.mono - self.last_action_mono >= self.params.step_grace_s
+        )
 
         if wedged_reason is not None and has_target and grace_over and self.step < len(LADDER) - 1:
             # Progress is judged on time already; no need for N samples. Skip the control steps.
@@ -160,7 +163,9 @@ class Policy:
             action, rule = LADDER[self.step], Rule.MEMORY
             reason = f"{memory_reason} for {self.bad_streak} samples in a row"
         elif not bad and self.step >= 0 and self._quiet_for(s) >= self.params.recover_s:
-            notes.append(f"recovered: no bad sample for {self._quiet_for(s):.1f} s after {self.last_action.value}")
+            notes.append(
+                f"recovered: no bad sample for {self._quiet_for(s):.1f} s after {self.last_action.value}"
+            )
             self.step = -1
         elif bad and self.bad_streak == 1 and self.step < 0:
             notes.append(f"suspect: {reason}")
@@ -198,7 +203,9 @@ class Policy:
         if d.reachable:
             identity = (d.pid, d.boot_id)
             if self.identity is not None and identity != self.identity:
-                notes.append(f"daemon changed: pid {self.identity[0]} -> {d.pid}, boot {self.identity[1]} -> {d.boot_id}")
+                notes.append(
+                    f"daemon changed: pid {self.identity[0]} -> {d.pid}, boot {self.identity[1]} -> {d.boot_id}"
+                )
                 self._reset_ladder()
                 self.baseline = s.swap_used_bytes  # a new daemon is not to blame for old swap
                 self.busy_since_wall = None
@@ -244,7 +251,9 @@ class Policy:
     def _progress_ref(self, s: Sample) -> float:
         """The last sign of progress: a token, a prefill chunk, or this request becoming busy."""
         d = s.daemon
-        return max(d.last_token_at or 0.0, d.last_progress_at or 0.0, self.busy_since_wall or s.wall)
+        return max(
+            d.last_token_at or 0.0, d.last_progress_at or 0.0, self.busy_since_wall or s.wall
+        )
 
     def _wedged_reason(self, s: Sample) -> str | None:
         d, timeout = s.daemon, self.params.progress_timeout_s
@@ -252,26 +261,41 @@ class Policy:
             stalled = s.wall - self._progress_ref(s)
             if stalled >= timeout:
                 return f"busy with {d.active_requests} request(s) and no token for {stalled:.1f} s (limit {timeout:g} s)"
-        elif not d.reachable and d.alive and self.unreachable_since_wall is not None and self.identity is not None:
+        elif (
+            not d.reachable
+            and d.alive
+            and self.unreachable_since_wall is not None
+            and self.identity is not None
+        ):
             silent = s.wall - self.unreachable_since_wall
             if silent >= timeout:
-                return f"pid {d.pid} alive but not answering for {silent:.1f} s (limit {timeout:g} s)"
+                return (
+                    f"pid {d.pid} alive but not answering for {silent:.1f} s (limit {timeout:g} s)"
+                )
         return None
 
     def readings(self, s: Sample) -> dict:
         d = s.daemon
-        growth = None if s.swap_used_bytes is None or self.baseline is None else s.swap_used_bytes - self.baseline
+        growth = (
+            None
+            if s.swap_used_bytes is None or self.baseline is None
+            else s.swap_used_bytes - self.baseline
+        )
         stalled = None
         if d.reachable and d.busy:
             stalled = round(s.wall - self._progress_ref(s), 3)
         return {
-            "swap_used_mb": None if s.swap_used_bytes is None else round(s.swap_used_bytes / _MIB, 1),
+            "swap_used_mb": None
+            if s.swap_used_bytes is None
+            else round(s.swap_used_bytes / _MIB, 1),
             "swap_baseline_mb": None if self.baseline is None else round(self.baseline / _MIB, 1),
             "swap_growth_mb": None if growth is None else round(growth / _MIB, 1),
             "pressure": s.pressure.value,
             "bad_streak": self.bad_streak,
             "good_streak": self.good_streak,
             "daemon": {k: v for k, v in asdict(d).items()},
-            "daemon_footprint_mb": None if s.daemon_footprint_bytes is None else round(s.daemon_footprint_bytes / _MIB, 1),
+            "daemon_footprint_mb": None
+            if s.daemon_footprint_bytes is None
+            else round(s.daemon_footprint_bytes / _MIB, 1),
             "stalled_s": stalled,
         }

@@ -12,22 +12,25 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any
 
 from moed.daemon.config import WatchdogConfig
 from moed.daemon.platform import MemoryProbe, probe_for_platform
+from moed.daemon.watchdog.events import EventLog, default_event_log, state_file_path, write_state
+from moed.daemon.watchdog.policy import Action, Decision, Policy, PolicyParams
+from moed.daemon.watchdog.sampler import DaemonLink, Sampler, Target
 from moed.protocol import ShedLevel
-
-from .events import EventLog, default_event_log, state_file_path, write_state
-from .policy import Action, Decision, Policy, PolicyParams
-from .sampler import DaemonLink, Sampler, Target
 
 log = logging.getLogger("moed.watchdog")
 
 HEARTBEAT_S = 10.0  # the state file is rewritten at least this often, so readers can tell we live
 
-_SHED_LEVEL = {Action.SHED_CACHE: ShedLevel.CACHE, Action.SHED_CANCEL_NEWEST: ShedLevel.CANCEL_NEWEST}
+_SHED_LEVEL = {
+    Action.SHED_CACHE: ShedLevel.CACHE,
+    Action.SHED_CANCEL_NEWEST: ShedLevel.CANCEL_NEWEST,
+}
 _SIGNAL = {Action.SIGTERM: signal.SIGTERM, Action.SIGKILL: signal.SIGKILL}
 
 
@@ -46,10 +49,14 @@ class Watchdog:
         self.policy = Policy(self.params)
         self.probe = probe or probe_for_platform()
         # A status answer slower than an interval is as good as none; cap it so the loop keeps time.
-        self.link = link or DaemonLink(config.socket, timeout_s=min(max(config.interval_s, 0.2), 2.0))
+        self.link = link or DaemonLink(
+            config.socket, timeout_s=min(max(config.interval_s, 0.2), 2.0)
+        )
         self.sampler = Sampler(self.probe, self.link, pid_override)
         self.send_signal = send_signal
-        self.event_log_path = default_event_log(config.state_dir) if not config.event_log else _path(config.event_log)
+        self.event_log_path = (
+            default_event_log(config.state_dir) if not config.event_log else _path(config.event_log)
+        )
         self.state_path = state_file_path(config.state_dir)
         self.events: EventLog | None = None
         self.should_exit = threading.Event()
@@ -80,7 +87,9 @@ class Watchdog:
             interval_s=self.config.interval_s,
             target_pid=self.sampler.pid_override,
         )
-        log.info("watchdog %d guarding %s (probe %s)", os.getpid(), self.config.socket, self.probe.name)
+        log.info(
+            "watchdog %d guarding %s (probe %s)", os.getpid(), self.config.socket, self.probe.name
+        )
 
     def run(self) -> int:
         self.startup()
@@ -88,7 +97,9 @@ class Watchdog:
             while not self.should_exit.is_set():
                 started = time.monotonic()
                 self.tick()
-                self.should_exit.wait(max(0.0, self.config.interval_s - (time.monotonic() - started)))
+                self.should_exit.wait(
+                    max(0.0, self.config.interval_s - (time.monotonic() - started))
+                )
         finally:
             self.shutdown()
         return 0
@@ -119,7 +130,13 @@ class Watchdog:
                 "at": time.time(),
                 "outcome": outcome,
             }
-            log.warning("%s (%s): %s -> %s", decision.action.value, decision.rule.value, decision.reason, outcome)
+            log.warning(
+                "%s (%s): %s -> %s",
+                decision.action.value,
+                decision.rule.value,
+                decision.reason,
+                outcome,
+            )
             self._event(
                 "action",
                 action=decision.action,
@@ -137,10 +154,16 @@ class Watchdog:
         reason = f"watchdog: {decision.reason}"
         try:
             if action in _SHED_LEVEL:
-                return {"ok": True, "reply": _trim(self.link.call("shed", _SHED_LEVEL[action].value, reason))}
+                return {
+                    "ok": True,
+                    "reply": _trim(self.link.call("shed", _SHED_LEVEL[action].value, reason)),
+                }
             if action is Action.SHUTDOWN:
                 # restart=True: the daemon exits non-zero, so launchd/systemd bring it back with a smaller budget.
-                return {"ok": True, "reply": _trim(self.link.call("shutdown", reason, restart=True))}
+                return {
+                    "ok": True,
+                    "reply": _trim(self.link.call("shutdown", reason, restart=True)),
+                }
             if action in _SIGNAL:
                 target = self.sampler.target
                 if target is None or pid is None or target.pid != pid:

@@ -8,15 +8,15 @@ start time together, so a recycled pid is never signalled.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
 from moed.daemon.platform import MemoryProbe
-
-from .policy import DaemonReading, Sample
+from moed.daemon.watchdog.policy import DaemonReading, Sample
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Target:
     create_time: float | None  # None: the process was already gone when first seen
 
     @classmethod
-    def of(cls, pid: int) -> "Target":
+    def of(cls, pid: int) -> Target:
         try:
             return cls(pid, psutil.Process(pid).create_time())
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
@@ -48,7 +48,12 @@ class Target:
 class DaemonLink:
     """The control channel: `status`, `shed`, `shutdown` through moed.client.Client."""
 
-    def __init__(self, socket_path: Path, timeout_s: float = 1.0, client_factory: Callable[..., Any] | None = None):
+    def __init__(
+        self,
+        socket_path: Path,
+        timeout_s: float = 1.0,
+        client_factory: Callable[..., Any] | None = None,
+    ):
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self._factory = client_factory
@@ -60,7 +65,9 @@ class DaemonLink:
                 from moed.client import Client
 
                 self._factory = Client
-            self._client = self._factory(self.socket_path, timeout=self.timeout_s, name="moed.watchdog")
+            self._client = self._factory(
+                self.socket_path, timeout=self.timeout_s, name="moed.watchdog"
+            )
         return self._client
 
     def _drop(self) -> None:
@@ -100,8 +107,14 @@ class DaemonLink:
 
 
 class Sampler:
-    def __init__(self, probe: MemoryProbe, link: DaemonLink, pid_override: int | None = None,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        probe: MemoryProbe,
+        link: DaemonLink,
+        pid_override: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ):
         self.probe = probe
         self.link = link
         self.pid_override = pid_override
@@ -134,14 +147,18 @@ class Sampler:
                 pid=self.target.pid if self.target else None,
                 alive=self.target.alive() if self.target else False,
             )
-        footprint = self.probe.process_footprint(daemon.pid) if daemon.pid and daemon.alive else None
+        footprint = (
+            self.probe.process_footprint(daemon.pid) if daemon.pid and daemon.alive else None
+        )
         return Sample(
             mono=self.clock(),
             wall=self.wall(),
             swap_used_bytes=self.probe.swap_used_bytes(),
             pressure=self.probe.pressure_level(),
             daemon=daemon,
-            daemon_footprint_bytes=None if footprint is None else (footprint.phys_footprint_bytes or footprint.resident_bytes),
+            daemon_footprint_bytes=None
+            if footprint is None
+            else (footprint.phys_footprint_bytes or footprint.resident_bytes),
         )
 
 

@@ -7,11 +7,11 @@ import sys
 
 import zmq
 
-from .config import Config
-from .exit_codes import DaemonExit
-from .model_source import ModelNotFound, resolve_model
-from .server import AlreadyRunning, Server
-from .service.logs import RotatingLog
+from moed.daemon.config import Config
+from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.model.source import ModelNotFound, resolve_model
+from moed.daemon.runtime.run_log import RotatingLog
+from moed.daemon.transport.server import AlreadyRunning, Server
 
 log = logging.getLogger("moed")
 
@@ -33,11 +33,14 @@ def run_daemon(config: Config) -> int:
     except AlreadyRunning as exc:
         print(f"moed: {exc}", file=sys.stderr)
         return DaemonExit.ALREADY_RUNNING
-    except (OSError, zmq.ZMQError) as exc:  # the socket directory cannot be made private, or bind failed
+    except (
+        OSError,
+        zmq.ZMQError,
+    ) as exc:  # the socket directory cannot be made private, or bind failed
         print(f"moed: socket {serve.socket}: {exc}", file=sys.stderr)
         return DaemonExit.CONFIG
     if serve.metrics_port:
-        from .telemetry.http import start_metrics_server
+        from moed.daemon.telemetry.http import start_metrics_server
 
         try:
             start_metrics_server(serve.metrics_port, server.telemetry.metrics_text)
@@ -49,23 +52,37 @@ def run_daemon(config: Config) -> int:
     # evaluations; a 1 ms GIL switch interval (default 5 ms) bounds how long a `cancel` or `ping` waits.
     sys.setswitchinterval(0.001)
     run_log = _open_run_log(server, model_path)
-    log.info("moed %s serving %s on %s (boot %s)", server.status.get("version"), model_path, serve.socket, server.boot_id)
+    log.info(
+        "moed %s serving %s on %s (boot %s)",
+        server.status.get("version"),
+        model_path,
+        serve.socket,
+        server.boot_id,
+    )
     code = server.run()
     log.info("moed exiting with code %d", code)
-    run_log.record_exit(code, DaemonExit(code).name.lower() if code in DaemonExit._value2member_map_ else None)
+    run_log.record_exit(
+        code, DaemonExit(code).name.lower() if code in DaemonExit._value2member_map_ else None
+    )
     run_log.close()
     return code
 
 
-def _open_run_log(server: Server, model_path) -> "RotatingLog":
+def _open_run_log(server: Server, model_path) -> RotatingLog:
     """The rotating daemon.log: a start record (version, model, budget, why the last run ended), then logging."""
-    from . import __version__
-    from .service import previous_exit_from_launchd, record_start
+    from moed.daemon import __version__
+    from moed.daemon.runtime.run_log import record_start
+    from moed.daemon.service.launchctl import previous_exit as previous_exit_from_launchd
 
     plan = server.start_plan
     last = plan.last_crash if (plan.unclean_previous or plan.recent_crashes) else None
-    reasons = [f"{last['kind']}: {str(last.get('message', ''))[:200]}" if last else None, previous_exit_from_launchd()]
+    reasons = [
+        f"{last['kind']}: {str(last.get('message', ''))[:200]}" if last else None,
+        previous_exit_from_launchd(),
+    ]
     previous = "; ".join(r for r in reasons if r) or None
-    run_log = record_start(server.serve.log_dir, __version__, str(model_path), server.serve.cache_budget, previous)
+    run_log = record_start(
+        server.serve.log_dir, __version__, str(model_path), server.serve.cache_budget, previous
+    )
     run_log.adopt_logging()
     return run_log

@@ -21,6 +21,14 @@ from typing import Any
 import psutil
 import zmq
 
+from moed.daemon import __version__
+from moed.daemon.config import ServeConfig
+from moed.daemon.engine.core import Engine, GenerateJob, RequestKey
+from moed.daemon.engine.status import DaemonState, EngineStatus
+from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.runtime import crashlog
+from moed.daemon.telemetry import LiveTelemetry
+from moed.daemon.watchdog.events import read_state as read_watchdog_state
 from moed.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_MAJOR,
@@ -34,16 +42,7 @@ from moed.protocol import (
     validate_request,
 )
 from moed.protocol import messages as wire
-
-from . import __version__
-from .config import ServeConfig
-from .engine import Engine, GenerateJob, RequestKey
-from .exit_codes import DaemonExit
 from moed.protocol.paths import endpoint_for, ensure_private_dir
-from .status import DaemonState, EngineStatus
-from .telemetry import LiveTelemetry
-from .watchdog import crashlog
-from .watchdog.events import read_state as read_watchdog_state
 
 log = logging.getLogger("moed.server")
 
@@ -95,20 +94,29 @@ class Server:
     def __post_init__(self) -> None:
         self.context = zmq.Context.instance()
         self.endpoint = endpoint_for(self.serve.socket)
-        self._pending: dict[RequestKey, int] = {}  # admitted generate requests not yet terminal: tokens sent
+        self._pending: dict[
+            RequestKey, int
+        ] = {}  # admitted generate requests not yet terminal: tokens sent
         self._order: list[RequestKey] = []
         self._draining = False
         self._restart_reason: str | None = None
         self._drain_deadline = 0.0
         self._stop_requested = threading.Event()
         # After crashes: count an unclean previous exit, back the cache budget off, or refuse to start.
-        self.start_plan = crashlog.plan_start(self.serve.state_dir, self.serve.restart_budget, self.serve.restart_window_s)
+        self.start_plan = crashlog.plan_start(
+            self.serve.state_dir, self.serve.restart_budget, self.serve.restart_window_s
+        )
         self.budget_backoff = self._back_off_budget()
-        self.engine = Engine(self.serve, self.model_path, lambda: ZmqEventSink(self.context), self.status)
+        self.engine = Engine(
+            self.serve, self.model_path, lambda: ZmqEventSink(self.context), self.status
+        )
         self.engine.on_crash = self._record_crash
         self._process = psutil.Process()
-        self.telemetry = LiveTelemetry(self.status_body, lambda: self.engine.loaded and self.engine.loaded.streamer,
-                                       lambda: self.status.get("tokens_generated"))
+        self.telemetry = LiveTelemetry(
+            self.status_body,
+            lambda: self.engine.loaded and self.engine.loaded.streamer,
+            lambda: self.status.get("tokens_generated"),
+        )
 
     # ---- startup ---------------------------------------------------------------------------
     def bind(self) -> None:
@@ -130,7 +138,12 @@ class Server:
         self.router.setsockopt(zmq.SNDHWM, 0)
         self.router.bind(self.endpoint)
         os.chmod(self.serve.socket, 0o600)
-        self.status.update(pid=os.getpid(), boot_id=self.boot_id, socket=str(self.serve.socket), version=__version__)
+        self.status.update(
+            pid=os.getpid(),
+            boot_id=self.boot_id,
+            socket=str(self.serve.socket),
+            version=__version__,
+        )
 
     def _back_off_budget(self) -> dict | None:
         """Shrink the expert cache budget by the crash backoff factor (resolved to bytes first)."""
@@ -141,24 +154,38 @@ class Server:
         if self.serve.resident:
             return info  # nothing to shrink: every expert is resident by request
         try:
-            from .model_loader import streaming_config
-            from .experts import plan_memory
+            from moed.daemon.experts import plan_memory
+            from moed.daemon.model.loader import streaming_config
 
             model_config = json.loads((self.model_path / "config.json").read_text())
-            full = plan_memory(self.model_path, streaming_config(self.serve, model_config)).cache_budget_bytes
-        except Exception as exc:  # a model that cannot be planned fails at load with a better message
+            full = plan_memory(
+                self.model_path, streaming_config(self.serve, model_config)
+            ).cache_budget_bytes
+        except (
+            Exception
+        ) as exc:  # a model that cannot be planned fails at load with a better message
             log.warning("cache budget backoff skipped: %s", exc)
             return info
         scaled = crashlog.scale_budget(full, plan.budget_factor)
         self.serve = replace(self.serve, cache_budget=str(scaled))
-        log.warning("%d recent crash(es): expert cache budget backed off to %.0f%% (%d -> %d bytes)",
-                    plan.recent_crashes, 100 * plan.budget_factor, full, scaled)
+        log.warning(
+            "%d recent crash(es): expert cache budget backed off to %.0f%% (%d -> %d bytes)",
+            plan.recent_crashes,
+            100 * plan.budget_factor,
+            full,
+            scaled,
+        )
         return {**info, "budget_bytes_full": full, "budget_bytes": scaled}
 
     def _record_crash(self, kind: crashlog.CrashKind, message: str) -> None:
         extra = {"budget_backoff": self.budget_backoff} if self.budget_backoff else None
         entry = crashlog.record_crash(self.serve.state_dir, kind, message, self.boot_id, extra)
-        log.error("crash recorded in %s: %s: %s", crashlog.crash_path(self.serve.state_dir), kind.value, message)
+        log.error(
+            "crash recorded in %s: %s: %s",
+            crashlog.crash_path(self.serve.state_dir),
+            kind.value,
+            message,
+        )
         self.status.update(crashing=entry)
 
     def install_signal_handlers(self) -> None:
@@ -178,7 +205,10 @@ class Server:
             self._close()
             return DaemonExit.OK
         if self.start_plan.unclean_previous:
-            log.warning("the previous run (boot %s) died without a clean exit", self.start_plan.unclean_previous.get("boot_id"))
+            log.warning(
+                "the previous run (boot %s) died without a clean exit",
+                self.start_plan.unclean_previous.get("boot_id"),
+            )
         crashlog.begin_run(self.serve.state_dir, self.boot_id, budget=self.budget_backoff)
         self.engine.start()
         poller = zmq.Poller()
@@ -188,7 +218,9 @@ class Server:
             while True:
                 if self._stop_requested.is_set() and not self._draining:
                     self._begin_drain()
-                if self._draining and (not self._pending or time.monotonic() > self._drain_deadline):
+                if self._draining and (
+                    not self._pending or time.monotonic() > self._drain_deadline
+                ):
                     break
                 if self.engine.fatal is not None:
                     self._flush_events(poller)
@@ -203,7 +235,9 @@ class Server:
             self._flush_events(poller)
             if self.engine.thread.is_alive():
                 # A wedged engine: exit non-zero so that the service manager starts a fresh one.
-                self._record_crash(crashlog.CrashKind.ENGINE_FAILED, "the engine was still stuck after the drain")
+                self._record_crash(
+                    crashlog.CrashKind.ENGINE_FAILED, "the engine was still stuck after the drain"
+                )
                 return DaemonExit.FAILED
             if self._restart_reason:
                 self._record_crash(crashlog.CrashKind.MEMORY_PRESSURE, self._restart_reason)
@@ -217,7 +251,9 @@ class Server:
         self._draining = True
         self._drain_deadline = time.monotonic() + self.serve.drain_timeout_s
         self.status.update(state=DaemonState.DRAINING.value)
-        log.info("draining %d request(s), deadline %.1fs", len(self._pending), self.serve.drain_timeout_s)
+        log.info(
+            "draining %d request(s), deadline %.1fs", len(self._pending), self.serve.drain_timeout_s
+        )
 
     def _flush_events(self, poller: zmq.Poller) -> None:
         deadline = time.monotonic() + 1.0
@@ -256,10 +292,16 @@ class Server:
             kind, request_id = validate_request(msg)
             reply = self._dispatch(identity, kind, msg)
         except ProtocolError as exc:
-            reply = wire.error(request_id if isinstance(request_id, (str, int)) else None, exc.code, exc.message)
+            reply = wire.error(
+                request_id if isinstance(request_id, (str, int)) else None, exc.code, exc.message
+            )
         except Exception as exc:  # a bug in one request must not take the daemon down
             log.exception("request handling failed")
-            reply = wire.error(request_id if isinstance(request_id, (str, int)) else None, ErrorCode.INTERNAL, str(exc))
+            reply = wire.error(
+                request_id if isinstance(request_id, (str, int)) else None,
+                ErrorCode.INTERNAL,
+                str(exc),
+            )
         if reply is not None:
             self._send(identity, envelope, encode(reply))
 
@@ -270,7 +312,9 @@ class Server:
         if kind is MessageType.HELLO:
             return wire.welcome(req_id, **self._welcome_body())
         if kind is MessageType.PING:
-            return wire.result(req_id, pong=True, boot_id=self.boot_id, pid=os.getpid(), time=time.time())
+            return wire.result(
+                req_id, pong=True, boot_id=self.boot_id, pid=os.getpid(), time=time.time()
+            )
         if kind is MessageType.STATUS:
             return wire.result(req_id, **self.status_body())
         if kind is MessageType.CANCEL:
@@ -300,22 +344,40 @@ class Server:
     def _admit(self, identity: bytes, msg: dict) -> dict | None:
         key = (identity, msg["id"])
         if self._draining:
-            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; retry after it restarts")
+            raise ProtocolError(
+                ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; retry after it restarts"
+            )
         if self.engine.fatal is not None:
             if self.engine.exit_code == DaemonExit.OUT_OF_MEMORY:
-                raise ProtocolError(ErrorCode.OUT_OF_MEMORY, f"the daemon ran out of memory and is restarting: {self.engine.fatal}")
-            raise ProtocolError(ErrorCode.INTERNAL, f"the model failed to load: {self.engine.fatal}")
+                raise ProtocolError(
+                    ErrorCode.OUT_OF_MEMORY,
+                    f"the daemon ran out of memory and is restarting: {self.engine.fatal}",
+                )
+            raise ProtocolError(
+                ErrorCode.INTERNAL, f"the model failed to load: {self.engine.fatal}"
+            )
         if key in self._pending:
-            raise ProtocolError(ErrorCode.DUPLICATE_ID, f"request id {msg['id']!r} is already in flight")
+            raise ProtocolError(
+                ErrorCode.DUPLICATE_ID, f"request id {msg['id']!r} is already in flight"
+            )
         if len(self._pending) >= self.serve.max_pending:
-            raise ProtocolError(ErrorCode.OVERLOADED, f"{len(self._pending)} requests in flight; retry later")
+            raise ProtocolError(
+                ErrorCode.OVERLOADED, f"{len(self._pending)} requests in flight; retry later"
+            )
         self._check_model(msg.get("model"))
         prompt = msg.get("prompt")
         # A cheap bound before tokenizing: a token is at least one byte of text.
         if prompt is not None and len(prompt) > self.serve.max_prompt_tokens * 32:
-            raise ProtocolError(ErrorCode.PROMPT_TOO_LONG, f"prompt of {len(prompt)} characters is too long")
-        if len(msg.get("prompt_ids") or []) + len(msg.get("resume_ids") or []) > self.serve.max_prompt_tokens:
-            raise ProtocolError(ErrorCode.PROMPT_TOO_LONG, f"prompt exceeds {self.serve.max_prompt_tokens} tokens")
+            raise ProtocolError(
+                ErrorCode.PROMPT_TOO_LONG, f"prompt of {len(prompt)} characters is too long"
+            )
+        if (
+            len(msg.get("prompt_ids") or []) + len(msg.get("resume_ids") or [])
+            > self.serve.max_prompt_tokens
+        ):
+            raise ProtocolError(
+                ErrorCode.PROMPT_TOO_LONG, f"prompt exceeds {self.serve.max_prompt_tokens} tokens"
+            )
         self._pending[key] = 0  # tokens sent so far
         self.engine.submit(GenerateJob(identity, msg))
         return None
@@ -326,7 +388,8 @@ class Server:
         accepted = {self.serve.model, str(self.model_path), self.model_path.name}
         if name not in accepted:
             raise ProtocolError(
-                ErrorCode.MODEL_NOT_FOUND, f"model {name!r} is not served here; this daemon serves {self.serve.model!r}"
+                ErrorCode.MODEL_NOT_FOUND,
+                f"model {name!r} is not served here; this daemon serves {self.serve.model!r}",
             )
 
     # ---- outbound ----------------------------------------------------------------------------
@@ -368,7 +431,8 @@ class Server:
             "pid": os.getpid(),
             "version": __version__,
             "state": snap["state"],
-            "model": snap.get("model") or {"path": str(self.model_path), "name": self.model_path.name},
+            "model": snap.get("model")
+            or {"path": str(self.model_path), "name": self.model_path.name},
             "limits": {
                 "max_prompt_tokens": self.serve.max_prompt_tokens,
                 "max_tokens": self.serve.max_tokens_limit,
@@ -388,7 +452,9 @@ class Server:
         snap["uptime_s"] = time.time() - snap["started_at"]
         snap["rss_bytes"] = self._process.memory_info().rss
         snap["last_crash"] = self.start_plan.last_crash
-        snap["recent_crashes"] = self.start_plan.recent_crashes  # crash restarts within the restart window
+        snap["recent_crashes"] = (
+            self.start_plan.recent_crashes
+        )  # crash restarts within the restart window
         snap["budget_backoff"] = self.budget_backoff
         snap["watchdog"] = _watchdog_summary(self.serve.state_dir)
         snap.update(self.extra_welcome)

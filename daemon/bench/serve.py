@@ -24,7 +24,11 @@ class RunTiming:
 
 
 def _decode_tps(stamps: list[float]) -> float:
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else 0.0
+    return (
+        (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        if len(stamps) > 1 and stamps[-1] > stamps[0]
+        else 0.0
+    )
 
 
 def time_in_process(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> RunTiming:
@@ -34,7 +38,9 @@ def time_in_process(model, tokenizer, prompt_ids: list[int], max_tokens: int) ->
     t0 = time.perf_counter()
     stamps, tokens = [], []
     for response in stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens):
-        if response.finish_reason == "stop":  # the EOS token: the daemon sends no token event for it
+        if (
+            response.finish_reason == "stop"
+        ):  # the EOS token: the daemon sends no token event for it
             break
         stamps.append(time.perf_counter())
         tokens.append(int(response.token))
@@ -46,7 +52,9 @@ def time_through_daemon(client, prompt_ids: list[int], max_tokens: int) -> RunTi
 
     t0 = time.perf_counter()
     stamps, tokens = [], []
-    for event in client.generate(prompt_ids=prompt_ids, max_tokens=max_tokens, telemetry_every=1 << 30):
+    for event in client.generate(
+        prompt_ids=prompt_ids, max_tokens=max_tokens, telemetry_every=1 << 30
+    ):
         if isinstance(event, TokenEvent) and event.ids:
             stamps.append(time.perf_counter())
             tokens.extend(event.ids)
@@ -64,8 +72,7 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
 
     from moed.client import Client, DaemonUnavailable
     from moed.client.autostart import start_daemon, wait_until_ready
-
-    from .model_source import resolve_model
+    from moed.daemon.model.source import resolve_model
 
     path = resolve_model(model)
     click.echo(f"model {path}  max_tokens {max_tokens}  runs {runs} (alternating)", err=True)
@@ -74,8 +81,12 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
     sock_dir = Path(tempfile.mkdtemp(prefix="moed-bench-", dir="/tmp"))
     socket = sock_dir / "s.sock"
     # Its own state and log dirs: a benchmark leaves no trace in the user's daemon.log or profile.
-    daemon = start_daemon(socket, str(path), ("--state-dir", str(sock_dir / "state"), "--resident", "--log-level", "WARNING"),
-                          env={"MOED_LOG_DIR": str(sock_dir / "logs")})
+    daemon = start_daemon(
+        socket,
+        str(path),
+        ("--state-dir", str(sock_dir / "state"), "--resident", "--log-level", "WARNING"),
+        env={"MOED_LOG_DIR": str(sock_dir / "logs")},
+    )
     try:
         try:
             wait_until_ready(socket, daemon, 300)
@@ -103,5 +114,7 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
     r_ttft = statistics.median(r.ttft_s for r in remote)
     click.echo(f"{'':24}{'in-process mlx-lm':>20}{'daemon + client':>20}{'ratio / delta':>16}")
     click.echo(f"{'decode tok/s (median)':24}{l_tps:20.1f}{r_tps:20.1f}{r_tps / l_tps:16.3f}")
-    click.echo(f"{'time to first token':24}{l_ttft * 1000:18.2f}ms{r_ttft * 1000:18.2f}ms{(r_ttft - l_ttft) * 1000:+14.2f}ms")
+    click.echo(
+        f"{'time to first token':24}{l_ttft * 1000:18.2f}ms{r_ttft * 1000:18.2f}ms{(r_ttft - l_ttft) * 1000:+14.2f}ms"
+    )
     click.echo(f"identical tokens: {same}   (machine: {os.cpu_count()} cpus, {sys.platform})")

@@ -4,13 +4,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 # Snapshot keys that accumulate (per-request telemetry reports their differences); others are gauges.
-CUMULATIVE_KEYS = frozenset({
-    "hits", "misses", "tokens", "layer_calls", "passes", "bytes_read", "reads", "evictions", "read_s", "stall_s",
-    "router_readback_s", "router_sync_s", "router_copy_s", "expert_compute_s", "layer_s", "layer_python_s",
-    "prefetched", "prefetch_hits", "prefetch_bytes", "warm_bytes", "warm_s",
-})
+CUMULATIVE_KEYS = frozenset(
+    {
+        "hits",
+        "misses",
+        "tokens",
+        "layer_calls",
+        "passes",
+        "bytes_read",
+        "reads",
+        "evictions",
+        "read_s",
+        "stall_s",
+        "router_readback_s",
+        "router_sync_s",
+        "router_copy_s",
+        "expert_compute_s",
+        "layer_s",
+        "layer_python_s",
+        "prefetched",
+        "prefetch_hits",
+        "prefetch_bytes",
+        "warm_bytes",
+        "warm_s",
+    }
+)
 
 
 @dataclass
@@ -30,7 +49,9 @@ class Counters:
     evictions: int = 0
     read_s: float = 0.0  # worker time in preadv, summed
     stall_s: float = 0.0  # engine thread waiting for reads
-    router_sync_s: float = 0.0  # evaluating the pending graph up to the router (forced by the read-back)
+    router_sync_s: float = (
+        0.0  # evaluating the pending graph up to the router (forced by the read-back)
+    )
     router_copy_s: float = 0.0  # copying the indices to the host and planning the layer
     expert_compute_s: float = 0.0  # evaluating the expert outputs
     layer_s: float = 0.0  # wall time inside streaming layers (all of the above plus their Python)
@@ -47,7 +68,9 @@ class Counters:
             "hits": hits,
             "misses": misses,
             "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "layer_hit_rates": [c.hits / (c.hits + c.misses) if c.hits + c.misses else 0.0 for c in self.layers],
+            "layer_hit_rates": [
+                c.hits / (c.hits + c.misses) if c.hits + c.misses else 0.0 for c in self.layers
+            ],
             "layer_hits": [c.hits for c in self.layers],
             "layer_misses": [c.misses for c in self.layers],
             "tokens": self.tokens,
@@ -63,7 +86,14 @@ class Counters:
             "router_copy_s": self.router_copy_s,
             "expert_compute_s": self.expert_compute_s,
             "layer_s": self.layer_s,
-            "layer_python_s": max(0.0, self.layer_s - self.router_sync_s - self.router_copy_s - self.stall_s - self.expert_compute_s),
+            "layer_python_s": max(
+                0.0,
+                self.layer_s
+                - self.router_sync_s
+                - self.router_copy_s
+                - self.stall_s
+                - self.expert_compute_s,
+            ),
             "prefetched": self.prefetched,
             "prefetch_hits": self.prefetch_hits,
             "prefetch_bytes": self.prefetch_bytes,

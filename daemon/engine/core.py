@@ -11,23 +11,24 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
+from moed.daemon.config import ServeConfig
+from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
+from moed.daemon.engine.status import DaemonState, EngineStatus
+from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.model.loader import LoadedModel, MemoryPlanRefused, describe_model, load_model
+from moed.daemon.runtime.crashlog import CrashKind, is_out_of_memory
+from moed.daemon.runtime.faults import Faults
+from moed.daemon.telemetry.delta import counters_delta
+from moed.daemon.telemetry.trace import finish_request_trace, start_request_trace
 from moed.protocol import ErrorCode, FinishReason, ProtocolError, ShedLevel
 from moed.protocol import messages as wire
 
-from .config import ServeConfig
-from .exit_codes import DaemonExit
-from .generation import GenerateJob, Generation, RequestKey
-from .model_loader import LoadedModel, MemoryPlanRefused, describe_model, load_model
-from .status import DaemonState, EngineStatus
-from .telemetry.delta import counters_delta
-from .telemetry.trace import finish_request_trace, start_request_trace
-from .watchdog.crashlog import CrashKind, is_out_of_memory
-from .watchdog.faults import Faults
-
 log = logging.getLogger("moed.engine")
+
 
 class EventSink(Protocol):
     def emit(self, identity: bytes, msg: dict, terminal: bool = False) -> None: ...
@@ -36,7 +37,13 @@ class EventSink(Protocol):
 class Engine:
     """Owns the model; admits, steps, cancels and finishes generations on its own thread."""
 
-    def __init__(self, serve: ServeConfig, model_path: Path, sink_factory: Callable[[], EventSink], status: EngineStatus):
+    def __init__(
+        self,
+        serve: ServeConfig,
+        model_path: Path,
+        sink_factory: Callable[[], EventSink],
+        status: EngineStatus,
+    ):
         self.serve = serve
         self.model_path = model_path
         self.status = status
@@ -76,7 +83,13 @@ class Engine:
         self.sink = self._sink_factory()
         try:
             t0 = time.perf_counter()
-            log.info("loading %s (%s)", self.model_path, "resident" if self.serve.resident else f"streaming, budget {self.serve.cache_budget}")
+            log.info(
+                "loading %s (%s)",
+                self.model_path,
+                "resident"
+                if self.serve.resident
+                else f"streaming, budget {self.serve.cache_budget}",
+            )
             self.loaded = load_model(self.serve, self.model_path)
             self.status.update(
                 state=DaemonState.READY.value,
@@ -92,7 +105,9 @@ class Engine:
             if isinstance(exc, MemoryPlanRefused):
                 self.exit_code = DaemonExit.DOES_NOT_FIT
             self.fatal = exc
-            self.status.update(state=DaemonState.FAILED.value, error=f"{exc.__class__.__name__}: {exc}")
+            self.status.update(
+                state=DaemonState.FAILED.value, error=f"{exc.__class__.__name__}: {exc}"
+            )
             self._fail_queued(ErrorCode.INTERNAL, f"model failed to load: {exc}")
             return
         try:
@@ -103,7 +118,9 @@ class Engine:
                         self._step(key)
             if self.fatal is None:
                 self._finish_all(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-        except Exception as exc:  # a bug outside a step: fail everyone and exit, never hang silently
+        except (
+            Exception
+        ) as exc:  # a bug outside a step: fail everyone and exit, never hang silently
             self._engine_failed(exc)
         self._close_streamer()
 
@@ -157,10 +174,20 @@ class Engine:
 
     def _admit(self, job: GenerateJob) -> None:
         try:
-            gen = Generation(job, self.loaded, self.serve, self._stream_snapshot(),
-                             on_progress=lambda: self.status.update(last_progress_at=time.time()))
-            gen.trace = start_request_trace(self.loaded, job, self.serve, lambda m, i=job.identity: self.sink.emit(i, m),
-                                            gen.prompt_tokens)
+            gen = Generation(
+                job,
+                self.loaded,
+                self.serve,
+                self._stream_snapshot(),
+                on_progress=lambda: self.status.update(last_progress_at=time.time()),
+            )
+            gen.trace = start_request_trace(
+                self.loaded,
+                job,
+                self.serve,
+                lambda m, i=job.identity: self.sink.emit(i, m),
+                gen.prompt_tokens,
+            )
             self._active[job.key] = gen
             self.status.update(busy=True, active_requests=len(self._active))
         except ProtocolError as exc:
@@ -190,12 +217,16 @@ class Engine:
             return
         gen.detokenizer.add_token(token)
         text = gen.detokenizer.last_segment
-        self.sink.emit(gen.job.identity, wire.token(gen.job.request["id"], gen.index, [token], text))
+        self.sink.emit(
+            gen.job.identity, wire.token(gen.job.request["id"], gen.index, [token], text)
+        )
         gen.index += 1
         gen.completion += 1
         self.status.token_produced(time.time())
         if gen.completion % gen.telemetry_every == 0:
-            self.sink.emit(gen.job.identity, wire.telemetry(gen.job.request["id"], self._telemetry(gen)))
+            self.sink.emit(
+                gen.job.identity, wire.telemetry(gen.job.request["id"], self._telemetry(gen))
+            )
 
     def _telemetry(self, gen: Generation, timings: dict | None = None) -> dict:
         data = {"tokens": gen.completion, **(timings or gen.timings())}
@@ -228,7 +259,12 @@ class Engine:
         except Exception:  # the record is advisory; failing the requests is not
             log.exception("could not record the crash")
 
-    def _finish(self, gen: Generation, reason: FinishReason | ErrorCode, message: str = "the daemon is shutting down") -> None:
+    def _finish(
+        self,
+        gen: Generation,
+        reason: FinishReason | ErrorCode,
+        message: str = "the daemon is shutting down",
+    ) -> None:
         self._active.pop(gen.job.key, None)
         # Published before the terminal message, so a client that saw `done` sees the count drop.
         self.status.update(active_requests=len(self._active), busy=bool(self._active))
@@ -275,9 +311,20 @@ class Engine:
         if level is ShedLevel.CANCEL_NEWEST and self._active:
             newest = next(reversed(self._active.values()))
             cancelled = newest.job.request["id"]
-            self._finish(newest, ErrorCode.OUT_OF_MEMORY, "cancelled to relieve memory pressure (the newest request is shed first)")
+            self._finish(
+                newest,
+                ErrorCode.OUT_OF_MEMORY,
+                "cancelled to relieve memory pressure (the newest request is shed first)",
+            )
         self.status.add(sheds=1)
-        self.status.update(last_shed={"level": level.value, "at": time.time(), "released_bytes": released, "cancelled": cancelled})
+        self.status.update(
+            last_shed={
+                "level": level.value,
+                "at": time.time(),
+                "released_bytes": released,
+                "cancelled": cancelled,
+            }
+        )
 
     def _emit_error(self, job: GenerateJob, code: ErrorCode, message: str) -> None:
         self.sink.emit(job.identity, wire.error(job.request["id"], code, message), terminal=True)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
+from moed.daemon.config import ServeConfig
+from moed.daemon.model.loader import LoadedModel
+from moed.daemon.telemetry.trace import recording
 from moed.protocol import ErrorCode, FinishReason, ProtocolError
-
-from .config import ServeConfig
-from .model_loader import LoadedModel
-from .telemetry.trace import recording
 
 RequestKey = tuple[bytes, Any]  # (client identity, client-chosen request id)
 
@@ -30,13 +30,19 @@ class GenerateJob:
 class Generation:
     """One request's decoding state: its own KV cache, sampler and detokenizer."""
 
-    def __init__(self, job: GenerateJob, loaded: LoadedModel, serve: ServeConfig, stream_snapshot: dict | None,
-                 on_progress: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        job: GenerateJob,
+        loaded: LoadedModel,
+        serve: ServeConfig,
+        stream_snapshot: dict | None,
+        on_progress: Callable[[], None] | None = None,
+    ):
         import mlx.core as mx
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
 
-        from .sampling import SamplingParams, make_position_sampler
+        from moed.daemon.engine.sampling import SamplingParams, make_position_sampler
 
         req = job.request
         self.job = job
@@ -52,7 +58,9 @@ class Generation:
         if len(resume_ids) >= max_tokens:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, "resume_ids already reach max_tokens")
         context = prompt_ids + resume_ids
-        params = SamplingParams(float(req.get("temperature") or 0.0), float(req.get("top_p") or 1.0), req.get("seed"))
+        params = SamplingParams(
+            float(req.get("temperature") or 0.0), float(req.get("top_p") or 1.0), req.get("seed")
+        )
         sampler = make_position_sampler(params, len(context), default_seed=random.getrandbits(62))
         self.prompt_tokens = len(prompt_ids)
         self.index = len(resume_ids)  # token indices continue after a resume
@@ -101,7 +109,9 @@ class Generation:
             "queued_s": self.started - self.job.received_at,
             "ttft_s": first - self.job.received_at,
             "prompt_tps": self.prompt_tokens / max(first - self.started, 1e-9),
-            "decode_tps": (self.completion - 1) / decode_s if self.completion > 1 and decode_s > 0 else 0.0,
+            "decode_tps": (self.completion - 1) / decode_s
+            if self.completion > 1 and decode_s > 0
+            else 0.0,
             "total_s": now - self.job.received_at,
         }
 

@@ -34,12 +34,14 @@ class Faults:
     after: dict[Fault, int]
 
     @classmethod
-    def parse(cls, spec: str) -> "Faults":
+    def parse(cls, spec: str) -> Faults:
         after: dict[Fault, int] = {}
         for item in filter(None, (part.strip() for part in (spec or "").split(","))):
             name, _, value = item.partition("=")
             if not name.endswith("_after") or not value.strip().isdigit():
-                raise ValueError(f"debug_faults: cannot parse {item!r} (use oom_after=N, abort_after=N, hang_after=N)")
+                raise ValueError(
+                    f"debug_faults: cannot parse {item!r} (use oom_after=N, abort_after=N, hang_after=N)"
+                )
             try:
                 fault = Fault(name[: -len("_after")])
             except ValueError:

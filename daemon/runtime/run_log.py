@@ -26,7 +26,13 @@ DAEMON_LOG = "daemon.log"
 class RotatingLog:
     """Append lines to `path`; past max_bytes rename it to path.1 (path.1 → path.2, ...), keep `backups`."""
 
-    def __init__(self, path: Path, max_bytes: int = DEFAULT_MAX_BYTES, backups: int = DEFAULT_BACKUPS, adopt_stdio: bool = True):
+    def __init__(
+        self,
+        path: Path,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        backups: int = DEFAULT_BACKUPS,
+        adopt_stdio: bool = True,
+    ):
         self.path = Path(path)
         self.max_bytes = max_bytes
         self.backups = max(0, backups)
@@ -93,7 +99,9 @@ class RotatingLog:
         with self._lock:
             return self._fd >= 0 and _same_file(2, os.fstat(self._fd))
 
-    def adopt_logging(self, logger: logging.Logger | None = None, level: int = logging.INFO) -> logging.Handler:
+    def adopt_logging(
+        self, logger: logging.Logger | None = None, level: int = logging.INFO
+    ) -> logging.Handler:
         """Send `logger` (default: root) through this log, so it rotates on size.
 
         When stderr is this very file (under launchd), the logger's stderr handlers are removed:
@@ -102,7 +110,10 @@ class RotatingLog:
         logger = logger or logging.getLogger()
         if self.owns_stderr():
             for h in list(logger.handlers):
-                if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) in (sys.stderr, sys.__stderr__):
+                if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) in (
+                    sys.stderr,
+                    sys.__stderr__,
+                ):
                     logger.removeHandler(h)
         handler = self.handler(level)
         logger.addHandler(handler)
@@ -110,9 +121,15 @@ class RotatingLog:
 
     def record_exit(self, code: int, reason: str | None = None) -> None:
         """One line at the end of a run, the counterpart of the start record."""
-        self.write(f"{_now()} moed exit code={int(code)} pid={os.getpid()} reason={_value(reason or 'unknown')}")
+        self.write(
+            f"{_now()} moed exit code={int(code)} pid={os.getpid()} reason={_value(reason or 'unknown')}"
+        )
 
-    def handler(self, level: int = logging.INFO, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s") -> logging.Handler:
+    def handler(
+        self,
+        level: int = logging.INFO,
+        fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s",
+    ) -> logging.Handler:
         """A logging handler writing through this log (so it rotates on size)."""
         return _Handler(self, level, fmt)
 
@@ -122,7 +139,7 @@ class RotatingLog:
                 os.close(self._fd)
                 self._fd = -1
 
-    def __enter__(self) -> "RotatingLog":
+    def __enter__(self) -> RotatingLog:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -151,15 +168,21 @@ def _same_file(fd: int, st: os.stat_result) -> bool:
 
 
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).astimezone().isoformat(timespec="seconds")
 
 
 def _value(v: object) -> str:
     text = "" if v is None else str(v)
-    return text if text and re.fullmatch(r"[\w./:@%+,-]+", text) else '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return (
+        text
+        if text and re.fullmatch(r"[\w./:@%+,-]+", text)
+        else '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    )
 
 
-def format_start(version: str, model: str, budget: object, previous_exit: str | None, pid: int | None = None) -> str:
+def format_start(
+    version: str, model: str, budget: object, previous_exit: str | None, pid: int | None = None
+) -> str:
     fields = {
         "version": version,
         "pid": os.getpid() if pid is None else pid,

@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from moed.daemon.state import read_json, write_json_atomic
+from moed.daemon.runtime.state_files import read_json, write_json_atomic
 
 CRASH_FILE = "crash.json"
 BACKOFF_STEP = 0.5
@@ -44,13 +44,19 @@ _OOM_MARKERS = (
 
 class CrashKind(str, enum.Enum):
     OUT_OF_MEMORY = "out_of_memory"  # a Metal command-buffer failure raised as a Python error
-    UNCLEAN_EXIT = "unclean_exit"  # the previous run vanished: abort (older MLX's OOM), SIGKILL, power
+    UNCLEAN_EXIT = (
+        "unclean_exit"  # the previous run vanished: abort (older MLX's OOM), SIGKILL, power
+    )
     LOAD_FAILED = "load_failed"  # the model could not load (counts for the restart budget only)
     ENGINE_FAILED = "engine_failed"  # the engine died otherwise, or stayed stuck through a drain
-    MEMORY_PRESSURE = "memory_pressure"  # the watchdog asked for a restart because swap kept growing
+    MEMORY_PRESSURE = (
+        "memory_pressure"  # the watchdog asked for a restart because swap kept growing
+    )
 
 
-MEMORY_KINDS = frozenset({CrashKind.OUT_OF_MEMORY, CrashKind.UNCLEAN_EXIT, CrashKind.MEMORY_PRESSURE})
+MEMORY_KINDS = frozenset(
+    {CrashKind.OUT_OF_MEMORY, CrashKind.UNCLEAN_EXIT, CrashKind.MEMORY_PRESSURE}
+)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -86,25 +92,37 @@ class StartPlan:
         return {"factor": self.budget_factor, "recent_crashes": self.recent_crashes}
 
 
-def plan_start(state_dir: Path, restart_budget: int, window_s: float, now: float | None = None,
-               pid_alive=None) -> StartPlan:
+def plan_start(
+    state_dir: Path, restart_budget: int, window_s: float, now: float | None = None, pid_alive=None
+) -> StartPlan:
     """Read the record at start: note an unclean previous exit, then judge backoff and budget."""
     now = time.time() if now is None else now
     pid_alive = pid_alive or psutil.pid_exists
     data = _load(state_dir)
     unclean = None
     run = data.get("run")
-    if isinstance(run, dict) and not (isinstance(run.get("pid"), int) and run["pid"] != os.getpid() and pid_alive(run["pid"])):
+    if isinstance(run, dict) and not (
+        isinstance(run.get("pid"), int) and run["pid"] != os.getpid() and pid_alive(run["pid"])
+    ):
         # The run marker is cleared on every exit the daemon controls; one left behind means a death.
         unclean = run
-        entry = _entry(CrashKind.UNCLEAN_EXIT, "the previous run ended without a clean exit (abort, SIGKILL or power loss)",
-                       run.get("boot_id"), run.get("pid"), now)
+        entry = _entry(
+            CrashKind.UNCLEAN_EXIT,
+            "the previous run ended without a clean exit (abort, SIGKILL or power loss)",
+            run.get("boot_id"),
+            run.get("pid"),
+            now,
+        )
         entry["started_at"] = run.get("started_at")
         data.setdefault("history", []).append(entry)
         data["last"] = entry
         data.pop("run", None)
         _save(state_dir, data)
-    recent = [e for e in data.get("history", []) if isinstance(e, dict) and now - float(e.get("at", 0)) <= window_s]
+    recent = [
+        e
+        for e in data.get("history", [])
+        if isinstance(e, dict) and now - float(e.get("at", 0)) <= window_s
+    ]
     memory = [e for e in recent if e.get("kind") in {k.value for k in MEMORY_KINDS}]
     factor = max(BACKOFF_FLOOR, BACKOFF_STEP ** len(memory))
     refuse = None
@@ -120,9 +138,16 @@ def plan_start(state_dir: Path, restart_budget: int, window_s: float, now: float
     return StartPlan(data.get("last"), factor, len(recent), refuse, unclean)
 
 
-def begin_run(state_dir: Path, boot_id: str, pid: int | None = None, budget: dict | None = None) -> None:
+def begin_run(
+    state_dir: Path, boot_id: str, pid: int | None = None, budget: dict | None = None
+) -> None:
     data = _load(state_dir)
-    data["run"] = {"boot_id": boot_id, "pid": pid or os.getpid(), "started_at": time.time(), "budget": budget}
+    data["run"] = {
+        "boot_id": boot_id,
+        "pid": pid or os.getpid(),
+        "started_at": time.time(),
+        "budget": budget,
+    }
     _save(state_dir, data)
 
 
@@ -135,7 +160,9 @@ def end_run(state_dir: Path, boot_id: str) -> None:
         _save(state_dir, data)
 
 
-def record_crash(state_dir: Path, kind: CrashKind, message: str, boot_id: str | None, extra: dict | None = None) -> dict:
+def record_crash(
+    state_dir: Path, kind: CrashKind, message: str, boot_id: str | None, extra: dict | None = None
+) -> dict:
     """Write the crash before anything else happens (the process is about to exit)."""
     data = _load(state_dir)
     entry = _entry(kind, message, boot_id, os.getpid(), time.time())
@@ -156,9 +183,14 @@ def read_last_crash(state_dir: Path) -> dict | None:
 
 
 def _entry(kind: CrashKind, message: str, boot_id: Any, pid: Any, at: float) -> dict:
-    return {"kind": kind.value, "message": message[:2000], "boot_id": boot_id, "pid": pid, "at": at,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(at))}
-
+    return {
+        "kind": kind.value,
+        "message": message[:2000],
+        "boot_id": boot_id,
+        "pid": pid,
+        "at": at,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(at)),
+    }
 
 
 def scale_budget(budget_bytes: int, factor: float) -> int:

@@ -7,10 +7,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import DEMO_MODEL
+from moed.daemon.config import DEMO_MODEL
 
 # What a stock mlx-lm checkpoint needs on disk (same patterns mlx-lm downloads).
-HF_ALLOW_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+HF_ALLOW_PATTERNS = [
+    "*.json",
+    "model*.safetensors",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "*.txt",
+    "*.jinja",
+]
 
 
 class ModelNotFound(Exception):
@@ -19,7 +27,7 @@ class ModelNotFound(Exception):
 
 def resolve_model(spec: str) -> Path:
     if spec == DEMO_MODEL:
-        from .demo import demo_model_path
+        from moed.daemon.model.demo import demo_model_path
 
         return _check_folder(demo_model_path(), spec)
     path = Path(spec).expanduser()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .bench_serve import bench_serve
+from moed.daemon.bench.serve import bench_serve
 
 
 @click.group("bench")
@@ -14,12 +14,12 @@ def bench() -> None:
 
 bench.add_command(bench_serve)
 
-from .telemetry.prewarm import prewarm as _bench_prewarm  # noqa: E402
+from moed.daemon.bench.prewarm import prewarm as _bench_prewarm  # noqa: E402
 
 bench.add_command(_bench_prewarm)
 
 try:  # the expert-streaming benchmark lands with the streaming engine
-    from .bench_stream import stream as _bench_stream
+    from moed.daemon.bench.stream import stream as _bench_stream
 
     bench.add_command(_bench_stream)
 except ImportError:

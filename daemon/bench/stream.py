@@ -29,11 +29,23 @@ PROMPT_TOKENS = 8  # short prompts: a prefill chunk fits the smallest budget in 
 # -- the generated checkpoint ----------------------------------------------------------------
 
 
-def bench_config(layers: int, hidden: int, width: int, experts: int, top_k: int, vocab: int, bits: int, group: int) -> dict:
+def bench_config(
+    layers: int,
+    hidden: int,
+    width: int,
+    experts: int,
+    top_k: int,
+    vocab: int,
+    bits: int,
+    group: int,
+) -> dict:
     heads = max(2, hidden // 128)
     quant = {"group_size": group, "bits": bits}
     for i in range(layers):
-        quant[f"model.layers.{i}.mlp.gate"] = {"group_size": 64, "bits": 8}  # routers stay 8-bit, as mlx-lm converts them
+        quant[f"model.layers.{i}.mlp.gate"] = {
+            "group_size": 64,
+            "bits": 8,
+        }  # routers stay 8-bit, as mlx-lm converts them
     return {
         "model_type": "qwen3_moe",
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -86,7 +98,10 @@ def write_bench_model(dest: Path, config: dict, dtype: str, seed: int = 0) -> Pa
     # The stacked experts' random init stays a lazy graph that is never evaluated.
     nn.quantize(model, group_size=group, bits=bits, class_predicate=predicate)
     resident = {k: v for k, v in tree_flatten(model.parameters()) if ".switch_mlp." not in k}
-    resident = {k: (v.astype(mx_dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in resident.items()}
+    resident = {
+        k: (v.astype(mx_dtype) if mx.issubdtype(v.dtype, mx.floating) else v)
+        for k, v in resident.items()
+    }
     mx.eval(resident)
 
     layers = config["num_hidden_layers"]
@@ -101,15 +116,23 @@ def write_bench_model(dest: Path, config: dict, dtype: str, seed: int = 0) -> Pa
         if layer == 0:
             tensors.update({k: v for k, v in resident.items() if ".layers." not in k})
         tensors.update({k: v for k, v in resident.items() if f".layers.{layer}." in k})
-        for proj, (out_dim, in_dim) in (("gate_proj", (W, H)), ("up_proj", (W, H)), ("down_proj", (H, W))):
+        for proj, (out_dim, in_dim) in (
+            ("gate_proj", (W, H)),
+            ("up_proj", (W, H)),
+            ("down_proj", (H, W)),
+        ):
             prefix = f"model.layers.{layer}.mlp.switch_mlp.{proj}"
             packed = rng.integers(0, 2**32, size=(E, out_dim, in_dim // per_word), dtype=np.uint32)
             # Dequantized weights ~ uniform(-1/sqrt(in), 1/sqrt(in)) with a little spread per group.
             levels = 2**bits - 1
-            scale = (2.0 / (levels * np.sqrt(in_dim))) * (1.0 + 0.1 * rng.standard_normal((E, out_dim, in_dim // group), dtype=np.float32))
+            scale = (2.0 / (levels * np.sqrt(in_dim))) * (
+                1.0 + 0.1 * rng.standard_normal((E, out_dim, in_dim // group), dtype=np.float32)
+            )
             tensors[f"{prefix}.weight"] = mx.array(packed)
             tensors[f"{prefix}.scales"] = mx.array(scale.astype(np.float32)).astype(mx_dtype)
-            tensors[f"{prefix}.biases"] = mx.array((-levels / 2.0 * scale).astype(np.float32)).astype(mx_dtype)
+            tensors[f"{prefix}.biases"] = mx.array(
+                (-levels / 2.0 * scale).astype(np.float32)
+            ).astype(mx_dtype)
             del packed, scale
         mx.eval(tensors)
         mx.save_safetensors(str(dest / names[layer]), tensors, metadata={"format": "mlx"})
@@ -117,7 +140,12 @@ def write_bench_model(dest: Path, config: dict, dtype: str, seed: int = 0) -> Pa
             weight_map[k] = names[layer]
             total += v.nbytes
         del tensors
-    (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    (dest / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+            indent=2,
+        )
+    )
     cfg = dict(config)
     cfg["torch_dtype"] = dtype
     (dest / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
@@ -131,14 +159,19 @@ def simulate(trace: list[list[set[int]]], slots: int, policy: str) -> tuple[int,
     """(hits, misses) of one layer-by-layer trace [call][layer] -> experts, counted as the
     streamer counts them (each distinct expert of a call once), for "lru" or "belady".
     The simulators are `moed trace analyze`'s, so both commands judge a cache the same way."""
-    from .experts import LRUPolicy
-    from .telemetry.analyze import simulate as replay, simulate_belady
+    from moed.daemon.experts import LRUPolicy
+    from moed.daemon.telemetry.analyze import simulate as replay
+    from moed.daemon.telemetry.analyze import simulate_belady
 
     hits = misses = 0
     layers = len(trace[0]) if trace else 0
     for layer in range(layers):
         calls = [np.array(sorted(call[layer]), dtype=np.int64) for call in trace]
-        h, m = simulate_belady(calls, slots) if policy == "belady" else replay(calls, slots, LRUPolicy())
+        h, m = (
+            simulate_belady(calls, slots)
+            if policy == "belady"
+            else replay(calls, slots, LRUPolicy())
+        )
         hits += h
         misses += m
     return hits, misses
@@ -150,8 +183,8 @@ def simulate(trace: list[list[set[int]]], slots: int, policy: str) -> tuple[int,
 def raw_pread_bandwidth(model_path: Path, workers: int, sample_bytes: int, seed: int = 0) -> dict:
     """Parallel pread of expert-sized slices (every tensor of randomly chosen experts) with the
     page cache dropped, with the streamer's worker count: the bandwidth the store could reach."""
-    from .experts.memory_plan import _EXPERT_TENSOR
-    from .experts.safetensors_index import CheckpointIndex
+    from moed.daemon.experts.memory_plan import _EXPERT_TENSOR
+    from moed.daemon.experts.safetensors_index import CheckpointIndex
 
     index = CheckpointIndex(model_path)
     owners: dict[str, list] = {}
@@ -169,7 +202,7 @@ def raw_pread_bandwidth(model_path: Path, workers: int, sample_bytes: int, seed:
             total += n
         if total >= sample_bytes:
             break
-    from .experts.store import drop_page_cache
+    from moed.daemon.experts.store import drop_page_cache
 
     drop_page_cache(index.files)
     fds = {f: os.open(f, os.O_RDONLY) for f in index.files}
@@ -201,7 +234,13 @@ def raw_pread_bandwidth(model_path: Path, workers: int, sample_bytes: int, seed:
     finally:
         for fd in fds.values():
             os.close(fd)
-    return {"bytes": done, "seconds": wall, "mb_s": done / wall / 1e6, "reads": len(jobs), "workers": workers}
+    return {
+        "bytes": done,
+        "seconds": wall,
+        "mb_s": done / wall / 1e6,
+        "reads": len(jobs),
+        "workers": workers,
+    }
 
 
 @dataclass
@@ -237,7 +276,9 @@ class Contender:
     """One model under test (resident or streaming), stepped one decode token at a time so that
     every contender sees the same machine conditions (the runs are interleaved token by token)."""
 
-    def __init__(self, name: str, model, streamer=None, preloaded: bool = False, simulate: bool = True):
+    def __init__(
+        self, name: str, model, streamer=None, preloaded: bool = False, simulate: bool = True
+    ):
         self.name, self.model, self.streamer, self.preloaded = name, model, streamer, preloaded
         self.simulate = simulate  # the cache simulations start empty and know no prefetching
         self.tokens: list[int] = []
@@ -281,16 +322,25 @@ class Contender:
         mx.synchronize(generation_stream)
 
     def result(self) -> RunResult:
-        res = RunResult(self.name, tokens=self.tokens, decode_tokens=len(self.token_s), decode_s=sum(self.token_s),
-                        token_s=self.token_s)
+        res = RunResult(
+            self.name,
+            tokens=self.tokens,
+            decode_tokens=len(self.token_s),
+            decode_s=sum(self.token_s),
+            token_s=self.token_s,
+        )
         if self.streamer is None:
             return res
-        from .experts import CUMULATIVE_KEYS
+        from moed.daemon.experts import CUMULATIVE_KEYS
 
         end = self.streamer.snapshot()
         res.counters = {k: end[k] - self.first[k] for k in CUMULATIVE_KEYS}
         res.slots = min(self.streamer.slots)
-        res.hits_total, res.misses_total, res.expert_bytes = end["hits"], end["misses"], end["expert_bytes"]
+        res.hits_total, res.misses_total, res.expert_bytes = (
+            end["hits"],
+            end["misses"],
+            end["expert_bytes"],
+        )
         if self.simulate:
             trace = [[set(layer.tolist()) for layer in call] for call in self.streamer.trace]
             res.lru_sim = simulate(trace, res.slots, "lru")
@@ -309,28 +359,45 @@ def load_resident(path: Path) -> Contender:
     return Contender("resident", model)
 
 
-def load_streaming(path: Path, budget: str, workers: int, page_cache: str, preload_all: bool = False,
-                   speculative: bool = False) -> Contender:
+def load_streaming(
+    path: Path,
+    budget: str,
+    workers: int,
+    page_cache: str,
+    preload_all: bool = False,
+    speculative: bool = False,
+) -> Contender:
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
-    from .config import PageCachePolicy
-    from .experts import StreamingConfig, install_streaming
+    from moed.daemon.config import PageCachePolicy
+    from moed.daemon.experts import StreamingConfig, install_streaming
 
     model, _ = load_model(path, lazy=True)
-    streamer = install_streaming(model, path, StreamingConfig(cache_budget=budget, prefetch_workers=workers,
-                                                              page_cache=PageCachePolicy(page_cache),
-                                                              prefetch_next=speculative))
+    streamer = install_streaming(
+        model,
+        path,
+        StreamingConfig(
+            cache_budget=budget,
+            prefetch_workers=workers,
+            page_cache=PageCachePolicy(page_cache),
+            prefetch_next=speculative,
+        ),
+    )
     mx.eval(model.parameters())
     if preload_all:
         streamer.preload([list(range(n)) for n in streamer.layout.num_experts])
     streamer.trace = []
     name = budget + ("+pre" if preload_all else "") + ("+spec" if speculative else "")
-    return Contender(name, model, streamer, preloaded=preload_all, simulate=not (preload_all or speculative))
+    return Contender(
+        name, model, streamer, preloaded=preload_all, simulate=not (preload_all or speculative)
+    )
 
 
-def measure(contenders: list[Contender], files: list[Path], warm_prompt, prompt, warmup: int, tokens: int) -> None:
-    from .experts.store import drop_page_cache
+def measure(
+    contenders: list[Contender], files: list[Path], warm_prompt, prompt, warmup: int, tokens: int
+) -> None:
+    from moed.daemon.experts.store import drop_page_cache
 
     drop_page_cache(files)
     for c in contenders:
@@ -364,7 +431,9 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
     ]
     for r in runs:
         c = r.counters
-        hr = r.hits_total / (r.hits_total + r.misses_total) if r.hits_total + r.misses_total else 0.0
+        hr = (
+            r.hits_total / (r.hits_total + r.misses_total) if r.hits_total + r.misses_total else 0.0
+        )
         bh, bm = r.belady
         opt = bh / (bh + bm) if bh + bm else 0.0
         if r.belady == (0, 0):  # preloaded or speculative: no offline optimum to compare with
@@ -381,13 +450,20 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
     for r in runs:
         c = r.counters
         if c.get("prefetched"):
-            lines.append(f"{r.name}: {c['prefetched']} experts prefetched for the next layer, {100 * c['prefetch_hits'] / c['prefetched']:.0f}% "
-                         f"of them used; with prefetch {(c['bytes_read'] + c['prefetch_bytes']) / max(1, r.decode_tokens) / 1e6:.1f} MB/token read")
+            lines.append(
+                f"{r.name}: {c['prefetched']} experts prefetched for the next layer, {100 * c['prefetch_hits'] / c['prefetched']:.0f}% "
+                f"of them used; with prefetch {(c['bytes_read'] + c['prefetch_bytes']) / max(1, r.decode_tokens) / 1e6:.1f} MB/token read"
+            )
     sim_ok = all(r.lru_sim == (r.hits_total, r.misses_total) for r in runs if r.lru_sim != (0, 0))
-    lines.append(f"(an LRU simulation of the same trace {'reproduces' if sim_ok else 'DOES NOT reproduce'} the streamer's hits and misses)")
-    lines += ["", "time per decode token (ms):",
-              f"{'budget':>8} {'wall':>7} {'attn+router':>11} {'experts':>8} {'readback':>8} {'stall':>7} {'reads*':>7} "
-              f"{'moe py':>7} {'other':>7}"]
+    lines.append(
+        f"(an LRU simulation of the same trace {'reproduces' if sim_ok else 'DOES NOT reproduce'} the streamer's hits and misses)"
+    )
+    lines += [
+        "",
+        "time per decode token (ms):",
+        f"{'budget':>8} {'wall':>7} {'attn+router':>11} {'experts':>8} {'readback':>8} {'stall':>7} {'reads*':>7} "
+        f"{'moe py':>7} {'other':>7}",
+    ]
     lines.append(f"{'resident':>8} {1e3 * resident.decode_s / max(1, resident.decode_tokens):7.2f}")
     for r in runs:
         c, n = r.counters, max(1, r.decode_tokens)
@@ -396,8 +472,10 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
         comp, stall, reads = c["expert_compute_s"] / n, c["stall_s"] / n, c["read_s"] / n
         moe_py = c["layer_python_s"] / n
         other = wall - c["layer_s"] / n
-        lines.append(f"{r.name:>8} {1e3 * wall:7.2f} {1e3 * sync:11.2f} {1e3 * comp:8.2f} {1e3 * copy:8.2f} {1e3 * stall:7.2f} "
-                     f"{1e3 * reads:7.2f} {1e3 * moe_py:7.2f} {1e3 * other:7.2f}")
+        lines.append(
+            f"{r.name:>8} {1e3 * wall:7.2f} {1e3 * sync:11.2f} {1e3 * comp:8.2f} {1e3 * copy:8.2f} {1e3 * stall:7.2f} "
+            f"{1e3 * reads:7.2f} {1e3 * moe_py:7.2f} {1e3 * other:7.2f}"
+        )
     lines += [
         "",
         "100%+pre: every expert preloaded before the warm-up (no cold misses): the streaming machinery's own cost.",
@@ -418,30 +496,93 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
 @click.command("stream")
 @click.option("--layers", default=4, show_default=True, help="MoE layers of the generated model")
 @click.option("--tokens", default=48, show_default=True, help="decode tokens measured per run")
-@click.option("--warmup", default=16, show_default=True, help="tokens generated first (another prompt) to warm the cache")
-@click.option("--budgets", default="25%,50%,100%", show_default=True, help="comma-separated cache budgets")
-@click.option("--prefetch-workers", default=0, show_default=True, help="read workers (0: sized to the machine)")
-@click.option("--page-cache", type=click.Choice(["bypass", "trust", "auto"]), default="bypass", show_default=True)
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto", show_default=True,
-              help="scales/biases and non-expert weights; auto: bfloat16 on Metal, float32 on the CPU (bf16 is ~9x slower there)")
+@click.option(
+    "--warmup",
+    default=16,
+    show_default=True,
+    help="tokens generated first (another prompt) to warm the cache",
+)
+@click.option(
+    "--budgets", default="25%,50%,100%", show_default=True, help="comma-separated cache budgets"
+)
+@click.option(
+    "--prefetch-workers",
+    default=0,
+    show_default=True,
+    help="read workers (0: sized to the machine)",
+)
+@click.option(
+    "--page-cache",
+    type=click.Choice(["bypass", "trust", "auto"]),
+    default="bypass",
+    show_default=True,
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+    default="auto",
+    show_default=True,
+    help="scales/biases and non-expert weights; auto: bfloat16 on Metal, float32 on the CPU (bf16 is ~9x slower there)",
+)
 @click.option("--hidden", default=2048, show_default=True)
 @click.option("--expert-width", default=512, show_default=True)
 @click.option("--experts", default=256, show_default=True)
 @click.option("--top-k", default=8, show_default=True)
 @click.option("--vocab", default=8192, show_default=True)
-@click.option("--model-dir", type=click.Path(path_type=Path), default=None,
-              help="write (or reuse) the generated model here; default: a temporary directory, removed after")
-@click.option("--raw-sample-mb", default=512, show_default=True, help="bytes read by the raw pread measurement")
-@click.option("--spec-budgets", default="25%", show_default=True,
-              help="budgets also run with speculative next-layer prefetch (prefetch_next); empty: none")
-@click.option("--preloaded/--no-preloaded", default=True, show_default=True,
-              help="also run 100% with every expert preloaded (the machinery's own overhead, no cold misses)")
-@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="also write the results as JSON")
+@click.option(
+    "--model-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="write (or reuse) the generated model here; default: a temporary directory, removed after",
+)
+@click.option(
+    "--raw-sample-mb",
+    default=512,
+    show_default=True,
+    help="bytes read by the raw pread measurement",
+)
+@click.option(
+    "--spec-budgets",
+    default="25%",
+    show_default=True,
+    help="budgets also run with speculative next-layer prefetch (prefetch_next); empty: none",
+)
+@click.option(
+    "--preloaded/--no-preloaded",
+    default=True,
+    show_default=True,
+    help="also run 100% with every expert preloaded (the machinery's own overhead, no cold misses)",
+)
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="also write the results as JSON",
+)
 @click.option("--seed", default=0, show_default=True)
-def stream(layers, tokens, warmup, budgets, prefetch_workers, page_cache, dtype, hidden, expert_width, experts, top_k,
-           vocab, model_dir, raw_sample_mb, spec_budgets, preloaded, json_out, seed) -> None:
+def stream(
+    layers,
+    tokens,
+    warmup,
+    budgets,
+    prefetch_workers,
+    page_cache,
+    dtype,
+    hidden,
+    expert_width,
+    experts,
+    top_k,
+    vocab,
+    model_dir,
+    raw_sample_mb,
+    spec_budgets,
+    preloaded,
+    json_out,
+    seed,
+) -> None:
     """Expert streaming vs resident mlx-lm on a model with Qwen3.6-35B-A3B expert shapes."""
-    from .experts.prefetch import default_workers
+    from moed.daemon.experts.prefetch import default_workers
 
     if dtype == "auto":
         import mlx.core as mx
@@ -469,10 +610,17 @@ def stream(layers, tokens, warmup, budgets, prefetch_workers, page_cache, dtype,
             for budget in [b.strip() for b in budgets.split(",") if b.strip()]:
                 contenders.append(load_streaming(path, budget, workers, page_cache))
             for budget in [b.strip() for b in spec_budgets.split(",") if b.strip()]:
-                contenders.append(load_streaming(path, budget, workers, page_cache, speculative=True))
+                contenders.append(
+                    load_streaming(path, budget, workers, page_cache, speculative=True)
+                )
             if preloaded:
-                contenders.append(load_streaming(path, "100%", workers, page_cache, preload_all=True))
-            click.echo(f"decoding, interleaved token by token: {', '.join(c.name for c in contenders)} ...", err=True)
+                contenders.append(
+                    load_streaming(path, "100%", workers, page_cache, preload_all=True)
+                )
+            click.echo(
+                f"decoding, interleaved token by token: {', '.join(c.name for c in contenders)} ...",
+                err=True,
+            )
             measure(contenders, files, warm_prompt, prompt, warmup, tokens)
             resident, *runs = [c.result() for c in contenders]
         finally:
@@ -488,13 +636,34 @@ def stream(layers, tokens, warmup, budgets, prefetch_workers, page_cache, dtype,
         raw["before_mb_s"], raw["after_mb_s"] = raw_before["mb_s"], raw_after["mb_s"]
 
         expert_bytes = runs[0].expert_bytes if runs else 0
-        meta = {"layers": layers, "experts": experts, "top_k": top_k, "hidden": hidden, "width": expert_width, "bits": 4,
-                "dtype": dtype, "expert_bytes": expert_bytes, "experts_bytes": expert_bytes * experts * layers,
-                "tokens": tokens, "warmup": warmup, "page_cache": page_cache}
+        meta = {
+            "layers": layers,
+            "experts": experts,
+            "top_k": top_k,
+            "hidden": hidden,
+            "width": expert_width,
+            "bits": 4,
+            "dtype": dtype,
+            "expert_bytes": expert_bytes,
+            "experts_bytes": expert_bytes * experts * layers,
+            "tokens": tokens,
+            "warmup": warmup,
+            "page_cache": page_cache,
+        }
         click.echo(report(meta, raw, resident, runs))
         if json_out:
-            json_out.write_text(json.dumps({"meta": meta, "raw": raw, "resident": asdict(resident),
-                                            "runs": [asdict(r) for r in runs]}, indent=2, default=list))
+            json_out.write_text(
+                json.dumps(
+                    {
+                        "meta": meta,
+                        "raw": raw,
+                        "resident": asdict(resident),
+                        "runs": [asdict(r) for r in runs],
+                    },
+                    indent=2,
+                    default=list,
+                )
+            )
     finally:
         if cleanup:
             shutil.rmtree(path, ignore_errors=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ServeConfig
+from moed.daemon.config import ServeConfig
 
 log = logging.getLogger("moed.engine")
 
@@ -30,7 +30,7 @@ def load_model(serve: ServeConfig, path: Path) -> LoadedModel:
     model, tokenizer, config = load(str(path), lazy=True, return_config=True)
     streamer = None
     if not serve.resident:
-        from .experts import install_streaming
+        from moed.daemon.experts import install_streaming
 
         streamer = install_streaming(model, path, streaming_config(serve, config))
         if not streamer.plan.fits:
@@ -45,7 +45,7 @@ def load_model(serve: ServeConfig, path: Path) -> LoadedModel:
 
 def streaming_config(serve: ServeConfig, model_config: dict):
     """The expert-streaming settings of a daemon configuration, with room for its KV cache."""
-    from .experts import StreamingConfig, estimate_kv_bytes
+    from moed.daemon.experts import StreamingConfig, estimate_kv_bytes
 
     return StreamingConfig(
         cache_budget=serve.cache_budget,
@@ -60,7 +60,6 @@ def streaming_config(serve: ServeConfig, model_config: dict):
 
 class MemoryPlanRefused(RuntimeError):
     """The memory plan says the model cannot fit: refuse before it can crash the process."""
-
 
 
 def describe_model(loaded: LoadedModel) -> dict:

@@ -42,7 +42,9 @@ class Run:
     stall_s: float
     preload_s: float = 0.0
     preload_bytes: int = 0
-    page_cache_before: float | None = None  # share of the experts' pages cached when the clock started
+    page_cache_before: float | None = (
+        None  # share of the experts' pages cached when the clock started
+    )
 
 
 @dataclass
@@ -67,14 +69,16 @@ def fill_page_cache(path: Path) -> None:
 
 def experts_cached_share(streamer) -> float | None:
     """Share of the experts' pages in the page cache (mincore), sampled over every expert."""
-    from .residency import PageCacheProbe
+    from moed.daemon.telemetry.residency import PageCacheProbe
 
     probe = PageCacheProbe()
     try:
         fractions = []
         for pool in streamer.pools:
             for t in pool.tensors:
-                f = probe.resident_fraction(t.loc.file, t.loc.offset, t.loc.expert_stride * pool.num_experts)
+                f = probe.resident_fraction(
+                    t.loc.file, t.loc.offset, t.loc.expert_stride * pool.num_experts
+                )
                 if f is None:
                     return None
                 fractions.append(f)
@@ -88,7 +92,9 @@ def hot_counts(traces, layers: int, experts: list[int]) -> list[np.ndarray]:
     counts = [np.zeros(e, dtype=np.int64) for e in experts]
     for t in traces:
         if t.layers != layers:
-            raise click.ClickException(f"the trace has {t.layers} MoE layers; the model has {layers}")
+            raise click.ClickException(
+                f"the trace has {t.layers} MoE layers; the model has {layers}"
+            )
         for layer in range(layers):
             rows = t.token_rows(layer).reshape(-1)
             counts[layer] += np.bincount(rows, minlength=experts[layer])[: experts[layer]]
@@ -102,42 +108,69 @@ def _load(model_path: Path, budget: str, page_cache: str, state_dir: Path | None
     from moed.daemon.experts import PageCachePolicy, StreamingConfig, install_streaming
 
     model, tokenizer = load(str(model_path), lazy=True)
-    streamer = install_streaming(model, model_path, StreamingConfig(cache_budget=budget, page_cache=PageCachePolicy(page_cache),
-                                                                    state_dir=state_dir))
+    streamer = install_streaming(
+        model,
+        model_path,
+        StreamingConfig(
+            cache_budget=budget, page_cache=PageCachePolicy(page_cache), state_dir=state_dir
+        ),
+    )
     mx.eval(model.parameters())
     return model, tokenizer, streamer
 
 
-def record_trace(model_path: Path, budget: str, page_cache: str, prompt_ids: list[int], max_tokens: int):
+def record_trace(
+    model_path: Path, budget: str, page_cache: str, prompt_ids: list[int], max_tokens: int
+):
     """A trace of one generation on a fresh model (what `moe run --trace` records)."""
     import io
 
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from .trace import TraceRecorder, parse_trace, record_steps, trace_header
+    from moed.daemon.telemetry.trace import TraceRecorder, parse_trace, record_steps, trace_header
 
     model, _tok, streamer = _load(model_path, budget, page_cache, None)
     buf = io.BytesIO()
     try:
-        rec = TraceRecorder(streamer, trace_header(streamer, {"name": model_path.name, "path": str(model_path)},
-                                                   {"id": "bench-prewarm", "prompt_tokens": len(prompt_ids)}), buf.write)
-        record_steps(rec, generate_step(mx.array(prompt_ids, dtype=mx.uint32), model, max_tokens=max_tokens))
+        rec = TraceRecorder(
+            streamer,
+            trace_header(
+                streamer,
+                {"name": model_path.name, "path": str(model_path)},
+                {"id": "bench-prewarm", "prompt_tokens": len(prompt_ids)},
+            ),
+            buf.write,
+        )
+        record_steps(
+            rec, generate_step(mx.array(prompt_ids, dtype=mx.uint32), model, max_tokens=max_tokens)
+        )
     finally:
         streamer.close()
     return buf.getvalue(), parse_trace(io.BytesIO(buf.getvalue()))
 
 
-def measure(model_path: Path, scenario: str, budget: str, page_cache: str, prompt_ids: list[int], max_tokens: int,
-            counts: list[np.ndarray] | None) -> Run:
-    from moed.daemon.bench_serve import time_in_process
+def measure(
+    model_path: Path,
+    scenario: str,
+    budget: str,
+    page_cache: str,
+    prompt_ids: list[int],
+    max_tokens: int,
+    counts: list[np.ndarray] | None,
+) -> Run:
+    from moed.daemon.bench.serve import time_in_process
     from moed.daemon.experts import profile as profile_mod
     from moed.daemon.experts.store import drop_page_cache
 
     with tempfile.TemporaryDirectory(prefix="moed-prewarm-") as tmp:
         state_dir = Path(tmp) if scenario == "prewarm" else None
-        if state_dir is not None:  # the hot experts as a usage profile: the daemon's warm() reads it
-            profile_mod.save_profile(profile_mod.profile_path(state_dir, model_path), model_path, counts)
+        if (
+            state_dir is not None
+        ):  # the hot experts as a usage profile: the daemon's warm() reads it
+            profile_mod.save_profile(
+                profile_mod.profile_path(state_dir, model_path), model_path, counts
+            )
         model, tokenizer, streamer = _load(model_path, budget, page_cache, state_dir)
         try:
             if scenario == "warm page cache":
@@ -156,9 +189,18 @@ def measure(model_path: Path, scenario: str, budget: str, page_cache: str, promp
         finally:
             streamer.close()
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
-    return Run(scenario, timing.ttft_s, timing.decode_tps, timing.tokens, hits / (hits + misses) if hits + misses else 0.0,
-               after["bytes_read"] - before["bytes_read"], after["stall_s"] - before["stall_s"], preload_s,
-               int(preload_bytes), cached)
+    return Run(
+        scenario,
+        timing.ttft_s,
+        timing.decode_tps,
+        timing.tokens,
+        hits / (hits + misses) if hits + misses else 0.0,
+        after["bytes_read"] - before["bytes_read"],
+        after["stall_s"] - before["stall_s"],
+        preload_s,
+        int(preload_bytes),
+        cached,
+    )
 
 
 def _encode(tokenizer_path: Path, text: str) -> list[int]:
@@ -169,24 +211,65 @@ def _encode(tokenizer_path: Path, text: str) -> list[int]:
 
 @click.command("prewarm")
 @click.option("--model", default="demo", show_default=True, help="Model folder, HF id or 'demo'.")
-@click.option("--trace", "trace_files", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Trace(s) whose hot experts to preload (default: record one on --trace-prompt).")
-@click.option("--cache-budget", "budget", default="25%", show_default=True, help="Expert cache budget for every scenario.")
-@click.option("--page-cache", type=click.Choice(["auto", "bypass", "trust"]), default="auto", show_default=True)
-@click.option("--prompt", default="def quicksort(items):", show_default=True, help="The measured prompt.")
-@click.option("--trace-prompt", default="import os\n\ndef walk(path):", show_default=True,
-              help="Prompt of the trace recorded when no --trace is given.")
+@click.option(
+    "--trace",
+    "trace_files",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Trace(s) whose hot experts to preload (default: record one on --trace-prompt).",
+)
+@click.option(
+    "--cache-budget",
+    "budget",
+    default="25%",
+    show_default=True,
+    help="Expert cache budget for every scenario.",
+)
+@click.option(
+    "--page-cache",
+    type=click.Choice(["auto", "bypass", "trust"]),
+    default="auto",
+    show_default=True,
+)
+@click.option(
+    "--prompt", default="def quicksort(items):", show_default=True, help="The measured prompt."
+)
+@click.option(
+    "--trace-prompt",
+    default="import os\n\ndef walk(path):",
+    show_default=True,
+    help="Prompt of the trace recorded when no --trace is given.",
+)
 @click.option("--max-tokens", default=64, show_default=True)
-@click.option("--runs", default=3, show_default=True, help="Rounds; each round runs every scenario, order rotated.")
-@click.option("--save-trace", type=click.Path(dir_okay=False, path_type=Path), help="Keep the recorded trace here.")
+@click.option(
+    "--runs",
+    default=3,
+    show_default=True,
+    help="Rounds; each round runs every scenario, order rotated.",
+)
+@click.option(
+    "--save-trace",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Keep the recorded trace here.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the runs as JSON.")
-def prewarm(model, trace_files, budget, page_cache, prompt, trace_prompt, max_tokens, runs, save_trace, as_json) -> None:
+def prewarm(
+    model,
+    trace_files,
+    budget,
+    page_cache,
+    prompt,
+    trace_prompt,
+    max_tokens,
+    runs,
+    save_trace,
+    as_json,
+) -> None:
     """Pre-load a trace's hot experts vs a cold start vs a warm page cache: TTFT and decode tok/s."""
     import json
 
-    from moed.daemon.model_source import ModelNotFound, resolve_model
-
-    from .trace import read_trace
+    from moed.daemon.model.source import ModelNotFound, resolve_model
+    from moed.daemon.telemetry.trace import read_trace
 
     try:
         path = resolve_model(model)
@@ -199,7 +282,9 @@ def prewarm(model, trace_files, budget, page_cache, prompt, trace_prompt, max_to
         say(f"hot experts from {len(traces)} trace(s): {sum(t.tokens for t in traces)} token rows")
     else:
         say(f"recording a trace of {max_tokens} tokens on a different prompt ({trace_prompt!r})")
-        data, trace = record_trace(path, budget, page_cache, _encode(path, trace_prompt), max_tokens)
+        data, trace = record_trace(
+            path, budget, page_cache, _encode(path, trace_prompt), max_tokens
+        )
         traces = [trace]
         if save_trace:
             save_trace.write_bytes(data)
@@ -210,36 +295,62 @@ def prewarm(model, trace_files, budget, page_cache, prompt, trace_prompt, max_to
     total = runs * len(SCENARIOS)
     n = 0
     for r in range(runs):
-        order = SCENARIOS[r % 3:] + SCENARIOS[: r % 3]  # rotate so no scenario always goes first
+        order = SCENARIOS[r % 3 :] + SCENARIOS[: r % 3]  # rotate so no scenario always goes first
         for scenario in order:
             n += 1
             run = measure(path, scenario, budget, page_cache, prompt_ids, max_tokens, counts)
             summaries[scenario].runs.append(run)
-            say(f"run {n}/{total} {scenario:<16} ttft {run.ttft_s * 1000:8.1f} ms  decode {run.decode_tps:7.1f} tok/s  "
+            say(
+                f"run {n}/{total} {scenario:<16} ttft {run.ttft_s * 1000:8.1f} ms  decode {run.decode_tps:7.1f} tok/s  "
                 f"hit {run.hit_rate:6.1%}  read {run.bytes_read / 1e6:7.1f} MB"
-                + (f"  preload {run.preload_s * 1000:.0f} ms" if scenario == "prewarm" else ""))
+                + (f"  preload {run.preload_s * 1000:.0f} ms" if scenario == "prewarm" else "")
+            )
     reference = summaries["cold"].runs[0].tokens
     identical = all(r.tokens == reference for s in summaries.values() for r in s.runs)
     if as_json:
-        click.echo(json.dumps({"model": str(path), "budget": budget, "max_tokens": max_tokens, "runs": runs,
-                               "identical_tokens": identical,
-                               "scenarios": {s: [{k: v for k, v in vars(r).items() if k != "tokens"} for r in summ.runs]
-                                             for s, summ in summaries.items()}}, indent=1))
+        click.echo(
+            json.dumps(
+                {
+                    "model": str(path),
+                    "budget": budget,
+                    "max_tokens": max_tokens,
+                    "runs": runs,
+                    "identical_tokens": identical,
+                    "scenarios": {
+                        s: [{k: v for k, v in vars(r).items() if k != "tokens"} for r in summ.runs]
+                        for s, summ in summaries.items()
+                    },
+                },
+                indent=1,
+            )
+        )
         return
     click.echo(format_table(summaries, path, budget, max_tokens, runs, identical))
 
 
-def format_table(summaries: dict[str, Summary], path: Path, budget: str, max_tokens: int, runs: int, identical: bool) -> str:
+def format_table(
+    summaries: dict[str, Summary],
+    path: Path,
+    budget: str,
+    max_tokens: int,
+    runs: int,
+    identical: bool,
+) -> str:
     cold = summaries["cold"]
-    lines = [f"model {path.name}  budget {budget}  {max_tokens} tokens  median of {runs} run(s) per scenario",
-             f"{'':18}{'TTFT ms':>10}{'vs cold':>9}{'decode tok/s':>14}{'vs cold':>9}{'hit rate':>10}"
-             f"{'read MB':>9}{'stall ms':>10}{'preload ms':>12}{'pages cached':>14}"]
+    lines = [
+        f"model {path.name}  budget {budget}  {max_tokens} tokens  median of {runs} run(s) per scenario",
+        f"{'':18}{'TTFT ms':>10}{'vs cold':>9}{'decode tok/s':>14}{'vs cold':>9}{'hit rate':>10}"
+        f"{'read MB':>9}{'stall ms':>10}{'preload ms':>12}{'pages cached':>14}",
+    ]
     for name, s in summaries.items():
         cached = [r.page_cache_before for r in s.runs if r.page_cache_before is not None]
         lines.append(
             f"{name:<18}{s.median('ttft_s') * 1000:>10.1f}{s.median('ttft_s') / cold.median('ttft_s'):>8.2f}x"
             f"{s.median('decode_tps'):>14.1f}{s.median('decode_tps') / max(cold.median('decode_tps'), 1e-9):>8.2f}x"
             f"{s.median('hit_rate'):>10.1%}{s.median('bytes_read') / 1e6:>9.1f}{s.median('stall_s') * 1000:>10.1f}"
-            f"{s.median('preload_s') * 1000:>12.0f}{(f'{statistics.median(cached):.0%}' if cached else '-'):>14}")
-    lines.append(f"identical tokens in every run: {identical}   (machine: {os.cpu_count()} cpus, {sys.platform})")
+            f"{s.median('preload_s') * 1000:>12.0f}{(f'{statistics.median(cached):.0%}' if cached else '-'):>14}"
+        )
+    lines.append(
+        f"identical tokens in every run: {identical}   (machine: {os.cpu_count()} cpus, {sys.platform})"
+    )
     return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""`moed serve`: the daemon in the foreground (launchd/systemd or `moe run` put it in the background)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from moed.daemon.config import ConfigError, PageCachePolicy, load_config
+
+
+@click.command()
+@click.option(
+    "--model", help="Model folder, Hugging Face id (from the local cache), or 'demo' (default)."
+)
+@click.option(
+    "--socket",
+    "socket_path",
+    type=click.Path(path_type=Path),
+    help="ipc socket path (default: $MOED_SOCKET or a per-user dir).",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="TOML config file.",
+)
+@click.option(
+    "--cache-budget", help="Expert cache budget: bytes, 12GB, 25% of the experts, or auto."
+)
+@click.option(
+    "--resident/--streaming",
+    default=None,
+    help="Keep every expert resident (plain mlx-lm) or stream them.",
+)
+@click.option(
+    "--prefetch-workers", type=int, help="Expert read threads (default: sized to the machine)."
+)
+@click.option(
+    "--prefetch-next/--no-prefetch-next",
+    default=None,
+    help="Speculatively read the next layer's experts (never changes tokens).",
+)
+@click.option(
+    "--page-cache",
+    type=click.Choice([p.value for p in PageCachePolicy]),
+    help="Bypass or trust the OS page cache.",
+)
+@click.option("--state-dir", type=click.Path(path_type=Path), help="Where state files live.")
+@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on 127.0.0.1:PORT.")
+@click.option(
+    "--trace-dir",
+    help="Record a router trace of every generation into this folder (.moetrace files).",
+)
+@click.option("--log-level", default="INFO", show_default=True)
+def serve(
+    model,
+    socket_path,
+    config_file,
+    cache_budget,
+    resident,
+    prefetch_workers,
+    prefetch_next,
+    page_cache,
+    state_dir,
+    metrics_port,
+    trace_dir,
+    log_level,
+) -> None:
+    """Run the daemon in the foreground until SIGTERM or `moe stop`."""
+    logging.basicConfig(
+        level=log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        config = load_config(
+            config_file,
+            serve_overrides={
+                "model": model,
+                "socket": socket_path,
+                "cache_budget": cache_budget,
+                "resident": resident,
+                "prefetch_workers": prefetch_workers,
+                "page_cache": page_cache,
+                "prefetch_next": prefetch_next,
+                "state_dir": state_dir,
+                "metrics_port": metrics_port,
+                "trace_dir": trace_dir,
+            },
+        )
+    except ConfigError as exc:
+        raise click.ClickException(f"configuration: {exc}") from None
+    from moed.daemon.runtime.main import run_daemon
+
+    sys.exit(run_daemon(config))
