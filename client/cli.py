@@ -15,6 +15,8 @@ from .client import Client, default_socket_path
 from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
 from .events import DoneEvent, TelemetryEvent, TokenEvent, TraceEvent
 from .exit_codes import ExitCode
+from .stats_cli import metrics as _metrics
+from .stats_cli import stats as _stats
 from .trace_file import TraceFile
 
 
@@ -173,7 +175,8 @@ def _connect_or_start(
     from .autostart import start_daemon, wait_until_ready
 
     click.echo(
-        f"moe: no daemon on {socket_path}; starting one (log: {socket_path.parent}/moed-autostart.log)",
+        f"moe: no daemon on {socket_path}; starting one "
+        f"(log: {socket_path.parent}/moed-autostart.log)",
         err=True,
     )
     proc = start_daemon(socket_path, model)
@@ -239,7 +242,8 @@ def summary_line(done: DoneEvent) -> str:
 
 
 def offline_state(state_dir: Path) -> dict:
-    """What the state directory says when no daemon answers: the last crash and the watchdog's last word."""
+    """What the state directory says when no daemon answers: the last crash and the watchdog's
+    last word."""
     out = {}
     for key, name, field in (
         ("last_crash", "crash.json", "last"),
@@ -266,7 +270,8 @@ def offline_state(state_dir: Path) -> dict:
 )
 @click.pass_obj
 def status(obj, as_json: bool, state_dir: Path | None) -> None:
-    """Show the daemon's state (exit 3 when none answers, with its last crash and the watchdog's last action)."""
+    """Show the daemon's state (exit 3 when none answers, with its last crash and the watchdog's
+    last action)."""
     try:
         with Client(obj["socket"], timeout=obj["timeout"]) as client:
             body = client.status()
@@ -284,13 +289,17 @@ def status(obj, as_json: bool, state_dir: Path | None) -> None:
         return
     model = body.get("model") or {}
     click.echo(
-        f"state        {body.get('state')}  (pid {body.get('pid')}, boot {str(body.get('boot_id'))[:8]}, up {body.get('uptime_s', 0):.0f}s)"
+        f"state        {body.get('state')}  (pid {body.get('pid')}, "
+        f"boot {str(body.get('boot_id'))[:8]}, up {body.get('uptime_s', 0):.0f}s)"
     )
     click.echo(
-        f"model        {model.get('name')}  ({model.get('model_type')}, {'streaming' if model.get('streaming') else 'resident'})"
+        f"model        {model.get('name')}  ({model.get('model_type')}, "
+        f"{'streaming' if model.get('streaming') else 'resident'})"
     )
     click.echo(
-        f"requests     active {body.get('active_requests')}  pending {body.get('pending_requests')}  served {body.get('requests_served')}  failed {body.get('requests_failed')}"
+        f"requests     active {body.get('active_requests')}  "
+        f"pending {body.get('pending_requests')}  "
+        f"served {body.get('requests_served')}  failed {body.get('requests_failed')}"
     )
     click.echo(f"tokens       {body.get('tokens_generated')}")
     click.echo(f"memory       rss {body.get('rss_bytes', 0) / 2**20:.0f} MiB")
@@ -311,9 +320,6 @@ def stop(obj, reason: str) -> None:
         _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc))
     click.echo("moe: daemon stopping", err=True)
 
-
-from .stats_cli import metrics as _metrics  # noqa: E402  (registered like built-ins)
-from .stats_cli import stats as _stats
 
 main.add_command(_stats)
 main.add_command(_metrics)

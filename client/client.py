@@ -63,7 +63,8 @@ class Client:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 50)
-        # The daemon's death drops the ipc connection at once: watch for that instead of waiting out pings.
+        # The daemon's death drops the ipc connection at once: watch for that instead of waiting
+        # out pings.
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(f"ipc://{self.socket_path}")
         self._socket = sock
@@ -117,7 +118,8 @@ class Client:
         return self._call(MessageType.SHED, level=level, reason=reason)
 
     def shutdown(self, reason: str | None = None, restart: bool = False) -> dict:
-        """Drain and exit; `restart=True` exits non-zero so the service manager restarts it smaller."""
+        """Drain and exit; `restart=True` exits non-zero so the service manager restarts it
+        smaller."""
         return self._call(MessageType.SHUTDOWN, reason=reason, restart=restart or None)
 
     # ---- generation --------------------------------------------------------------------------
@@ -164,13 +166,15 @@ class Client:
             yield from self._generate_once(request_id, resume_ids, fields)
             return
         if temperature and seed is None:
-            # Sampling is keyed by (seed, position): fix the seed here so a resumed run draws the same.
+            # Sampling is keyed by (seed, position): fix the seed here so a resumed run draws the
+            # same.
             fields["seed"] = int.from_bytes(os.urandom(7), "big")
         received = list(resume_ids or [])
         resumes = 0
         while True:
             # Resubmit one token short: the daemon regenerates it, and with it any text the
-            # detokenizer was still holding back when the stream broke; duplicates are dropped by index.
+            # detokenizer was still holding back when the stream broke; duplicates are dropped by
+            # index.
             base = len(received)
             context = received[:-1] if received and resumes else received
             try:
@@ -232,7 +236,8 @@ class Client:
     def _generate_once(
         self, request_id: Any, resume_ids: list[int] | None, fields: dict[str, Any]
     ) -> Iterator[Event]:
-        """One generate request on the current connection; `fields` are the wire fields of `generate`."""
+        """One generate request on the current connection; `fields` are the wire fields of
+        `generate`."""
         self.connect()
         request_id = request_id if request_id is not None else self._next_id("gen")
         self.last_request_id = request_id
@@ -276,7 +281,8 @@ class Client:
             self._streams.discard(request_id)
             self._buffered.pop(request_id, None)
             if not ended and self._socket is not None:
-                # The caller stopped reading: stop the daemon generating for nobody (no reply awaited).
+                # The caller stopped reading: stop the daemon generating for nobody (no reply
+                # awaited).
                 self._send(
                     wire.request(MessageType.CANCEL, self._next_id("cancel"), target=request_id)
                 )
@@ -341,8 +347,9 @@ class Client:
                 elif self._monitor in ready:
                     if self._monitor.recv_multipart() and not self._socket.poll(0):
                         raise DaemonUnavailable(
-                            f"the connection to the daemon at {self.socket_path} dropped (it exited or crashed)"
-                        )
+                            f"the connection to the daemon at {self.socket_path} dropped "
+                            "(it exited or crashed)"
+                        ) from None
                     continue
                 else:
                     continue
@@ -359,4 +366,5 @@ class Client:
                 return msg
             if msg_id in self._streams:  # another stream of ours, read by its own iterator
                 self._buffered[msg_id].append(msg)
-            # Anything else is late: an earlier heartbeat's answer, an abandoned stream, a timed-out call.
+            # Anything else is late: an earlier heartbeat's answer, an abandoned stream, a timed-out
+            # call.

@@ -43,22 +43,30 @@ def format_stats(s: dict) -> str:
     lines = [
         f"moed {s.get('version')}  pid {s.get('pid')}  boot {str(s.get('boot_id'))[:8]}  "
         f"state {s.get('state')}  up {_num(s.get('uptime_s'), '{:.0f}', 's')}",
-        f"model        {model.get('name')}  ({model.get('model_type')}, {'streaming' if model.get('streaming') else 'resident'})",
-        f"requests     served {req.get('served')}  failed {req.get('failed')}  active {req.get('active')}  pending {req.get('pending')}",
-        f"tokens       {tok.get('generated')} generated  {_num(tok.get('per_s'), unit=' tok/s')} (last {_num(tok.get('window_s'), '{:.0f}', 's')})",
+        f"model        {model.get('name')}  ({model.get('model_type')}, "
+        f"{'streaming' if model.get('streaming') else 'resident'})",
+        f"requests     served {req.get('served')}  failed {req.get('failed')}  "
+        f"active {req.get('active')}  pending {req.get('pending')}",
+        f"tokens       {tok.get('generated')} generated  {_num(tok.get('per_s'), unit=' tok/s')} "
+        f"(last {_num(tok.get('window_s'), '{:.0f}', 's')})",
     ]
     ex = s.get("experts")
     if ex:
         slots = ex.get("slots_per_layer") or []
         lines += [
-            f"budget       {_bytes(ex.get('budget_bytes'))}  resident {_bytes(ex.get('resident_bytes'))} of "
-            f"{_bytes(ex.get('experts_bytes'))} experts  ({min(slots) if slots else '-'} of {ex.get('num_experts')} slots/layer, "
+            f"budget       {_bytes(ex.get('budget_bytes'))}  "
+            f"resident {_bytes(ex.get('resident_bytes'))} of "
+            f"{_bytes(ex.get('experts_bytes'))} experts  "
+            f"({min(slots) if slots else '-'} of {ex.get('num_experts')} slots/layer, "
             f"{'page cache bypassed' if ex.get('page_cache_bypass') else 'page cache trusted'})",
-            f"hit rate     {_pct(ex.get('hit_rate'))} overall  {_pct(ex.get('recent_hit_rate'))} recent  "
+            f"hit rate     {_pct(ex.get('hit_rate'))} overall  "
+            f"{_pct(ex.get('recent_hit_rate'))} recent  "
             f"({ex.get('hits')} hits, {ex.get('misses')} misses)",
             "per layer    " + " ".join(f"{r:.0%}" for r in ex.get("layer_hit_rates") or []),
-            f"reads        {_bytes(ex.get('bytes_read'))} total  {_bytes(ex.get('bytes_read_per_token'))}/token  "
-            f"{_bytes(ex.get('read_bandwidth_bps'))}/s while stalled  {_bytes(ex.get('recent_bytes_read_per_s'))}/s recent",
+            f"reads        {_bytes(ex.get('bytes_read'))} total  "
+            f"{_bytes(ex.get('bytes_read_per_token'))}/token  "
+            f"{_bytes(ex.get('read_bandwidth_bps'))}/s while stalled  "
+            f"{_bytes(ex.get('recent_bytes_read_per_s'))}/s recent",
             f"per token    stall {_num(ex.get('stall_ms_per_token'), '{:.2f}', ' ms')}  "
             f"router read-back {_num(ex.get('router_readback_ms_per_token'), '{:.2f}', ' ms')}  "
             f"({ex.get('tokens')} routed tokens)",

@@ -37,6 +37,7 @@ class TraceFile:
             )
         else:
             click.echo(
-                "moe: the daemon sent no trace (it keeps every expert resident: nothing is streamed)",
+                "moe: the daemon sent no trace "
+                "(it keeps every expert resident: nothing is streamed)",
                 err=True,
             )

@@ -70,6 +70,7 @@ def endpoint_for(socket_path: Path) -> str:
     text = str(socket_path)
     if len(text.encode()) > MAX_SOCKET_PATH:
         raise ValueError(
-            f"socket path is {len(text.encode())} bytes, over the {MAX_SOCKET_PATH}-byte limit: {text}"
+            f"socket path is {len(text.encode())} bytes, "
+            f"over the {MAX_SOCKET_PATH}-byte limit: {text}"
         )
     return f"ipc://{text}"

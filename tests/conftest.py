@@ -20,7 +20,8 @@ from fixtures.checkpoints import write_checkpoint  # noqa: E402
 @pytest.fixture(autouse=True, scope="session")
 def _private_moed_dirs(tmp_path_factory):
     """Every daemon and client a test starts uses session-private state, log and config paths, so
-    the suite never writes into (or reads) the user's ~/.local/state/moed or talks to their daemon."""
+    the suite never writes into (or reads) the user's ~/.local/state/moed or talks to their
+    daemon."""
     root = tmp_path_factory.mktemp("moed-home")
     private = {
         "MOED_STATE_DIR": root / "state",
@@ -80,7 +81,8 @@ from daemon_harness import DaemonProcess, start_daemon  # noqa: E402
 
 @pytest.fixture
 def daemon_factory(tmp_path):
-    """`daemon_factory(model, *serve_args, env=None, wait=True) -> DaemonProcess`; all stopped at teardown."""
+    """`daemon_factory(model, *serve_args, env=None, wait=True) -> DaemonProcess`; all stopped at
+    teardown."""
     started: list[DaemonProcess] = []
 
     def make(model, *extra, env=None, wait=True) -> DaemonProcess:

@@ -1,4 +1,5 @@
-"""Bad input never kills the daemon: every case gets a typed error (or a bad_frame) and it keeps serving."""
+"""Bad input never kills the daemon: every case gets a typed error (or a bad_frame) and it keeps
+serving."""
 
 from __future__ import annotations
 
@@ -165,7 +166,8 @@ def test_malformed_setting_is_a_config_error(tmp_path, tiny_model):
 
 
 def test_memory_plan_refuses_a_model_that_cannot_fit(tmp_path, tiny_model):
-    """Refused before loading experts, with the plan in the message, and an exit code that stops restarts."""
+    """Refused before loading experts, with the plan in the message, and an exit code that stops
+    restarts."""
     from daemon_harness import start_daemon
 
     d = start_daemon(

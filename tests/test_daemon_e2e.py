@@ -197,7 +197,8 @@ def test_second_daemon_refuses_live_socket_and_replaces_stale(daemon, tiny_model
 def test_streaming_daemon_matches_resident_mlx_lm(
     arch, budget, extra, checkpoint_factory, daemon_factory
 ):
-    """The default (streaming) daemon at small budgets gives the resident model's tokens, with telemetry."""
+    """The default (streaming) daemon at small budgets gives the resident model's tokens, with
+    telemetry."""
     model_path = checkpoint_factory(arch)
     d = daemon_factory(model_path, "--cache-budget", budget, *extra)
     with d.client() as c:
@@ -229,7 +230,7 @@ def test_a_request_id_can_be_reused_after_a_cancel(daemon):
 def test_a_stream_left_unread_is_cancelled(daemon):
     """Breaking out of generate() tells the daemon: it stops generating for nobody."""
     with daemon.client() as c:
-        for event in c.generate(LONG_PROMPT, max_tokens=5000, raw=True):
+        for _event in c.generate(LONG_PROMPT, max_tokens=5000, raw=True):
             break
         deadline = time.monotonic() + 10
         while c.status()["active_requests"] and time.monotonic() < deadline:

@@ -45,7 +45,8 @@ prompt = mx.array([(13 * i + 7) % 300 + 3 for i in range(64)])
 tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=MAX_TOKENS)]
 status = Path("/proc/self/status").read_text()
 hwm = int(status.split("VmHWM:")[1].split()[0]) * 1024
-print(json.dumps({"tokens": tokens, "hwm": hwm, "snapshot": streamer.snapshot() if streamer else None,
+print(json.dumps({"tokens": tokens, "hwm": hwm,
+                  "snapshot": streamer.snapshot() if streamer else None,
                   "plan": streamer.plan.describe() if streamer else ""}))
 """.replace("MAX_TOKENS", str(MAX_TOKENS))
 
@@ -156,7 +157,8 @@ def test_streaming_fits_under_a_cgroup_limit_of_60_percent(tmp_path_factory):
 
 
 def test_the_daemon_serves_under_a_cgroup_limit_of_60_percent(tmp_path_factory, tmp_path):
-    """The same, through the real daemon and client: `moed serve` placed in the cgroup, auto budget."""
+    """The same, through the real daemon and client: `moed serve` placed in the cgroup, auto
+    budget."""
     from daemon_harness import start_daemon
 
     from moed.client import TokenEvent
@@ -169,7 +171,8 @@ def test_the_daemon_serves_under_a_cgroup_limit_of_60_percent(tmp_path_factory, 
     cgroup = MemoryCgroup(limit)
     daemon = None
     try:
-        # A short planned context: the default 8192-token KV reservation alone would not fit this limit.
+        # A short planned context: the default 8192-token KV reservation alone would not fit this
+        # limit.
         daemon = start_daemon(
             tmp_path, path, env={"MOED_PLAN_CONTEXT_TOKENS": "512"}, preexec_fn=cgroup.enter
         )

@@ -1,4 +1,5 @@
-"""The package list in pyproject.toml covers every package folder (a wheel install would miss one)."""
+"""The package list in pyproject.toml covers every package folder (a wheel install would miss
+one)."""
 
 from __future__ import annotations
 

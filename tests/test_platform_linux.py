@@ -28,9 +28,18 @@ SwapFree:        1572860 kB
 HugePages_Total:       0
 """
 
-PSI_CALM = "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
-PSI_CHURN = "some avg10=14.20 avg60=3.10 avg300=0.80 total=912345\nfull avg10=2.10 avg60=0.40 avg300=0.10 total=123456\n"
-PSI_THRASH = "some avg10=88.50 avg60=41.00 avg300=9.00 total=99912345\nfull avg10=71.30 avg60=30.00 avg300=6.00 total=81234567\n"
+PSI_CALM = (
+    "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+)
+PSI_CHURN = (
+    "some avg10=14.20 avg60=3.10 avg300=0.80 total=912345\n"
+    "full avg10=2.10 avg60=0.40 avg300=0.10 total=123456\n"
+)
+PSI_THRASH = (
+    "some avg10=88.50 avg60=41.00 avg300=9.00 total=99912345\n"
+    "full avg10=71.30 avg60=30.00 avg300=6.00 total=81234567\n"
+)
 
 
 def test_swap_used_from_meminfo():

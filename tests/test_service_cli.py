@@ -111,8 +111,10 @@ def _linux(home: Path):
         "stop": [f"systemctl --user stop {units}"],
         "restart": [f"systemctl --user restart {units}"],
         "status": [
-            "systemctl --user show -p LoadState,ActiveState,SubState,UnitFileState,MainPID,ExecMainCode,ExecMainStatus,Result,NRestarts moed.service",
-            "systemctl --user show -p LoadState,ActiveState,SubState,UnitFileState,MainPID,ExecMainCode,ExecMainStatus,Result,NRestarts moed-watchdog.service",
+            "systemctl --user show -p LoadState,ActiveState,SubState,UnitFileState,MainPID,"
+            "ExecMainCode,ExecMainStatus,Result,NRestarts moed.service",
+            "systemctl --user show -p LoadState,ActiveState,SubState,UnitFileState,MainPID,"
+            "ExecMainCode,ExecMainStatus,Result,NRestarts moed-watchdog.service",
         ],
         "logs": ["journalctl --user -u moed.service -u moed-watchdog.service -n 200 --no-pager"],
         "logs -f": [
@@ -183,7 +185,8 @@ def test_dry_run_install_prints_every_file(tmp_path, platform):
 # --- install → status → uninstall with a recording stand-in for launchctl/systemctl ---------------
 
 FAKE = r'''#!PYTHON
-"""Stand-in for launchctl / systemctl / journalctl: records argv, keeps loaded jobs in FAKE_STATE."""
+"""Stand-in for launchctl / systemctl / journalctl: records argv, keeps loaded jobs in
+FAKE_STATE."""
 import json, os, plistlib, sys
 from pathlib import Path
 
@@ -199,7 +202,8 @@ loaded.mkdir(exist_ok=True)
 if tool == "launchctl":
     verb = args[0]
     if verb == "bootstrap":
-        job = plistlib.loads(Path(args[2]).read_bytes())  # a malformed plist fails here, as on a Mac
+        # a malformed plist fails here, as on a Mac
+        job = plistlib.loads(Path(args[2]).read_bytes())
         if (loaded / job["Label"]).exists():
             print("Bootstrap failed: 5: Input/output error", file=sys.stderr); sys.exit(5)
         (loaded / job["Label"]).write_text(args[2])
@@ -208,7 +212,8 @@ if tool == "launchctl":
         if not (loaded / label).exists():
             if verb == "bootout":
                 print("Boot-out failed: 3: No such process", file=sys.stderr); sys.exit(3)
-            print(f'Bad request.\nCould not find service "{label}" in domain for user gui: 501', file=sys.stderr)
+            print(f'Bad request.\nCould not find service "{label}" in domain for user gui: 501',
+                  file=sys.stderr)
             sys.exit(113)
         if verb == "bootout":
             (loaded / label).unlink()
@@ -410,7 +415,8 @@ def test_macos_stop_then_start(tmp_path, fake_tools):
     env.update(FAKE_STATE=str(state), FAKE_PRINT=str(DATA / "launchctl_print_running.txt"))
     assert invoke(env, "install", "--platform", "macos").exit_code == 0
 
-    # start on loaded jobs: bootstrap refuses (5), which start takes as "already there", then kickstart.
+    # start on loaded jobs: bootstrap refuses (5), which start takes as "already there", then
+    # kickstart.
     n = len(calls())
     result = invoke(env, "start", "--platform", "macos")
     assert result.exit_code == 0, result.output

@@ -1,4 +1,5 @@
-"""The `launchctl print gui/<uid>/<label>` parser, on recorded output of a real Mac, and systemctl show."""
+"""The `launchctl print gui/<uid>/<label>` parser, on recorded output of a real Mac, and
+systemctl show."""
 
 from __future__ import annotations
 

@@ -80,7 +80,9 @@ def test_stdio_follows_rotation(tmp_path):
         f"""
         import os, sys
         from moed.daemon.runtime.run_log import record_start
-        log = record_start({str(tmp_path)!r}, "0.1.0", "demo", "auto", None, max_bytes=200, backups=2)
+        log = record_start(
+            {str(tmp_path)!r}, "0.1.0", "demo", "auto", None, max_bytes=200, backups=2
+        )
         print("before rotation", file=sys.stderr, flush=True)
         log.write("y" * 300)   # past the bound: rotates
         print("after rotation", file=sys.stderr, flush=True)

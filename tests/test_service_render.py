@@ -1,4 +1,5 @@
-"""Rendered launchd plists and systemd units: parse, hold the required keys, pass systemd-analyze."""
+"""Rendered launchd plists and systemd units: parse, hold the required keys, pass
+systemd-analyze."""
 
 from __future__ import annotations
 

@@ -110,7 +110,8 @@ def test_simulators_on_a_worked_example():
     seq = calls({0}, {1}, {2}, {0}, {1}, {3}, {0})
     # LRU with 2 slots: 0 1 2(ev 0) 0(ev 1) 1(ev 2) 3(ev 0) 0(ev 1): no hits.
     assert simulate(seq, 2, LRUPolicy()) == (0, 7)
-    # Belady: 0 1 2(ev 1: next use 4 vs 0 at 3... evict the furthest: 1 at t=4 vs 0 at t=3 -> evict 1)
+    # Belady: 0 1 2(ev 1: next use 4 vs 0 at 3... evict the furthest: 1 at t=4 vs 0 at t=3
+    # -> evict 1)
     # 0 hit, 1 miss (ev 2: never used again), 3 miss (ev 1: never again), 0 hit.
     assert simulate_belady(seq, 2) == (2, 5)
     # A call of more experts than slots runs in passes and still counts each expert once.

@@ -182,7 +182,8 @@ def test_stats_watch_refreshes(daemon):
 def test_client_side_never_imports_mlx():
     code = (
         "import sys, moed.client.cli, moed.client.stats_cli; "
-        "bad = [m for m in sys.modules if m.split('.')[0] == 'mlx' or m.startswith('moed.daemon')]; "
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'mlx' "
+        "or m.startswith('moed.daemon')]; "
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})

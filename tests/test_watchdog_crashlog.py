@@ -111,7 +111,8 @@ def test_corrupt_record_reads_as_empty(tmp_path):
         (RuntimeError("[METAL] Command buffer execution failed: Caused GPU Timeout Error"), True),
         (
             RuntimeError(
-                "[metal::malloc] Attempting to allocate 70000000000 bytes which is greater than the maximum allowed"
+                "[metal::malloc] Attempting to allocate 70000000000 bytes which is greater "
+                "than the maximum allowed"
             ),
             True,
         ),

@@ -75,7 +75,8 @@ class Supervisor:
                 log = self.tmp / f"daemon-{len(self.logs)}.log"
                 self.logs.append(log)
                 with open(log, "wb") as out:
-                    # No core dumps, as the service units say (LimitCORE=0); ulimit is fork-safe here.
+                    # No core dumps, as the service units say (LimitCORE=0); ulimit is fork-safe
+                    # here.
                     self.proc = subprocess.Popen(
                         ["sh", "-c", 'ulimit -c 0; exec "$@"', "sh", *self.args],
                         stdout=out,
@@ -365,7 +366,8 @@ def test_hung_engine_is_killed_by_the_progress_watchdog(supervisor, tiny_model, 
         assert sup.exits == [-signal.SIGKILL]
         gap = actions[1]["ts"] - actions[0]["ts"]
         print(
-            f"\nhang: client error {stuck_for:.2f}s after the last token; sigterm -> sigkill {gap:.2f}s"
+            f"\nhang: client error {stuck_for:.2f}s after the last token; "
+            f"sigterm -> sigkill {gap:.2f}s"
         )
         assert 1.0 <= gap < 5.0 and stuck_for < 15.0
         # `moe status` shows the watchdog and what it did last.

@@ -1,4 +1,5 @@
-"""The watchdog process: its loop against a real daemon, its CLI, signals, event log and state file."""
+"""The watchdog process: its loop against a real daemon, its CLI, signals, event log and state
+file."""
 
 from __future__ import annotations
 

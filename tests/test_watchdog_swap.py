@@ -322,7 +322,8 @@ def test_swapping_hog_makes_the_watchdog_escalate(
         assert [e["action"] for e in events[:3]] == wanted, events
         swapped = _swap_used() - swap_before
         print(
-            f"\nescalation after the hog started: {', '.join(f'{a} {t:.2f}s' for a, t in seen.items())}; "
+            "\nescalation after the hog started: "
+            f"{', '.join(f'{a} {t:.2f}s' for a, t in seen.items())}; "
             f"swap grew {swapped / MIB:.0f} MiB"
         )
         assert seen["shed_cache"] < 15.0 and seen["shutdown"] < 30.0
@@ -365,8 +366,10 @@ def test_page_cache_churn_triggers_nothing(
         time.sleep(1.0)  # a few more samples after the churn
         peak = cg.peak_bytes()
         print(
-            f"\npage-cache churn: read {2 * CHURN_FILE_MB} MiB through a {CGROUP_LIMIT_MB} MiB cgroup, "
-            f"peak {None if peak is None else peak // MIB} MiB, swap delta {(_swap_used() - swap_before) / MIB:.1f} MiB"
+            f"\npage-cache churn: read {2 * CHURN_FILE_MB} MiB "
+            f"through a {CGROUP_LIMIT_MB} MiB cgroup, "
+            f"peak {None if peak is None else peak // MIB} MiB, "
+            f"swap delta {(_swap_used() - swap_before) / MIB:.1f} MiB"
         )
         if peak is not None:
             assert peak >= 0.8 * cg.limit_bytes  # the cache really filled the cgroup

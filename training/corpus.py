@@ -34,7 +34,8 @@ class Corpus:
             return sum(f.stat().st_size for f in files) / 1e6
 
         return (
-            f"stdlib {self.root}: {len(self.train_files)} train files ({mb(self.train_files):.2f} MB), "
+            f"stdlib {self.root}: {len(self.train_files)} train files "
+            f"({mb(self.train_files):.2f} MB), "
             f"{len(self.val_files)} validation files ({mb(self.val_files):.2f} MB)"
         )
 

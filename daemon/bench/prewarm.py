@@ -265,7 +265,8 @@ def prewarm(
     save_trace,
     as_json,
 ) -> None:
-    """Pre-load a trace's hot experts vs a cold start vs a warm page cache: TTFT and decode tok/s."""
+    """Pre-load a trace's hot experts vs a cold start vs a warm page cache: TTFT and decode
+    tok/s."""
     import json
 
     from moed.daemon.model.source import ModelNotFound, resolve_model
@@ -301,7 +302,8 @@ def prewarm(
             run = measure(path, scenario, budget, page_cache, prompt_ids, max_tokens, counts)
             summaries[scenario].runs.append(run)
             say(
-                f"run {n}/{total} {scenario:<16} ttft {run.ttft_s * 1000:8.1f} ms  decode {run.decode_tps:7.1f} tok/s  "
+                f"run {n}/{total} {scenario:<16} ttft {run.ttft_s * 1000:8.1f} ms  "
+                f"decode {run.decode_tps:7.1f} tok/s  "
                 f"hit {run.hit_rate:6.1%}  read {run.bytes_read / 1e6:7.1f} MB"
                 + (f"  preload {run.preload_s * 1000:.0f} ms" if scenario == "prewarm" else "")
             )
@@ -338,19 +340,25 @@ def format_table(
 ) -> str:
     cold = summaries["cold"]
     lines = [
-        f"model {path.name}  budget {budget}  {max_tokens} tokens  median of {runs} run(s) per scenario",
+        f"model {path.name}  budget {budget}  {max_tokens} tokens  "
+        f"median of {runs} run(s) per scenario",
         f"{'':18}{'TTFT ms':>10}{'vs cold':>9}{'decode tok/s':>14}{'vs cold':>9}{'hit rate':>10}"
         f"{'read MB':>9}{'stall ms':>10}{'preload ms':>12}{'pages cached':>14}",
     ]
     for name, s in summaries.items():
         cached = [r.page_cache_before for r in s.runs if r.page_cache_before is not None]
         lines.append(
-            f"{name:<18}{s.median('ttft_s') * 1000:>10.1f}{s.median('ttft_s') / cold.median('ttft_s'):>8.2f}x"
-            f"{s.median('decode_tps'):>14.1f}{s.median('decode_tps') / max(cold.median('decode_tps'), 1e-9):>8.2f}x"
-            f"{s.median('hit_rate'):>10.1%}{s.median('bytes_read') / 1e6:>9.1f}{s.median('stall_s') * 1000:>10.1f}"
-            f"{s.median('preload_s') * 1000:>12.0f}{(f'{statistics.median(cached):.0%}' if cached else '-'):>14}"
+            f"{name:<18}{s.median('ttft_s') * 1000:>10.1f}"
+            f"{s.median('ttft_s') / cold.median('ttft_s'):>8.2f}x"
+            f"{s.median('decode_tps'):>14.1f}"
+            f"{s.median('decode_tps') / max(cold.median('decode_tps'), 1e-9):>8.2f}x"
+            f"{s.median('hit_rate'):>10.1%}{s.median('bytes_read') / 1e6:>9.1f}"
+            f"{s.median('stall_s') * 1000:>10.1f}"
+            f"{s.median('preload_s') * 1000:>12.0f}"
+            f"{(f'{statistics.median(cached):.0%}' if cached else '-'):>14}"
         )
     lines.append(
-        f"identical tokens in every run: {identical}   (machine: {os.cpu_count()} cpus, {sys.platform})"
+        f"identical tokens in every run: {identical}   "
+        f"(machine: {os.cpu_count()} cpus, {sys.platform})"
     )
     return "\n".join(lines)

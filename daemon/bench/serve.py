@@ -115,6 +115,7 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
     click.echo(f"{'':24}{'in-process mlx-lm':>20}{'daemon + client':>20}{'ratio / delta':>16}")
     click.echo(f"{'decode tok/s (median)':24}{l_tps:20.1f}{r_tps:20.1f}{r_tps / l_tps:16.3f}")
     click.echo(
-        f"{'time to first token':24}{l_ttft * 1000:18.2f}ms{r_ttft * 1000:18.2f}ms{(r_ttft - l_ttft) * 1000:+14.2f}ms"
+        f"{'time to first token':24}{l_ttft * 1000:18.2f}ms{r_ttft * 1000:18.2f}ms"
+        f"{(r_ttft - l_ttft) * 1000:+14.2f}ms"
     )
     click.echo(f"identical tokens: {same}   (machine: {os.cpu_count()} cpus, {sys.platform})")

@@ -418,14 +418,20 @@ def _ratio(a: float, b: float) -> str:
 
 def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) -> str:
     lines = [
-        f"moed bench stream: {meta['layers']} MoE layers x {meta['experts']} experts (top-{meta['top_k']}), hidden {meta['hidden']}, "
-        f"expert width {meta['width']}, {meta['bits']}-bit {meta['dtype']}; one expert {meta['expert_bytes'] / 1e6:.2f} MB, "
+        f"moed bench stream: {meta['layers']} MoE layers x {meta['experts']} experts "
+        f"(top-{meta['top_k']}), hidden {meta['hidden']}, "
+        f"expert width {meta['width']}, {meta['bits']}-bit {meta['dtype']}; "
+        f"one expert {meta['expert_bytes'] / 1e6:.2f} MB, "
         f"experts {meta['experts_bytes'] / 1e9:.2f} GB",
-        f"decode {meta['tokens']} tokens after a {meta['warmup']}-token warm-up; {raw['workers']} read workers; page cache: {meta['page_cache']}",
-        f"raw parallel pread, page cache dropped: {raw['mb_s']:.0f} MB/s (mean of {raw.get('before_mb_s', raw['mb_s']):.0f} before and "
-        f"{raw.get('after_mb_s', raw['mb_s']):.0f} after the runs; {raw['bytes'] / 1e6:.0f} MB in {raw['reads']} expert-tensor reads)",
+        f"decode {meta['tokens']} tokens after a {meta['warmup']}-token warm-up; "
+        f"{raw['workers']} read workers; page cache: {meta['page_cache']}",
+        f"raw parallel pread, page cache dropped: {raw['mb_s']:.0f} MB/s "
+        f"(mean of {raw.get('before_mb_s', raw['mb_s']):.0f} before and "
+        f"{raw.get('after_mb_s', raw['mb_s']):.0f} after the runs; "
+        f"{raw['bytes'] / 1e6:.0f} MB in {raw['reads']} expert-tensor reads)",
         "",
-        f"{'budget':>8} {'slots':>5} {'tok/s':>7} {'x res':>6} {'same':>5} {'hit%':>6} {'belady%':>8} {'hit/opt':>7} "
+        f"{'budget':>8} {'slots':>5} {'tok/s':>7} {'x res':>6} {'same':>5} "
+        f"{'hit%':>6} {'belady%':>8} {'hit/opt':>7} "
         f"{'MB/tok':>7} {'B/(miss*E)':>10} {'read MB/s':>9} {'x raw':>6}",
         f"{'resident':>8} {'-':>5} {resident.tok_s:7.2f} {1.0:6.2f} {'-':>5}",
     ]
@@ -443,25 +449,33 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
         moved = c["bytes_read"] + c.get("prefetch_bytes", 0)
         bw = moved / c["stall_s"] / 1e6 if c["stall_s"] and moved > 16 * r.expert_bytes else 0.0
         lines.append(
-            f"{r.name:>8} {r.slots:5d} {r.tok_s:7.2f} {_ratio(r.tok_s, resident.tok_s):>6} {'yes' if r.tokens == resident.tokens else 'NO':>5} "
-            f"{100 * hr:6.1f} {(f'{100 * opt:.1f}' if opt else '-'):>8} {(_ratio(hr, opt) if opt else '-'):>7} {mb_tok:7.1f} {(f'{exact:.3f}' if exact else '-'):>10} "
+            f"{r.name:>8} {r.slots:5d} {r.tok_s:7.2f} {_ratio(r.tok_s, resident.tok_s):>6} "
+            f"{'yes' if r.tokens == resident.tokens else 'NO':>5} "
+            f"{100 * hr:6.1f} {(f'{100 * opt:.1f}' if opt else '-'):>8} "
+            f"{(_ratio(hr, opt) if opt else '-'):>7} {mb_tok:7.1f} "
+            f"{(f'{exact:.3f}' if exact else '-'):>10} "
             f"{(f'{bw:.0f}' if bw else '-'):>9} {(_ratio(bw, raw['mb_s']) if bw else '-'):>6}"
         )
     for r in runs:
         c = r.counters
         if c.get("prefetched"):
             lines.append(
-                f"{r.name}: {c['prefetched']} experts prefetched for the next layer, {100 * c['prefetch_hits'] / c['prefetched']:.0f}% "
-                f"of them used; with prefetch {(c['bytes_read'] + c['prefetch_bytes']) / max(1, r.decode_tokens) / 1e6:.1f} MB/token read"
+                f"{r.name}: {c['prefetched']} experts prefetched for the next layer, "
+                f"{100 * c['prefetch_hits'] / c['prefetched']:.0f}% "
+                "of them used; with prefetch "
+                f"{(c['bytes_read'] + c['prefetch_bytes']) / max(1, r.decode_tokens) / 1e6:.1f}"
+                " MB/token read"
             )
     sim_ok = all(r.lru_sim == (r.hits_total, r.misses_total) for r in runs if r.lru_sim != (0, 0))
     lines.append(
-        f"(an LRU simulation of the same trace {'reproduces' if sim_ok else 'DOES NOT reproduce'} the streamer's hits and misses)"
+        "(an LRU simulation of the same trace "
+        f"{'reproduces' if sim_ok else 'DOES NOT reproduce'} the streamer's hits and misses)"
     )
     lines += [
         "",
         "time per decode token (ms):",
-        f"{'budget':>8} {'wall':>7} {'attn+router':>11} {'experts':>8} {'readback':>8} {'stall':>7} {'reads*':>7} "
+        f"{'budget':>8} {'wall':>7} {'attn+router':>11} {'experts':>8} {'readback':>8} "
+        f"{'stall':>7} {'reads*':>7} "
         f"{'moe py':>7} {'other':>7}",
     ]
     lines.append(f"{'resident':>8} {1e3 * resident.decode_s / max(1, resident.decode_tokens):7.2f}")
@@ -473,21 +487,32 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
         moe_py = c["layer_python_s"] / n
         other = wall - c["layer_s"] / n
         lines.append(
-            f"{r.name:>8} {1e3 * wall:7.2f} {1e3 * sync:11.2f} {1e3 * comp:8.2f} {1e3 * copy:8.2f} {1e3 * stall:7.2f} "
+            f"{r.name:>8} {1e3 * wall:7.2f} {1e3 * sync:11.2f} {1e3 * comp:8.2f} "
+            f"{1e3 * copy:8.2f} {1e3 * stall:7.2f} "
             f"{1e3 * reads:7.2f} {1e3 * moe_py:7.2f} {1e3 * other:7.2f}"
         )
     lines += [
         "",
-        "100%+pre: every expert preloaded before the warm-up (no cold misses): the streaming machinery's own cost.",
-        "+spec: speculative next-layer prefetch (hits include prefetched experts; read MB/s: demand + prefetch",
-        "bytes over the time stalled, so reads hidden behind compute push it above the raw bandwidth).",
-        "same: greedy tokens identical to resident. hit%: all calls (warm-up + decode); belady%: offline optimum",
-        "on the same routing trace and slots. B/(miss*E): decode bytes read / (misses x expert bytes).",
-        "read MB/s: decode bytes read / time stalled on reads. attn+router: evaluating the graph up to the router",
-        "(forced by the router read-back); readback: copying indices to the host; reads*: worker time summed",
-        "over parallel reads (inside the stall); moe py: the streaming layers' own Python (planning, slot tables,",
-        "graph building); other: outside the streaming layers (generate_step, sampling, graph building).",
-        "All models are loaded at once and decode interleaved token by token (same machine conditions);",
+        "100%+pre: every expert preloaded before the warm-up (no cold misses): "
+        "the streaming machinery's own cost.",
+        "+spec: speculative next-layer prefetch (hits include prefetched experts; "
+        "read MB/s: demand + prefetch",
+        "bytes over the time stalled, so reads hidden behind compute push it above "
+        "the raw bandwidth).",
+        "same: greedy tokens identical to resident. hit%: all calls (warm-up + decode); "
+        "belady%: offline optimum",
+        "on the same routing trace and slots. B/(miss*E): decode bytes read / "
+        "(misses x expert bytes).",
+        "read MB/s: decode bytes read / time stalled on reads. "
+        "attn+router: evaluating the graph up to the router",
+        "(forced by the router read-back); readback: copying indices to the host; "
+        "reads*: worker time summed",
+        "over parallel reads (inside the stall); moe py: the streaming layers' own Python "
+        "(planning, slot tables,",
+        "graph building); other: outside the streaming layers "
+        "(generate_step, sampling, graph building).",
+        "All models are loaded at once and decode interleaved token by token "
+        "(same machine conditions);",
         "tok/s uses the median token time; the breakdown uses means.",
     ]
     return "\n".join(lines)
@@ -522,7 +547,10 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
     type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
     default="auto",
     show_default=True,
-    help="scales/biases and non-expert weights; auto: bfloat16 on Metal, float32 on the CPU (bf16 is ~9x slower there)",
+    help=(
+        "scales/biases and non-expert weights; auto: bfloat16 on Metal, float32 on the CPU "
+        "(bf16 is ~9x slower there)"
+    ),
 )
 @click.option("--hidden", default=2048, show_default=True)
 @click.option("--expert-width", default=512, show_default=True)
@@ -618,7 +646,8 @@ def stream(
                     load_streaming(path, "100%", workers, page_cache, preload_all=True)
                 )
             click.echo(
-                f"decoding, interleaved token by token: {', '.join(c.name for c in contenders)} ...",
+                "decoding, interleaved token by token: "
+                f"{', '.join(c.name for c in contenders)} ...",
                 err=True,
             )
             measure(contenders, files, warm_prompt, prompt, warmup, tokens)

@@ -51,7 +51,8 @@ class Generation:
         if len(prompt_ids) > serve.max_prompt_tokens:
             raise ProtocolError(
                 ErrorCode.PROMPT_TOO_LONG,
-                f"prompt is {len(prompt_ids)} tokens; this daemon accepts at most {serve.max_prompt_tokens}",
+                f"prompt is {len(prompt_ids)} tokens; "
+                f"this daemon accepts at most {serve.max_prompt_tokens}",
             )
         max_tokens = min(req.get("max_tokens") or serve.default_max_tokens, serve.max_tokens_limit)
         resume_ids = list(req.get("resume_ids") or [])
@@ -117,7 +118,8 @@ class Generation:
 
 
 def tokenize_prompt(tokenizer: Any, req: dict) -> list[int]:
-    """Tokenize as `mlx_lm.generate` does: the chat template unless raw, special tokens otherwise."""
+    """Tokenize as `mlx_lm.generate` does: the chat template unless raw, special tokens
+    otherwise."""
     if req.get("prompt_ids") is not None:
         return list(req["prompt_ids"])
     prompt = req["prompt"]

@@ -41,7 +41,8 @@ def _pool_dtypes(st_dtype: str) -> tuple:
         return _DTYPES[st_dtype]
     except KeyError:
         raise CheckpointError(
-            f"expert tensors of dtype {st_dtype} cannot be streamed (supported: {', '.join(_DTYPES)})"
+            f"expert tensors of dtype {st_dtype} cannot be streamed "
+            f"(supported: {', '.join(_DTYPES)})"
         ) from None
 
 
@@ -212,7 +213,8 @@ class LayerPool:
                 self._evict(e)
 
     def resize(self, new_slots: int) -> int:
-        """Shrink (or grow) the pools, keeping the most valuable residents. Returns bytes released."""
+        """Shrink (or grow) the pools, keeping the most valuable residents. Returns bytes
+        released."""
         new_slots = max(1, min(int(new_slots), self.num_experts))
         if new_slots == self.slots:
             return 0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Snapshot keys that accumulate (per-request telemetry reports their differences); others are gauges.
+# Snapshot keys that accumulate (per-request telemetry reports their differences); others are
+# gauges.
 CUMULATIVE_KEYS = frozenset(
     {
         "hits",

@@ -56,10 +56,12 @@ class MemoryPlan:
         verdict = "fits" if self.fits else "DOES NOT FIT"
         return "\n".join(
             [
-                f"memory plan ({verdict}): {_gb(self.usable_memory)} usable of {_gb(self.total_memory)} ({self.memory_source})",
+                f"memory plan ({verdict}): {_gb(self.usable_memory)} usable of "
+                f"{_gb(self.total_memory)} ({self.memory_source})",
                 f"  process baseline {_gb(self.baseline_bytes):>10}",
                 f"  resident weights {_gb(self.resident_bytes):>10}",
-                f"  expert cache     {_gb(self.cache_budget_bytes):>10}  ({pct:.0f}% of {_gb(self.experts_bytes)} of experts: "
+                f"  expert cache     {_gb(self.cache_budget_bytes):>10}  "
+                f"({pct:.0f}% of {_gb(self.experts_bytes)} of experts: "
                 f"{self.slots_per_layer} of {self.num_experts} slots x {self.num_layers} layers)",
                 f"  KV cache         {_gb(self.kv_bytes):>10}",
                 f"  working memory   {_gb(self.working_bytes):>10}",
@@ -69,8 +71,10 @@ class MemoryPlan:
 
     def refusal(self) -> str:
         return (
-            f"the model does not fit: it needs {_gb(self.required_bytes)} but only {_gb(self.usable_memory)} is usable "
-            f"({self.memory_source}); lower --cache-budget (now {_gb(self.cache_budget_bytes)}) or the context length"
+            f"the model does not fit: it needs {_gb(self.required_bytes)} "
+            f"but only {_gb(self.usable_memory)} is usable "
+            f"({self.memory_source}); "
+            f"lower --cache-budget (now {_gb(self.cache_budget_bytes)}) or the context length"
         )
 
 

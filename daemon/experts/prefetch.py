@@ -54,7 +54,8 @@ class ReadPool:
         return [self._pool.submit(self._timed, j) for j in jobs]
 
     def wait(self, futures: list[Future]) -> ReadResult:
-        """Wait for queued jobs; the first failure is raised after all finish. wall_s: time waited."""
+        """Wait for queued jobs; the first failure is raised after all finish. wall_s: time
+        waited."""
         t0 = time.perf_counter()
         out, error = ReadResult(), None
         for f in futures:

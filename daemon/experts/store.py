@@ -71,7 +71,8 @@ def drop_page_cache(files) -> bool:
 
 
 def drop_cached(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to drop clean cached pages of a range we just read (Linux; macOS uses F_NOCACHE)."""
+    """Ask the kernel to drop clean cached pages of a range we just read (Linux; macOS uses
+    F_NOCACHE)."""
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 

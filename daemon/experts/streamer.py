@@ -129,12 +129,14 @@ def _resolve(
         loc = found.get(p)
         if loc is None:
             raise CheckpointError(
-                f"expert tensor {p} is not stored as-is in {index.model_path} (a sanitize step transforms it); "
+                f"expert tensor {p} is not stored as-is in {index.model_path} "
+                "(a sanitize step transforms it); "
                 "convert the checkpoint with mlx_lm.convert first"
             )
         if loc.shape != tuple(arr.shape) or mlx_dtype(loc.dtype) != arr.dtype:
             raise CheckpointError(
-                f"expert tensor {p}: {loc.name} on disk is {loc.dtype}{list(loc.shape)}, the model expects {arr.dtype}{list(arr.shape)}"
+                f"expert tensor {p}: {loc.name} on disk is {loc.dtype}{list(loc.shape)}, "
+                f"the model expects {arr.dtype}{list(arr.shape)}"
             )
     return found
 
@@ -177,7 +179,7 @@ def _find_router(
     for part in path.split(".")[:-1]:
         parent = parent[int(part)] if isinstance(parent, list) else getattr(parent, part)
     found = []
-    for name, child in parent.children().items():
+    for _name, child in parent.children().items():
         if child is switch or not isinstance(child, nn.Module):
             continue
         weight = child.get("weight") if hasattr(child, "get") else None
@@ -394,7 +396,8 @@ class ExpertStreamer:
         return hits, loads
 
     def _count_reads(self, res, jobs: int, prefetch: bool = False) -> None:
-        """Account reads the engine waited for (demand misses, or speculative reads it caught up with)."""
+        """Account reads the engine waited for (demand misses, or speculative reads it caught up
+        with)."""
         c = self.counters
         c.reads += jobs
         c.read_s += res.read_s

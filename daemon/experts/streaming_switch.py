@@ -46,7 +46,8 @@ class StreamingSwitch(nn.Module):
         super().__init__()
         self.kind = kind  # "glu" or "mlp"
         self.activation = activation
-        # Plain attributes (not parameters): the pools live in the streamer, never in the model tree.
+        # Plain attributes (not parameters): the pools live in the streamer, never in the model
+        # tree.
         object.__setattr__(self, "_projs", projs)
         object.__setattr__(self, "_layer", layer)
         object.__setattr__(self, "_streamer", streamer)

@@ -1,4 +1,5 @@
-"""`moed serve`: the daemon in the foreground (launchd/systemd or `moe run` put it in the background)."""
+"""`moed serve`: the daemon in the foreground (launchd/systemd or `moe run` put it in the
+background)."""
 
 from __future__ import annotations
 

@@ -104,7 +104,8 @@ def plan_start(
     if isinstance(run, dict) and not (
         isinstance(run.get("pid"), int) and run["pid"] != os.getpid() and pid_alive(run["pid"])
     ):
-        # The run marker is cleared on every exit the daemon controls; one left behind means a death.
+        # The run marker is cleared on every exit the daemon controls; one left behind means a
+        # death.
         unclean = run
         entry = _entry(
             CrashKind.UNCLEAN_EXIT,
@@ -130,9 +131,12 @@ def plan_start(
         first = min(float(e["at"]) for e in recent)
         wait = max(0.0, first + window_s - now)
         refuse = (
-            f"{len(recent)} crashes in the last {window_s / 60:.0f} minutes (restart budget {restart_budget}); "
-            f"not starting, so the service manager stops restarting. Last: {recent[-1].get('kind')}: "
-            f"{recent[-1].get('message')}. Fix the cause, then start again in {wait / 60:.0f} minutes "
+            f"{len(recent)} crashes in the last {window_s / 60:.0f} minutes "
+            f"(restart budget {restart_budget}); "
+            "not starting, so the service manager stops restarting. "
+            f"Last: {recent[-1].get('kind')}: "
+            f"{recent[-1].get('message')}. "
+            f"Fix the cause, then start again in {wait / 60:.0f} minutes "
             f"or after removing {crash_path(state_dir)}"
         )
     return StartPlan(data.get("last"), factor, len(recent), refuse, unclean)

@@ -40,7 +40,8 @@ class Faults:
             name, _, value = item.partition("=")
             if not name.endswith("_after") or not value.strip().isdigit():
                 raise ValueError(
-                    f"debug_faults: cannot parse {item!r} (use oom_after=N, abort_after=N, hang_after=N)"
+                    f"debug_faults: cannot parse {item!r} "
+                    "(use oom_after=N, abort_after=N, hang_after=N)"
                 )
             try:
                 fault = Fault(name[: -len("_after")])

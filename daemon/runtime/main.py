@@ -49,7 +49,8 @@ def run_daemon(config: Config) -> int:
             return DaemonExit.CONFIG
     server.install_signal_handlers()
     # The transport thread answers control messages while the engine thread runs Python between MLX
-    # evaluations; a 1 ms GIL switch interval (default 5 ms) bounds how long a `cancel` or `ping` waits.
+    # evaluations; a 1 ms GIL switch interval (default 5 ms) bounds how long a `cancel` or `ping`
+    # waits.
     sys.setswitchinterval(0.001)
     run_log = _open_run_log(server, model_path)
     log.info(
@@ -69,7 +70,8 @@ def run_daemon(config: Config) -> int:
 
 
 def _open_run_log(server: Server, model_path) -> RotatingLog:
-    """The rotating daemon.log: a start record (version, model, budget, why the last run ended), then logging."""
+    """The rotating daemon.log: a start record (version, model, budget, why the last run ended),
+    then logging."""
     from moed.daemon import __version__
     from moed.daemon.runtime.run_log import record_start
     from moed.daemon.service.launchctl import previous_exit as previous_exit_from_launchd

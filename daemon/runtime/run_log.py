@@ -24,7 +24,8 @@ DAEMON_LOG = "daemon.log"
 
 
 class RotatingLog:
-    """Append lines to `path`; past max_bytes rename it to path.1 (path.1 → path.2, ...), keep `backups`."""
+    """Append lines to `path`; past max_bytes rename it to path.1 (path.1 → path.2, ...), keep
+    `backups`."""
 
     def __init__(
         self,
@@ -95,7 +96,8 @@ class RotatingLog:
         return [p for p in (self.generation(i) for i in range(self.backups + 1)) if p.exists()]
 
     def owns_stderr(self) -> bool:
-        """True when fd 2 is this file (launchd's StandardErrorPath): stderr output is already here."""
+        """True when fd 2 is this file (launchd's StandardErrorPath): stderr output is already
+        here."""
         with self._lock:
             return self._fd >= 0 and _same_file(2, os.fstat(self._fd))
 
@@ -122,7 +124,8 @@ class RotatingLog:
     def record_exit(self, code: int, reason: str | None = None) -> None:
         """One line at the end of a run, the counterpart of the start record."""
         self.write(
-            f"{_now()} moed exit code={int(code)} pid={os.getpid()} reason={_value(reason or 'unknown')}"
+            f"{_now()} moed exit code={int(code)} pid={os.getpid()} "
+            f"reason={_value(reason or 'unknown')}"
         )
 
     def handler(

@@ -1,4 +1,5 @@
-"""One interface over launchd and systemd --user: install, uninstall, start, stop, restart, status, logs.
+"""One interface over launchd and systemd --user: install, uninstall, start, stop, restart, status,
+logs.
 
 Every side effect goes through an Executor, which either performs it or, in a dry run, prints it
 (files as shell here-documents, commands as shell lines), so a dry run shows exactly what a real
@@ -61,7 +62,8 @@ class Executor:
             text = content.decode()
             self.echo(f"mkdir -p {shlex.quote(str(path.parent))}")
             self.echo(
-                f"cat > {shlex.quote(str(path))} <<'{HEREDOC_END}'\n{text.rstrip(chr(10))}\n{HEREDOC_END}"
+                f"cat > {shlex.quote(str(path))} <<'{HEREDOC_END}'\n"
+                f"{text.rstrip(chr(10))}\n{HEREDOC_END}"
             )
             return
         write_atomic(path, content)
@@ -101,7 +103,8 @@ class Executor:
         return result
 
     def query(self, argv: list[str]) -> Result | None:
-        """A read-only command whose answer the caller needs: None in a dry run (after printing it)."""
+        """A read-only command whose answer the caller needs: None in a dry run (after printing
+        it)."""
         if self.dry_run:
             self.echo(shlex.join(argv))
             return None
@@ -292,7 +295,8 @@ class LaunchdBackend(ServiceBackend):
             result,
             hint=(
                 f"check the plist with: plutil -lint {shlex.quote(str(self._plist(role)))}\n"
-                f"gui/{self.uid} exists only while you are logged in at the Mac's screen (not over ssh alone)"
+                f"gui/{self.uid} exists only while you are logged in at the Mac's screen "
+                "(not over ssh alone)"
             ),
         )
 

@@ -1,4 +1,5 @@
-"""`moed service install|uninstall|start|stop|restart|status|logs`: run moed under launchd or systemd --user."""
+"""`moed service install|uninstall|start|stop|restart|status|logs`: run moed under launchd or
+systemd --user."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def config_text(body: str) -> str:
     digest = hashlib.sha256(body.encode()).hexdigest()
     return (
         "# moed configuration, written by `moed service install`. Edit freely, then\n"
-        "# `moed service restart`. `moed service uninstall` removes this file only while it is unedited.\n"
+        "# `moed service restart`. `moed service uninstall` removes this file only while it is "
+        "unedited.\n"
         f"{DIGEST_PREFIX}{digest}\n\n{body}"
     )
 
@@ -128,7 +130,8 @@ def _guard(action: Callable[[], Any]) -> Any:
 
 @click.group()
 def service() -> None:
-    """Run the daemon and its watchdog as a per-user service (launchd on macOS, systemd --user on Linux)."""
+    """Run the daemon and its watchdog as a per-user service (launchd on macOS, systemd --user on
+    Linux)."""
 
 
 @service.command()
@@ -144,7 +147,8 @@ def service() -> None:
     help="Socket path for a first install's config file.",
 )
 def install(dry_run, platform, config_file, model, cache_budget, socket):
-    """Write the config (first time only) and the service definitions; load and start both processes."""
+    """Write the config (first time only) and the service definitions; load and start both
+    processes."""
     s = _session(
         platform,
         config_file,
@@ -206,7 +210,8 @@ def restart(dry_run, platform, config_file):
     "--timeout", default=2.0, show_default=True, help="Seconds to wait for the daemon's own answer."
 )
 def status(dry_run, platform, config_file, as_json, timeout):
-    """Loaded/running/pid/last exit of both processes, and the daemon's own status when it answers."""
+    """Loaded/running/pid/last exit of both processes, and the daemon's own status when it
+    answers."""
     s = _session(platform, config_file, dry_run)
     roles = _guard(s.backend.status)
     socket = Path(s.config.serve.socket)
@@ -303,7 +308,8 @@ def format_status(
             continue
         if not r.loaded:
             lines.append(
-                f"{r.role.value:9} {r.name}: not loaded ({'installed' if r.installed else 'not installed'})"
+                f"{r.role.value:9} {r.name}: not loaded "
+                f"({'installed' if r.installed else 'not installed'})"
             )
             continue
         bits = ["running" if r.running else (r.state or "not running")]

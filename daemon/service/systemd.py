@@ -1,4 +1,5 @@
-"""Linux: the `systemctl --user` / `journalctl --user` command lines and a parser of `systemctl show`."""
+"""Linux: the `systemctl --user` / `journalctl --user` command lines and a parser of
+`systemctl show`."""
 
 from __future__ import annotations
 

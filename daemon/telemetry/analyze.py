@@ -333,7 +333,8 @@ def _gb(n: float) -> str:
 def format_report(r: Report) -> str:
     lines = [
         f"trace     {', '.join(r.files)}",
-        f"model     {r.model}: {r.layers} MoE layers x {r.experts} experts, top-{r.top_k}, {_gb(r.expert_bytes)} per expert",
+        f"model     {r.model}: {r.layers} MoE layers x {r.experts} experts, top-{r.top_k}, "
+        f"{_gb(r.expert_bytes)} per expert",
         f"tokens    {r.tokens} token rows in {r.passes} forward passes",
     ]
     looked = sum(r.recorded.values())
@@ -346,8 +347,10 @@ def format_report(r: Report) -> str:
     if r.replay:
         rp = r.replay
         lines.append(
-            f"replay    {r.policy} from the recorded start: {rp['hits']} hits / {rp['misses']} misses vs "
-            f"{rp['recorded_hits']} / {rp['recorded_misses']} recorded ({'match' if rp['match'] else 'DIFFERENT'})"
+            f"replay    {r.policy} from the recorded start: "
+            f"{rp['hits']} hits / {rp['misses']} misses vs "
+            f"{rp['recorded_hits']} / {rp['recorded_misses']} recorded "
+            f"({'match' if rp['match'] else 'DIFFERENT'})"
         )
     lines += [
         "",
@@ -361,19 +364,23 @@ def format_report(r: Report) -> str:
         )
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
     lines.append(
-        f"{'all':>5}  {mean([l.unique for l in r.per_layer]):>9.1f} {mean([l.top10_share for l in r.per_layer]):>12.1%}  "
-        f"{mean([l.cover80 for l in r.per_layer]):>15.1f}  {mean([l.reuse for l in r.per_layer]):>20.1%}"
+        f"{'all':>5}  {mean([l.unique for l in r.per_layer]):>9.1f} "
+        f"{mean([l.top10_share for l in r.per_layer]):>12.1%}  "
+        f"{mean([l.cover80 for l in r.per_layer]):>15.1f}  "
+        f"{mean([l.reuse for l in r.per_layer]):>20.1%}"
     )
     lines += [
         "",
         f"hit rate vs cache size (daemon policy: {r.policy})",
-        f"{'slots/layer':>11}  {'% experts':>9}  {'cache':>10}  {'LRU':>7}  {'daemon':>7}  {'Belady':>7}",
+        f"{'slots/layer':>11}  {'% experts':>9}  {'cache':>10}  "
+        f"{'LRU':>7}  {'daemon':>7}  {'Belady':>7}",
     ]
     for i, s in enumerate(r.sizes):
         mark = "  <- recorded" if s == r.recorded_slots else ""
         lines.append(
             f"{s:>11}  {s / r.experts:>9.1%}  {_gb(s * r.expert_bytes * r.layers):>10}  "
-            f"{r.curves['LRU'][i]:>7.1%}  {r.curves['daemon'][i]:>7.1%}  {r.curves['Belady'][i]:>7.1%}{mark}"
+            f"{r.curves['LRU'][i]:>7.1%}  {r.curves['daemon'][i]:>7.1%}  "
+            f"{r.curves['Belady'][i]:>7.1%}{mark}"
         )
     return "\n".join(lines)
 

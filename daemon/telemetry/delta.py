@@ -1,4 +1,5 @@
-"""Per-request expert telemetry: cumulative streamer counters as differences since the request began."""
+"""Per-request expert telemetry: cumulative streamer counters as differences since the request
+began."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from moed.daemon.experts.counters import CUMULATIVE_KEYS
 
 
 def counters_delta(before: dict | None, after: dict | None) -> dict:
-    """Per-request telemetry: numeric counters as differences, everything else as the latest value."""
+    """Per-request telemetry: numeric counters as differences, everything else as the latest
+    value."""
     if not after:
         return {}
     before = before or {}

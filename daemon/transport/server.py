@@ -1,4 +1,5 @@
-"""The daemon's transport: a ZMQ ROUTER on the main thread, frames in, queue to the engine, events out.
+"""The daemon's transport: a ZMQ ROUTER on the main thread, frames in, queue to the engine,
+events out.
 
 Control messages (status, cancel, shed, shutdown, ping) are answered here and never wait behind a
 generation. Startup → main loop → drain; signal handlers only set flags.
@@ -56,7 +57,8 @@ class AlreadyRunning(RuntimeError):
 
 
 class ZmqEventSink:
-    """The engine's end of the event pipe; created on the engine thread (ZMQ sockets are per thread)."""
+    """The engine's end of the event pipe; created on the engine thread (ZMQ sockets are per
+    thread)."""
 
     def __init__(self, context: zmq.Context):
         self.socket = context.socket(zmq.PUSH)
@@ -102,7 +104,8 @@ class Server:
         self._restart_reason: str | None = None
         self._drain_deadline = 0.0
         self._stop_requested = threading.Event()
-        # After crashes: count an unclean previous exit, back the cache budget off, or refuse to start.
+        # After crashes: count an unclean previous exit, back the cache budget off, or refuse to
+        # start.
         self.start_plan = crashlog.plan_start(
             self.serve.state_dir, self.serve.restart_budget, self.serve.restart_window_s
         )
@@ -125,7 +128,8 @@ class Server:
             answer = probe_live_daemon(self.endpoint, self.context)
             if answer is not None:
                 raise AlreadyRunning(
-                    f"a live daemon (boot {answer.get('boot_id', '?')}, pid {answer.get('pid', '?')}) "
+                    f"a live daemon (boot {answer.get('boot_id', '?')}, "
+                    f"pid {answer.get('pid', '?')}) "
                     f"already serves {self.serve.socket}; stop it with `moe stop`"
                 )
             log.info("removing stale socket %s", self.serve.socket)
@@ -200,7 +204,8 @@ class Server:
     def run(self) -> int:
         """Serve until asked to stop; returns the process exit code."""
         if self.start_plan.refuse:
-            # Exit 0: launchd (SuccessfulExit=false) and systemd (on-failure) leave a clean exit down.
+            # Exit 0: launchd (SuccessfulExit=false) and systemd (on-failure) leave a clean exit
+            # down.
             log.error("restart budget spent: %s", self.start_plan.refuse)
             self._close()
             return DaemonExit.OK
@@ -331,7 +336,8 @@ class Server:
             return wire.result(req_id, accepted=True, level=level.value)
         if kind is MessageType.SHUTDOWN:
             if msg.get("restart"):
-                # Memory pressure: exit non-zero after the drain so launchd/systemd restart us smaller.
+                # Memory pressure: exit non-zero after the drain so launchd/systemd restart us
+                # smaller.
                 self._restart_reason = msg.get("reason") or "restart requested"
             self.request_stop(f"shutdown request: {msg.get('reason') or 'no reason given'}")
             return wire.result(req_id, accepted=True, pending=len(self._pending))

@@ -56,7 +56,8 @@ def watchdog(
     once,
     log_level,
 ) -> None:
-    """Guard memory (swap growth, pressure) and progress; escalate shed -> shutdown -> SIGTERM -> SIGKILL."""
+    """Guard memory (swap growth, pressure) and progress; escalate shed -> shutdown -> SIGTERM
+    -> SIGKILL."""
     logging.basicConfig(
         level=log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -164,7 +164,8 @@ class Policy:
             reason = f"{memory_reason} for {self.bad_streak} samples in a row"
         elif not bad and self.step >= 0 and self._quiet_for(s) >= self.params.recover_s:
             notes.append(
-                f"recovered: no bad sample for {self._quiet_for(s):.1f} s after {self.last_action.value}"
+                f"recovered: no bad sample for {self._quiet_for(s):.1f} s "
+                f"after {self.last_action.value}"
             )
             self.step = -1
         elif bad and self.bad_streak == 1 and self.step < 0:
@@ -204,7 +205,8 @@ class Policy:
             identity = (d.pid, d.boot_id)
             if self.identity is not None and identity != self.identity:
                 notes.append(
-                    f"daemon changed: pid {self.identity[0]} -> {d.pid}, boot {self.identity[1]} -> {d.boot_id}"
+                    f"daemon changed: pid {self.identity[0]} -> {d.pid}, "
+                    f"boot {self.identity[1]} -> {d.boot_id}"
                 )
                 self._reset_ladder()
                 self.baseline = s.swap_used_bytes  # a new daemon is not to blame for old swap
@@ -242,7 +244,8 @@ class Policy:
             growth = s.swap_used_bytes - self.baseline
             if growth >= self.params.swap_growth_bytes:
                 reasons.append(
-                    f"swap grew {growth / _MIB:.0f} MiB over its baseline (limit {self.params.swap_growth_bytes / _MIB:.0f} MiB)"
+                    f"swap grew {growth / _MIB:.0f} MiB over its baseline "
+                    f"(limit {self.params.swap_growth_bytes / _MIB:.0f} MiB)"
                 )
         if self.params.act_on_critical_pressure and s.pressure is PressureLevel.CRITICAL:
             reasons.append("memory pressure is critical")
@@ -260,7 +263,10 @@ class Policy:
         if d.reachable and d.busy:
             stalled = s.wall - self._progress_ref(s)
             if stalled >= timeout:
-                return f"busy with {d.active_requests} request(s) and no token for {stalled:.1f} s (limit {timeout:g} s)"
+                return (
+                    f"busy with {d.active_requests} request(s) and no token for {stalled:.1f} s "
+                    f"(limit {timeout:g} s)"
+                )
         elif (
             not d.reachable
             and d.alive

@@ -159,7 +159,8 @@ class Watchdog:
                     "reply": _trim(self.link.call("shed", _SHED_LEVEL[action].value, reason)),
                 }
             if action is Action.SHUTDOWN:
-                # restart=True: the daemon exits non-zero, so launchd/systemd bring it back with a smaller budget.
+                # restart=True: the daemon exits non-zero, so launchd/systemd bring it back with a
+                # smaller budget.
                 return {
                     "ok": True,
                     "reply": _trim(self.link.call("shutdown", reason, restart=True)),
