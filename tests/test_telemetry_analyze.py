@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from moed.daemon.experts.cache import LRUPolicy
 from moed.daemon.telemetry.analyze import simulate, simulate_belady
@@ -134,10 +133,6 @@ def test_belady_is_never_worse_and_full_cache_misses_once():
         assert simulate(seq, E, LRUPolicy())[1] == simulate_belady(seq, E)[1] == distinct
 
 
-@pytest.mark.skipif(
-    not (Path(__file__).parent.parent / "daemon" / "demo_model" / "config.json").exists(),
-    reason="the demo model is not in this checkout",
-)
 def test_demo_model_trace(daemon_factory, tmp_path):
     from moed.daemon.model.demo import demo_model_path
 

@@ -31,7 +31,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from training.corpus import EOS, build_corpus
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "daemon" / "demo_model"
+DEFAULT_OUT = REPO / "daemon" / "model" / "demo_model"
 DEFAULT_LOG = REPO / "training" / "TRAINING_LOG.txt"
 
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
