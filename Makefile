@@ -27,7 +27,10 @@ run: $(STAMP)
 	  $(BIN)/moe --socket $(DEMO_SOCKET) stop >/dev/null 2>&1 || true; \
 	  exit $$status
 
+# The lint and format gate runs first, so .ci/run (which calls `make test`) enforces it.
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
 # Each prints ratios measured side by side in one run; BENCHMARKS.md holds their latest output.
