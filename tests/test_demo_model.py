@@ -14,6 +14,7 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
+from moed.daemon.experts import StreamingConfig, install_streaming
 from moed.daemon.model.demo import demo_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the training/ scripts
@@ -79,17 +80,14 @@ def _greedy(model, prompt_ids, n=40) -> list[int]:
 
 
 def test_streaming_quarter_budget_reproduces_resident_tokens(demo):
-    experts = pytest.importorskip("moed.daemon.experts")
-    if not hasattr(experts, "install_streaming"):
-        pytest.skip("expert streaming not available")
     model, tokenizer = demo
     prompt = tokenizer.encode("class Queue:\n    def __init__(self, maxsize=0):")
     want = _greedy(model, prompt)
 
     path = demo_model_path()
     lazy, _ = mlx_lm.load(str(path), lazy=True)
-    cfg = experts.StreamingConfig(cache_budget="25%", memory_bytes=8 << 30)
-    streamer = experts.install_streaming(lazy, path, cfg)
+    cfg = StreamingConfig(cache_budget="25%", memory_bytes=8 << 30)
+    streamer = install_streaming(lazy, path, cfg)
     mx.eval(lazy.parameters())
     try:
         assert _greedy(lazy, prompt) == want

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
+from moed.daemon.bench.prewarm import prewarm
 from moed.daemon.bench.serve import bench_serve
+from moed.daemon.bench.stream import stream
 
 
 @click.group("bench")
@@ -13,14 +15,5 @@ def bench() -> None:
 
 
 bench.add_command(bench_serve)
-
-from moed.daemon.bench.prewarm import prewarm as _bench_prewarm  # noqa: E402
-
-bench.add_command(_bench_prewarm)
-
-try:  # the expert-streaming benchmark lands with the streaming engine
-    from moed.daemon.bench.stream import stream as _bench_stream
-
-    bench.add_command(_bench_stream)
-except ImportError:
-    pass
+bench.add_command(prewarm)
+bench.add_command(stream)

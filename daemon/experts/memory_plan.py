@@ -9,6 +9,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
+import psutil
+
 from moed.daemon.experts.budget import parse_budget, slots_per_layer
 from moed.daemon.experts.safetensors_index import CheckpointIndex
 
@@ -122,16 +125,11 @@ def _walk_limit(root: Path, rel: str, name: str) -> int | None:
 
 def machine_memory() -> tuple[int, int, str]:
     """(total, usable, source) for this process."""
-    try:
-        import mlx.core as mx
-
-        if mx.metal.is_available():
-            info = mx.device_info()
-            total = int(info.get("memory_size", 0))
-            usable = int(info.get("max_recommended_working_set_size", total))
-            return total, usable, "Metal recommended working set"
-    except Exception:  # noqa: BLE001 - fall through to the OS view
-        pass
+    if mx.metal.is_available():
+        info = mx.device_info()
+        total = int(info.get("memory_size", 0))
+        usable = int(info.get("max_recommended_working_set_size", total))
+        return total, usable, "Metal recommended working set"
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     source = "RAM"
     limit = cgroup_memory_limit()
@@ -174,10 +172,8 @@ def default_working_bytes(resident_bytes: int) -> int:
 
 def process_rss() -> int:
     try:
-        import psutil
-
         return int(psutil.Process().memory_info().rss)
-    except Exception:  # noqa: BLE001 - psutil missing or no /proc: plan without a baseline
+    except (psutil.Error, OSError):  # no /proc to read: plan without a baseline
         return 0
 
 

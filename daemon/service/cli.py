@@ -14,6 +14,8 @@ from typing import Any
 
 import click
 
+from moed.client import Client
+from moed.client.errors import DaemonUnavailable
 from moed.daemon.config import ConfigError, load_config, to_toml
 from moed.daemon.runtime import run_log as service_logs
 from moed.daemon.service.backend import (
@@ -254,11 +256,6 @@ def logs_cmd(dry_run, platform, config_file, follow, lines):
 def daemon_status(socket: Path, timeout: float) -> tuple[dict | None, str | None]:
     """The daemon's own `status` answer, or why there is none."""
     try:
-        from moed.client import Client
-        from moed.client.errors import DaemonUnavailable
-    except ImportError as exc:  # the client library is not there yet
-        return None, f"client unavailable: {exc}"
-    try:
         client = Client(socket, timeout=timeout)
     except DaemonUnavailable as exc:
         return None, str(exc) or "not answering"
@@ -271,9 +268,7 @@ def daemon_status(socket: Path, timeout: float) -> tuple[dict | None, str | None
     except Exception as exc:
         return None, f"{type(exc).__name__}: {exc}"
     finally:
-        close = getattr(client, "close", None)
-        if close:
-            close()
+        client.close()
 
 
 # The daemon's status fields worth a line; `status --json` has them all.

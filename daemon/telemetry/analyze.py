@@ -108,16 +108,10 @@ def simulate_belady(calls: Calls, slots: int) -> tuple[int, int]:
 
 def policy_factory(name: str | None) -> tuple[str, Callable[[int], object]]:
     """The daemon's eviction policy class by name (from the trace header); LRU when unknown."""
+    import moed.daemon.experts as experts
     from moed.daemon.experts import cache
 
-    cls = getattr(cache, name, None) if name else None
-    if cls is None:
-        try:
-            import moed.daemon.experts as experts
-
-            cls = getattr(experts, name, None) if name else None
-        except ImportError:
-            cls = None
+    cls = (getattr(cache, name, None) or getattr(experts, name, None)) if name else None
     if cls is None or not isinstance(cls, type):
         return "LRUPolicy (the trace's policy is unknown here)", lambda n: cache.LRUPolicy(n)
     return name, lambda n: cls(n)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -37,6 +38,12 @@ def analyze_cmd(
     from moed.daemon.telemetry.analyze import analyze, default_sizes, format_report, write_plots
     from moed.daemon.telemetry.trace import TraceFormatError, read_trace
 
+    # Checked before the simulation, and by name, so a broken import inside moed is not reported
+    # as a missing optional dependency.
+    if not no_plots and importlib.util.find_spec("matplotlib") is None:
+        raise click.ClickException(
+            "plots need matplotlib: pip install 'moed[plots]' (or pass --no-plots)"
+        )
     traces = []
     for f in files:
         try:
@@ -72,10 +79,5 @@ def analyze_cmd(
         click.echo(format_report(report))
     if not no_plots:
         out = out_dir or files[0].with_name(files[0].stem + "-analysis")
-        try:
-            paths = write_plots(report, out)
-        except ImportError:
-            raise click.ClickException(
-                "plots need matplotlib: pip install 'moed[plots]' (or pass --no-plots)"
-            ) from None
+        paths = write_plots(report, out)
         click.echo(f"plots: {', '.join(str(p) for p in paths)}", err=True)

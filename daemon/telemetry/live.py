@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from moed.daemon.platform import probe_for_platform
+
 log = logging.getLogger("moed.telemetry")
 
 RATE_WINDOW_S = 5.0  # rates cover about this much recent history
@@ -130,10 +132,8 @@ class _Sampler:
 
 def _probe():
     try:
-        from moed.daemon.platform import probe_for_platform
-
         return probe_for_platform()
-    except Exception:  # no probe for this platform: memory fields read as null
+    except RuntimeError:  # no probe for this platform: memory fields read as null
         return None
 
 
