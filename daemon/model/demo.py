@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DEMO_MODEL_NAME = "demo"
-
 
 def demo_model_path() -> Path:
     """The checkpoint folder (stock mlx-lm layout, loadable by `mlx_lm.load`)."""

@@ -55,18 +55,6 @@ class RotatingLog:
             if os.fstat(self._fd).st_size >= self.max_bytes:
                 self._rotate_locked()
 
-    def maybe_rotate(self) -> bool:
-        """Rotate if other writers (stderr) grew the file past the bound; for a periodic check."""
-        with self._lock:
-            try:
-                size = self.path.stat().st_size
-            except FileNotFoundError:
-                size = 0
-            if size >= self.max_bytes:
-                self._rotate_locked()
-                return True
-            return False
-
     def rotate(self) -> None:
         with self._lock:
             self._rotate_locked()
@@ -91,9 +79,6 @@ class RotatingLog:
 
     def generation(self, i: int) -> Path:
         return self.path if i == 0 else self.path.with_name(f"{self.path.name}.{i}")
-
-    def generations(self) -> list[Path]:
-        return [p for p in (self.generation(i) for i in range(self.backups + 1)) if p.exists()]
 
     def owns_stderr(self) -> bool:
         """True when fd 2 is this file (launchd's StandardErrorPath): stderr output is already

@@ -449,7 +449,3 @@ BACKENDS: dict[Platform, type[ServiceBackend]] = {
     Platform.MACOS: LaunchdBackend,
     Platform.LINUX: SystemdBackend,
 }
-
-
-def backend_for(ctx: ServiceContext, ex: Executor) -> ServiceBackend:
-    return BACKENDS[ctx.platform](ctx, ex)

@@ -15,8 +15,6 @@ LAUNCHCTL = "launchctl"
 
 # `launchctl print` of a label that is not loaded exits with this (ESRCH-like "not found").
 EXIT_NOT_FOUND = 113
-# `bootout` of something not loaded: "Boot-out failed: 3: No such process" (or 113 on older macOS).
-BOOTOUT_NOT_LOADED = frozenset({3, 113})
 
 
 def domain(uid: int) -> str:

@@ -201,7 +201,6 @@ class TraceRecorder:
         max_experts = max(p.num_experts for p in streamer.pools)
         self._dtype = np.dtype("<u1" if max_experts <= 256 else "<u2")
         self.passes = 0
-        self.bytes_written = 0
         self.closed = False
 
     # -- window: the engine attaches the recorder around one step of its request --------------
@@ -288,7 +287,6 @@ class TraceRecorder:
     def flush(self) -> None:
         if self._buf:
             data, self._buf = bytes(self._buf), bytearray()
-            self.bytes_written += len(data)
             self._write(data)
 
     def close(self) -> None:

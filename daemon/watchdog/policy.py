@@ -40,7 +40,6 @@ LADDER: tuple[Action, ...] = (
     Action.SIGTERM,
     Action.SIGKILL,
 )
-SIGNAL_ACTIONS = frozenset({Action.SIGTERM, Action.SIGKILL})
 
 
 class Rule(str, enum.Enum):

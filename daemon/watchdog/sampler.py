@@ -121,11 +121,9 @@ class Sampler:
         self.target: Target | None = Target.of(pid_override) if pid_override else None
         self.clock = clock
         self.wall = wall
-        self.last_status: dict | None = None
 
     def sample(self) -> Sample:
         status = self.link.status()
-        self.last_status = status
         if status is not None:
             pid = self.pid_override or _int(status.get("pid"))
             if pid is not None and (self.target is None or self.target.pid != pid):
