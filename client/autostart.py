@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .client import Client
@@ -47,10 +48,15 @@ def start_daemon(
 
 
 def wait_until_ready(
-    socket_path: Path, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None
+    socket_path: Path,
+    proc: subprocess.Popen,
+    timeout_s: float,
+    log_path: Path | None = None,
+    on_status: Callable[[dict | None], None] | None = None,
 ) -> dict:
     """Poll a starting daemon until its model is loaded; its `status` body. Raises DaemonUnavailable
-    (with the tail of its log) when it exits, fails to load, or is not ready in time."""
+    (with the tail of its log) when it exits, fails to load, or is not ready in time. `on_status`
+    sees every poll's answer (None before the daemon answers): the caller draws load progress."""
     log_path = log_path or log_path_for(socket_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -59,6 +65,8 @@ def wait_until_ready(
                 f"the daemon exited with code {proc.returncode} while starting:\n{_tail(log_path)}"
             )
         status = _status_or_none(socket_path)
+        if on_status is not None:
+            on_status(status)
         if status is not None and status.get("state") == "ready":
             return status
         if status is not None and status.get("state") == "failed":

@@ -9,24 +9,21 @@ from typing import Any
 
 import click
 
-from moed.protocol import paths
+from moed.protocol.units import format_bytes, format_duration
 
-from .client import Client, default_socket_path
+from .cli_common import CONTEXT_SETTINGS, add_global_options, fail, global_options, json_line
+from .client import Client
 from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
 from .events import DoneEvent, TelemetryEvent, TokenEvent, TraceEvent
 from .exit_codes import ExitCode
+from .progress import Progress, progress_mode
 from .stats_cli import metrics as _metrics
 from .stats_cli import stats as _stats
 from .trace_file import TraceFile
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--socket",
-    "socket_path",
-    type=click.Path(path_type=Path),
-    help="Daemon socket (default: $MOED_SOCKET or the per-user default).",
-)
+@click.group(context_settings=CONTEXT_SETTINGS)
+@click.version_option(package_name="moed", prog_name="moe")
 @click.option(
     "--timeout",
     type=float,
@@ -35,35 +32,56 @@ from .trace_file import TraceFile
     help="Seconds to wait for a control answer.",
 )
 @click.pass_context
-def main(ctx: click.Context, socket_path: Path | None, timeout: float) -> None:
-    """moe: talk to the moed daemon (run prompts, status, stop)."""
-    ctx.obj = {"socket": socket_path or default_socket_path(), "timeout": timeout}
+def main(ctx: click.Context, timeout: float) -> None:
+    """moe: talk to the moed daemon (run prompts, status, stop) and manage local models.
+
+    Shell completion: eval "$(_MOE_COMPLETE=bash_source moe)" (zsh_source, fish_source).
+    """
+    ctx.obj = {"timeout": timeout}
+
+
+def _socket() -> Path:
+    return global_options().socket_path
 
 
 def _fail(exit_code: ExitCode, message: str, as_json: bool = False, **fields: Any) -> None:
-    if as_json:
-        click.echo(json.dumps({"type": "error", **fields, "message": message}))
-    click.echo(f"moe: {message}", err=True)
-    sys.exit(exit_code)
+    fail(exit_code, message, as_json, **fields)
 
 
 @main.command()
 @click.argument("prompt", required=False)
 @click.option("--max-tokens", type=int, help="Tokens to generate (default: the daemon's).")
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option(
+    "--temperature",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Sampling temperature; 0 is greedy (the same text every time).",
+)
+@click.option(
+    "--top-p",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Nucleus sampling: draw from the smallest set of tokens whose probability reaches P.",
+)
 @click.option("--seed", type=int, help="Seed for sampling (reproducible run to run).")
 @click.option("--raw", is_flag=True, help="Send the prompt as is, without the chat template.")
 @click.option(
     "--json",
     "as_json",
     is_flag=True,
-    help="One JSON object per line: token, telemetry, then done or error.",
+    help="One JSON object per line: progress, token, telemetry, then done or error.",
 )
 @click.option(
     "--no-start", is_flag=True, help="Fail instead of starting a daemon when none is running."
 )
-@click.option("--model", help="Model for a daemon that `moe run` starts (default: the demo model).")
+@click.option(
+    "--model",
+    help="Model to use (default: the demo model). Starts a daemon on it when none runs; a "
+    "running daemon that serves another model refuses with model_not_found (exit 4): "
+    "`moe stop` it first to switch.",
+)
 @click.option(
     "--start-timeout",
     type=float,
@@ -103,8 +121,8 @@ def run(
         prompt = sys.stdin.read()
     if not prompt:
         _fail(ExitCode.USAGE, "empty prompt", as_json)
-    socket_path: Path = obj["socket"]
-    client = _connect_or_start(socket_path, obj["timeout"], no_start, model, start_timeout, as_json)
+    client = _connect_or_start(_socket(), obj["timeout"], no_start, model, start_timeout, as_json)
+    _note_capped(client, max_tokens)
     events = client.generate(
         prompt,
         max_tokens=max_tokens,
@@ -112,6 +130,7 @@ def run(
         top_p=top_p,
         seed=seed,
         raw=raw,
+        model=model,
         trace=trace_path is not None,
         resume=resume,
     )
@@ -149,6 +168,17 @@ def run(
             trace_out.close()
 
 
+def _note_capped(client: Client, max_tokens: int | None) -> None:
+    """Say so when the daemon will stop short of --max-tokens (its limit caps every request)."""
+    limit = ((client.welcome or {}).get("limits") or {}).get("max_tokens")
+    if max_tokens is not None and limit is not None and max_tokens > limit:
+        click.echo(
+            f"moe: --max-tokens {max_tokens} is over this daemon's limit; capped at {limit} "
+            "(max_tokens_limit in the daemon's config)",
+            err=True,
+        )
+
+
 def _connect_or_start(
     socket_path: Path,
     timeout: float,
@@ -172,21 +202,40 @@ def _connect_or_start(
             )
     except RequestFailed as exc:
         _fail(ExitCode.REQUEST_FAILED, str(exc), as_json, code=getattr(exc.code, "value", exc.code))
-    from .autostart import start_daemon, wait_until_ready
+    from .autostart import log_path_for, start_daemon, wait_until_ready
 
     click.echo(
-        f"moe: no daemon on {socket_path}; starting one "
-        f"(log: {socket_path.parent}/moed-autostart.log)",
+        f"moe: no daemon on {socket_path}; starting one (log: {log_path_for(socket_path)})",
         err=True,
     )
-    proc = start_daemon(socket_path, model)
-    try:
-        wait_until_ready(socket_path, proc, start_timeout)
-    except DaemonUnavailable as exc:
-        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc), as_json, code="daemon_unavailable")
+    given = global_options()
+    passed = [
+        arg
+        for flag, value in (("--state-dir", given.state_dir), ("--log-dir", given.log_dir))
+        if value is not None
+        for arg in (flag, str(value))
+    ]
+    proc = start_daemon(socket_path, model, tuple(passed))
+    with Progress("starting daemon", progress_mode(as_json)) as bar:
+        try:
+            wait_until_ready(
+                socket_path, proc, start_timeout, on_status=lambda s: show_load(bar, s)
+            )
+        except DaemonUnavailable as exc:
+            bar.close(done=False)
+            _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc), as_json, code="daemon_unavailable")
     client = Client(socket_path, timeout=timeout)
     client.connect()
     return client
+
+
+def show_load(bar: Progress, status: dict | None) -> None:
+    """Draw a starting (or reloading) daemon's load progress from its status `load` field."""
+    if status is None:
+        return
+    load = status.get("load") or {}
+    stage = load.get("stage") or f"daemon {status.get('state')}"
+    bar.update(float(load.get("done") or 0), load.get("total"), stage=f"loading: {stage}")
 
 
 def _print_event(event, as_json: bool) -> None:
@@ -235,7 +284,7 @@ def summary_line(done: DoneEvent) -> str:
         hits, misses = experts.get("hits", 0), experts.get("misses", 0)
         rate = hits / (hits + misses) if hits + misses else 0.0
         parts.append(f"expert hits {rate:.1%}")
-        parts.append(f"read {experts.get('bytes_read', 0) / 1e6:.1f} MB")
+        parts.append(f"read {format_bytes(experts.get('bytes_read', 0))}")
         if "stall_s" in experts:
             parts.append(f"stall {experts['stall_s'] * 1000:.0f} ms")
     return "[moe] " + " · ".join(parts)
@@ -262,21 +311,16 @@ def offline_state(state_dir: Path) -> dict:
 
 
 @main.command()
-@click.option("--json", "as_json", is_flag=True)
-@click.option(
-    "--state-dir",
-    type=click.Path(path_type=Path),
-    help="Where the daemon keeps its state (for an offline report).",
-)
+@click.option("--json", "as_json", is_flag=True, help="The status body as one JSON object.")
 @click.pass_obj
-def status(obj, as_json: bool, state_dir: Path | None) -> None:
+def status(obj, as_json: bool) -> None:
     """Show the daemon's state (exit 3 when none answers, with its last crash and the watchdog's
-    last action)."""
+    last action from --state-dir)."""
     try:
-        with Client(obj["socket"], timeout=obj["timeout"]) as client:
+        with Client(_socket(), timeout=obj["timeout"]) as client:
             body = client.status()
     except DaemonUnavailable as exc:
-        offline = offline_state(state_dir or paths.state_dir())
+        offline = offline_state(global_options().state_path)
         for key, value in offline.items():
             if not as_json and value:
                 click.echo(f"{key:<12} {json.dumps(value, default=str)}", err=True)
@@ -285,36 +329,42 @@ def status(obj, as_json: bool, state_dir: Path | None) -> None:
         _fail(ExitCode.REQUEST_FAILED, str(exc), as_json, code=getattr(exc.code, "value", exc.code))
     body = {k: v for k, v in body.items() if k not in ("v", "type", "id")}
     if as_json:
-        click.echo(json.dumps(body, default=str))
+        json_line(body)
         return
+    click.echo(format_status(body))
+
+
+def format_status(body: dict) -> str:
     model = body.get("model") or {}
-    click.echo(
+    lines = [
         f"state        {body.get('state')}  (pid {body.get('pid')}, "
-        f"boot {str(body.get('boot_id'))[:8]}, up {body.get('uptime_s', 0):.0f}s)"
-    )
-    click.echo(
+        f"boot {str(body.get('boot_id'))[:8]}, up {format_duration(body.get('uptime_s'))})",
         f"model        {model.get('name')}  ({model.get('model_type')}, "
-        f"{'streaming' if model.get('streaming') else 'resident'})"
-    )
-    click.echo(
+        f"{'streaming' if model.get('streaming') else 'resident'})",
         f"requests     active {body.get('active_requests')}  "
         f"pending {body.get('pending_requests')}  "
-        f"served {body.get('requests_served')}  failed {body.get('requests_failed')}"
-    )
-    click.echo(f"tokens       {body.get('tokens_generated')}")
-    click.echo(f"memory       rss {body.get('rss_bytes', 0) / 2**20:.0f} MiB")
+        f"served {body.get('requests_served')}  failed {body.get('requests_failed')}",
+        f"tokens       {body.get('tokens_generated')}",
+        f"memory       rss {format_bytes(body.get('rss_bytes'))}",
+    ]
     for key in ("last_crash", "watchdog"):
         if body.get(key):
-            click.echo(f"{key:<12} {json.dumps(body[key], default=str)}")
+            lines.append(f"{key:<12} {json.dumps(body[key], default=str)}")
+    return "\n".join(lines)
 
 
 @main.command()
-@click.option("--reason", default="moe stop")
+@click.option(
+    "--reason",
+    default="moe stop",
+    show_default=True,
+    help="Why, for the daemon's log (the watchdog and the service manager give their own).",
+)
 @click.pass_obj
 def stop(obj, reason: str) -> None:
     """Ask the daemon to drain and exit."""
     try:
-        with Client(obj["socket"], timeout=obj["timeout"]) as client:
+        with Client(_socket(), timeout=obj["timeout"]) as client:
             client.shutdown(reason)
     except DaemonUnavailable as exc:
         _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc))
@@ -323,6 +373,7 @@ def stop(obj, reason: str) -> None:
 
 main.add_command(_stats)
 main.add_command(_metrics)
+add_global_options(main)  # last: every command above (and any added) takes the global options
 
 
 if __name__ == "__main__":

@@ -8,20 +8,14 @@ import time
 
 import click
 
+from moed.protocol.units import format_bytes
+
+from .cli_common import global_options
 from .client import Client
 from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
 from .exit_codes import ExitCode
 
-
-def _bytes(n) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+_bytes = format_bytes
 
 
 def _pct(x) -> str:
@@ -110,7 +104,7 @@ def _fail(code: ExitCode, message: str) -> None:
 def stats(obj, as_json: bool, watch: bool, interval: float) -> None:
     """Live counters: expert cache, reads, stalls, tokens/s, memory, requests."""
     try:
-        with Client(obj["socket"], timeout=obj["timeout"]) as client:
+        with Client(global_options().socket_path, timeout=obj["timeout"]) as client:
             while True:
                 try:
                     body = _body(client.stats())
@@ -143,7 +137,7 @@ def stats(obj, as_json: bool, watch: bool, interval: float) -> None:
 def metrics(obj) -> None:
     """Print the Prometheus text exposition of the daemon's counters."""
     try:
-        with Client(obj["socket"], timeout=obj["timeout"]) as client:
+        with Client(global_options().socket_path, timeout=obj["timeout"]) as client:
             text = client.metrics().get("text", "")
     except (DaemonUnavailable, DaemonRestarted) as exc:
         _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc))

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import click
 
+from moed.client.cli_common import CONTEXT_SETTINGS, add_global_options
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="moed")
+
+@click.group(context_settings=CONTEXT_SETTINGS)
+@click.version_option(package_name="moed", prog_name="moed")
 def main() -> None:
-    """moed: run Mixture-of-Experts models larger than memory as a background service."""
+    """moed: run Mixture-of-Experts models larger than memory as a background service.
+
+    Shell completion: eval "$(_MOED_COMPLETE=bash_source moed)" (zsh_source, fish_source).
+    """
 
 
 def _register() -> None:
@@ -31,6 +36,7 @@ def _register() -> None:
 
 
 _register()
+add_global_options(main)  # last: every registered command takes --socket, --state-dir, --log-dir
 
 
 if __name__ == "__main__":

@@ -230,6 +230,7 @@ def _encode(tokenizer_path: Path, text: str) -> list[int]:
     type=click.Choice(["auto", "bypass", "trust"]),
     default="auto",
     show_default=True,
+    help="Bypass or trust the OS page cache while measuring.",
 )
 @click.option(
     "--prompt", default="def quicksort(items):", show_default=True, help="The measured prompt."
@@ -240,7 +241,7 @@ def _encode(tokenizer_path: Path, text: str) -> list[int]:
     show_default=True,
     help="Prompt of the trace recorded when no --trace is given.",
 )
-@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--max-tokens", default=64, show_default=True, help="Tokens generated per run.")
 @click.option(
     "--runs",
     default=3,

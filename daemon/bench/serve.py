@@ -63,9 +63,11 @@ def time_through_daemon(client, prompt_ids: list[int], max_tokens: int) -> RunTi
 
 @click.command("serve")
 @click.option("--model", default="demo", show_default=True, help="Model folder, HF id or 'demo'.")
-@click.option("--max-tokens", default=128, show_default=True)
+@click.option("--max-tokens", default=128, show_default=True, help="Tokens generated per run.")
 @click.option("--runs", default=5, show_default=True, help="Alternating runs of each side.")
-@click.option("--prompt", default="def fibonacci(n):", show_default=True)
+@click.option(
+    "--prompt", default="def fibonacci(n):", show_default=True, help="The measured prompt."
+)
 def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
     """Daemon + client vs in-process mlx-lm: decode tok/s ratio and extra time to first token."""
     from mlx_lm import load

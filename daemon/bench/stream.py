@@ -541,6 +541,7 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
     type=click.Choice(["bypass", "trust", "auto"]),
     default="bypass",
     show_default=True,
+    help="Bypass or trust the OS page cache while measuring.",
 )
 @click.option(
     "--dtype",
@@ -552,11 +553,13 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
         "(bf16 is ~9x slower there)"
     ),
 )
-@click.option("--hidden", default=2048, show_default=True)
-@click.option("--expert-width", default=512, show_default=True)
-@click.option("--experts", default=256, show_default=True)
-@click.option("--top-k", default=8, show_default=True)
-@click.option("--vocab", default=8192, show_default=True)
+@click.option("--hidden", default=2048, show_default=True, help="Hidden size of the model.")
+@click.option(
+    "--expert-width", default=512, show_default=True, help="Intermediate size of one expert."
+)
+@click.option("--experts", default=256, show_default=True, help="Routed experts per layer.")
+@click.option("--top-k", default=8, show_default=True, help="Experts each token is routed to.")
+@click.option("--vocab", default=8192, show_default=True, help="Vocabulary size of the model.")
 @click.option(
     "--model-dir",
     type=click.Path(path_type=Path),
@@ -588,7 +591,7 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
     default=None,
     help="also write the results as JSON",
 )
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="Seed for the weights and prompts.")
 def stream(
     layers,
     tokens,

@@ -9,18 +9,13 @@ from pathlib import Path
 
 import click
 
+from moed.client.cli_common import global_options
 from moed.daemon.config import ConfigError, PageCachePolicy, load_config
 
 
 @click.command()
 @click.option(
     "--model", help="Model folder, Hugging Face id (from the local cache), or 'demo' (default)."
-)
-@click.option(
-    "--socket",
-    "socket_path",
-    type=click.Path(path_type=Path),
-    help="ipc socket path (default: $MOED_SOCKET or a per-user dir).",
 )
 @click.option(
     "--config",
@@ -49,23 +44,25 @@ from moed.daemon.config import ConfigError, PageCachePolicy, load_config
     type=click.Choice([p.value for p in PageCachePolicy]),
     help="Bypass or trust the OS page cache.",
 )
-@click.option("--state-dir", type=click.Path(path_type=Path), help="Where state files live.")
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on 127.0.0.1:PORT.")
 @click.option(
     "--trace-dir",
     help="Record a router trace of every generation into this folder (.moetrace files).",
 )
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    help="Logging threshold: DEBUG, INFO, WARNING or ERROR.",
+)
 def serve(
     model,
-    socket_path,
     config_file,
     cache_budget,
     resident,
     prefetch_workers,
     prefetch_next,
     page_cache,
-    state_dir,
     metrics_port,
     trace_dir,
     log_level,
@@ -76,18 +73,20 @@ def serve(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    given = global_options()
     try:
         config = load_config(
             config_file,
             serve_overrides={
                 "model": model,
-                "socket": socket_path,
+                "socket": given.socket,
                 "cache_budget": cache_budget,
                 "resident": resident,
                 "prefetch_workers": prefetch_workers,
                 "page_cache": page_cache,
                 "prefetch_next": prefetch_next,
-                "state_dir": state_dir,
+                "state_dir": given.state_dir,
+                "log_dir": given.log_dir,
                 "metrics_port": metrics_port,
                 "trace_dir": trace_dir,
             },

@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from moed.client import Client
+from moed.client.cli_common import global_options
 from moed.client.errors import DaemonUnavailable
 from moed.daemon.config import ConfigError, load_config, to_toml
 from moed.daemon.runtime import run_log as service_logs
@@ -120,7 +121,14 @@ def _common(fn):
 
 def _session(platform, config_file, dry_run, serve_overrides=None) -> _Session:
     obj = click.get_current_context().find_object(dict) or {}
-    return _Session(platform, config_file, dry_run, serve_overrides, obj.get("backend_factory"))
+    given = global_options()
+    overrides = {
+        "socket": given.socket,
+        "state_dir": given.state_dir,
+        "log_dir": given.log_dir,
+        **(serve_overrides or {}),
+    }
+    return _Session(platform, config_file, dry_run, overrides, obj.get("backend_factory"))
 
 
 def _guard(action: Callable[[], Any]) -> Any:
@@ -142,21 +150,11 @@ def service() -> None:
 @click.option(
     "--cache-budget", default=None, help="Expert cache budget for a first install's config file."
 )
-@click.option(
-    "--socket",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Socket path for a first install's config file.",
-)
-def install(dry_run, platform, config_file, model, cache_budget, socket):
+def install(dry_run, platform, config_file, model, cache_budget):
     """Write the config (first time only) and the service definitions; load and start both
     processes."""
-    s = _session(
-        platform,
-        config_file,
-        dry_run,
-        {"model": model, "cache_budget": cache_budget, "socket": socket},
-    )
+    s = _session(platform, config_file, dry_run, {"model": model, "cache_budget": cache_budget})
+    socket = global_options().socket
     if s.layout.config_file.exists() and any(v is not None for v in (model, cache_budget, socket)):
         click.echo(
             f"note: {s.layout.config_file} exists and is kept; edit it to change settings", err=True

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from moed.client.cli_common import global_options
 from moed.daemon.config import ConfigError, load_config
 
 
@@ -18,12 +19,6 @@ from moed.daemon.config import ConfigError, load_config
     "config_file",
     type=click.Path(path_type=Path, dir_okay=False),
     help="TOML config file.",
-)
-@click.option(
-    "--socket", "socket_path", type=click.Path(path_type=Path), help="The daemon's ipc socket path."
-)
-@click.option(
-    "--state-dir", type=click.Path(path_type=Path), help="Where the event log and state file go."
 )
 @click.option("--interval", type=float, help="Seconds between samples.")
 @click.option("--consecutive", type=int, help="Bad samples in a row before acting.")
@@ -42,11 +37,14 @@ from moed.daemon.config import ConfigError, load_config
     is_flag=True,
     help="Take one sample, print readings and verdict as JSON, take no action.",
 )
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    help="Logging threshold: DEBUG, INFO, WARNING or ERROR.",
+)
 def watchdog(
     config_file,
-    socket_path,
-    state_dir,
     interval,
     consecutive,
     swap_growth_mb,
@@ -63,12 +61,13 @@ def watchdog(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    given = global_options()
     try:
         config = load_config(
             config_file,
             watchdog_overrides={
-                "socket": socket_path,
-                "state_dir": state_dir,
+                "socket": given.socket,
+                "state_dir": given.state_dir,
                 "interval_s": interval,
                 "consecutive": consecutive,
                 "swap_growth_mb": swap_growth_mb,
