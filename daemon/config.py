@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moed.daemon.experts.policies import DEFAULT_POLICY, policy_names
 from moed.protocol import paths
 
 DEMO_MODEL = "demo"  # resolved to the embedded demo checkpoint
@@ -41,6 +42,7 @@ class ServeConfig:
     prefetch_workers: int = 0  # 0: sized to the machine
     page_cache: PageCachePolicy = PageCachePolicy.AUTO
     prefetch_next: bool = False  # read the next layer's likely experts during this layer's compute
+    cache_policy: str = DEFAULT_POLICY  # expert eviction policy, a name in experts/policies
     memory_limit_bytes: int = (
         0  # what the memory plan may use; 0: the machine's (RAM, cgroup, Metal working set)
     )
@@ -56,6 +58,13 @@ class ServeConfig:
     debug_faults: str = ""  # fault injection for tests; empty (off) by default
     restart_budget: int = 5  # crashes ...
     restart_window_s: float = 600.0  # ... within this window stop the restart loop
+
+    def __post_init__(self):
+        if self.cache_policy not in policy_names():
+            raise ConfigError(
+                f"setting 'cache_policy': {self.cache_policy!r} is not a cache policy "
+                f"(allowed: {', '.join(policy_names())})"
+            )
 
 
 @dataclass(frozen=True)

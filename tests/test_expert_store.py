@@ -14,7 +14,8 @@ from safetensors import safe_open
 
 from moed.daemon.config import PageCachePolicy
 from moed.daemon.experts import CheckpointIndex, StreamingConfig, install_streaming
-from moed.daemon.experts.cache import LayerPool, LRUPolicy, PooledTensor, _alloc
+from moed.daemon.experts.cache import LayerPool, PooledTensor, _alloc
+from moed.daemon.experts.policies import LRUPolicy
 from moed.daemon.experts.safetensors_index import TensorLoc
 from moed.daemon.experts.store import _advance, resolve_page_cache
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moed.daemon.experts.cache import LRUPolicy
+from moed.daemon.experts.policies import LRUPolicy, policy_names
 from moed.daemon.telemetry.analyze import simulate, simulate_belady
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -58,8 +58,8 @@ def test_trace_from_a_model_becomes_table_and_plots(tiny_model, daemon_factory, 
         "top-10% share",
         "token-to-token reuse",
         "hit rate vs cache size",
-        "LRU",
-        "Belady",
+        "lru",
+        "belady",
         "<- recorded",
     ):
         assert heading in table, heading
@@ -86,10 +86,11 @@ def test_trace_from_a_model_becomes_table_and_plots(tiny_model, daemon_factory, 
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["sizes"] == [1, 2, 4, 8] and report["layers"] == 2 and report["top_k"] == 2
-    lru, belady = report["hit_rate"]["LRU"], report["hit_rate"]["Belady"]
+    lru, belady = report["hit_rate"]["lru"], report["hit_rate"]["belady"]
     assert all(b >= l for b, l in zip(belady, lru))
     assert lru == sorted(lru) and 0 < lru[-1] <= 1
-    assert report["hit_rate"]["daemon"] == lru  # the daemon runs LRU
+    assert report["policy"] == "lru"  # the daemon ran LRU: its column is the lru one
+    assert set(report["hit_rate"]) == {*policy_names(), "belady"}  # a column per policy
     assert report["replay"] is None  # no single starting state for two traces
     assert all(1 <= l["unique"] <= 8 and 0 <= l["reuse"] <= 1 for l in report["per_layer"])
 

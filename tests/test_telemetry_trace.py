@@ -51,9 +51,7 @@ def test_moe_run_trace_file_matches_the_cache_counters(tiny_model, daemon_factor
         [8, 8],
     )
     assert (
-        h["slots_per_layer"] == [2, 2]
-        and h["policy"] == "LRUPolicy"
-        and h["model_type"] == "qwen3_moe"
+        h["slots_per_layer"] == [2, 2] and h["policy"] == "lru" and h["model_type"] == "qwen3_moe"
     )
     prompt_tokens = h["request"]["prompt_tokens"]
     assert prompt_tokens + 12 <= trace.tokens <= prompt_tokens + 13

@@ -79,7 +79,7 @@ def write_bench_model(dest: Path, config: dict, dtype: str, seed: int = 0) -> Pa
     import mlx.nn as nn
     import numpy as np
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
+    from mlx_lm.models import qwen3_moe
 
     dest.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
@@ -87,8 +87,7 @@ def write_bench_model(dest: Path, config: dict, dtype: str, seed: int = 0) -> Pa
     mx_dtype = getattr(mx, dtype)
     quant = config["quantization"]
     bits, group = quant["bits"], quant["group_size"]
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
+    model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))  # bench_config is qwen3_moe
 
     def predicate(path, module):
         if "switch_mlp" in path or not hasattr(module, "to_quantized"):
@@ -159,7 +158,7 @@ def simulate(trace: list[list[set[int]]], slots: int, policy: str) -> tuple[int,
     """(hits, misses) of one layer-by-layer trace [call][layer] -> experts, counted as the
     streamer counts them (each distinct expert of a call once), for "lru" or "belady".
     The simulators are `moed trace analyze`'s, so both commands judge a cache the same way."""
-    from moed.daemon.experts import LRUPolicy
+    from moed.daemon.experts.policies import LRUPolicy
     from moed.daemon.telemetry.analyze import simulate as replay
     from moed.daemon.telemetry.analyze import simulate_belady
 

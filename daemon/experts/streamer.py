@@ -1,4 +1,5 @@
-"""Install streaming into a lazily loaded mlx-lm model and run the expert cache behind it."""
+"""The expert cache behind the streaming layers: routing read-back, loads, passes, shed, profile,
+speculative prefetch. `install.py` puts it into a model."""
 
 from __future__ import annotations
 
@@ -7,34 +8,22 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
 from moed.daemon.config import PageCachePolicy
 from moed.daemon.experts import profile as profile_mod
-from moed.daemon.experts.cache import LayerPool, LRUPolicy, PolicyFactory, PooledTensor, mlx_dtype
+from moed.daemon.experts.cache import LayerPool
 from moed.daemon.experts.counters import Counters, LayerCounters
-from moed.daemon.experts.memory_plan import (
-    ExpertLayout,
-    MemoryPlan,
-    _memory_override,
-    _natural,
-    make_plan,
-)
+from moed.daemon.experts.discover import SwitchInfo
+from moed.daemon.experts.memory_plan import ExpertLayout, MemoryPlan, _memory_override, make_plan
+from moed.daemon.experts.policies import DEFAULT_POLICY, make_policy
 from moed.daemon.experts.prefetch import ReadPool
-from moed.daemon.experts.safetensors_index import CheckpointError, CheckpointIndex, TensorLoc
+from moed.daemon.experts.safetensors_index import CheckpointIndex
 from moed.daemon.experts.store import ExpertStore, resolve_page_cache
-from moed.daemon.experts.streaming_switch import ProjSpec, StreamingSwitch
 
 log = logging.getLogger(__name__)
-
-_PARAMS = ("weight", "scales", "biases", "bias", "global_scale")
-_GLU_PROJS = ("gate_proj", "up_proj", "down_proj")
-_MLP_PROJS = ("fc1", "fc2")
 
 
 @dataclass(frozen=True)
@@ -49,155 +38,7 @@ class StreamingConfig:
     # Speculative: while layer L computes, read the experts layer L+1's router picks for layer L's
     # input. Exact either way (it only changes what is resident); costs bandwidth when wrong.
     prefetch_next: bool = False
-
-
-@dataclass(frozen=True)
-class _Switch:
-    path: str  # module path, e.g. "model.layers.3.mlp.switch_mlp"
-    kind: str
-    module: nn.Module
-    projs: dict[str, ProjSpec]
-    tensors: list[PooledTensor]
-    num_experts: int
-    router: nn.Module | None = None  # the sibling gate that routes to this switch
-
-
-def find_switches(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every SwitchGLU / SwitchMLP, in depth order (named_modules lists them last layer first)."""
-    found = [
-        (name, m) for name, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))
-    ]
-    return sorted(found, key=lambda nm: _natural(nm[0]))
-
-
-def _proj_spec(name: str, lin: nn.Module) -> tuple[ProjSpec, dict[str, mx.array]]:
-    arrays = {p: lin[p] for p in _PARAMS if p in lin and isinstance(lin[p], mx.array)}
-    if isinstance(lin, QuantizedSwitchLinear):
-        spec = ProjSpec(
-            name,
-            True,
-            lin.group_size,
-            lin.bits,
-            lin.mode,
-            has_biases="biases" in arrays,
-            has_bias="bias" in arrays,
-            has_global_scale="global_scale" in arrays,
-        )
-    elif isinstance(lin, SwitchLinear):
-        spec = ProjSpec(name, False, has_bias="bias" in arrays)
-    else:
-        raise CheckpointError(f"unsupported expert projection {name}: {type(lin).__name__}")
-    return spec, arrays
-
-
-def _resolve(
-    model: nn.Module, index: CheckpointIndex, wanted: dict[str, mx.array]
-) -> dict[str, TensorLoc]:
-    """Map model parameter paths to tensors on disk. Names usually match; when the model's
-    sanitize renames keys (e.g. qwen3_5_moe's language_model prefix), follow the renaming by
-    identity of the lazily loaded arrays; as a last resort match the `layers.N...` suffix."""
-    found = {p: index[p] for p in wanted if p in index}
-    missing = [p for p in wanted if p not in found]
-    if missing and hasattr(model, "sanitize"):
-        loaded: dict[str, mx.array] = {}
-        for f in index.files:
-            loaded.update(mx.load(str(f)))  # lazy: nothing is read
-        by_id = {id(v): k for k, v in loaded.items()}
-        try:
-            sanitized = model.sanitize(dict(loaded))
-        except Exception as exc:  # noqa: BLE001 - a failing sanitize only loses this strategy
-            log.debug("sanitize probe failed: %s", exc)
-            sanitized = {}
-        for p in missing:
-            v = sanitized.get(p)
-            if v is not None and id(v) in by_id:
-                found[p] = index[by_id[id(v)]]
-        del loaded, sanitized, by_id
-        missing = [p for p in wanted if p not in found]
-    for p in missing:
-        if "layers." not in p:
-            continue
-        tail = p[p.index("layers.") :]
-        cands = [
-            loc
-            for n, loc in index.tensors.items()
-            if (n == tail or n.endswith("." + tail)) and loc.shape == tuple(wanted[p].shape)
-        ]
-        if len(cands) == 1:
-            found[p] = cands[0]
-    for p, arr in wanted.items():
-        loc = found.get(p)
-        if loc is None:
-            raise CheckpointError(
-                f"expert tensor {p} is not stored as-is in {index.model_path} "
-                "(a sanitize step transforms it); "
-                "convert the checkpoint with mlx_lm.convert first"
-            )
-        if loc.shape != tuple(arr.shape) or mlx_dtype(loc.dtype) != arr.dtype:
-            raise CheckpointError(
-                f"expert tensor {p}: {loc.name} on disk is {loc.dtype}{list(loc.shape)}, "
-                f"the model expects {arr.dtype}{list(arr.shape)}"
-            )
-    return found
-
-
-def _describe_switches(model: nn.Module, index: CheckpointIndex) -> list[_Switch]:
-    found = find_switches(model)
-    if not found:
-        raise CheckpointError("the model has no SwitchGLU / SwitchMLP layers: nothing to stream")
-    specs, wanted = [], {}
-    for path, m in found:
-        kind = "glu" if isinstance(m, SwitchGLU) else "mlp"
-        projs, arrays = {}, {}
-        for name in _GLU_PROJS if kind == "glu" else _MLP_PROJS:
-            spec, arrs = _proj_spec(name, m[name])
-            projs[name] = spec
-            for p, a in arrs.items():
-                arrays[(name, p)] = a
-                wanted[f"{path}.{name}.{p}"] = a
-        specs.append((path, kind, m, projs, arrays))
-    locs = _resolve(model, index, wanted)
-    out = []
-    for path, kind, m, projs, arrays in specs:
-        tensors = [PooledTensor(name, p, locs[f"{path}.{name}.{p}"]) for (name, p) in arrays]
-        num = {t.loc.shape[0] for t in tensors}
-        if len(num) != 1:
-            raise CheckpointError(
-                f"{path}: expert tensors disagree on the number of experts {sorted(num)}"
-            )
-        n = num.pop()
-        out.append(_Switch(path, kind, m, projs, tensors, n, _find_router(model, path, m, n)))
-    return out
-
-
-def _find_router(
-    model: nn.Module, path: str, switch: nn.Module, num_experts: int
-) -> nn.Module | None:
-    """The switch's sibling whose weight maps the hidden state to one logit per expert (`gate`,
-    `router`, DeepSeek's MoEGate); None when there is no single such module."""
-    parent: Any = model
-    for part in path.split(".")[:-1]:
-        parent = parent[int(part)] if isinstance(parent, list) else getattr(parent, part)
-    found = []
-    for _name, child in parent.children().items():
-        if child is switch or not isinstance(child, nn.Module):
-            continue
-        weight = child.get("weight") if hasattr(child, "get") else None
-        if isinstance(weight, mx.array) and weight.ndim == 2 and weight.shape[0] == num_experts:
-            found.append(child)
-    return found[0] if len(found) == 1 else None
-
-
-def _set_module(model: nn.Module, path: str, new: nn.Module) -> None:
-    parts = path.split(".")
-    parent: Any = model
-    for part in parts[:-1]:
-        parent = parent[int(part)] if isinstance(parent, list) else getattr(parent, part)
-    last = parts[-1]
-    if isinstance(parent, list):
-        parent[int(last)] = new
-    else:
-        setattr(parent, last, new)
+    cache_policy: str = DEFAULT_POLICY  # a name in experts/policies (the registry)
 
 
 class ExpertStreamer:
@@ -208,8 +49,7 @@ class ExpertStreamer:
         model_path: Path,
         cfg: StreamingConfig,
         index: CheckpointIndex,
-        switches: list[_Switch],
-        policy_factory: PolicyFactory = lambda layer, n: LRUPolicy(n),
+        switches: list[SwitchInfo],
     ):
         self.model_path = Path(model_path)
         self.cfg = cfg
@@ -231,16 +71,11 @@ class ExpertStreamer:
         self.baseline_bytes = self.plan.baseline_bytes  # measured before weights and pools exist
         self.budget_bytes = self.plan.cache_budget_bytes
         slots = self.plan.slots_per_layer
-        self.pools = [
-            LayerPool(
-                i,
-                s.tensors,
-                s.num_experts,
-                min(slots, s.num_experts),
-                policy_factory(i, s.num_experts),
-            )
-            for i, s in enumerate(switches)
-        ]
+        self.pools = []
+        for i, s in enumerate(switches):
+            n = min(slots, s.num_experts)
+            policy = make_policy(cfg.cache_policy, s.num_experts, n)
+            self.pools.append(LayerPool(i, s.tensors, s.num_experts, n, policy))
         self.bypass_page_cache = resolve_page_cache(
             cfg.page_cache, self.layout.experts_bytes, self.plan.total_memory
         )
@@ -342,14 +177,7 @@ class ExpertStreamer:
             self._await_prefetch(layer)
 
     def plan_passes(self, layer: int, host: np.ndarray) -> list[np.ndarray]:
-        needed = np.unique(host)
-        pool = self.pools[layer]
-        if needed.size <= pool.slots:
-            return [needed]
-        # Resident experts first: the first pass is all hits as far as it goes.
-        resident = pool.slot_of[needed] >= 0
-        ordered = np.concatenate([needed[resident], needed[~resident]])
-        passes = [ordered[i : i + pool.slots] for i in range(0, ordered.size, pool.slots)]
+        passes = self.pools[layer].plan_passes(np.unique(host))
         self.counters.passes += len(passes) - 1
         return passes
 
@@ -543,28 +371,3 @@ class ExpertStreamer:
         finally:
             self.reader.close()
         self.store.close()
-
-
-def install_streaming(
-    model: nn.Module,
-    model_path: Path,
-    cfg: StreamingConfig | None = None,
-    policy_factory: PolicyFactory | None = None,
-) -> ExpertStreamer:
-    """Replace every SwitchGLU / SwitchMLP of a lazily loaded mlx-lm model with a streaming twin.
-    Call before `mx.eval(model.parameters())`, which then materializes only non-expert weights."""
-    cfg = cfg or StreamingConfig()
-    index = CheckpointIndex(Path(model_path))
-    switches = _describe_switches(model, index)
-    kwargs = {"policy_factory": policy_factory} if policy_factory else {}
-    streamer = ExpertStreamer(Path(model_path), cfg, index, switches, **kwargs)
-    for layer, sw in enumerate(switches):
-        twin = StreamingSwitch(sw.kind, sw.projs, sw.module.activation, layer, streamer)
-        _set_module(model, sw.path, twin)
-    log.info(
-        "streaming %d MoE layers, %d slots per layer\n%s",
-        len(switches),
-        min(streamer.slots),
-        streamer.plan.describe(),
-    )
-    return streamer

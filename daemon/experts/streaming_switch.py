@@ -11,15 +11,43 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
 
-if TYPE_CHECKING:
-    from moed.daemon.experts.streamer import ExpertStreamer
+
+def gather_sort(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Rows of `x` ordered by expert, as mlx-lm's `switch_layers._gather_sort` orders them (a
+    copy of its lines: private names of mlx-lm are no API; tests/test_switch_sort.py compares)."""
+    *_, M = indices.shape
+    indices = indices.flatten()
+    order = mx.argsort(indices)
+    inv_order = mx.argsort(order)
+    return x.flatten(0, -3)[order // M], indices[order], inv_order
+
+
+def scatter_unsort(x: mx.array, inv_order: mx.array, shape=None) -> mx.array:
+    """Undo `gather_sort` (a copy of mlx-lm's `switch_layers._scatter_unsort`)."""
+    x = x[inv_order]
+    if shape is not None:
+        x = mx.unflatten(x, 0, shape)
+    return x
+
+
+class LayerCache(Protocol):
+    """What a streaming layer asks of the expert cache (experts/streamer.py ExpertStreamer)."""
+
+    counters: object
+
+    def route(self, layer: int, indices: mx.array, x: mx.array | None = None) -> np.ndarray: ...
+
+    def plan_passes(self, layer: int, host: np.ndarray) -> list[np.ndarray]: ...
+
+    def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]: ...
+
+    def finish(self, out: mx.array) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -41,7 +69,7 @@ class StreamingSwitch(nn.Module):
         projs: dict[str, ProjSpec],
         activation,
         layer: int,
-        streamer: ExpertStreamer,
+        streamer: LayerCache,
     ):
         super().__init__()
         self.kind = kind  # "glu" or "mlp"
@@ -99,7 +127,7 @@ class StreamingSwitch(nn.Module):
         idx = indices
         inv_order = None
         if do_sort:
-            x, idx, inv_order = _gather_sort(x, indices)
+            x, idx, inv_order = gather_sort(x, indices)
 
         out = None
         for n, experts in enumerate(passes):
@@ -117,7 +145,7 @@ class StreamingSwitch(nn.Module):
             out = y
 
         if do_sort:
-            out = _scatter_unsort(out, inv_order, indices.shape)
+            out = scatter_unsort(out, inv_order, indices.shape)
         out = out.squeeze(-2)
         # Evaluate before returning so no later eviction can race a pending read of a slot.
         streamer.finish(out)

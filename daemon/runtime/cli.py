@@ -11,6 +11,7 @@ import click
 
 from moed.client.cli_common import global_options
 from moed.daemon.config import ConfigError, PageCachePolicy, load_config
+from moed.daemon.experts.policies import DEFAULT_POLICY, policy_names
 
 
 @click.command()
@@ -40,6 +41,11 @@ from moed.daemon.config import ConfigError, PageCachePolicy, load_config
     help="Speculatively read the next layer's experts (never changes tokens).",
 )
 @click.option(
+    "--cache-policy",
+    type=click.Choice(policy_names()),
+    help=f"Expert eviction policy (default: {DEFAULT_POLICY}).",
+)
+@click.option(
     "--page-cache",
     type=click.Choice([p.value for p in PageCachePolicy]),
     help="Bypass or trust the OS page cache.",
@@ -62,6 +68,7 @@ def serve(
     resident,
     prefetch_workers,
     prefetch_next,
+    cache_policy,
     page_cache,
     metrics_port,
     trace_dir,
@@ -85,6 +92,7 @@ def serve(
                 "prefetch_workers": prefetch_workers,
                 "page_cache": page_cache,
                 "prefetch_next": prefetch_next,
+                "cache_policy": cache_policy,
                 "state_dir": given.state_dir,
                 "log_dir": given.log_dir,
                 "metrics_port": metrics_port,

@@ -1,8 +1,9 @@
 """`moed trace analyze`: what a router trace says about the expert cache.
 
 Per MoE layer: distinct experts used, popularity (how concentrated the routing is), token-to-token
-reuse; and the expert-cache hit rate against cache size for LRU, for the daemon's eviction policy
-and for Belady's offline optimum (MIN: evict the expert needed furthest in the future). The
+reuse; and the expert-cache hit rate against cache size for every registered eviction policy
+(experts/policies) and for Belady's offline optimum (MIN: evict the expert needed furthest in the
+future). The
 simulations replay what the daemon does per layer call: the call's distinct experts are admitted
 together (more than fit run in passes of `slots`, resident experts first), hits counted per distinct
 expert, as the daemon's own counters count them.
@@ -17,104 +18,84 @@ from pathlib import Path
 
 import numpy as np
 
+from moed.daemon.experts.policies import DEFAULT_POLICY, POLICIES, EvictionPolicy, make_policy
+from moed.daemon.experts.slots import SlotTable
 from moed.daemon.telemetry.trace import CLASSES, Trace
 
 Calls = list[np.ndarray]  # per layer call: the distinct experts, ascending
+BELADY = "belady"  # the offline optimum's column
 
 
 # ---- cache simulation -------------------------------------------------------------------------
 
 
-class _Policy:
-    """The EvictionPolicy interface (daemon/experts/cache.py), for the simulators."""
-
-    def insert(self, e: int) -> None: ...
-    def touch(self, e: int) -> None: ...
-    def remove(self, e: int) -> None: ...
-    def victim(self, protected) -> int: ...
-
-
-def _passes(needed: np.ndarray, resident: set[int], slots: int) -> list[list[int]]:
-    if needed.size <= slots:
-        return [needed.tolist()]
-    ordered = [e for e in needed.tolist() if e in resident] + [
-        e for e in needed.tolist() if e not in resident
-    ]
-    return [ordered[i : i + slots] for i in range(0, len(ordered), slots)]
-
-
-def simulate(calls: Calls, slots: int, policy, initial: Iterable[int] = ()) -> tuple[int, int]:
-    """(hits, misses) of one layer's calls through a `slots`-slot cache run by `policy` (an
-    EvictionPolicy), mirroring LayerPool.admit: hits are touched first, then misses evict."""
-    resident: set[int] = set()
-    for e in initial:
-        if len(resident) < slots:
-            resident.add(int(e))
-            policy.insert(int(e))
+def simulate(
+    calls: Calls, slots: int, policy: EvictionPolicy, initial: Iterable[int] = ()
+) -> tuple[int, int]:
+    """(hits, misses) of one layer's calls through a `slots`-slot cache run by `policy`: the
+    daemon's own slot table (experts/slots.py), pass planning and admission, minus the bytes."""
+    num_experts = 1 + max([int(c.max()) for c in calls if c.size] + [int(e) for e in initial] + [0])
+    table = SlotTable(num_experts, slots, policy)
+    table.admit(list(initial)[:slots])
     hits = misses = 0
     for needed in calls:
-        for chunk in _passes(needed, resident, slots):
-            wanted = set(chunk)
-            for e in chunk:
-                if e in resident:
-                    hits += 1
-                    policy.touch(e)
-            for e in chunk:
-                if e in resident:
-                    continue
-                misses += 1
-                if len(resident) >= slots:
-                    victim = policy.victim(wanted)
-                    resident.discard(victim)
-                    policy.remove(victim)
-                resident.add(e)
-                policy.insert(e)
+        for chunk in table.plan_passes(needed):
+            h, loads = table.admit(chunk)
+            hits += len(h)
+            misses += len(loads)
     return hits, misses
+
+
+class BeladyPolicy(EvictionPolicy):
+    """Belady's MIN, for the simulator only (it knows the future): evict the resident expert whose
+    next use is furthest away. The offline optimum for this cache: no policy does better."""
+
+    name = "belady"
+
+    def __init__(self, calls: Calls, num_experts: int = 0, slots: int = 0):
+        super().__init__(num_experts, slots)
+        never = math.inf
+        # next_use[t][e]: the next call after t that uses e
+        self._next_use: list[dict[int, float]] = [dict() for _ in calls]
+        upcoming: dict[int, float] = {}
+        for t in range(len(calls) - 1, -1, -1):
+            for e in calls[t].tolist():
+                self._next_use[t][e] = upcoming.get(e, never)
+            for e in calls[t].tolist():
+                upcoming[e] = t
+        self._t = -1
+        self._resident: dict[int, float] = {}  # expert -> its next use
+
+    def begin_call(self) -> None:
+        self._t += 1
+
+    def insert(self, expert: int) -> None:
+        self._resident[expert] = self._next_use[self._t].get(expert, math.inf)
+
+    touch = insert
+
+    def remove(self, expert: int) -> None:
+        self._resident.pop(expert, None)
+
+    def victim(self, protected) -> int:
+        return max(
+            (r for r in self._resident if r not in protected), key=self._resident.__getitem__
+        )
+
+    def order(self) -> list[int]:
+        return sorted(self._resident, key=lambda e: -self._resident[e])
 
 
 def simulate_belady(calls: Calls, slots: int) -> tuple[int, int]:
-    """(hits, misses) with Belady's MIN: on a miss, evict the resident expert (outside the call)
-    whose next use is furthest away. The offline optimum for this cache: no policy does better."""
-    never = math.inf
-    # next_use[t][e]: the next call after t that uses e
-    next_use: list[dict[int, float]] = [dict() for _ in calls]
-    upcoming: dict[int, float] = {}
-    for t in range(len(calls) - 1, -1, -1):
-        for e in calls[t].tolist():
-            next_use[t][e] = upcoming.get(e, never)
-        for e in calls[t].tolist():
-            upcoming[e] = t
-    resident: dict[int, float] = {}  # expert -> its next use
-    hits = misses = 0
-    for t, needed in enumerate(calls):
-        for chunk in _passes(needed, set(resident), slots):
-            wanted = set(chunk)
-            for e in chunk:
-                if e in resident:
-                    hits += 1
-                    resident[e] = next_use[t][e]
-            for e in chunk:
-                if e in resident:
-                    continue
-                misses += 1
-                if len(resident) >= slots:
-                    victim = max(
-                        (r for r in resident if r not in wanted), key=lambda r: resident[r]
-                    )
-                    del resident[victim]
-                resident[e] = next_use[t][e]
-    return hits, misses
+    """(hits, misses) with Belady's MIN through the same slot table as `simulate`."""
+    return simulate(calls, slots, BeladyPolicy(calls))
 
 
-def policy_factory(name: str | None) -> tuple[str, Callable[[int], object]]:
-    """The daemon's eviction policy class by name (from the trace header); LRU when unknown."""
-    import moed.daemon.experts as experts
-    from moed.daemon.experts import cache
-
-    cls = (getattr(cache, name, None) or getattr(experts, name, None)) if name else None
-    if cls is None or not isinstance(cls, type):
-        return "LRUPolicy (the trace's policy is unknown here)", lambda n: cache.LRUPolicy(n)
-    return name, lambda n: cls(n)
+def trace_policy(name: str | None) -> tuple[str, str]:
+    """(label, registry name) of the daemon's policy named in a trace header; LRU when unknown."""
+    if name in POLICIES:
+        return name, name
+    return f"{DEFAULT_POLICY} (the trace's policy {name!r} is unknown here)", DEFAULT_POLICY
 
 
 # ---- the report -------------------------------------------------------------------------------
@@ -142,11 +123,12 @@ class Report:
     tokens: int
     passes: int
     recorded_slots: int
-    policy: str
+    policy: str  # the daemon's policy as the report names it
+    policy_name: str  # its registry name (a key of `curves`)
     per_layer: list[LayerStats]
     popularity: np.ndarray  # (L, E) routings per expert
     sizes: list[int]
-    curves: dict[str, list[float]]  # policy -> hit rate per size
+    curves: dict[str, list[float]]  # registered policy (and "belady") -> hit rate per size
     recorded: dict[str, int]
     replay: dict | None
     pass_ms: list[float] = field(default_factory=list)
@@ -167,6 +149,7 @@ class Report:
             "passes": self.passes,
             "recorded_slots": self.recorded_slots,
             "policy": self.policy,
+            "policy_name": self.policy_name,
             "per_layer": [vars(l) for l in self.per_layer],
             "sizes": self.sizes,
             "hit_rate": self.curves,
@@ -211,15 +194,12 @@ def analyze(
     k = max(int(t.header.get("top_k") or 0) for t in traces)
     recorded_slots = int(min(first.get("slots_per_layer") or [E]))
     sizes = sorted(set(sizes)) if sizes else default_sizes(E, recorded_slots)
-    policy_name, make_policy = policy_factory(first.get("policy"))
+    policy_label, policy_name = trace_policy(first.get("policy"))
     tick = progress or (lambda n: None)
 
     per_layer, popularity = [], np.zeros((L, E), dtype=np.int64)
-    curves = {"LRU": [0.0] * len(sizes), "daemon": [0.0] * len(sizes), "Belady": [0.0] * len(sizes)}
-    totals = {name: np.zeros((len(sizes), 2), dtype=np.int64) for name in curves}
-    from moed.daemon.experts.cache import LRUPolicy
-
-    same_as_lru = type(make_policy(E)) is LRUPolicy  # simulate once
+    names = [*POLICIES, BELADY]  # a column per registered policy, then the offline optimum
+    totals = {name: np.zeros((len(sizes), 2), dtype=np.int64) for name in names}
     for layer in range(L):
         rows = np.concatenate([t.token_rows(layer) for t in traces]) if traces else np.zeros((0, k))
         counts = np.bincount(rows.reshape(-1).astype(np.int64), minlength=E)[:E]
@@ -243,21 +223,19 @@ def analyze(
         )
         calls = _layer_calls(traces, layer)
         for i, s in enumerate(sizes):
-            totals["LRU"][i] += simulate(calls, s, LRUPolicy(E))
-            if same_as_lru:
-                totals["daemon"][i] = totals["LRU"][i]
-            else:
-                totals["daemon"][i] += simulate(calls, s, make_policy(E))
-            totals["Belady"][i] += simulate_belady(calls, s)
+            for name in POLICIES:
+                totals[name][i] += simulate(calls, s, make_policy(name, E, s))
+            totals[BELADY][i] += simulate_belady(calls, s)
             tick(1)
-    for name, arr in totals.items():
-        curves[name] = [float(h / (h + m)) if h + m else 0.0 for h, m in arr]
+    curves = {
+        name: [float(h / (h + m)) if h + m else 0.0 for h, m in arr] for name, arr in totals.items()
+    }
 
     recorded: dict[str, int] = {c: 0 for c in CLASSES}
     for t in traces:
         for c, n in t.class_counts().items():
             recorded[c] += n
-    replay = _replay(traces, make_policy, E) if len(traces) == 1 else None
+    replay = _replay(traces, policy_name, E) if len(traces) == 1 else None
     report = Report(
         files,
         first.get("model"),
@@ -268,6 +246,7 @@ def analyze(
         sum(t.tokens for t in traces),
         sum(len(t.passes) for t in traces),
         recorded_slots,
+        policy_label,
         policy_name,
         per_layer,
         popularity,
@@ -289,7 +268,7 @@ def analyze(
     return report
 
 
-def _replay(traces: list[Trace], make_policy, E: int) -> dict:
+def _replay(traces: list[Trace], policy: str, E: int) -> dict:
     """Replay the recorded run (its slots, its starting cache, the daemon's policy): the hits must
     equal the recorded ones unless another request shared the cache meanwhile."""
     t = traces[0]
@@ -300,7 +279,7 @@ def _replay(traces: list[Trace], make_policy, E: int) -> dict:
         h, m = simulate(
             _layer_calls([t], layer),
             int(s),
-            make_policy(E),
+            make_policy(policy, E, int(s)),
             start[layer] if layer < len(start) else (),
         )
         hits, misses = hits + h, misses + m
@@ -365,16 +344,16 @@ def format_report(r: Report) -> str:
     )
     lines += [
         "",
-        f"hit rate vs cache size (daemon policy: {r.policy})",
+        f"hit rate vs cache size (the daemon ran {r.policy}; {BELADY}: the offline optimum)",
         f"{'slots/layer':>11}  {'% experts':>9}  {'cache':>10}  "
-        f"{'LRU':>7}  {'daemon':>7}  {'Belady':>7}",
+        + "  ".join(f"{name:>7}" for name in r.curves),
     ]
     for i, s in enumerate(r.sizes):
         mark = "  <- recorded" if s == r.recorded_slots else ""
         lines.append(
             f"{s:>11}  {s / r.experts:>9.1%}  {_gb(s * r.expert_bytes * r.layers):>10}  "
-            f"{r.curves['LRU'][i]:>7.1%}  {r.curves['daemon'][i]:>7.1%}  "
-            f"{r.curves['Belady'][i]:>7.1%}{mark}"
+            + "  ".join(f"{curve[i]:>7.1%}" for curve in r.curves.values())
+            + mark
         )
     return "\n".join(lines)
 
@@ -395,13 +374,15 @@ def write_plots(r: Report, out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     x = [100.0 * s / r.experts for s in r.sizes]
-    for name, style in (("LRU", "o-"), ("daemon", "s--"), ("Belady", "^-")):
-        label = (
-            f"daemon ({r.policy})"
-            if name == "daemon"
-            else ("Belady (offline optimum)" if name == "Belady" else name)
+    for n, (name, curve) in enumerate(r.curves.items()):
+        label = name + (" (daemon)" if name == r.policy_name else "")
+        label = f"{BELADY} (offline optimum)" if name == BELADY else label
+        ax.plot(
+            x,
+            [100 * v for v in curve],
+            "^-" if name == BELADY else "os*dv"[n % 5] + "-",
+            label=label,
         )
-        ax.plot(x, [100 * v for v in r.curves[name]], style, label=label)
     ax.axvline(100.0 * r.recorded_slots / r.experts, color="grey", ls=":", label="recorded budget")
     if x and x[-1] / x[0] > 10:
         ax.set_xscale("log")  # the grid is geometric: small caches are where the curves differ

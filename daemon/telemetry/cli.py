@@ -33,8 +33,8 @@ def trace() -> None:
 def analyze_cmd(
     files: tuple[Path, ...], out_dir: Path | None, sizes: str | None, as_json: bool, no_plots: bool
 ) -> None:
-    """Distinct experts, popularity, reuse and hit rate vs cache size (LRU, daemon policy,
-    Belady)."""
+    """Distinct experts, popularity, reuse and hit rate vs cache size (every registered eviction
+    policy, Belady's optimum)."""
     from moed.daemon.telemetry.analyze import analyze, default_sizes, format_report, write_plots
     from moed.daemon.telemetry.trace import TraceFormatError, read_trace
 

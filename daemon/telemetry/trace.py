@@ -318,7 +318,7 @@ def trace_header(streamer: Any, model: dict, request: dict) -> dict:
         "expert_bytes": [int(p.expert_bytes) for p in pools],
         "budget_bytes": int(streamer.budget_bytes),
         "slots_per_layer": [int(p.slots) for p in pools],
-        "policy": type(pools[0].policy).__name__ if pools else None,
+        "policy": pools[0].policy.name if pools else None,
         "page_cache_bypass": bool(streamer.bypass_page_cache),
         "id_dtype": "u1" if max((p.num_experts for p in pools), default=0) <= 256 else "u2",
         "classes": CLASSES,

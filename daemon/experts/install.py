@@ -1,0 +1,38 @@
+"""Put expert streaming into a lazily loaded mlx-lm model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import mlx.nn as nn
+
+from moed.daemon.experts.discover import describe_switches, set_module
+from moed.daemon.experts.safetensors_index import CheckpointIndex
+from moed.daemon.experts.streamer import ExpertStreamer, StreamingConfig
+from moed.daemon.experts.streaming_switch import StreamingSwitch
+
+log = logging.getLogger(__name__)
+
+
+def install_streaming(
+    model: nn.Module,
+    model_path: Path,
+    cfg: StreamingConfig | None = None,
+) -> ExpertStreamer:
+    """Replace every SwitchGLU / SwitchMLP of a lazily loaded mlx-lm model with a streaming twin.
+    Call before `mx.eval(model.parameters())`, which then materializes only non-expert weights."""
+    cfg = cfg or StreamingConfig()
+    index = CheckpointIndex(Path(model_path))
+    switches = describe_switches(model, index)
+    streamer = ExpertStreamer(Path(model_path), cfg, index, switches)
+    for layer, sw in enumerate(switches):
+        twin = StreamingSwitch(sw.kind, sw.projs, sw.module.activation, layer, streamer)
+        set_module(model, sw.path, twin)
+    log.info(
+        "streaming %d MoE layers, %d slots per layer\n%s",
+        len(switches),
+        min(streamer.slots),
+        streamer.plan.describe(),
+    )
+    return streamer

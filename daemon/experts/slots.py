@@ -1,0 +1,111 @@
+"""The expert cache algorithm of one MoE layer, free of MLX: the slot table, admission with the
+layer's eviction policy, and pass planning. `LayerPool` (cache.py) runs it next to the slot arrays;
+`moed trace analyze` and `moed bench policy` replay traces through the very same code."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from moed.daemon.experts.policies import EvictionPolicy
+
+
+def plan_passes(needed: np.ndarray, slot_of: np.ndarray, slots: int) -> list[np.ndarray]:
+    """Split a call's distinct experts into passes of at most `slots`. Resident experts go first,
+    so the first pass is all hits as far as it goes and evicts nothing the call still needs."""
+    if needed.size <= slots:
+        return [needed]
+    resident = slot_of[needed] >= 0
+    ordered = np.concatenate([needed[resident], needed[~resident]])
+    return [ordered[i : i + slots] for i in range(0, ordered.size, slots)]
+
+
+class SlotTable:
+    """expert <-> slot tables of one layer and the policy that picks victims."""
+
+    def __init__(self, num_experts: int, slots: int, policy: EvictionPolicy):
+        self.num_experts = num_experts
+        self.policy = policy
+        self._reset(slots)
+
+    def _reset(self, slots: int) -> None:
+        self.slots = slots
+        self.slot_of = np.full(self.num_experts, -1, dtype=np.int64)
+        self.expert_in = np.full(slots, -1, dtype=np.int64)
+        self._free = list(range(slots - 1, -1, -1))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def resident(self) -> list[int]:
+        return [int(e) for e in self.expert_in if e >= 0]
+
+    def plan_passes(self, needed: np.ndarray) -> list[np.ndarray]:
+        """Start a layer call that uses the distinct experts `needed` (ascending)."""
+        self.policy.begin_call()
+        return plan_passes(needed, self.slot_of, self.slots)
+
+    def admit(self, experts: Iterable[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Make room for `experts` (at most `slots` of them): hits are touched first, then each
+        miss takes a free slot or evicts the policy's victim outside `experts`. Returns (hits,
+        [(expert, slot) to read]). The caller guarantees no pending computation still reads an
+        evicted slot."""
+        experts = [int(e) for e in experts]
+        if len(experts) > self.slots:
+            raise ValueError(f"{len(experts)} experts do not fit {self.slots} slots")
+        slot_of, policy = self.slot_of, self.policy
+        hits, misses = [], []
+        for e in experts:
+            if slot_of[e] >= 0:
+                hits.append(e)
+                policy.touch(e)
+            else:
+                misses.append(e)
+        loads = []
+        if misses:
+            wanted = set(experts)
+            for e in misses:
+                if slot_of[e] >= 0:
+                    continue  # listed twice
+                if not self._free:
+                    self._evict(policy.victim(wanted))  # frees exactly one slot
+                slot = self._free.pop()
+                slot_of[e] = slot
+                self.expert_in[slot] = e
+                policy.insert(e)
+                loads.append((e, slot))
+        return hits, loads
+
+    def _evict(self, expert: int) -> None:
+        slot = int(self.slot_of[expert])
+        self.slot_of[expert] = -1
+        self.expert_in[slot] = -1
+        self.policy.remove(expert)
+        self._free.append(slot)
+
+    def forget(self, loads: list[tuple[int, int]]) -> None:
+        """Undo `admit` for reads that failed, so no slot claims bytes it does not hold."""
+        for e, _slot in loads:
+            if self.slot_of[e] >= 0:
+                self._evict(e)
+
+    def resize_table(self, new_slots: int) -> list[tuple[int, int, int]]:
+        """Re-plan the table for `new_slots` slots, keeping the most valuable residents (in the
+        policy's order). Returns [(expert, old slot, new slot)] for the caller to move bytes."""
+        keep = self.policy.order()[-new_slots:]  # most valuable last
+        old_slot_of = self.slot_of
+        for e in self.policy.order():
+            self.policy.remove(e)
+        self.policy.set_capacity(new_slots)
+        self._reset(new_slots)
+        moves = []
+        for e in keep:
+            slot = self._free.pop()
+            self.slot_of[e] = slot
+            self.expert_in[slot] = e
+            self.policy.insert(e)
+            moves.append((e, int(old_slot_of[e]), slot))
+        return moves

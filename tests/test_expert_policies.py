@@ -1,0 +1,86 @@
+"""The eviction policy registry: one set of classes that the daemon's slot pools, `moed trace
+analyze` and the configuration share; unknown names are configuration errors naming the allowed."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from moed.daemon.config import ConfigError, load_config
+from moed.daemon.experts.policies import (
+    POLICIES,
+    AllProtectedError,
+    UnknownPolicyError,
+    make_policy,
+    policy_names,
+)
+from moed.daemon.experts.slots import SlotTable
+from moed.daemon.telemetry.analyze import simulate, simulate_belady
+
+
+def test_config_accepts_registered_names_and_rejects_others(tmp_path):
+    for name in policy_names():
+        cfg = load_config(
+            tmp_path / "none.toml", environ={}, serve_overrides={"cache_policy": name}
+        )
+        assert cfg.serve.cache_policy == name
+    (tmp_path / "c.toml").write_text('[serve]\ncache_policy = "fifo"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "c.toml", environ={})
+    assert "cache_policy" in str(err.value) and "'fifo'" in str(err.value)
+    assert all(name in str(err.value) for name in policy_names())
+    with pytest.raises(ConfigError):
+        load_config(tmp_path / "none.toml", environ={"MOED_CACHE_POLICY": "nope"})
+    with pytest.raises(UnknownPolicyError):
+        make_policy("nope", 8, 2)
+
+
+def test_serve_flag_lists_the_policies():
+    out = subprocess.run(
+        [sys.executable, "-m", "moed.daemon.cli", "serve", "--cache-policy", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and all(name in out.stderr for name in policy_names())
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_policy_keeps_the_slot_table_consistent(name):
+    """Random calls, passes and failed reads: the table and the policy agree on who is resident,
+    the current pass's experts are never evicted, and no policy beats Belady's optimum."""
+    rng = random.Random(3)
+    E = 24
+    for slots in (1, 3, 8, 24):
+        table = SlotTable(E, slots, make_policy(name, E, slots))
+        calls = [
+            np.array(sorted(rng.sample(range(E), rng.choice([1, 2, 4, 9])))) for _ in range(80)
+        ]
+        for needed in calls:
+            for chunk in table.plan_passes(needed):
+                hits, loads = table.admit(chunk)
+                assert sorted(hits + [e for e, _ in loads]) == sorted(chunk.tolist())
+                assert all(table.slot_of[e] >= 0 for e in chunk)  # the pass's experts all stay
+                if loads and rng.random() < 0.1:
+                    table.forget(loads[:1])  # a failed read gives its slot back
+            assert sorted(table.resident) == sorted(table.policy.order())
+            assert len(table.resident) + table.free_slots == slots
+        moves = table.resize_table(max(1, slots // 2))
+        assert sorted(e for e, _, _ in moves) == sorted(table.resident)
+        hits, misses = simulate(calls, slots, make_policy(name, E, slots))
+        assert hits <= simulate_belady(calls, slots)[0]
+        assert hits + misses == sum(len(c) for c in calls)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_a_fully_protected_cache_refuses_to_evict(name):
+    policy = make_policy(name, 4, 2)
+    policy.begin_call()
+    policy.insert(0)
+    policy.insert(1)
+    with pytest.raises(AllProtectedError):
+        policy.victim({0, 1})
