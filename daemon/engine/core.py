@@ -1,23 +1,22 @@
-"""The engine: one thread that owns the MLX model and steps every active generation in turn.
+"""The engine core: owns the MLX model and carries out what the scheduler decides, with no socket.
 
-It never touches the client socket: requests arrive on a queue, events leave through an EventSink
-(an inproc ZMQ PUSH the transport thread drains). The same engine runs in-process in tests.
+Commands come in through `handle`, work happens in `step`, events leave through an EventSink. The
+daemon runs it on its own thread behind an inbox (engine/loop.py); tests drive it in-process.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from moed.daemon.config import ServeConfig
+from moed.daemon.engine.commands import Cancel, EngineCommand, Shed, Stop, Submit
 from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
-from moed.daemon.engine.status import DaemonState, EngineStatus
+from moed.daemon.engine.scheduler import RoundRobinScheduler, Scheduler
+from moed.daemon.engine.status import DaemonState, EngineStatus, ShedRecord
 from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.model.loader import LoadedModel, MemoryPlanRefused, describe_model, load_model
 from moed.daemon.runtime.crashlog import CrashKind, is_out_of_memory
@@ -34,111 +33,68 @@ class EventSink(Protocol):
     def emit(self, identity: bytes, msg: dict, terminal: bool = False) -> None: ...
 
 
-class Engine:
-    """Owns the model; admits, steps, cancels and finishes generations on its own thread."""
+class EngineCore:
+    """Admits, steps, cancels and finishes generations; one thread calls every method."""
 
     def __init__(
         self,
         serve: ServeConfig,
         model_path: Path,
-        sink_factory: Callable[[], EventSink],
+        sink: EventSink,
         status: EngineStatus,
+        scheduler: Scheduler | None = None,
+        on_crash: Callable[[CrashKind, str], None] | None = None,
+        reject_queued: Callable[[ErrorCode, str], None] | None = None,
+        faults: Faults | None = None,
     ):
         self.serve = serve
         self.model_path = model_path
+        self.sink = sink
         self.status = status
-        self._sink_factory = sink_factory
-        # Jobs and commands share one FIFO: a cancel always comes after the job it names.
-        self._inbox: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._active: OrderedDict[RequestKey, Generation] = OrderedDict()
+        self.scheduler = scheduler or RoundRobinScheduler()
+        # Records a crash durably before the in-flight requests are failed.
+        self.on_crash = on_crash
+        # Fails the requests still waiting in the owner's inbox, before `fatal` is published.
+        self.reject_queued = reject_queued or (lambda code, message: None)
+        self._gens: dict[RequestKey, Generation] = {}
         self.loaded: LoadedModel | None = None
-        self.thread = threading.Thread(target=self._run, name="moed-engine", daemon=True)
         self.fatal: BaseException | None = None
         self.exit_code: int = DaemonExit.FAILED  # what the process exits with once `fatal` is set
-        self.faults = Faults.parse(serve.debug_faults)  # off unless debug_faults says otherwise
-        # Set by the server: record a crash durably before the in-flight requests are failed.
-        self.on_crash: Callable[[CrashKind, str], None] | None = None
+        # Off unless debug_faults says otherwise; a bad spec is a configuration error at the edge.
+        self.faults = faults if faults is not None else Faults.parse(serve.debug_faults)
 
-    # ---- called from other threads -------------------------------------------------------
-    def start(self) -> None:
-        self.thread.start()
+    @property
+    def has_work(self) -> bool:
+        return bool(self._gens)
 
-    def submit(self, job: GenerateJob) -> None:
-        self._inbox.put(job)
-        self.status.add(queued_requests=1)
-
-    def cancel(self, key: RequestKey) -> None:
-        self._inbox.put(("cancel", key))
-
-    def shed(self, level: ShedLevel) -> None:
-        self._inbox.put(("shed", level))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._inbox.put(("stop", None))
-
-    # ---- engine thread ----------------------------------------------------------------------
-    def _run(self) -> None:
-        self.sink = self._sink_factory()
+    # ---- lifecycle -------------------------------------------------------------------------
+    def load(self) -> bool:
+        """Load the model; False (with `fatal` set and status `failed`) when it cannot load."""
+        t0 = time.perf_counter()
+        mode = "resident" if self.serve.resident else f"streaming, budget {self.serve.cache_budget}"
+        log.info("loading %s (%s)", self.model_path, mode)
         try:
-            t0 = time.perf_counter()
-            log.info(
-                "loading %s (%s)",
-                self.model_path,
-                "resident"
-                if self.serve.resident
-                else f"streaming, budget {self.serve.cache_budget}",
-            )
             self.loaded = load_model(self.serve, self.model_path)
-            self.status.update(
-                state=DaemonState.READY.value,
-                model=describe_model(self.loaded),
-                load_s=round(time.perf_counter() - t0, 3),
-                streaming=self._stream_snapshot(),
-                memory_plan=self.loaded.streamer.plan.describe() if self.loaded.streamer else None,
-            )
-            log.info("model loaded from %s in %.2fs", self.model_path, time.perf_counter() - t0)
         except BaseException as exc:  # a model that cannot load is fatal for the daemon
             log.exception("model load failed")
             self._record_crash(CrashKind.LOAD_FAILED, f"{exc.__class__.__name__}: {exc}")
             if isinstance(exc, MemoryPlanRefused):
                 self.exit_code = DaemonExit.DOES_NOT_FIT
+            self.status.update(state=DaemonState.FAILED, error=f"{exc.__class__.__name__}: {exc}")
+            self.reject_queued(ErrorCode.INTERNAL, f"model failed to load: {exc}")
             self.fatal = exc
-            self.status.update(
-                state=DaemonState.FAILED.value, error=f"{exc.__class__.__name__}: {exc}"
-            )
-            self._fail_queued(ErrorCode.INTERNAL, f"model failed to load: {exc}")
-            return
-        try:
-            while not self._stop.is_set() and self.fatal is None:
-                self._drain_inbox(block=not self._active)
-                for key in list(self._active):
-                    if key in self._active:
-                        self._step(key)
-            if self.fatal is None:
-                self._finish_all(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-        except (
-            Exception
-        ) as exc:  # a bug outside a step: fail everyone and exit, never hang silently
-            self._engine_failed(exc)
-        self._close_streamer()
+            return False
+        self.status.update(
+            state=DaemonState.READY,
+            model=describe_model(self.loaded),
+            load_s=round(time.perf_counter() - t0, 3),
+            streaming=self._stream_snapshot(),
+            memory_plan=self.loaded.streamer.plan.describe() if self.loaded.streamer else None,
+        )
+        log.info("model loaded from %s in %.2fs", self.model_path, time.perf_counter() - t0)
+        return True
 
-    def _engine_failed(self, exc: Exception) -> None:
-        log.exception("the engine failed")
-        self._record_crash(CrashKind.ENGINE_FAILED, f"{exc.__class__.__name__}: {exc}")
-        self.status.update(state=DaemonState.FAILED.value, error=f"{exc.__class__.__name__}: {exc}")
-        message = f"the engine failed ({exc.__class__.__name__}); the daemon restarts"
-        for gen in list(self._active.values()):
-            try:
-                self._finish(gen, ErrorCode.INTERNAL, message)
-            except Exception:
-                self._active.pop(gen.job.key, None)
-        self._fail_queued(ErrorCode.INTERNAL, message)
-        self.exit_code = DaemonExit.FAILED
-        self.fatal = exc  # last: the transport flushes the errors, then exits non-zero
-
-    def _close_streamer(self) -> None:
+    def close(self) -> None:
         streamer = self.loaded.streamer if self.loaded else None
         if streamer is None:
             return
@@ -148,29 +104,50 @@ class Engine:
             log.exception("could not save the expert-usage profile")
         streamer.close()
 
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._handle(item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+    def finish_all(self, code: ErrorCode, message: str) -> None:
+        """End every active request with `code` (the drain at shutdown)."""
+        for gen in list(self._gens.values()):
+            self._finish(gen, code, message)
 
-    def _handle(self, item: Any) -> None:
-        if isinstance(item, GenerateJob):
-            self.status.add(queued_requests=-1)
-            self._admit(item)
-            return
-        command, arg = item
-        if command == "cancel":
-            if (gen := self._active.get(arg)) is not None:  # else it already ended: nothing to do
+    def engine_failed(self, exc: Exception) -> None:
+        """A bug outside a step: fail everyone and let the daemon exit, never hang silently."""
+        log.exception("the engine failed")
+        self._record_crash(CrashKind.ENGINE_FAILED, f"{exc.__class__.__name__}: {exc}")
+        self.status.update(state=DaemonState.FAILED, error=f"{exc.__class__.__name__}: {exc}")
+        message = f"the engine failed ({exc.__class__.__name__}); the daemon restarts"
+        for gen in list(self._gens.values()):
+            try:
+                self._finish(gen, ErrorCode.INTERNAL, message)
+            except Exception:
+                self._forget(gen.job.key)
+        self.reject_queued(ErrorCode.INTERNAL, message)
+        self.exit_code = DaemonExit.FAILED
+        self.fatal = exc  # last: the transport flushes the errors, then exits non-zero
+
+    # ---- commands --------------------------------------------------------------------------
+    def handle(self, command: EngineCommand) -> None:
+        if isinstance(command, Submit):
+            self._admit(command.job)
+        elif isinstance(command, Cancel):
+            if (gen := self._gens.get(command.key)) is not None:  # else it already ended
                 self._finish(gen, FinishReason.CANCELLED)
-        elif command == "shed":
-            self._shed(arg)
+        elif isinstance(command, Shed):
+            self._shed(command.level)
+        elif not isinstance(command, Stop):  # Stop only wakes the owner's loop
+            raise TypeError(f"not an engine command: {command!r}")
+
+    def reject(self, job: GenerateJob, code: ErrorCode, message: str) -> None:
+        """End a request that never started with a typed error."""
+        self.sink.emit(job.identity, wire.error(job.request["id"], code, message), terminal=True)
+
+    # ---- work ------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Carry out one round of the scheduler's plan."""
+        for key in self.scheduler.schedule().steps:
+            if self.fatal is not None:
+                return
+            if (gen := self._gens.get(key)) is not None:
+                self._step(gen)
 
     def _admit(self, job: GenerateJob) -> None:
         try:
@@ -188,22 +165,24 @@ class Engine:
                 lambda m, i=job.identity: self.sink.emit(i, m),
                 gen.prompt_tokens,
             )
-            self._active[job.key] = gen
-            self.status.update(busy=True, active_requests=len(self._active))
         except ProtocolError as exc:
-            self._emit_error(job, exc.code, exc.message)
+            self.reject(job, exc.code, exc.message)
+            return
         except Exception as exc:
             if is_out_of_memory(exc):  # the prefill ran out of memory
                 self._out_of_memory(exc, also=job)
                 return
             log.exception("request %r could not start", job.request.get("id"))
-            self._emit_error(job, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
+            self.reject(job, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
+            return
+        self._gens[job.key] = gen
+        self.scheduler.add(job.key)
+        self.status.update(busy=True, active_requests=len(self._gens))
 
-    def _step(self, key: RequestKey) -> None:
-        gen = self._active[key]
+    def _step(self, gen: Generation) -> None:
         try:
             if self.faults:
-                self.faults.before_step(self.status.get("tokens_generated") or 0)
+                self.faults.before_step(self.status.get("tokens_generated"))
             token, finish = gen.step()
         except Exception as exc:
             if is_out_of_memory(exc):
@@ -236,28 +215,12 @@ class Engine:
             data["experts"] = counters_delta(gen.stream_before, snapshot)
         return data
 
-    def _out_of_memory(self, exc: BaseException, also: GenerateJob | None = None) -> None:
-        """A Metal command-buffer failure: record it, fail every request, and let the process exit
-        non-zero so that launchd restarts it (with a smaller cache budget)."""
-        log.critical("out of memory: %s", exc)
-        self._record_crash(CrashKind.OUT_OF_MEMORY, f"{exc.__class__.__name__}: {exc}")
-        message = f"the daemon ran out of memory ({exc}); it restarts with a smaller expert cache"
-        self.status.update(state=DaemonState.FAILED.value, error=f"out of memory: {exc}")
-        if also is not None:
-            self._emit_error(also, ErrorCode.OUT_OF_MEMORY, message)
-        for gen in list(self._active.values()):
-            self._finish(gen, ErrorCode.OUT_OF_MEMORY, message)
-        self._fail_queued(ErrorCode.OUT_OF_MEMORY, message)
-        self.exit_code = DaemonExit.OUT_OF_MEMORY
-        self.fatal = exc  # last: the transport exits once it sees this, after flushing the errors
-
-    def _record_crash(self, kind: CrashKind, message: str) -> None:
-        if self.on_crash is None:
-            return
-        try:
-            self.on_crash(kind, message)
-        except Exception:  # the record is advisory; failing the requests is not
-            log.exception("could not record the crash")
+    # ---- endings -----------------------------------------------------------------------------
+    def _forget(self, key: RequestKey) -> None:
+        self._gens.pop(key, None)
+        self.scheduler.remove(key)
+        # Published before the terminal message, so a client that saw `done` sees the count drop.
+        self.status.update(active_requests=len(self._gens), busy=bool(self._gens))
 
     def _finish(
         self,
@@ -265,9 +228,7 @@ class Engine:
         reason: FinishReason | ErrorCode,
         message: str = "the daemon is shutting down",
     ) -> None:
-        self._active.pop(gen.job.key, None)
-        # Published before the terminal message, so a client that saw `done` sees the count drop.
-        self.status.update(active_requests=len(self._active), busy=bool(self._active))
+        self._forget(gen.job.key)
         req_id = gen.job.request["id"]
         finish_request_trace(gen.trace)  # its last chunk goes out before the terminal message
         if isinstance(reason, ErrorCode):
@@ -284,20 +245,28 @@ class Engine:
         msg = wire.done(req_id, reason, usage, timings, telemetry=self._telemetry(gen, timings))
         self.sink.emit(gen.job.identity, msg, terminal=True)
 
-    def _finish_all(self, code: ErrorCode, message: str) -> None:
-        for gen in list(self._active.values()):
-            self._finish(gen, code, message)
-        self._fail_queued(code, message)
+    def _out_of_memory(self, exc: BaseException, also: GenerateJob | None = None) -> None:
+        """A Metal command-buffer failure: record it, fail every request, and let the process exit
+        non-zero so that launchd restarts it (with a smaller cache budget)."""
+        log.critical("out of memory: %s", exc)
+        self._record_crash(CrashKind.OUT_OF_MEMORY, f"{exc.__class__.__name__}: {exc}")
+        message = f"the daemon ran out of memory ({exc}); it restarts with a smaller expert cache"
+        self.status.update(state=DaemonState.FAILED, error=f"out of memory: {exc}")
+        if also is not None:
+            self.reject(also, ErrorCode.OUT_OF_MEMORY, message)
+        for gen in list(self._gens.values()):
+            self._finish(gen, ErrorCode.OUT_OF_MEMORY, message)
+        self.reject_queued(ErrorCode.OUT_OF_MEMORY, message)
+        self.exit_code = DaemonExit.OUT_OF_MEMORY
+        self.fatal = exc  # last: the transport exits once it sees this, after flushing the errors
 
-    def _fail_queued(self, code: ErrorCode, message: str) -> None:
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, GenerateJob):
-                self.status.add(queued_requests=-1)
-                self._emit_error(item, code, message)
+    def _record_crash(self, kind: CrashKind, message: str) -> None:
+        if self.on_crash is None:
+            return
+        try:
+            self.on_crash(kind, message)
+        except Exception:  # the record is advisory; failing the requests is not
+            log.exception("could not record the crash")
 
     def _shed(self, level: ShedLevel) -> None:
         import mlx.core as mx
@@ -308,26 +277,17 @@ class Engine:
         mx.clear_cache()
         log.warning("shed level=%s released=%d bytes", level.value, released)
         cancelled = None
-        if level is ShedLevel.CANCEL_NEWEST and self._active:
-            newest = next(reversed(self._active.values()))
-            cancelled = newest.job.request["id"]
+        newest = self.scheduler.newest()
+        if level is ShedLevel.CANCEL_NEWEST and newest is not None:
+            gen = self._gens[newest]
+            cancelled = gen.job.request["id"]
             self._finish(
-                newest,
+                gen,
                 ErrorCode.OUT_OF_MEMORY,
                 "cancelled to relieve memory pressure (the newest request is shed first)",
             )
         self.status.add(sheds=1)
-        self.status.update(
-            last_shed={
-                "level": level.value,
-                "at": time.time(),
-                "released_bytes": released,
-                "cancelled": cancelled,
-            }
-        )
-
-    def _emit_error(self, job: GenerateJob, code: ErrorCode, message: str) -> None:
-        self.sink.emit(job.identity, wire.error(job.request["id"], code, message), terminal=True)
+        self.status.update(last_shed=ShedRecord(level.value, time.time(), released, cancelled))
 
     def _stream_snapshot(self) -> dict | None:
         if self.loaded is None or self.loaded.streamer is None:

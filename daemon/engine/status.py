@@ -1,10 +1,15 @@
-"""State the engine publishes for the transport thread to answer `status` without waiting on it."""
+"""State the engine publishes for the transport thread to answer `status` without waiting on it.
+
+Every field here reaches the `status` reply as it is named; protocol/PROTOCOL.md documents each.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -15,46 +20,93 @@ class DaemonState(str, enum.Enum):
     FAILED = "failed"
 
 
+@dataclass(frozen=True)
+class ShedRecord:
+    """The last `shed` the engine carried out."""
+
+    level: str
+    at: float  # unix seconds
+    released_bytes: int  # expert-cache bytes given back
+    cancelled: Any  # the id of the request shed with `cancel_newest`, else None
+
+
+@dataclass
+class StatusRecord:
+    """The engine's and transport's gauges and counters (the status reply's engine part)."""
+
+    state: DaemonState = DaemonState.LOADING
+    # Identity, published by the transport once it has bound its socket.
+    pid: int | None = None
+    boot_id: str | None = None
+    socket: str | None = None
+    version: str | None = None
+    started_at: float = field(default_factory=time.time)
+    # Load.
+    model: dict | None = None
+    load_s: float | None = None
+    memory_plan: str | None = None
+    streaming: dict | None = None
+    error: str | None = None
+    # Requests and progress.
+    active_requests: int = 0
+    queued_requests: int = 0
+    busy: bool = False
+    last_token_at: float | None = None
+    last_progress_at: float | None = None
+    tokens_generated: int = 0
+    requests_served: int = 0
+    requests_failed: int = 0
+    # Memory-pressure actions and crashes.
+    sheds: int = 0
+    last_shed: ShedRecord | None = None
+    crashing: dict | None = None  # the crash record written while this run is failing
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(StatusRecord))
+
+
+def _wire(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    return value
+
+
 class EngineStatus:
-    """Thread-safe bag of gauges and counters; the engine writes, the transport reads snapshots."""
+    """A StatusRecord behind a lock; the engine and transport write it, the transport reads it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._values: dict[str, Any] = {
-            "state": DaemonState.LOADING.value,
-            "active_requests": 0,
-            "queued_requests": 0,
-            "busy": False,
-            "last_token_at": None,
-            "tokens_generated": 0,
-            "requests_served": 0,
-            "requests_failed": 0,
-            "started_at": time.time(),
-            "model": None,
-            "streaming": None,
-            "memory_plan": None,
-            "error": None,
-        }
+        self._record = StatusRecord()
 
     def update(self, **values: Any) -> None:
+        unknown = values.keys() - set(_FIELDS)
+        if unknown:
+            raise AttributeError(f"EngineStatus has no field {sorted(unknown)}")
         with self._lock:
-            self._values.update(values)
+            for name, value in values.items():
+                setattr(self._record, name, value)
 
     def add(self, **deltas: int) -> None:
+        unknown = deltas.keys() - set(_FIELDS)
+        if unknown:
+            raise AttributeError(f"EngineStatus has no field {sorted(unknown)}")
         with self._lock:
             for name, delta in deltas.items():
-                self._values[name] = self._values.get(name, 0) + delta
+                setattr(self._record, name, getattr(self._record, name) + delta)
 
     def token_produced(self, at: float) -> None:
         # The per-token hot path: one lock round trip instead of two.
         with self._lock:
-            self._values["tokens_generated"] += 1
-            self._values["last_token_at"] = at
+            self._record.tokens_generated += 1
+            self._record.last_token_at = at
 
     def get(self, name: str) -> Any:
         with self._lock:
-            return self._values.get(name)
+            return getattr(self._record, name)
 
     def snapshot(self) -> dict[str, Any]:
+        """The record as wire values (enums as their strings, nested records as maps)."""
         with self._lock:
-            return dict(self._values)
+            return {name: _wire(getattr(self._record, name)) for name in _FIELDS}

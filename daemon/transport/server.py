@@ -24,7 +24,8 @@ import zmq
 
 from moed.daemon import __version__
 from moed.daemon.config import ServeConfig
-from moed.daemon.engine.core import Engine, GenerateJob, RequestKey
+from moed.daemon.engine.loop import Engine
+from moed.daemon.engine.request import GenerateJob, RequestKey
 from moed.daemon.engine.status import DaemonState, EngineStatus
 from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.runtime import crashlog
@@ -255,7 +256,7 @@ class Server:
     def _begin_drain(self) -> None:
         self._draining = True
         self._drain_deadline = time.monotonic() + self.serve.drain_timeout_s
-        self.status.update(state=DaemonState.DRAINING.value)
+        self.status.update(state=DaemonState.DRAINING)
         log.info(
             "draining %d request(s), deadline %.1fs", len(self._pending), self.serve.drain_timeout_s
         )

@@ -1,0 +1,40 @@
+"""The engine's inbox: typed commands that the transport queues and the engine core handles.
+
+Jobs and commands share one FIFO, so a Cancel always arrives after the Submit it names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moed.daemon.engine.request import GenerateJob, RequestKey
+from moed.protocol import ShedLevel
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Start a validated `generate` request."""
+
+    job: GenerateJob
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """End a request with `finish_reason: cancelled` (nothing happens if it already ended)."""
+
+    key: RequestKey
+
+
+@dataclass(frozen=True)
+class Shed:
+    """Give memory back: shrink the expert cache; `cancel_newest` also fails the newest request."""
+
+    level: ShedLevel
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Wake the engine thread so that it sees the stop flag and drains."""
+
+
+EngineCommand = Submit | Cancel | Shed | Stop

@@ -1,0 +1,135 @@
+"""The engine core on its own thread behind an inbox: the interface the transport uses.
+
+The transport (or a test) calls submit/cancel/shed/stop from any thread; each becomes a typed
+command on one FIFO that the engine thread hands to the EngineCore between rounds of work.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from moed.daemon.config import ServeConfig
+from moed.daemon.engine.commands import Cancel, EngineCommand, Shed, Stop, Submit
+from moed.daemon.engine.core import EngineCore, EventSink
+from moed.daemon.engine.request import GenerateJob, RequestKey
+from moed.daemon.engine.status import EngineStatus
+from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.model.loader import LoadedModel
+from moed.daemon.runtime.crashlog import CrashKind
+from moed.daemon.runtime.faults import Faults
+from moed.protocol import ErrorCode, ShedLevel
+
+log = logging.getLogger("moed.engine")
+
+
+class Engine:
+    """Runs an EngineCore on the `moed-engine` thread; the sink is created on that thread."""
+
+    def __init__(
+        self,
+        serve: ServeConfig,
+        model_path: Path,
+        sink_factory: Callable[[], EventSink],
+        status: EngineStatus,
+    ):
+        self.serve = serve
+        self.model_path = model_path
+        self.status = status
+        self._sink_factory = sink_factory
+        self._inbox: queue.Queue[EngineCommand] = queue.Queue()
+        self._stop = threading.Event()
+        self.core: EngineCore | None = None
+        # Parsed here, on the caller's thread, so a bad spec fails the start as a config error.
+        self.faults = Faults.parse(serve.debug_faults)
+        self.thread = threading.Thread(target=self._run, name="moed-engine", daemon=True)
+        # Set by the server: record a crash durably before the in-flight requests are failed.
+        self.on_crash: Callable[[CrashKind, str], None] | None = None
+
+    @property
+    def loaded(self) -> LoadedModel | None:
+        return self.core.loaded if self.core else None
+
+    @property
+    def fatal(self) -> BaseException | None:
+        return self.core.fatal if self.core else None
+
+    @property
+    def exit_code(self) -> int:
+        return self.core.exit_code if self.core else DaemonExit.FAILED
+
+    # ---- called from other threads -------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: GenerateJob) -> None:
+        self.status.add(queued_requests=1)
+        self._inbox.put(Submit(job))
+
+    def cancel(self, key: RequestKey) -> None:
+        self._inbox.put(Cancel(key))
+
+    def shed(self, level: ShedLevel) -> None:
+        self._inbox.put(Shed(level))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(Stop())
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        core = EngineCore(
+            self.serve,
+            self.model_path,
+            self._sink_factory(),
+            self.status,
+            on_crash=self.on_crash,
+            reject_queued=self._reject_queued,
+            faults=self.faults,
+        )
+        self.core = core
+        if not core.load():
+            return
+        try:
+            while not self._stop.is_set() and core.fatal is None:
+                self._drain_inbox(core, block=not core.has_work)
+                if core.fatal is None:
+                    core.step()
+            if core.fatal is None:
+                message = "the daemon is shutting down"
+                core.finish_all(ErrorCode.SHUTTING_DOWN, message)
+                self._reject_queued(ErrorCode.SHUTTING_DOWN, message)
+        except Exception as exc:  # a bug outside a step: fail everyone and exit, never hang
+            core.engine_failed(exc)
+        core.close()
+
+    def _drain_inbox(self, core: EngineCore, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(command, Submit):
+                self.status.add(queued_requests=-1)
+            core.handle(command)
+            if core.fatal is not None:
+                return
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _reject_queued(self, code: ErrorCode, message: str) -> None:
+        """Fail every request still in the inbox (the engine is failing or draining)."""
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, Submit):
+                self.status.add(queued_requests=-1)
+                if self.core is not None:
+                    self.core.reject(command.job, code, message)

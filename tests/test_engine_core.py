@@ -1,0 +1,126 @@
+"""The engine core in-process, with no socket: commands in, events out, tokens as mlx-lm's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from moed.daemon.config import ServeConfig
+from moed.daemon.engine.commands import Cancel, Shed, Submit
+from moed.daemon.engine.core import EngineCore
+from moed.daemon.engine.request import GenerateJob
+from moed.daemon.engine.status import DaemonState, EngineStatus
+from moed.protocol import MessageType, ShedLevel, validate_request
+from moed.protocol import messages as wire
+
+PROMPT_IDS = [5, 17, 33, 2, 41]
+
+
+@dataclass
+class ListSink:
+    """Collects what the engine emits, as the transport would forward it."""
+
+    events: list[tuple[bytes, dict, bool]] = field(default_factory=list)
+
+    def emit(self, identity: bytes, msg: dict, terminal: bool = False) -> None:
+        self.events.append((identity, msg, terminal))
+
+    def of(self, req_id) -> list[dict]:
+        return [m for _, m, _ in self.events if m["id"] == req_id]
+
+    def tokens(self, req_id) -> list[int]:
+        return [i for m in self.of(req_id) if m["type"] == "token" for i in m["ids"]]
+
+
+def generate_job(identity: bytes, req_id, **fields) -> GenerateJob:
+    msg = wire.request(MessageType.GENERATE, req_id, prompt_ids=PROMPT_IDS, **fields)
+    validate_request(msg)  # what the transport checks before it submits
+    return GenerateJob(identity, msg)
+
+
+def reference_tokens(model_path, max_tokens: int) -> list[int]:
+    """Plain mlx-lm greedy decoding of the same ids, the ground truth."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer = load(str(model_path))
+    out = []
+    for token, _ in generate_step(mx.array(PROMPT_IDS), model, max_tokens=max_tokens):
+        if token in tokenizer.eos_token_ids:
+            break
+        out.append(int(token))
+    return out
+
+
+def run_until_idle(core: EngineCore, limit: int = 1000) -> int:
+    rounds = 0
+    while core.has_work and rounds < limit:
+        core.step()
+        rounds += 1
+    return rounds
+
+
+@pytest.fixture(params=["resident", "streaming"])
+def core(request, tiny_model, tmp_path):
+    resident = request.param == "resident"
+    serve = ServeConfig(
+        model=str(tiny_model), state_dir=tmp_path, resident=resident, cache_budget="25%"
+    )
+    status = EngineStatus()
+    engine = EngineCore(serve, tiny_model, ListSink(), status)
+    assert engine.load()
+    yield engine
+    engine.close()
+
+
+def test_core_tokens_equal_mlx_lm_and_status_is_typed(core, tiny_model):
+    core.handle(Submit(generate_job(b"a", 1, max_tokens=8)))
+    assert core.status.get("active_requests") == 1 and core.status.get("busy") is True
+    run_until_idle(core)
+    assert core.sink.tokens(1) == reference_tokens(tiny_model, 8)
+    done = core.sink.of(1)[-1]
+    assert done["type"] == "done" and done["usage"]["prompt_tokens"] == len(PROMPT_IDS)
+    snap = core.status.snapshot()
+    assert snap["state"] == DaemonState.READY.value and snap["active_requests"] == 0
+    assert snap["tokens_generated"] == len(core.sink.tokens(1)) and snap["requests_served"] == 1
+    with pytest.raises(AttributeError):
+        core.status.update(not_a_status_field=1)
+
+
+def test_core_round_robin_interleaves_and_cancels_within_a_round(core):
+    core.handle(Submit(generate_job(b"a", "x", max_tokens=6)))
+    core.handle(Submit(generate_job(b"b", "x", max_tokens=6)))
+    core.step()
+    core.step()
+    # Two clients, same id: one token each per round, in admission order.
+    assert [(i, m["index"]) for i, m, _ in core.sink.events if m["type"] == "token"] == [
+        (b"a", 0),
+        (b"b", 0),
+        (b"a", 1),
+        (b"b", 1),
+    ]
+    core.handle(Cancel((b"a", "x")))
+    ends = [(i, m) for i, m, terminal in core.sink.events if terminal]
+    assert [(i, m["finish_reason"]) for i, m in ends] == [(b"a", "cancelled")]
+    run_until_idle(core)
+    a_ids = [
+        m["ids"] for i, m, _ in core.sink.events if i == b"a" and m["type"] == "token" and m["ids"]
+    ]
+    b_ids = [
+        m["ids"] for i, m, _ in core.sink.events if i == b"b" and m["type"] == "token" and m["ids"]
+    ]
+    assert len(a_ids) == 2 and len(b_ids) == 6  # no token of `a` after its cancel
+
+
+def test_core_shed_cancel_newest_fails_only_the_newest(core):
+    core.handle(Submit(generate_job(b"a", 1, max_tokens=4)))
+    core.handle(Submit(generate_job(b"a", 2, max_tokens=4)))
+    core.step()
+    core.handle(Shed(ShedLevel.CANCEL_NEWEST))
+    assert core.sink.of(2)[-1]["code"] == "out_of_memory"
+    snap = core.status.snapshot()
+    assert snap["sheds"] == 1 and snap["last_shed"]["cancelled"] == 2
+    run_until_idle(core)
+    assert core.sink.of(1)[-1]["type"] == "done"
