@@ -99,3 +99,29 @@ def daemon_factory(tmp_path):
 def daemon(daemon_factory, tiny_model) -> DaemonProcess:
     """A running resident daemon on the tiny qwen3_moe checkpoint."""
     return daemon_factory(tiny_model, "--resident")
+
+
+# --- memory cgroups (root-only Linux tests) ---------------------------------------------------
+
+from fixtures.cgroups import MemoryCgroup  # noqa: E402
+
+
+@pytest.fixture
+def memory_cgroup():
+    """`memory_cgroup(limit_bytes, swap=False) -> MemoryCgroup`; all removed at teardown. Skips
+    where the machine has no memory cgroup we may write (a container may show one read-only)."""
+    made: list[MemoryCgroup] = []
+
+    def make(limit_bytes: int, swap: bool = False) -> MemoryCgroup:
+        try:
+            cg = MemoryCgroup(limit_bytes, swap=swap)
+        except OSError as exc:
+            pytest.skip(f"cannot create a memory cgroup here: {exc}")
+        made.append(cg)
+        return cg
+
+    try:
+        yield make
+    finally:
+        for cg in made:
+            cg.destroy()

@@ -33,17 +33,51 @@ class DaemonProcess:
         return wait_until_ready(self.socket, self.proc, timeout_s, self.log_path)
 
     def stop(self, timeout_s: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(
-            self.socket.parent, ignore_errors=True
-        )  # the short-path socket dir lives in /tmp
-        return self.proc.returncode
+        code = stop_process(self.proc, timeout_s)
+        shutil.rmtree(self.socket.parent, ignore_errors=True)  # the short-path socket dir in /tmp
+        return code
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:
+    """SIGTERM, then SIGKILL if it has not exited within timeout_s; its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def short_socket_path() -> Path:
+    """A socket in its own new folder under /tmp: AF_UNIX paths are limited to about 100 bytes."""
+    return Path(f"/tmp/moedt-{os.getpid()}-{time.monotonic_ns() % 10**9}") / "d.sock"
+
+
+def watchdog_command(socket: Path, state_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "moed.daemon.cli",
+        "watchdog",
+        "--socket",
+        str(socket),
+        "--state-dir",
+        str(state_dir),
+        *extra,
+    ]
+
+
+def start_watchdog(socket: Path, state_dir: Path, log_path: Path, *extra: str) -> subprocess.Popen:
+    """A `moed watchdog` process writing to log_path; stop it with stop_process."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            watchdog_command(socket, state_dir, *extra),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def serve_command(model: Path | str, socket: Path, state_dir: Path, *extra: str) -> list[str]:
@@ -71,9 +105,7 @@ def start_daemon(
     preexec_fn=None,
 ) -> DaemonProcess:
     tmp.mkdir(parents=True, exist_ok=True)
-    # Short socket path: AF_UNIX paths are limited to about 100 bytes.
-    sock_dir = Path(f"/tmp/moedt-{os.getpid()}-{time.monotonic_ns() % 10**9}")
-    socket = sock_dir / "d.sock"
+    socket = short_socket_path()
     state_dir = tmp / "state"
     log_path = tmp / f"daemon-{time.monotonic_ns()}.log"
     args = serve_command(model, socket, state_dir, *extra)

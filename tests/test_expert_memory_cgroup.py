@@ -12,11 +12,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from daemon_harness import start_daemon
 from fixtures.checkpoints import write_large_checkpoint
+
+from moed.client import TokenEvent
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux cgroups"),
@@ -51,72 +53,6 @@ print(json.dumps({"tokens": tokens, "hwm": hwm,
 """.replace("MAX_TOKENS", str(MAX_TOKENS))
 
 
-class MemoryCgroup:
-    """A memory-limited cgroup (v2, or the v1 memory controller), swap forbidden."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        name = f"moed-expert-test-{os.getpid()}-{time.monotonic_ns()}"
-        v2 = Path("/sys/fs/cgroup")
-        if "memory" in _read(v2 / "cgroup.controllers").split():
-            self.version, self.path = 2, v2 / name
-            if "memory" not in _read(v2 / "cgroup.subtree_control").split():
-                (v2 / "cgroup.subtree_control").write_text("+memory")
-        elif (Path("/sys/fs/cgroup/memory") / "memory.limit_in_bytes").exists():
-            self.version, self.path = 1, Path("/sys/fs/cgroup/memory") / name
-        else:
-            pytest.skip("no cgroup memory controller")
-        self.path.mkdir()
-        if self.version == 2:
-            (self.path / "memory.max").write_text(str(limit))
-            if (self.path / "memory.swap.max").exists():
-                (self.path / "memory.swap.max").write_text("0")
-        else:
-            (self.path / "memory.limit_in_bytes").write_text(str(limit))
-            if (self.path / "memory.memsw.limit_in_bytes").exists():
-                (self.path / "memory.memsw.limit_in_bytes").write_text(str(limit))
-
-    def enter(self) -> None:
-        """preexec_fn: move the forked child into the cgroup before it execs."""
-        with open(self.path / "cgroup.procs", "w") as f:
-            f.write(str(os.getpid()))
-
-    def peak(self) -> int | None:
-        name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
-        text = _read(self.path / name)
-        return int(text) if text else None
-
-    def oom_kills(self) -> int:
-        text = _read(self.path / ("memory.events" if self.version == 2 else "memory.oom_control"))
-        for line in text.splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-        return 0
-
-    def remove(self) -> None:
-        for pid in _read(self.path / "cgroup.procs").split():
-            try:
-                os.kill(int(pid), 9)
-            except ProcessLookupError:
-                pass
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.1)
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
 def _child(path: Path, mode: str, budget: str = "", preexec=None) -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, str(path), mode, budget],
@@ -129,7 +65,7 @@ def _child(path: Path, mode: str, budget: str = "", preexec=None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_streaming_fits_under_a_cgroup_limit_of_60_percent(tmp_path_factory):
+def test_streaming_fits_under_a_cgroup_limit_of_60_percent(tmp_path_factory, memory_cgroup):
     path = write_large_checkpoint(tmp_path_factory.mktemp("large") / "qwen3_moe-300mb", 300)
     size = sum(f.stat().st_size for f in path.glob("model*.safetensors"))
     limit = int(0.6 * size)
@@ -137,13 +73,10 @@ def test_streaming_fits_under_a_cgroup_limit_of_60_percent(tmp_path_factory):
     resident = _child(path, "resident")
     assert resident["hwm"] > limit  # the resident model could not run under this limit
 
-    cgroup = MemoryCgroup(limit)
-    try:
-        streamed = _child(path, "stream", "auto", preexec=cgroup.enter)
-        peak = cgroup.peak()
-        kills = cgroup.oom_kills()
-    finally:
-        cgroup.remove()
+    cgroup = memory_cgroup(limit)
+    streamed = _child(path, "stream", "auto", preexec=cgroup.enter)
+    peak, kills = cgroup.peak_bytes(), cgroup.oom_kills()
+    cgroup.destroy()
     assert not cgroup.path.exists()
 
     assert streamed["tokens"] == resident["tokens"]
@@ -156,19 +89,17 @@ def test_streaming_fits_under_a_cgroup_limit_of_60_percent(tmp_path_factory):
         assert peak <= limit
 
 
-def test_the_daemon_serves_under_a_cgroup_limit_of_60_percent(tmp_path_factory, tmp_path):
+def test_the_daemon_serves_under_a_cgroup_limit_of_60_percent(
+    tmp_path_factory, tmp_path, memory_cgroup
+):
     """The same, through the real daemon and client: `moed serve` placed in the cgroup, auto
     budget."""
-    from daemon_harness import start_daemon
-
-    from moed.client import TokenEvent
-
     path = write_large_checkpoint(tmp_path_factory.mktemp("large-d") / "qwen3_moe-300mb", 300)
     size = sum(f.stat().st_size for f in path.glob("model*.safetensors"))
     limit = int(0.6 * size)
     resident = _child(path, "resident")
 
-    cgroup = MemoryCgroup(limit)
+    cgroup = memory_cgroup(limit)
     daemon = None
     try:
         # A short planned context: the default 8192-token KV reservation alone would not fit this
@@ -186,11 +117,11 @@ def test_the_daemon_serves_under_a_cgroup_limit_of_60_percent(tmp_path_factory, 
             ]
             status = c.status()
         assert daemon.stop() == 0
-        peak, kills = cgroup.peak(), cgroup.oom_kills()
+        peak, kills = cgroup.peak_bytes(), cgroup.oom_kills()
     finally:
         if daemon is not None:
             daemon.stop()
-        cgroup.remove()
+        cgroup.destroy()
     assert not cgroup.path.exists()
     # The daemon stops at EOS where the reference (raw generate_step) runs on: compare that prefix.
     assert tokens == resident["tokens"][: len(tokens)]
