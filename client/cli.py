@@ -16,6 +16,10 @@ from .client import Client
 from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
 from .events import DoneEvent, TelemetryEvent, TokenEvent, TraceEvent
 from .exit_codes import ExitCode
+from .models_cli import list_cmd as _list
+from .models_cli import ps as _ps
+from .models_cli import pull as _pull
+from .models_cli import rm as _rm
 from .progress import Progress, progress_mode
 from .stats_cli import metrics as _metrics
 from .stats_cli import stats as _stats
@@ -373,6 +377,8 @@ def stop(obj, reason: str) -> None:
 
 main.add_command(_stats)
 main.add_command(_metrics)
+for _command in (_pull, _list, _rm, _ps):
+    main.add_command(_command)
 add_global_options(main)  # last: every command above (and any added) takes the global options
 
 

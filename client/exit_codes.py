@@ -10,4 +10,5 @@ class ExitCode(enum.IntEnum):
     DAEMON_UNAVAILABLE = 3  # no daemon answered (and none could be started)
     REQUEST_FAILED = 4  # the daemon refused or failed the request (typed error)
     DAEMON_RESTARTED = 5  # the daemon died or restarted mid-request
+    MODEL_UNAVAILABLE = 6  # pull / rm: not on the Hub, not in the cache, or arrived damaged
     INTERRUPTED = 130  # Ctrl-C; the request was cancelled

@@ -69,6 +69,9 @@ JSON_COMMANDS = [
     ("moe", ("run",)),
     ("moe", ("status",)),
     ("moe", ("stats",)),
+    ("moe", ("list",)),
+    ("moe", ("ps",)),
+    ("moe", ("pull",)),
     ("moed", ("service", "status")),
     ("moed", ("trace", "analyze")),
 ]

@@ -7,18 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moed.client.hub import HF_ALLOW_PATTERNS as PULL_PATTERNS
 from moed.daemon.config import DEMO_MODEL
 
-# What a stock mlx-lm checkpoint needs on disk (same patterns mlx-lm downloads).
-HF_ALLOW_PATTERNS = [
-    "*.json",
-    "model*.safetensors",
-    "*.py",
-    "tokenizer.model",
-    "*.tiktoken",
-    "*.txt",
-    "*.jinja",
-]
+# What a stock mlx-lm checkpoint needs on disk: the same list `moe pull` downloads.
+HF_ALLOW_PATTERNS = list(PULL_PATTERNS)
 
 
 class ModelNotFound(Exception):
@@ -57,7 +50,7 @@ def _from_hf_cache(repo_id: str) -> Path:
     except LocalEntryNotFoundError:
         raise ModelNotFound(
             f"{repo_id!r} is not in the local Hugging Face cache; download it first with "
-            f"`hf download {repo_id}` (moed never downloads at start)"
+            f"`moe pull {repo_id}` (the daemon never downloads)"
         ) from None
     except Exception as exc:  # invalid repo id, corrupt cache
         raise ModelNotFound(f"{repo_id!r}: {exc}") from None

@@ -1,0 +1,175 @@
+"""`moe pull`, `moe list`, `moe rm`, `moe ps`: the models on this machine and the one loaded."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from moed.protocol.units import format_bytes, format_duration
+
+from .cli_common import fail, global_options, json_line
+from .client import Client
+from .errors import DaemonUnavailable, RequestFailed
+from .exit_codes import ExitCode
+from .progress import Progress, Unit, progress_mode
+
+JSON_HELP = "One JSON object per line instead of a table."
+
+
+@click.command()
+@click.argument("repo_id")
+@click.option("--revision", help="Branch, tag or commit to pull (default: main).")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="JSON lines: progress events, then a `pulled` (or `error`) object.",
+)
+def pull(repo_id: str, revision: str | None, as_json: bool) -> None:
+    """Download REPO_ID (org/name) from Hugging Face into the local cache, only the files mlx-lm
+    needs, and verify every safetensors header. Run it again to resume an interrupted pull."""
+    from .hub import PullError
+    from .hub import pull as pull_model
+
+    if repo_id.count("/") != 1:
+        fail(ExitCode.USAGE, f"{repo_id!r} is not a Hugging Face id (org/name)", as_json)
+    bar = Progress(f"pull {repo_id}", progress_mode(as_json), unit=Unit.BYTES)
+    try:
+        result = pull_model(
+            repo_id, revision, lambda done, total, name: bar.update(done, total, name or None)
+        )
+    except PullError as exc:
+        bar.close(done=False)
+        fail(ExitCode.MODEL_UNAVAILABLE, str(exc), as_json, code="pull_failed")
+    except KeyboardInterrupt:
+        bar.close(done=False)
+        fail(ExitCode.INTERRUPTED, "interrupted; run the pull again to resume", as_json)
+    bar.close()
+    if as_json:
+        json_line(
+            {
+                "type": "pulled",
+                "name": result.repo_id,
+                "commit": result.commit,
+                "path": str(result.path),
+                "files": result.files,
+                "size_bytes": result.total_bytes,
+                "downloaded_bytes": result.downloaded_bytes,
+                "verified_shards": result.verified_shards,
+            }
+        )
+        return
+    fetched = (
+        f"{format_bytes(result.downloaded_bytes)} downloaded"
+        if result.downloaded_bytes
+        else "already in the cache"
+    )
+    click.echo(
+        f"{result.repo_id}: {result.files} files, {format_bytes(result.total_bytes)} ({fetched}), "
+        f"{result.verified_shards} shard(s) verified\n"
+        f"serve it with: moed serve --model {result.repo_id}"
+    )
+
+
+@click.command("list")
+@click.option("--all", "show_all", is_flag=True, help="Also list models moed cannot serve.")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def list_cmd(show_all: bool, as_json: bool) -> None:
+    """Models in the local Hugging Face cache that moed can serve: size, MoE or not, experts."""
+    from .hub import cached_models
+
+    models = [m for m in cached_models() if show_all or m.servable]
+    if as_json:
+        for m in models:
+            json_line({"type": "model", **m.to_json()})
+        return
+    if not models:
+        click.echo("no servable models in the Hugging Face cache; try: moe pull <org/name>")
+        return
+    rows = [("NAME", "SIZE", "TYPE", "EXPERTS", "")]
+    for m in models:
+        experts = f"{m.num_experts} x top-{m.experts_per_token}" if m.is_moe else "dense"
+        rows.append(
+            (m.repo_id, format_bytes(m.size_bytes), m.model_type or "?", experts, m.why_not or "")
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + f"  {r[4]}".rstrip())
+
+
+@click.command()
+@click.argument("repo_id")
+@click.option("--force", is_flag=True, help="Remove it even though the running daemon serves it.")
+@click.pass_obj
+def rm(obj, repo_id: str, force: bool) -> None:
+    """Remove REPO_ID from the local Hugging Face cache (every revision)."""
+    from .hub import cached_models, remove
+
+    served = _served_path(obj)
+    mine = [m for m in cached_models() if m.repo_id == repo_id]
+    if served and mine and not force and str(mine[0].path.parent.parent) in served:
+        fail(
+            ExitCode.USAGE,
+            f"the running daemon serves {repo_id}; `moe stop` it first (or pass --force)",
+        )
+    try:
+        freed, folder = remove(repo_id)
+    except KeyError:
+        fail(ExitCode.MODEL_UNAVAILABLE, f"{repo_id} is not in the Hugging Face cache")
+    click.echo(f"removed {repo_id} ({format_bytes(freed)}) from {folder.parent}")
+
+
+def _served_path(obj) -> str | None:
+    try:
+        with Client(global_options().socket_path, timeout=min(obj["timeout"], 2.0)) as client:
+            return (client.status().get("model") or {}).get("path")
+    except (DaemonUnavailable, RequestFailed):
+        return None
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@click.pass_obj
+def ps(obj, as_json: bool) -> None:
+    """The daemon's model: state (ready, idle, loading), memory, cache budget, idle time."""
+    try:
+        with Client(global_options().socket_path, timeout=obj["timeout"]) as client:
+            status = client.status()
+    except DaemonUnavailable as exc:
+        fail(ExitCode.DAEMON_UNAVAILABLE, str(exc), as_json, code="daemon_unavailable")
+    except RequestFailed as exc:
+        fail(ExitCode.REQUEST_FAILED, str(exc), as_json, code=getattr(exc.code, "value", exc.code))
+    row = ps_row(status)
+    if as_json:
+        json_line({"type": "model", **row})
+        return
+    keep = row["keep_alive_s"]
+    cols = [
+        ("NAME", row["name"] or "-"),
+        ("STATE", row["state"] or "-"),
+        ("MEMORY", format_bytes(row["rss_bytes"])),
+        ("BUDGET", format_bytes(row["budget_bytes"]) if row["budget_bytes"] else "resident"),
+        ("IDLE", format_duration(row["idle_s"])),
+        ("UNLOADS", "never" if keep is None or keep < 0 else f"after {format_duration(keep)}"),
+    ]
+    widths = [max(len(h), len(v)) for h, v in cols]
+    click.echo("  ".join(h.ljust(w) for (h, _), w in zip(cols, widths)))
+    click.echo("  ".join(v.ljust(w) for (_, v), w in zip(cols, widths)))
+
+
+def ps_row(status: dict) -> dict:
+    model = status.get("model") or {}
+    streaming = status.get("streaming") or {}
+    last = status.get("last_activity_at") or status.get("last_token_at") or status.get("started_at")
+    now = status.get("time") or time.time()
+    return {
+        "name": model.get("name"),
+        "path": model.get("path"),
+        "state": status.get("state"),
+        "rss_bytes": status.get("rss_bytes"),
+        "budget_bytes": streaming.get("budget_bytes"),
+        "idle_s": None if status.get("busy") else max(0.0, now - (last or now)),
+        "keep_alive_s": status.get("keep_alive_s"),
+        "active_requests": status.get("active_requests"),
+    }
