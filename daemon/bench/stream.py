@@ -431,7 +431,7 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
         "",
         f"{'budget':>8} {'slots':>5} {'tok/s':>7} {'x res':>6} {'same':>5} "
         f"{'hit%':>6} {'belady%':>8} {'hit/opt':>7} "
-        f"{'MB/tok':>7} {'B/(miss*E)':>10} {'read MB/s':>9} {'x raw':>6}",
+        f"{'MB/tok':>7} {'B/(miss*E)':>10} {'read MB/s':>9} {'x raw':>6} {'syncs/tok':>9}",
         f"{'resident':>8} {'-':>5} {resident.tok_s:7.2f} {1.0:6.2f} {'-':>5}",
     ]
     for r in runs:
@@ -453,7 +453,8 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
             f"{100 * hr:6.1f} {(f'{100 * opt:.1f}' if opt else '-'):>8} "
             f"{(_ratio(hr, opt) if opt else '-'):>7} {mb_tok:7.1f} "
             f"{(f'{exact:.3f}' if exact else '-'):>10} "
-            f"{(f'{bw:.0f}' if bw else '-'):>9} {(_ratio(bw, raw['mb_s']) if bw else '-'):>6}"
+            f"{(f'{bw:.0f}' if bw else '-'):>9} {(_ratio(bw, raw['mb_s']) if bw else '-'):>6} "
+            f"{c['host_syncs'] / max(1, r.decode_tokens):9.2f}"
         )
     for r in runs:
         c = r.counters
@@ -473,7 +474,7 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
     lines += [
         "",
         "time per decode token (ms):",
-        f"{'budget':>8} {'wall':>7} {'attn+router':>11} {'experts':>8} {'readback':>8} "
+        f"{'budget':>8} {'wall':>7} {'sync':>11} {'fences':>8} {'readback':>8} "
         f"{'stall':>7} {'reads*':>7} "
         f"{'moe py':>7} {'other':>7}",
     ]
@@ -502,10 +503,13 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
         "belady%: offline optimum",
         "on the same routing trace and slots. B/(miss*E): decode bytes read / "
         "(misses x expert bytes).",
-        "read MB/s: decode bytes read / time stalled on reads. "
-        "attn+router: evaluating the graph up to the router",
-        "(forced by the router read-back); readback: copying indices to the host; "
-        "reads*: worker time summed",
+        "read MB/s: decode bytes read / time stalled on reads. syncs/tok: evaluations the "
+        "streaming layers forced",
+        "per decode token (router read-backs + fences). sync: the router read-backs, which "
+        "evaluate everything pending",
+        "(attention, router, the previous layer's experts); fences: evaluating pending outputs "
+        "before a slot they read is",
+        "reused; readback: copying indices to the host; reads*: worker time summed",
         "over parallel reads (inside the stall); moe py: the streaming layers' own Python "
         "(planning, slot tables,",
         "graph building); other: outside the streaming layers "

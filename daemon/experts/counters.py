@@ -11,6 +11,9 @@ CUMULATIVE_KEYS = frozenset(
         "hits",
         "misses",
         "tokens",
+        "steps",
+        "host_syncs",
+        "fences",
         "layer_calls",
         "passes",
         "bytes_read",
@@ -43,6 +46,9 @@ class LayerCounters:
 class Counters:
     layers: list[LayerCounters] = field(default_factory=list)
     tokens: int = 0  # token rows seen by the first MoE layer
+    steps: int = 0  # forward passes (calls of the first MoE layer): one per decode token
+    host_syncs: int = 0  # evaluations the streaming layers forced (router read-backs + fences)
+    fences: int = 0  # ... of them evaluating pending outputs before a slot they read was reused
     layer_calls: int = 0  # streaming layer calls
     passes: int = 0  # extra passes when a call needed more experts than a layer has slots
     bytes_read: int = 0
@@ -54,7 +60,8 @@ class Counters:
         0.0  # evaluating the pending graph up to the router (forced by the read-back)
     )
     router_copy_s: float = 0.0  # copying the indices to the host and planning the layer
-    expert_compute_s: float = 0.0  # evaluating the expert outputs
+    expert_compute_s: float = 0.0  # evaluating pending expert outputs at a fence (the rest of
+    # the expert compute runs inside the next router read-back: router_sync_s)
     layer_s: float = 0.0  # wall time inside streaming layers (all of the above plus their Python)
     prefetched: int = 0  # experts read speculatively for the next layer
     prefetch_hits: int = 0  # ... that the next layer did use
@@ -75,6 +82,9 @@ class Counters:
             "layer_hits": [c.hits for c in self.layers],
             "layer_misses": [c.misses for c in self.layers],
             "tokens": self.tokens,
+            "steps": self.steps,
+            "host_syncs": self.host_syncs,
+            "fences": self.fences,
             "layer_calls": self.layer_calls,
             "passes": self.passes,
             "bytes_read": self.bytes_read,

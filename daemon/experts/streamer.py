@@ -87,6 +87,10 @@ class ExpertStreamer:
         self._predicted: tuple[int, np.ndarray] | None = None  # (layer, experts) to prefetch next
         self._inflight: dict[int, tuple[list, list[tuple[int, int]], set[int]]] = {}
         self._pending_slots: int | None = None  # a shed requested from another thread
+        # The lazy fence: layer outputs built but not yet evaluated, and per layer the slots they
+        # read. A slot in `_pending_reads` is never overwritten before `_pending_outputs` ran.
+        self._pending_outputs: list[mx.array] = []
+        self._pending_reads: list[set[int]] = [set() for _ in switches]
         self._engine_thread = threading.get_ident()  # the loading thread until the first layer call
         self._lock = threading.Lock()
         self.trace: list[list[np.ndarray]] | None = None  # set to [] to record routing (bench)
@@ -98,13 +102,20 @@ class ExpertStreamer:
     def route(self, layer: int, indices: mx.array, x: mx.array | None = None) -> np.ndarray:
         """Read the router's choices back to the host (the known cost centre, timed)."""
         self._engine_thread = threading.get_ident()
-        if layer == 0 and self._pending_slots is not None:
-            self._apply_shed()
         c = self.counters
         predicted = self._prediction(layer, indices, x)
         t0 = time.perf_counter()
-        mx.eval(indices) if predicted is None else mx.eval(indices, predicted)
+        # The one host sync of the layer also finishes every pending layer output (usually
+        # ancestors of these indices anyway), so their slots are free to be overwritten after it.
+        extra = [predicted] if predicted is not None else []
+        mx.eval(indices, *extra, *self._pending_outputs)
+        self._pending_done()
+        c.host_syncs += 1
         t1 = time.perf_counter()
+        if layer == 0:
+            c.steps += 1
+            if self._pending_slots is not None:
+                self._apply_shed()
         host = np.array(indices)
         self._predicted = (
             (layer + 1, np.unique(np.array(predicted))) if predicted is not None else None
@@ -150,6 +161,7 @@ class ExpertStreamer:
         if not wanted or layer in self._inflight:
             return
         _hits, loads = self._admit(pool, wanted)
+        self._fence(layer, loads)
         futures = self.reader.submit(self.store.jobs_for(pool, loads))
         self._inflight[layer] = (futures, loads, {e for e, _ in loads})
         self.counters.prefetched += len(loads)
@@ -192,6 +204,8 @@ class ExpertStreamer:
         lc.misses += len(loads)
         if self.observer is not None:  # before the read: it asks whether the pages are cached
             self.observer.on_load(layer, pool, hits, loads)
+        if loads:
+            self._fence(layer, loads)
         demand = self.reader.submit(self.store.jobs_for(pool, loads)) if loads else []
         if self._predicted is not None and self._predicted[0] == layer + 1:
             self._prefetch(layer + 1, self._predicted[1])  # queued behind this layer's misses
@@ -202,10 +216,33 @@ class ExpertStreamer:
         table[experts] = pool.slot_of[experts]
         return table, pool.arrays
 
-    def finish(self, out: mx.array) -> None:
+    def defer(self, layer: int, out: mx.array, slots_read: np.ndarray) -> None:
+        """`out` reads `slots_read` of `layer`'s pools and is not evaluated yet: it will be at the
+        next router read-back, or earlier if one of those slots is about to be overwritten."""
+        self._pending_outputs.append(out)
+        self._pending_reads[layer].update(slots_read.tolist())
+
+    def _fence(self, layer: int, loads: list[tuple[int, int]]) -> None:
+        """Evaluate the pending outputs before `loads` overwrite a slot one of them reads."""
+        reads = self._pending_reads[layer]
+        if reads and any(slot in reads for _e, slot in loads):
+            self._fence_all()
+
+    def _fence_all(self) -> None:
+        if not self._pending_outputs:
+            return
         t0 = time.perf_counter()
-        mx.eval(out)
-        self.counters.expert_compute_s += time.perf_counter() - t0
+        mx.eval(*self._pending_outputs)
+        self._pending_done()
+        c = self.counters
+        c.host_syncs += 1
+        c.fences += 1
+        c.expert_compute_s += time.perf_counter() - t0
+
+    def _pending_done(self) -> None:
+        self._pending_outputs = []
+        for reads in self._pending_reads:
+            reads.clear()
 
     def _collect(self, pool: LayerPool, loads: list[tuple[int, int]], futures: list) -> None:
         try:
@@ -301,6 +338,7 @@ class ExpertStreamer:
 
     def _apply_shed(self) -> None:
         self._drain_prefetch()
+        self._fence_all()  # resizing rewrites every slot
         with self._lock:
             target, self._pending_slots = self._pending_slots, None
         if target is None:
@@ -343,6 +381,7 @@ class ExpertStreamer:
         """Load these experts of each layer (at most `slots`; the last listed are kept longest),
         all layers' reads in one parallel batch. Returns bytes read (counted as warm_bytes)."""
         self._drain_prefetch()
+        self._fence_all()
         jobs, admitted = [], []
         for pool, experts in zip(self.pools, experts_by_layer):
             experts = [int(e) for e in experts][-pool.slots :]

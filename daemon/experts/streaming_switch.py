@@ -47,7 +47,7 @@ class LayerCache(Protocol):
 
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]: ...
 
-    def finish(self, out: mx.array) -> None: ...
+    def defer(self, layer: int, out: mx.array, slots_read: np.ndarray) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class StreamingSwitch(nn.Module):
             x, idx, inv_order = gather_sort(x, indices)
 
         out = None
-        for n, experts in enumerate(passes):
+        for experts in passes:
             table, pools = streamer.load(layer, experts)
             y = self._experts(x, mx.array(table)[idx], do_sort, pools)
             if len(passes) > 1:
@@ -138,16 +138,12 @@ class StreamingSwitch(nn.Module):
                 member[experts] = True
                 if out is not None:
                     y = mx.where(mx.expand_dims(mx.array(member)[idx], (-1, -2)), y, out)
-                if (
-                    n < len(passes) - 1
-                ):  # the next pass overwrites slots this one reads: finish it first
-                    streamer.finish(y)
+            # Not evaluated here: the streamer fences it before any slot it reads is reused.
+            streamer.defer(layer, y, np.unique(table[host]))
             out = y
 
         if do_sort:
             out = scatter_unsort(out, inv_order, indices.shape)
         out = out.squeeze(-2)
-        # Evaluate before returning so no later eviction can race a pending read of a slot.
-        streamer.finish(out)
         streamer.counters.layer_s += time.perf_counter() - t0
         return out

@@ -69,6 +69,10 @@ def expert_stats(snap: dict | None) -> dict | None:
         "router_readback_s": snap.get("router_readback_s", 0.0),
         "router_readback_ms_per_token": _per_token_ms(snap.get("router_readback_s", 0.0), tokens),
         "expert_compute_s": snap.get("expert_compute_s", 0.0),
+        # Evaluations the streaming layers forced per forward step (one decode token): the
+        # router read-backs plus the fences before a pending read's slot was reused.
+        "host_syncs": snap.get("host_syncs", 0),
+        "host_syncs_per_step": _ratio(snap.get("host_syncs", 0), snap.get("steps", 0)),
         "read_s": snap.get("read_s", 0.0),
         "reads": snap.get("reads", snap.get("read_jobs", 0)),
         "evictions": snap.get("evictions", 0),
