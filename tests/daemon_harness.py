@@ -55,18 +55,45 @@ def short_socket_path() -> Path:
     return Path(f"/tmp/moedt-{os.getpid()}-{time.monotonic_ns() % 10**9}") / "d.sock"
 
 
+def moe_command(socket: Path, *args: str) -> list[str]:
+    """`moe --socket SOCKET ARGS...` with this interpreter."""
+    return [sys.executable, "-m", "moed.client.cli", "--socket", str(socket), *args]
+
+
+def moed_command(*args: str) -> list[str]:
+    """`moed ARGS...` with this interpreter."""
+    return [sys.executable, "-m", "moed.daemon.cli", *args]
+
+
+def moe(
+    socket: Path,
+    *args: str,
+    input: str | None = None,
+    env: dict | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess:
+    """Run `moe` to completion: text output captured, env added to this process's."""
+    return _run(moe_command(socket, *args), input, env, timeout)
+
+
+def moed(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `moed` to completion: text output captured, env added to this process's."""
+    return _run(moed_command(*args), None, env, timeout)
+
+
+def _run(cmd: list[str], input: str | None, env: dict | None, timeout: float):
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        input=input,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
 def watchdog_command(socket: Path, state_dir: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "moed.daemon.cli",
-        "watchdog",
-        "--socket",
-        str(socket),
-        "--state-dir",
-        str(state_dir),
-        *extra,
-    ]
+    return moed_command("watchdog", "--socket", str(socket), "--state-dir", str(state_dir), *extra)
 
 
 def start_watchdog(socket: Path, state_dir: Path, log_path: Path, *extra: str) -> subprocess.Popen:
@@ -81,10 +108,7 @@ def start_watchdog(socket: Path, state_dir: Path, log_path: Path, *extra: str) -
 
 
 def serve_command(model: Path | str, socket: Path, state_dir: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "moed.daemon.cli",
+    return moed_command(
         "serve",
         "--model",
         str(model),
@@ -93,7 +117,7 @@ def serve_command(model: Path | str, socket: Path, state_dir: Path, *extra: str)
         "--state-dir",
         str(state_dir),
         *extra,
-    ]
+    )
 
 
 def start_daemon(

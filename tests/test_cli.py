@@ -11,26 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from daemon_harness import moe, moe_command
 
 from moed.client.exit_codes import ExitCode
-
-
-def moe(
-    socket: Path,
-    *args: str,
-    input: str | None = None,
-    env: dict | None = None,
-    timeout: float = 120,
-):
-    cmd = [sys.executable, "-m", "moed.client.cli", "--socket", str(socket), *args]
-    return subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        input=input,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def test_run_json_stream_shape(daemon):
@@ -149,19 +132,7 @@ def test_model_from_local_hugging_face_cache(tiny_model, tmp_path, monkeypatch):
 def test_ctrl_c_cancels_the_request(daemon):
     import signal
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "moed.client.cli",
-        "--socket",
-        str(daemon.socket),
-        "run",
-        "--raw",
-        "--no-start",
-        "--max-tokens",
-        "8000",
-        "hello",
-    ]
+    cmd = moe_command(daemon.socket, "run", "--raw", "--no-start", "--max-tokens", "8000", "hello")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     with daemon.client() as c:
         deadline = time.monotonic() + 30

@@ -4,11 +4,10 @@ analyze` and the configuration share; unknown names are configuration errors nam
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from daemon_harness import moed
 
 from moed.daemon.config import ConfigError, load_config
 from moed.daemon.experts.policies import (
@@ -40,12 +39,7 @@ def test_config_accepts_registered_names_and_rejects_others(tmp_path):
 
 
 def test_serve_flag_lists_the_policies():
-    out = subprocess.run(
-        [sys.executable, "-m", "moed.daemon.cli", "serve", "--cache-policy", "nope"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = moed("serve", "--cache-policy", "nope", timeout=60)
     assert out.returncode == 2 and all(name in out.stderr for name in policy_names())
 
 

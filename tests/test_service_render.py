@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from daemon_harness import moed_command
 
 from moed.daemon.config import load_config
 from moed.daemon.service.render import (
@@ -46,14 +47,7 @@ def test_plist_parses_and_holds_the_policy(tmp_path, role):
     command = "serve" if role is Role.DAEMON else "watchdog"
 
     assert job["Label"] == f"com.moed.{role.value}"
-    assert job["ProgramArguments"] == [
-        sys.executable,
-        "-m",
-        "moed.daemon.cli",
-        command,
-        "--config",
-        str(config),
-    ]
+    assert job["ProgramArguments"] == moed_command(command, "--config", str(config))
     assert Path(job["ProgramArguments"][0]).is_absolute()
     assert job["RunAtLoad"] is True
     assert job["KeepAlive"] == {"SuccessfulExit": False, "Crashed": True}
@@ -108,14 +102,7 @@ def test_unit_holds_the_policy(tmp_path, role):
     assert unit["StartLimitBurst"] == ["4"] and unit["StartLimitIntervalSec"] == ["300s"]
     config = tmp_path / "home" / ".config" / "moed" / "config.toml"
     command = "serve" if role is Role.DAEMON else "watchdog"
-    assert shlex.split(svc["ExecStart"][0]) == [
-        sys.executable,
-        "-m",
-        "moed.daemon.cli",
-        command,
-        "--config",
-        str(config),
-    ]
+    assert shlex.split(svc["ExecStart"][0]) == moed_command(command, "--config", str(config))
     assert svc["Restart"] == ["on-failure"]
     if role is Role.DAEMON:
         assert svc["RestartPreventExitStatus"] == [

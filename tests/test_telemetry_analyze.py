@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
+from daemon_harness import moe, moed
 
 from moed.daemon.experts.policies import LRUPolicy, policy_names
 from moed.daemon.telemetry.analyze import simulate, simulate_belady
@@ -18,23 +17,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 PLOTS = ["hit_rate_vs_cache.png", "popularity.png", "reuse.png", "passes.png"]
 
 
-def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
-
-
 def record(daemon, path: Path, prompt: str, tokens: int) -> None:
-    out = run(
-        "-m",
-        "moed.client.cli",
-        "--socket",
-        str(daemon.socket),
-        "run",
-        "--raw",
-        "--max-tokens",
-        str(tokens),
-        "--trace",
-        str(path),
-        prompt,
+    out = moe(
+        daemon.socket, "run", "--raw", "--max-tokens", str(tokens), "--trace", str(path), prompt
     )
     assert out.returncode == 0, out.stderr
 
@@ -42,15 +27,7 @@ def record(daemon, path: Path, prompt: str, tokens: int) -> None:
 def test_trace_from_a_model_becomes_table_and_plots(tiny_model, daemon_factory, tmp_path):
     d = daemon_factory(tiny_model, "--cache-budget", "25%")
     record(d, tmp_path / "a.moetrace", "def fibonacci(n):", 24)
-    out = run(
-        "-m",
-        "moed.daemon.cli",
-        "trace",
-        "analyze",
-        str(tmp_path / "a.moetrace"),
-        "--out",
-        str(tmp_path / "plots"),
-    )
+    out = moed("trace", "analyze", str(tmp_path / "a.moetrace"), "--out", str(tmp_path / "plots"))
     assert out.returncode == 0, out.stderr
     table = out.stdout
     for heading in (
@@ -71,9 +48,7 @@ def test_trace_from_a_model_becomes_table_and_plots(tiny_model, daemon_factory, 
 
     # Two traces together, as JSON: the curves are hit rates, Belady never below LRU, all rising.
     record(d, tmp_path / "b.moetrace", "class Stack:", 16)
-    out = run(
-        "-m",
-        "moed.daemon.cli",
+    out = moed(
         "trace",
         "analyze",
         str(tmp_path / "a.moetrace"),
@@ -98,7 +73,7 @@ def test_trace_from_a_model_becomes_table_and_plots(tiny_model, daemon_factory, 
 def test_analyze_rejects_a_file_that_is_not_a_trace(tmp_path):
     bad = tmp_path / "x.moetrace"
     bad.write_bytes(b"\x81\xa1a\x01")
-    out = run("-m", "moed.daemon.cli", "trace", "analyze", str(bad))
+    out = moed("trace", "analyze", str(bad))
     assert out.returncode != 0 and "not a moed trace" in out.stderr
 
 
@@ -139,9 +114,7 @@ def test_demo_model_trace(daemon_factory, tmp_path):
 
     d = daemon_factory(demo_model_path(), "--cache-budget", "25%")
     record(d, tmp_path / "demo.moetrace", "def fibonacci(n):", 16)
-    out = run(
-        "-m",
-        "moed.daemon.cli",
+    out = moed(
         "trace",
         "analyze",
         str(tmp_path / "demo.moetrace"),

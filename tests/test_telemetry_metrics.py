@@ -9,18 +9,13 @@ import subprocess
 import sys
 import threading
 import urllib.request
-from pathlib import Path
 
+from daemon_harness import moe, moe_command
 from prometheus_client.parser import text_string_to_metric_families
 
 from moed.client import Client, TokenEvent
 
 BUDGET = "25%"  # 2 of 8 experts per layer at top-2: both hits and misses
-
-
-def moe(sock: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "moed.client.cli", "--socket", str(sock), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
 def samples(text: str) -> dict[tuple, float]:
@@ -154,18 +149,7 @@ def test_moe_stats_while_a_generation_runs(tiny_model, daemon_factory):
 
 def test_stats_watch_refreshes(daemon):
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "moed.client.cli",
-            "--socket",
-            str(daemon.socket),
-            "stats",
-            "--json",
-            "--watch",
-            "--interval",
-            "0.2",
-        ],
+        moe_command(daemon.socket, "stats", "--json", "--watch", "--interval", "0.2"),
         stdout=subprocess.PIPE,
         text=True,
     )

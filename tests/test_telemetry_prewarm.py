@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
+
+from daemon_harness import moed
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "moed.daemon.cli", "bench", "prewarm", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return moed("bench", "prewarm", *args, timeout=300)
 
 
 def test_prewarm_bench_json_and_table(tiny_model, tmp_path):

@@ -4,23 +4,16 @@ hit / page-cache / SSD classes checked against the cache counters and the page c
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
-from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
+from daemon_harness import moe
 
 from moed.client import DoneEvent, TraceEvent
 from moed.daemon.telemetry.trace import CLASSES, HIT, PAGE_CACHE, SSD, parse_trace, read_trace
 
 BUDGET = "25%"
-
-
-def moe(sock: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "moed.client.cli", "--socket", str(sock), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
 def test_moe_run_trace_file_matches_the_cache_counters(tiny_model, daemon_factory, tmp_path):

@@ -25,7 +25,13 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon_harness import serve_command, short_socket_path, start_watchdog, stop_process
+from daemon_harness import (
+    moe_command,
+    serve_command,
+    short_socket_path,
+    start_watchdog,
+    stop_process,
+)
 
 from moed.client import Client, DaemonUnavailable, DoneEvent, RequestFailed, TokenEvent
 from moed.daemon.exit_codes import DaemonExit
@@ -226,20 +232,9 @@ def test_moe_run_resume(supervisor, tiny_model):
     sup = supervisor(tiny_model, "--resident")
     first = sup.wait_ready()
     _, ref_text = _reference(sup, 1000)
-    cmd = [
-        sys.executable,
-        "-m",
-        "moed.client.cli",
-        "--socket",
-        str(sup.socket),
-        "run",
-        "--raw",
-        "--no-start",
-        "--max-tokens",
-        "1000",
-        "--resume",
-        PROMPT,
-    ]
+    cmd = moe_command(
+        sup.socket, "run", "--raw", "--no-start", "--max-tokens", "1000", "--resume", PROMPT
+    )
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         # Some text has arrived: the stream is under way. (A raw read: communicate() below reads the
