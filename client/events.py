@@ -11,6 +11,8 @@ class TokenEvent:
     index: int
     ids: list[int]
     text: str
+    # Per token of `ids` when the request asked for logprobs: {id, token, logprob, top: [...]}.
+    logprobs: list[dict] | None = None
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class DoneEvent:
     usage: dict[str, Any]
     timings: dict[str, Any]
     telemetry: dict[str, Any] = field(default_factory=dict)
+    stop_sequence: str | None = None  # the stop string that ended the text (finish_reason "stop")
 
 
 @dataclass(frozen=True)

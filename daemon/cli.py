@@ -33,6 +33,9 @@ def _register() -> None:
     from moed.daemon.telemetry.cli import trace
 
     main.add_command(trace)
+    from moed.gateway.cli import gateway  # imports no mlx: the gateway is a client of the daemon
+
+    main.add_command(gateway)
 
 
 _register()

@@ -1,0 +1,257 @@
+"""The asyncio client: one DEALER connection shared by many concurrent generations.
+
+The HTTP gateway serves many requests at once over one connection, so the daemon sees them side by
+side and can batch them. A reader task routes every reply to its request's queue by id; a heartbeat
+task pings while streams are open, so a dead or restarted daemon fails the open streams within
+about two seconds (DaemonUnavailable / DaemonRestarted), never as a hang. The next call reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from moed.protocol import MessageType, decode, encode
+from moed.protocol import messages as wire
+from moed.protocol.paths import default_socket_path
+
+from .errors import ClientError, DaemonRestarted, DaemonUnavailable, RequestFailed
+from .events import DoneEvent, Event, TelemetryEvent, TokenEvent, TraceEvent
+
+
+class AsyncClient:
+    def __init__(
+        self,
+        socket_path: str | Path | None = None,
+        *,
+        timeout: float = 10.0,
+        heartbeat_s: float = 0.5,
+        dead_after_s: float = 1.5,
+        name: str = "moed.async_client",
+    ):
+        self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+        self.timeout = timeout
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self.name = name
+        self.welcome: dict | None = None
+        self.boot_id: str | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._routes: dict[Any, asyncio.Queue] = {}  # request id -> its reader's queue
+        self._tasks: list[asyncio.Task] = []
+        self._connecting: asyncio.Lock | None = None
+        self._last_heard = 0.0
+        self._ids = itertools.count(1)
+        self._prefix = uuid.uuid4().hex[:8]
+
+    # ---- connection --------------------------------------------------------------------------
+    async def connect(self) -> dict:
+        """Connect and handshake once; concurrent callers share the one handshake."""
+        if self.welcome is not None:
+            return self.welcome
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self.welcome is not None:
+                return self.welcome
+            if not self.socket_path.exists():
+                raise DaemonUnavailable(f"no daemon socket at {self.socket_path}")
+            sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"ipc://{self.socket_path}")
+            self._socket = sock
+            self._last_heard = time.monotonic()
+            self._tasks = [
+                asyncio.create_task(self._read_loop(sock)),
+                asyncio.create_task(self._heartbeat_loop(sock)),
+            ]
+            try:
+                msg = await self._call_raw(MessageType.HELLO, client=self.name)
+            except BaseException:
+                self._drop(None)
+                raise
+            self.welcome = msg
+            self.boot_id = msg.get("boot_id")
+            return msg
+
+    async def close(self) -> None:
+        self._drop(None)
+
+    def _drop(self, error: ClientError | None) -> None:
+        """Forget the connection; open streams end with `error` (or DaemonUnavailable)."""
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        self.welcome = None
+        failure = error or DaemonUnavailable(f"the connection to {self.socket_path} was closed")
+        for queue in self._routes.values():
+            queue.put_nowait(failure)
+        self._routes.clear()
+
+    async def __aenter__(self) -> AsyncClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # ---- control calls -----------------------------------------------------------------------
+    async def status(self) -> dict:
+        return await self._call(MessageType.STATUS)
+
+    async def stats(self) -> dict:
+        return await self._call(MessageType.STATS)
+
+    async def metrics(self) -> dict:
+        return await self._call(MessageType.METRICS)
+
+    async def ping(self) -> dict:
+        return await self._call(MessageType.PING)
+
+    async def cancel(self, request_id: Any) -> dict:
+        return await self._call(MessageType.CANCEL, target=request_id)
+
+    async def count_tokens(self, **fields: Any) -> dict:
+        """Prompt tokens of `prompt` or `messages` (with the chat template unless `raw`)."""
+        return await self._call(MessageType.COUNT_TOKENS, **fields)
+
+    async def _call(self, kind: MessageType, **fields: Any) -> dict:
+        await self.connect()
+        msg = await self._call_raw(kind, **fields)
+        self._check_boot(msg.get("boot_id"))
+        return msg
+
+    async def _call_raw(self, kind: MessageType, **fields: Any) -> dict:
+        request_id = self._next_id(kind.value)
+        queue = self._open(request_id)
+        try:
+            self._send(wire.request(kind, request_id, **fields))
+            try:
+                msg = await asyncio.wait_for(queue.get(), self.timeout)
+            except TimeoutError:
+                raise DaemonUnavailable(
+                    f"no answer from the daemon at {self.socket_path} within {self.timeout:.1f}s"
+                ) from None
+        finally:
+            self._routes.pop(request_id, None)
+        return _unwrap(msg)
+
+    # ---- generation --------------------------------------------------------------------------
+    async def generate(self, request_id: Any = None, **fields: Any) -> AsyncIterator[Event]:
+        """Stream one generation's events (`fields` are `generate`'s wire fields); ends after a
+        DoneEvent or raises. Leaving the loop early cancels the request in the daemon."""
+        await self.connect()
+        request_id = request_id if request_id is not None else self._next_id("gen")
+        queue = self._open(request_id)
+        ended = False
+        try:
+            self._send(wire.request(MessageType.GENERATE, request_id, **fields))
+            while True:
+                msg = _unwrap(await queue.get())
+                kind = msg.get("type")
+                if kind == MessageType.TOKEN.value:
+                    yield TokenEvent(
+                        msg["index"], list(msg["ids"]), msg["text"], msg.get("logprobs")
+                    )
+                elif kind == MessageType.TELEMETRY.value:
+                    yield TelemetryEvent(msg.get("data") or {})
+                elif kind == MessageType.TRACE.value:
+                    yield TraceEvent(int(msg.get("seq", 0)), bytes(msg.get("data") or b""))
+                elif kind == MessageType.DONE.value:
+                    ended = True
+                    yield DoneEvent(
+                        msg["finish_reason"],
+                        msg.get("usage") or {},
+                        msg.get("timings") or {},
+                        msg.get("telemetry") or {},
+                        msg.get("stop_sequence"),
+                    )
+                    return
+        except RequestFailed:
+            ended = True
+            raise
+        finally:
+            self._routes.pop(request_id, None)
+            if not ended and self._socket is not None:
+                # The caller went away (an HTTP client disconnected): stop generating for nobody.
+                self._send(
+                    wire.request(MessageType.CANCEL, self._next_id("cancel"), target=request_id)
+                )
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def _next_id(self, kind: str) -> str:
+        return f"{self._prefix}-{kind}-{next(self._ids)}"
+
+    def _open(self, request_id: Any) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._routes[request_id] = queue
+        return queue
+
+    def _send(self, msg: dict) -> None:
+        if self._socket is None:
+            raise DaemonUnavailable(f"not connected to the daemon at {self.socket_path}")
+        # A DEALER with room in its pipe never blocks: send without awaiting, in order.
+        self._socket.send(encode(msg), zmq.NOBLOCK)
+
+    def _check_boot(self, boot_id: str | None) -> None:
+        if boot_id and self.boot_id and boot_id != self.boot_id:
+            old = self.boot_id
+            error = DaemonRestarted(f"the daemon restarted (boot {old} → {boot_id})", old, boot_id)
+            self._drop(error)
+            raise error
+
+    async def _read_loop(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frame = await sock.recv()
+            self._last_heard = time.monotonic()
+            msg = decode(frame)
+            if not isinstance(msg, dict):
+                continue
+            queue = self._routes.get(msg.get("id"))
+            if queue is not None:
+                queue.put_nowait(msg)
+            # Anything else is late: a heartbeat's answer, an abandoned stream, a timed-out call.
+
+    async def _heartbeat_loop(self, sock: zmq.asyncio.Socket) -> None:
+        """While requests are open, ping after `heartbeat_s` of silence; fail them after
+        `dead_after_s`; a ping answered by a new boot_id means the daemon restarted."""
+        while True:
+            await asyncio.sleep(self.heartbeat_s / 2)
+            if not self._routes:
+                self._last_heard = time.monotonic()
+                continue
+            silent = time.monotonic() - self._last_heard
+            if silent > self.dead_after_s:
+                self._drop(DaemonUnavailable(f"the daemon at {self.socket_path} stopped answering"))
+                return
+            if silent > self.heartbeat_s:
+                ping_id = self._next_id("hb")
+                queue = self._open(ping_id)
+                self._send(wire.request(MessageType.PING, ping_id))
+                with contextlib.suppress(TimeoutError):
+                    reply = await asyncio.wait_for(queue.get(), self.dead_after_s)
+                    if isinstance(reply, dict):
+                        with contextlib.suppress(DaemonRestarted):
+                            self._check_boot(reply.get("boot_id"))
+                self._routes.pop(ping_id, None)
+
+
+def _unwrap(msg: dict | ClientError) -> dict:
+    """A queued message, or the connection failure that was queued in its place."""
+    if isinstance(msg, ClientError):
+        raise msg
+    if msg.get("type") == MessageType.ERROR.value:
+        raise RequestFailed(msg.get("code"), msg.get("message", ""), bool(msg.get("retryable")))
+    return msg

@@ -1,0 +1,165 @@
+"""The ASGI application: routes of the three APIs and the ops endpoints, behind one guard that
+checks the API key and the body size and counts every request.
+
+Starlette rather than FastAPI: each API must answer bad input in its own error shape, which
+FastAPI's automatic pydantic validation (a FastAPI-shaped 422) would have to be undone for; the
+request models live in each API module as plain typed reads. Starlette is the ASGI toolkit
+FastAPI itself is built on, with streaming responses that cancel on client disconnect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import time
+from collections.abc import Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from moed.client.async_client import AsyncClient
+
+from . import anthropic_api, ollama_api, openai_api, ops
+from .config import GatewayConfig
+from .context import Gateway
+from .errors import ApiError, ErrorKind
+from .metrics import GatewayMetrics
+
+
+def api_of(path: str) -> str:
+    """Which API a path belongs to, for error shapes and metric labels."""
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    if path.startswith("/v1/"):
+        return "openai"
+    if path.startswith("/api/"):
+        return "ollama"
+    return "ops"
+
+
+RENDERERS: dict[str, Callable[[ApiError], Response]] = {
+    "openai": openai_api.error_response,
+    "anthropic": anthropic_api.error_response,
+    "ollama": ollama_api.error_response,
+    "ops": ops.error_response,
+}
+
+
+def render_error(path: str, err: ApiError) -> Response:
+    return RENDERERS[api_of(path)](err)
+
+
+class BodyTooLarge(ApiError):
+    def __init__(self, limit: int):
+        super().__init__(ErrorKind.TOO_LARGE, f"the request body exceeds {limit} bytes")
+
+
+class Guard:
+    """API key, body-size limit and per-request metrics, before any route runs."""
+
+    OPEN_PATHS = frozenset({"/health"})  # liveness probes need no key
+
+    def __init__(self, app: ASGIApp, gateway: Gateway, known_paths: frozenset[str]):
+        self.app = app
+        self.gateway = gateway
+        self.known_paths = known_paths
+        self.key = gateway.config.api_key.encode() if gateway.config.api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        api = api_of(path)
+        started = time.perf_counter()
+        status = 500
+
+        async def counted_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await render_error(path, refusal)(scope, receive, counted_send)
+                return
+            await self.app(scope, self._limited(receive), counted_send)
+        finally:
+            metrics = self.gateway.metrics
+            # Label by route, never by whatever path a scanner sends (unbounded cardinality).
+            endpoint = path if path in self.known_paths else "other"
+            metrics.requests.labels(api, endpoint, str(status)).inc()
+            metrics.latency.labels(api, endpoint).observe(time.perf_counter() - started)
+
+    def _refusal(self, scope: Scope) -> ApiError | None:
+        headers = dict(scope["headers"])
+        if self.key is not None and scope["path"] not in self.OPEN_PATHS:
+            given = headers.get(b"x-api-key") or _bearer(headers.get(b"authorization", b""))
+            if not hmac.compare_digest(given or b"", self.key):
+                return ApiError(ErrorKind.AUTHENTICATION, "a valid API key is required")
+        length = headers.get(b"content-length")
+        limit = self.gateway.config.max_body_bytes
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return BodyTooLarge(limit)
+        return None
+
+    def _limited(self, receive: Receive) -> Receive:
+        limit = self.gateway.config.max_body_bytes
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:  # a chunked body without Content-Length
+                    raise BodyTooLarge(limit)
+            return message
+
+        return limited
+
+
+def _bearer(value: bytes) -> bytes | None:
+    scheme, _, token = value.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
+
+
+def build_app(config: GatewayConfig, client: AsyncClient | None = None) -> ASGIApp:
+    gateway = Gateway(
+        config,
+        client or AsyncClient(config.socket, timeout=config.daemon_timeout_s, name="moed-gateway"),
+        GatewayMetrics(),
+    )
+    routes = [*openai_api.ROUTES, *anthropic_api.ROUTES, *ollama_api.ROUTES, *ops.ROUTES]
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return render_error(request.url.path, exc)
+
+    async def on_not_found(request: Request, exc: Exception) -> Response:
+        return render_error(
+            request.url.path, ApiError(ErrorKind.NOT_FOUND, f"no route {request.url.path}")
+        )
+
+    async def on_method(request: Request, exc: Exception) -> Response:
+        return render_error(
+            request.url.path,
+            ApiError(ErrorKind.INVALID_REQUEST, f"{request.method} is not allowed here"),
+        )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await gateway.client.close()
+
+    app = Starlette(
+        routes=routes,
+        exception_handlers={ApiError: on_api_error, 404: on_not_found, 405: on_method},
+        lifespan=lifespan,
+    )
+    app.state.gateway = gateway
+    return Guard(app, gateway, frozenset(route.path for route in routes))

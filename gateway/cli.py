@@ -1,0 +1,91 @@
+"""`moed gateway`: serve the HTTP APIs on uvicorn, as a client of the daemon's socket."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from moed.protocol.paths import default_socket_path
+
+from .config import DEFAULT_PORT, ConfigError, build_config
+
+log = logging.getLogger("moed.gateway")
+
+
+@click.command("gateway")
+@click.option(
+    "--socket",
+    "socket_path",
+    type=click.Path(path_type=Path),
+    help="Daemon socket (default: $MOED_SOCKET or the per-user default).",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=DEFAULT_PORT, show_default=True, type=int)
+@click.option(
+    "--api-key-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="File holding the API key clients must send (required off loopback; mode 600).",
+)
+@click.option("--max-connections", default=64, show_default=True, help="Concurrent connections.")
+@click.option(
+    "--max-body-bytes", default=4 * 1024 * 1024, show_default=True, help="Largest request body."
+)
+@click.option(
+    "--request-timeout",
+    default=600.0,
+    show_default=True,
+    help="Seconds a non-streamed generation may take before it is cancelled.",
+)
+@click.option("--log-level", default="INFO", show_default=True)
+def gateway(
+    socket_path: Path | None,
+    host: str,
+    port: int,
+    api_key_file: Path | None,
+    max_connections: int,
+    max_body_bytes: int,
+    request_timeout: float,
+    log_level: str,
+) -> None:
+    """Serve OpenAI-, Ollama- and Anthropic-compatible HTTP APIs backed by the daemon."""
+    import uvicorn
+
+    from .app import build_app
+
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = build_config(
+            socket_path or default_socket_path(),
+            host,
+            port,
+            api_key_file,
+            max_connections=max_connections,
+            max_body_bytes=max_body_bytes,
+            request_timeout_s=request_timeout,
+        )
+    except ConfigError as exc:
+        click.echo(f"moed gateway: {exc}", err=True)
+        sys.exit(2)
+    log.info(
+        "gateway for %s on http://%s:%d (api key %s)",
+        config.socket,
+        host,
+        port,
+        "required" if config.api_key else "off: loopback only",
+    )
+    uvicorn.run(
+        build_app(config),
+        host=config.host,
+        port=config.port,
+        limit_concurrency=config.max_connections,
+        timeout_keep_alive=int(config.keep_alive_s),
+        timeout_graceful_shutdown=10,
+        log_level=log_level.lower(),
+        access_log=False,
+        lifespan="on",
+    )

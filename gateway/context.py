@@ -1,0 +1,114 @@
+"""What every route needs: the settings, the shared daemon connection, the metrics, and the two
+ways a generation is consumed (streamed, or collected while watching for the client leaving)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from moed.client import ClientError, TokenEvent
+from moed.client.async_client import AsyncClient
+
+from .config import GatewayConfig
+from .errors import ApiError, ErrorKind, from_client_error
+from .generation import GenerationRequest, Stream
+from .metrics import GatewayMetrics
+
+
+@dataclass(frozen=True)
+class Collected:
+    text: str
+    logprobs: list[dict]
+    ids: list[int]
+
+
+@dataclass
+class Gateway:
+    config: GatewayConfig
+    client: AsyncClient
+    metrics: GatewayMetrics
+
+    async def model(self) -> dict:
+        """The served model as the daemon's welcome describes it."""
+        try:
+            welcome = await self.client.connect()
+        except ClientError as exc:
+            raise from_client_error(exc) from None
+        return welcome.get("model") or {}
+
+    async def call(self, name: str, **fields) -> dict:
+        """A control call to the daemon (status, stats, metrics, count_tokens)."""
+        try:
+            return await getattr(self.client, name)(**fields)
+        except ClientError as exc:
+            raise from_client_error(exc) from None
+
+    async def start(self, req: GenerationRequest) -> Stream:
+        return await Stream.start(self.client, req)
+
+    async def tokens(
+        self, stream: Stream, api: str, endpoint: str, started: float
+    ) -> AsyncIterator[TokenEvent]:
+        """A stream's tokens for an HTTP streaming body; counts TTFT, tokens, and cancellations
+        (the body is closed early when the client disconnects, which cancels the generation)."""
+        first = True
+        count = 0
+        try:
+            async for event in stream.tokens():
+                if first and event.text:
+                    first = False
+                    self.metrics.ttft.labels(api, endpoint).observe(time.perf_counter() - started)
+                count += len(event.ids)
+                yield event
+        finally:
+            self.metrics.tokens.labels(api).inc(count)
+            if stream.outcome is None:
+                self.metrics.cancelled.labels(api).inc()
+
+    async def collect(
+        self, request: Request, stream: Stream, api: str, endpoint: str, started: float
+    ) -> Collected:
+        """The whole completion for a non-streamed answer. A client that disconnects first, or a
+        generation over the request timeout, cancels it in the daemon."""
+
+        async def gather() -> Collected:
+            parts, logprobs, ids = [], [], []
+            async for event in self.tokens(stream, api, endpoint, started):
+                parts.append(event.text)
+                ids.extend(event.ids)
+                logprobs.extend(event.logprobs or ())
+            return Collected("".join(parts), logprobs, ids)
+
+        work = asyncio.create_task(gather())
+        watch = asyncio.create_task(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait(
+                {work, watch},
+                timeout=self.config.request_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()  # the generator's cleanup sends the daemon a cancel
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+        if work not in done:
+            if watch in done:
+                raise ApiError(ErrorKind.CLIENT_CLOSED, "the client closed the connection")
+            raise ApiError(
+                ErrorKind.UNAVAILABLE,
+                f"the generation took longer than {self.config.request_timeout_s:.0f}s",
+            )
+        return work.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body was read already, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

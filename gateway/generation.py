@@ -1,0 +1,143 @@
+"""The one request shape every API is translated into, and the daemon stream it runs as.
+
+Each API module parses its own JSON into a GenerationRequest and renders the events back in its
+own wire format; only this module talks `generate` to the daemon.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from moed.client import ClientError, DoneEvent, Event, TokenEvent
+from moed.client.async_client import AsyncClient
+
+from .errors import from_client_error
+
+
+class Finish(str, enum.Enum):
+    """Why a generation ended, before each API names it its own way."""
+
+    END = "end"  # the model's end-of-sequence token
+    LENGTH = "length"  # max_tokens reached
+    STOP_SEQUENCE = "stop_sequence"  # a requested stop string matched (it is not in the text)
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    messages: tuple[dict, ...] | None = None  # chat turns; the daemon applies the chat template
+    tools: tuple[dict, ...] | None = None  # function specs handed to the chat template
+    raw: bool = False
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: off; 0: the chosen token's; k: also the top k
+    model: str | None = None
+
+    def wire_fields(self) -> dict:
+        """The `generate` fields of this request (None values are left off the wire)."""
+        return {
+            "prompt": self.prompt,
+            "prompt_ids": list(self.prompt_ids) if self.prompt_ids is not None else None,
+            "messages": list(self.messages) if self.messages is not None else None,
+            "tools": list(self.tools) if self.tools else None,
+            "raw": self.raw or None,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": list(self.stop) or None,
+            "logprobs": self.logprobs,
+            "model": self.model,
+            # Per-request telemetry is for moe's live view; the gateway reports its own metrics.
+            "telemetry_every": 1 << 30,
+        }
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The end of a stream: why, the usage and the matched stop string."""
+
+    finish: Finish
+    prompt_tokens: int
+    completion_tokens: int
+    stop_sequence: str | None
+    timings: dict
+
+    @classmethod
+    def of(cls, done: DoneEvent) -> Outcome:
+        if done.finish_reason == "length":
+            finish = Finish.LENGTH
+        elif done.finish_reason == "cancelled":
+            finish = Finish.CANCELLED
+        elif done.stop_sequence is not None:
+            finish = Finish.STOP_SEQUENCE
+        else:
+            finish = Finish.END
+        usage = done.usage
+        return cls(
+            finish,
+            int(usage.get("prompt_tokens") or 0),
+            int(usage.get("completion_tokens") or 0),
+            done.stop_sequence,
+            done.timings,
+        )
+
+
+class Stream:
+    """A started generation. Its first event is awaited before the HTTP response starts, so an
+    error the daemon answers at once (too long, overloaded) becomes a status code, not a broken
+    stream."""
+
+    def __init__(self, events: AsyncIterator[Event]):
+        self._events = events
+        self._pending: list[Event] = []
+        self.outcome: Outcome | None = None
+
+    @classmethod
+    async def start(cls, client: AsyncClient, req: GenerationRequest) -> Stream:
+        stream = cls(client.generate(**req.wire_fields()))
+        try:
+            stream._pending.append(await anext(stream._events))
+        except ClientError as exc:
+            raise from_client_error(exc) from None
+        return stream
+
+    async def tokens(self) -> AsyncIterator[TokenEvent]:
+        """The token events; sets `outcome` at the end. Daemon errors raise ApiError."""
+        try:
+            while True:
+                event = self._pending.pop() if self._pending else await anext(self._events)
+                if isinstance(event, TokenEvent):
+                    yield event
+                elif isinstance(event, DoneEvent):
+                    self.outcome = Outcome.of(event)
+                    return
+        except ClientError as exc:
+            raise from_client_error(exc) from None
+        except StopAsyncIteration:
+            return
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Stop reading; a generation still running is cancelled in the daemon."""
+        await self._events.aclose()
+
+    async def collect(self) -> tuple[str, list[dict], list[int]]:
+        """The whole completion: text, per-token logprobs (if asked) and token ids."""
+        parts: list[str] = []
+        logprobs: list[dict] = []
+        ids: list[int] = []
+        async for event in self.tokens():
+            parts.append(event.text)
+            ids.extend(event.ids)
+            if event.logprobs:
+                logprobs.extend(event.logprobs)
+        return "".join(parts), logprobs, ids

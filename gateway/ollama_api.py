@@ -1,0 +1,284 @@
+"""Ollama's API: /api/generate and /api/chat (NDJSON streams, on by default), /api/tags, /api/ps,
+/api/version and /api/show, in the shapes the official `ollama` package parses."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from . import fields as f
+from .config import moed_version
+from .context import Gateway
+from .errors import ApiError, ErrorKind, invalid
+from .generation import Finish, GenerationRequest, Outcome, Stream
+
+API = "ollama"
+TAG = ":latest"
+FINISH = {
+    Finish.END: "stop",
+    Finish.STOP_SEQUENCE: "stop",
+    Finish.LENGTH: "length",
+    Finish.CANCELLED: "stop",
+}
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def error_response(err: ApiError) -> Response:
+    return JSONResponse({"error": err.message}, status_code=err.status, headers=err.headers())
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z")
+
+
+def _model_name(body: dict) -> str | None:
+    """Ollama names carry a tag (`demo_model:latest`); the daemon knows the bare name."""
+    name = f.get(body, "model", str) or f.get(body, "name", str)
+    return name[: -len(TAG)] if name and name.endswith(TAG) else name
+
+
+def _options(body: dict) -> dict:
+    options = f.get(body, "options", dict) or {}
+    p = "options."
+    num_predict = f.get(options, "num_predict", int, prefix=p)
+    top_p = f.get(options, "top_p", float, prefix=p)
+    if top_p is not None and not 0 < top_p <= 1:
+        raise invalid("'options.top_p' must be in (0, 1]")
+    return {
+        # -1 (forever) and -2 (fill the context) leave the daemon's own limit in force.
+        "max_tokens": num_predict if num_predict and num_predict > 0 else None,
+        "temperature": f.at_least(f.get(options, "temperature", float, prefix=p), 0, "temperature"),
+        "top_p": top_p,
+        "seed": f.get(options, "seed", int, prefix=p),
+        "stop": f.stop_list(options.get("stop"), "options.stop"),
+    }
+
+
+def _logprobs(body: dict) -> int | None:
+    if not f.get(body, "logprobs", bool):
+        return None
+    return f.get(body, "top_logprobs", int, 0)
+
+
+def parse_generate(body: dict) -> GenerationRequest:
+    prompt = f.get(body, "prompt", str, "")
+    if f.get(body, "suffix", str):
+        raise invalid("'suffix' (fill-in-the-middle) is not supported")
+    raw = f.get(body, "raw", bool, False)
+    common = dict(model=_model_name(body), logprobs=_logprobs(body), **_options(body))
+    if raw:
+        return GenerationRequest(prompt=prompt, raw=True, **common)
+    system = f.get(body, "system", str)
+    turns = ({"role": "system", "content": system},) if system else ()
+    return GenerationRequest(messages=(*turns, {"role": "user", "content": prompt}), **common)
+
+
+def parse_chat(body: dict) -> GenerationRequest:
+    raw = f.get(body, "messages", list)
+    if not raw:
+        raise invalid("'messages' must be a non-empty array")
+    messages = []
+    for i, msg in enumerate(raw):
+        where = f"messages[{i}]."
+        if not isinstance(msg, dict) or msg.get("role") not in _ROLES:
+            raise invalid(f"messages[{i}] must be an object with a role in {', '.join(_ROLES)}")
+        if msg.get("images"):
+            raise invalid("images are not supported")
+        turn = {"role": msg["role"], "content": f.get(msg, "content", str, "", prefix=where)}
+        calls = f.get(msg, "tool_calls", list, prefix=where)
+        if calls:
+            turn["tool_calls"] = calls
+        messages.append(turn)
+    tools = f.get(body, "tools", list)
+    return GenerationRequest(
+        messages=tuple(messages),
+        tools=tuple(tools) if tools else None,
+        model=_model_name(body),
+        logprobs=_logprobs(body),
+        **_options(body),
+    )
+
+
+def _final(outcome: Outcome, model: str) -> dict:
+    t = outcome.timings
+    ns = 1_000_000_000
+    total = t.get("total_s") or 0.0
+    ttft = t.get("ttft_s") or 0.0
+    return {
+        "model": model,
+        "created_at": _now(),
+        "done": True,
+        "done_reason": FINISH[outcome.finish],
+        "total_duration": int(total * ns),
+        "load_duration": 0,
+        "prompt_eval_count": outcome.prompt_tokens,
+        "prompt_eval_duration": int(max(ttft - (t.get("queued_s") or 0.0), 0.0) * ns),
+        "eval_count": outcome.completion_tokens,
+        "eval_duration": int(max(total - ttft, 0.0) * ns),
+    }
+
+
+def _logprob_list(entries: list[dict]) -> list[dict]:
+    return [
+        {
+            "token": e.get("token", ""),
+            "logprob": e["logprob"],
+            "top_logprobs": [
+                {"token": t.get("token", ""), "logprob": t["logprob"]} for t in e.get("top", [])
+            ],
+        }
+        for e in entries
+    ]
+
+
+def _line(data: dict) -> bytes:
+    return (json.dumps(data, separators=(",", ":")) + "\n").encode()
+
+
+async def _ndjson(
+    gateway: Gateway, stream: Stream, endpoint: str, started: float, piece, model: str, end: dict
+) -> AsyncIterator[bytes]:
+    ids: list[int] = []
+    try:
+        async for event in gateway.tokens(stream, API, endpoint, started):
+            ids.extend(event.ids)
+            if event.text or event.logprobs:
+                part = {"model": model, "created_at": _now(), **piece(event.text), "done": False}
+                if event.logprobs:
+                    part["logprobs"] = _logprob_list(event.logprobs)
+                yield _line(part)
+    except ApiError as err:
+        yield _line({"error": err.message})
+        return
+    extra = {"context": ids} if endpoint == "/api/generate" else {}
+    yield _line({**_final(stream.outcome, model), **piece(""), **end, **extra})
+
+
+async def _run(request: Request, endpoint: str, parse, piece) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    started = time.perf_counter()
+    body = await f.json_body(request)
+    req = parse(body)
+    model = (await gateway.model()).get("name", "") + TAG
+    if req.messages is None and not req.prompt:
+        # Ollama answers an empty prompt by loading the model: ours is loaded already.
+        return JSONResponse(
+            {**piece(""), "model": model, "created_at": _now(), "done": True, "done_reason": "load"}
+        )
+    stream = await gateway.start(req)
+    if f.get(body, "stream", bool, True):
+        return StreamingResponse(
+            _ndjson(gateway, stream, endpoint, started, piece, model, {}),
+            media_type="application/x-ndjson",
+        )
+    result = await gateway.collect(request, stream, API, endpoint, started)
+    out = {**_final(stream.outcome, model), **piece(result.text)}
+    if endpoint == "/api/generate":
+        out["context"] = result.ids
+    if req.logprobs is not None:
+        out["logprobs"] = _logprob_list(result.logprobs)
+    return JSONResponse(out)
+
+
+async def generate(request: Request) -> Response:
+    return await _run(request, "/api/generate", parse_generate, lambda text: {"response": text})
+
+
+async def chat(request: Request) -> Response:
+    return await _run(
+        request,
+        "/api/chat",
+        parse_chat,
+        lambda text: {"message": {"role": "assistant", "content": text}},
+    )
+
+
+def _describe(model: dict) -> dict:
+    """The served model in Ollama's list/ps/show shape (size and digest from the files on disk)."""
+    path = Path(model.get("path") or "")
+    files = [p for p in path.glob("*") if p.is_file()] if path.is_dir() else []
+    config = path / "config.json"
+    digest = hashlib.sha256(
+        config.read_bytes() if config.is_file() else str(path).encode()
+    ).hexdigest()
+    modified = max((p.stat().st_mtime for p in files), default=0.0)
+    quant = model.get("quantization") or {}
+    name = (model.get("name") or "") + TAG
+    return {
+        "name": name,
+        "model": name,
+        "modified_at": dt.datetime.fromtimestamp(modified, dt.UTC).isoformat(),
+        "size": sum(p.stat().st_size for p in files),
+        "digest": digest,
+        "details": {
+            "parent_model": "",
+            "format": "safetensors",
+            "family": model.get("model_type") or "",
+            "families": [model.get("model_type") or ""],
+            "parameter_size": "",
+            "quantization_level": f"Q{quant['bits']}"
+            if isinstance(quant, dict) and quant.get("bits")
+            else "F",
+        },
+    }
+
+
+async def tags(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    return JSONResponse({"models": [_describe(await gateway.model())]})
+
+
+async def ps(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    entry = _describe(await gateway.model())
+    # The daemon keeps its model loaded until it stops: no keep_alive expiry.
+    entry.update(expires_at="9999-12-31T23:59:59Z", size_vram=entry["size"])
+    return JSONResponse({"models": [entry]})
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": moed_version()})
+
+
+async def show(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    body = await f.json_body(request)
+    name = _model_name(body)
+    model = await gateway.model()
+    if name is not None and name != model.get("name"):
+        raise ApiError(ErrorKind.NOT_FOUND, f"model '{name}' not found")
+    entry = _describe(model)
+    capabilities = ["completion"] + (["tools"] if model.get("tool_calling") else [])
+    return JSONResponse(
+        {
+            "modelfile": "",
+            "parameters": "",
+            "template": "",
+            "details": entry["details"],
+            "model_info": {
+                "general.architecture": model.get("model_type"),
+                "general.block_count": model.get("num_layers"),
+                "moed.streaming": model.get("streaming"),
+            },
+            "capabilities": capabilities,
+            "modified_at": entry["modified_at"],
+        }
+    )
+
+
+ROUTES = [
+    Route("/api/generate", generate, methods=["POST"]),
+    Route("/api/chat", chat, methods=["POST"]),
+    Route("/api/tags", tags, methods=["GET"]),
+    Route("/api/ps", ps, methods=["GET"]),
+    Route("/api/version", version, methods=["GET"]),
+    Route("/api/show", show, methods=["POST"]),
+]

@@ -1,0 +1,90 @@
+"""GET /health (ready, loading, stalled, restarting; JSON) and GET /metrics (Prometheus text:
+the daemon's counters, then the gateway's own)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from moed.client import ClientError
+
+from .context import Gateway
+from .errors import ApiError
+
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Health(str, enum.Enum):
+    READY = "ready"
+    LOADING = "loading"  # the daemon is up and loading its model
+    STALLED = "stalled"  # busy, but no token or prompt chunk for stall_after_s
+    RESTARTING = "restarting"  # unreachable, draining or failed: the service manager restarts it
+
+
+def error_response(err: ApiError) -> Response:
+    return JSONResponse({"error": err.message}, status_code=err.status, headers=err.headers())
+
+
+def judge(status: dict, stall_after_s: float, now: float) -> Health:
+    state = status.get("state")
+    if state == "loading":
+        return Health.LOADING
+    if state != "ready":
+        return Health.RESTARTING
+    if status.get("busy"):
+        marks = [m for m in (status.get("last_token_at"), status.get("last_progress_at")) if m]
+        if marks and now - max(marks) > stall_after_s:
+            return Health.STALLED
+    return Health.READY
+
+
+async def health(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    try:
+        status = await gateway.client.status()
+    except ClientError as exc:
+        body = {"status": Health.RESTARTING.value, "daemon": None, "error": str(exc)}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+    verdict = judge(status, gateway.config.stall_after_s, time.time())
+    body = {
+        "status": verdict.value,
+        "daemon": {
+            "state": status.get("state"),
+            "pid": status.get("pid"),
+            "boot_id": status.get("boot_id"),
+            "uptime_s": status.get("uptime_s"),
+            "model": (status.get("model") or {}).get("name"),
+            "active_requests": status.get("active_requests"),
+            "queued_requests": status.get("queued_requests"),
+            "last_token_at": status.get("last_token_at"),
+        },
+    }
+    if verdict is Health.READY:
+        return JSONResponse(body)
+    return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+
+
+async def metrics(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    try:
+        daemon_text = (await gateway.client.metrics()).get("text") or ""
+    except ClientError:
+        daemon_text = ""  # the gateway's own metrics still say what it saw
+    up = (
+        "# HELP moed_gateway_daemon_up Whether the daemon answered this scrape\n"
+        "# TYPE moed_gateway_daemon_up gauge\n"
+        f"moed_gateway_daemon_up {1 if daemon_text else 0}\n"
+    )
+    return PlainTextResponse(
+        daemon_text + up + gateway.metrics.render(), media_type=METRICS_CONTENT_TYPE
+    )
+
+
+ROUTES = [
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+]
