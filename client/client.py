@@ -138,6 +138,10 @@ class Client:
         telemetry_every: int | None = None,
         resume_ids: list[int] | None = None,
         trace: bool = False,
+        messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
+        stop: list[str] | None = None,
+        logprobs: int | None = None,
         resume: bool = False,
         resume_timeout_s: float = 60.0,
         max_resumes: int = 5,
@@ -161,6 +165,10 @@ class Client:
             model=model,
             telemetry_every=telemetry_every,
             trace=trace,
+            messages=messages,
+            tools=tools,
+            stop=stop,
+            logprobs=logprobs,
         )
         if not resume:
             yield from self._generate_once(request_id, resume_ids, fields)
@@ -190,7 +198,11 @@ class Client:
                             "resumes": resumes,
                         }
                         event = DoneEvent(
-                            event.finish_reason, usage, event.timings, event.telemetry
+                            event.finish_reason,
+                            usage,
+                            event.timings,
+                            event.telemetry,
+                            event.stop_sequence,
                         )
                     yield event
                 return
@@ -258,7 +270,9 @@ class Client:
                 msg = self._recv_for(request_id, None, heartbeat=True)
                 kind = msg.get("type")
                 if kind == MessageType.TOKEN.value:
-                    yield TokenEvent(msg["index"], list(msg["ids"]), msg["text"])
+                    yield TokenEvent(
+                        msg["index"], list(msg["ids"]), msg["text"], msg.get("logprobs")
+                    )
                 elif kind == MessageType.TELEMETRY.value:
                     yield TelemetryEvent(msg.get("data") or {})
                 elif kind == MessageType.TRACE.value:
@@ -270,6 +284,7 @@ class Client:
                         msg.get("usage") or {},
                         msg.get("timings") or {},
                         msg.get("telemetry") or {},
+                        msg.get("stop_sequence"),
                     )
                     return
                 elif kind == MessageType.ERROR.value:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from moed.protocol.paths import default_socket_path
+from moed.client.cli_common import global_options
 
 from .config import DEFAULT_PORT, ConfigError, build_config
 
@@ -16,20 +16,16 @@ log = logging.getLogger("moed.gateway")
 
 
 @click.command("gateway")
-@click.option(
-    "--socket",
-    "socket_path",
-    type=click.Path(path_type=Path),
-    help="Daemon socket (default: $MOED_SOCKET or the per-user default).",
-)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", default=DEFAULT_PORT, show_default=True, type=int)
+@click.option("--port", default=DEFAULT_PORT, show_default=True, type=int, help="TCP port.")
 @click.option(
     "--api-key-file",
     type=click.Path(path_type=Path, dir_okay=False),
     help="File holding the API key clients must send (required off loopback; mode 600).",
 )
-@click.option("--max-connections", default=64, show_default=True, help="Concurrent connections.")
+@click.option(
+    "--max-connections", default=64, show_default=True, help="Concurrent connections (then 503)."
+)
 @click.option(
     "--max-body-bytes", default=4 * 1024 * 1024, show_default=True, help="Largest request body."
 )
@@ -39,9 +35,8 @@ log = logging.getLogger("moed.gateway")
     show_default=True,
     help="Seconds a non-streamed generation may take before it is cancelled.",
 )
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option("--log-level", default="INFO", show_default=True, help="Logging level.")
 def gateway(
-    socket_path: Path | None,
     host: str,
     port: int,
     api_key_file: Path | None,
@@ -50,7 +45,8 @@ def gateway(
     request_timeout: float,
     log_level: str,
 ) -> None:
-    """Serve OpenAI-, Ollama- and Anthropic-compatible HTTP APIs backed by the daemon."""
+    """Serve OpenAI-, Ollama- and Anthropic-compatible HTTP APIs backed by the daemon
+    (a client of its --socket; loopback only unless --api-key-file is given)."""
     import uvicorn
 
     from .app import build_app
@@ -60,7 +56,7 @@ def gateway(
     )
     try:
         config = build_config(
-            socket_path or default_socket_path(),
+            global_options().socket_path,
             host,
             port,
             api_key_file,

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from .chat import prompt_sources, validate_chat_fields
 from .errors import RETRYABLE, ErrorCode, ProtocolError
 from .version import PROTOCOL_MAJOR
 
@@ -25,6 +26,7 @@ class MessageType(str, enum.Enum):
     SHED = "shed"
     SHUTDOWN = "shutdown"
     PING = "ping"
+    COUNT_TOKENS = "count_tokens"  # prompt tokens of a prompt or messages, chat template applied
     # daemon -> client
     WELCOME = "welcome"
     TOKEN = "token"
@@ -46,6 +48,7 @@ REQUEST_TYPES = frozenset(
         MessageType.SHED,
         MessageType.SHUTDOWN,
         MessageType.PING,
+        MessageType.COUNT_TOKENS,
     }
 )
 # Answered by the transport thread; never queued behind a generation.
@@ -86,6 +89,16 @@ FIELDS: dict[MessageType, dict[str, Field]] = {
         "resume_ids": Field((list,)),
         "trace": Field((bool,)),
         "telemetry_every": Field((int,)),
+        "messages": Field((list,)),  # chat turns; the daemon applies the model's chat template
+        "tools": Field((list,)),  # function specs for the chat template
+        "stop": Field((list,)),  # stop strings: the text ends before the first match
+        "logprobs": Field((int,)),  # per-token logprobs with this many top alternatives
+    },
+    MessageType.COUNT_TOKENS: {
+        "prompt": Field((str,)),
+        "messages": Field((list,)),
+        "tools": Field((list,)),
+        "raw": Field((bool,)),
     },
     MessageType.CANCEL: {"target": Field(_ID, required=True)},
     MessageType.STATUS: {},
@@ -140,6 +153,13 @@ def validate_request(msg: Any) -> tuple[MessageType, Any]:
             )
     if kind is MessageType.GENERATE:
         _validate_generate(msg)
+    if kind is MessageType.COUNT_TOKENS:
+        if len(prompt_sources(msg)) != 1 or msg.get("prompt_ids") is not None:
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST,
+                "count_tokens: give exactly one of 'prompt' or 'messages'",
+            )
+        validate_chat_fields(msg, "count_tokens")
     if kind is MessageType.SHED and msg.get("level") is not None:
         try:
             ShedLevel(msg["level"])
@@ -151,10 +171,12 @@ def validate_request(msg: Any) -> tuple[MessageType, Any]:
 
 
 def _validate_generate(msg: dict) -> None:
-    if (msg.get("prompt") is None) == (msg.get("prompt_ids") is None):
+    if len(prompt_sources(msg)) != 1:
         raise ProtocolError(
-            ErrorCode.INVALID_REQUEST, "generate: give exactly one of 'prompt' or 'prompt_ids'"
+            ErrorCode.INVALID_REQUEST,
+            "generate: give exactly one of 'prompt', 'prompt_ids' or 'messages'",
         )
+    validate_chat_fields(msg)
     for name in ("prompt_ids", "resume_ids"):
         ids = msg.get(name)
         if ids is not None and not all(
@@ -193,8 +215,13 @@ def result(request_id: Any, **body: Any) -> dict:
     return {**_base(MessageType.RESULT, request_id), **body}
 
 
-def token(request_id: Any, index: int, ids: list[int], text: str) -> dict:
-    return {**_base(MessageType.TOKEN, request_id), "index": index, "ids": ids, "text": text}
+def token(
+    request_id: Any, index: int, ids: list[int], text: str, logprobs: list[dict] | None = None
+) -> dict:
+    msg = {**_base(MessageType.TOKEN, request_id), "index": index, "ids": ids, "text": text}
+    if logprobs is not None:
+        msg["logprobs"] = logprobs
+    return msg
 
 
 def trace_chunk(request_id: Any, seq: int, data: bytes) -> dict:
@@ -212,6 +239,7 @@ def done(
     usage: dict,
     timings: dict,
     telemetry: dict | None = None,
+    stop_sequence: str | None = None,
 ) -> dict:
     msg = {
         **_base(MessageType.DONE, request_id),
@@ -221,6 +249,8 @@ def done(
     }
     if telemetry is not None:
         msg["telemetry"] = telemetry
+    if stop_sequence is not None:
+        msg["stop_sequence"] = stop_sequence
     return msg
 
 

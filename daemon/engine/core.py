@@ -194,14 +194,16 @@ class EngineCore:
         if finish is not None:
             self._finish(gen, finish)
             return
-        gen.detokenizer.add_token(token)
-        text = gen.detokenizer.last_segment
+        text, logprobs, stopped = gen.add_token(token)
         self.sink.emit(
-            gen.job.identity, wire.token(gen.job.request["id"], gen.index, [token], text)
+            gen.job.identity, wire.token(gen.job.request["id"], gen.index, [token], text, logprobs)
         )
         gen.index += 1
         gen.completion += 1
         self.status.token_produced(time.time())
+        if stopped:  # a stop sequence matched: the text ends before it
+            self._finish(gen, FinishReason.STOP)
+            return
         if gen.completion % gen.telemetry_every == 0:
             self.sink.emit(
                 gen.job.identity, wire.telemetry(gen.job.request["id"], self._telemetry(gen))
@@ -235,14 +237,20 @@ class EngineCore:
             self.status.add(requests_failed=1)
             self.sink.emit(gen.job.identity, wire.error(req_id, reason, message), terminal=True)
             return
-        gen.detokenizer.finalize()
-        tail = gen.detokenizer.last_segment
+        tail = gen.final_text()
         if tail:
             self.sink.emit(gen.job.identity, wire.token(req_id, gen.index, [], tail))
         self.status.add(requests_served=1)
         usage = {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion}
         timings = gen.timings()
-        msg = wire.done(req_id, reason, usage, timings, telemetry=self._telemetry(gen, timings))
+        msg = wire.done(
+            req_id,
+            reason,
+            usage,
+            timings,
+            telemetry=self._telemetry(gen, timings),
+            stop_sequence=gen.stops.matched,
+        )
         self.sink.emit(gen.job.identity, msg, terminal=True)
 
     def _out_of_memory(self, exc: BaseException, also: GenerateJob | None = None) -> None:

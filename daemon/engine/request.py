@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moed.daemon.config import ServeConfig
+from moed.daemon.engine.stop_sequences import StopSequences
+from moed.daemon.model.chat_template import prompt_token_ids
 from moed.daemon.model.loader import LoadedModel
 from moed.daemon.telemetry.trace import recording
 from moed.protocol import ErrorCode, FinishReason, ProtocolError
@@ -47,7 +49,7 @@ class Generation:
         req = job.request
         self.job = job
         self.tokenizer = loaded.tokenizer
-        prompt_ids = tokenize_prompt(loaded.tokenizer, req)
+        prompt_ids = prompt_token_ids(loaded.tokenizer, req)
         if len(prompt_ids) > serve.max_prompt_tokens:
             raise ProtocolError(
                 ErrorCode.PROMPT_TOO_LONG,
@@ -67,6 +69,9 @@ class Generation:
         self.index = len(resume_ids)  # token indices continue after a resume
         self.completion = 0
         self.telemetry_every = req.get("telemetry_every") or serve.telemetry_every
+        self.stops = StopSequences(req.get("stop") or ())
+        self.top_logprobs: int | None = req.get("logprobs")  # None: the request wants none
+        self.last_logprobs = None  # the distribution the last token was sampled from
         self.detokenizer = loaded.tokenizer.detokenizer
         for token in resume_ids:  # so that text deltas continue mid-character after a resume
             self.detokenizer.add_token(token)
@@ -90,10 +95,10 @@ class Generation:
         """Advance one token; returns (token, None) or (None, finish reason)."""
         try:
             if self.trace is None:  # the common case: no context manager per token
-                token, _ = next(self.steps)
+                token, self.last_logprobs = next(self.steps)
             else:
                 with recording(self.trace):
-                    token, _ = next(self.steps)
+                    token, self.last_logprobs = next(self.steps)
         except StopIteration:
             return None, FinishReason.LENGTH
         if self.first_token_at is None:
@@ -101,6 +106,26 @@ class Generation:
         if token in self.tokenizer.eos_token_ids:
             return None, FinishReason.STOP
         return int(token), None
+
+    def add_token(self, token: int) -> tuple[str, list[dict] | None, bool]:
+        """Detokenize a sampled token: (text to send, its logprobs if asked, a stop matched)."""
+        self.detokenizer.add_token(token)
+        text = self.stops.feed(self.detokenizer.last_segment)
+        logprobs = None
+        if self.top_logprobs is not None:
+            from moed.daemon.engine.logprobs import token_logprobs
+
+            logprobs = [
+                token_logprobs(self.last_logprobs, token, self.top_logprobs, self.tokenizer)
+            ]
+        return text, logprobs, self.stops.matched is not None
+
+    def final_text(self) -> str:
+        """The text still held back (by the detokenizer or a possible stop) when the stream ends."""
+        if self.stops.matched is not None:
+            return ""
+        self.detokenizer.finalize()
+        return self.stops.feed(self.detokenizer.last_segment) + self.stops.flush()
 
     def timings(self) -> dict:
         now = time.perf_counter()
@@ -115,23 +140,3 @@ class Generation:
             else 0.0,
             "total_s": now - self.job.received_at,
         }
-
-
-def tokenize_prompt(tokenizer: Any, req: dict) -> list[int]:
-    """Tokenize as `mlx_lm.generate` does: the chat template unless raw, special tokens
-    otherwise."""
-    if req.get("prompt_ids") is not None:
-        return list(req["prompt_ids"])
-    prompt = req["prompt"]
-    use_template = not req.get("raw") and getattr(tokenizer, "has_chat_template", False)
-    if use_template:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        return list(tokenizer.encode(prompt, add_special_tokens=False))
-    bos = getattr(tokenizer, "bos_token", None)
-    add_special = bos is None or not prompt.startswith(bos)
-    ids = list(tokenizer.encode(prompt, add_special_tokens=add_special))
-    if not ids:
-        raise ProtocolError(ErrorCode.INVALID_REQUEST, "the prompt tokenizes to nothing")
-    return ids

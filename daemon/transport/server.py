@@ -28,6 +28,7 @@ from moed.daemon.engine.loop import Engine
 from moed.daemon.engine.request import GenerateJob, RequestKey
 from moed.daemon.engine.status import DaemonState, EngineStatus
 from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.model.chat_template import prompt_token_ids
 from moed.daemon.runtime import crashlog
 from moed.daemon.telemetry import LiveTelemetry
 from moed.daemon.watchdog.events import read_state as read_watchdog_state
@@ -346,6 +347,8 @@ class Server:
             return wire.result(req_id, **self.telemetry.stats())
         if kind is MessageType.METRICS:
             return wire.result(req_id, text=self.telemetry.metrics_text())
+        if kind is MessageType.COUNT_TOKENS:
+            return wire.result(req_id, tokens=self._count_tokens(msg))
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{kind.value!r} is not handled")
 
     def _admit(self, identity: bytes, msg: dict) -> dict | None:
@@ -388,6 +391,13 @@ class Server:
         self._pending[key] = 0  # tokens sent so far
         self.engine.submit(GenerateJob(identity, msg))
         return None
+
+    def _count_tokens(self, msg: dict) -> int:
+        loaded = self.engine.loaded
+        if loaded is None:
+            raise ProtocolError(ErrorCode.OVERLOADED, "the model is still loading; retry shortly")
+        # The tokenizer is thread-safe for encoding; counting never waits behind a generation.
+        return len(prompt_token_ids(loaded.tokenizer, msg))
 
     def _check_model(self, name: str | None) -> None:
         if not name:

@@ -1,0 +1,58 @@
+"""A request's prompt as token ids: raw text, token ids, or chat messages through the model's own
+chat template (with tools, when the template takes them), tokenized as `mlx_lm.generate` does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moed.protocol import ErrorCode, ProtocolError
+
+
+def prompt_token_ids(tokenizer: Any, req: dict) -> list[int]:
+    """The prompt of a generate / count_tokens request as token ids."""
+    if req.get("prompt_ids") is not None:
+        return list(req["prompt_ids"])
+    if req.get("messages") is not None:
+        return _encode_templated(
+            tokenizer, render_messages(tokenizer, req["messages"], req.get("tools"))
+        )
+    prompt = req["prompt"]
+    if not req.get("raw") and getattr(tokenizer, "has_chat_template", False):
+        # One user turn: the same ids as `messages: [{role: user, content: prompt}]`.
+        return _encode_templated(
+            tokenizer, render_messages(tokenizer, [{"role": "user", "content": prompt}], None)
+        )
+    bos = getattr(tokenizer, "bos_token", None)
+    add_special = bos is None or not prompt.startswith(bos)
+    ids = list(tokenizer.encode(prompt, add_special_tokens=add_special))
+    if not ids:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, "the prompt tokenizes to nothing")
+    return ids
+
+
+def render_messages(tokenizer: Any, messages: list[dict], tools: list[dict] | None) -> str:
+    """The chat template applied to `messages`; a last assistant turn is continued, not closed
+    (an assistant prefill), otherwise the assistant's turn is opened."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        raise ProtocolError(
+            ErrorCode.INVALID_REQUEST,
+            "this model has no chat template: send 'prompt' with 'raw' instead of 'messages'",
+        )
+    prefill = messages[-1].get("role") == "assistant"
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=not prefill,
+            continue_final_message=prefill,
+        )
+    except Exception as exc:  # the template's own checks (roles must alternate, ...) raise
+        raise ProtocolError(
+            ErrorCode.INVALID_REQUEST, f"the chat template refused the messages: {exc}"
+        ) from None
+
+
+def _encode_templated(tokenizer: Any, text: str) -> list[int]:
+    # The template wrote the special tokens already (as mlx_lm.generate does for chat prompts).
+    return list(tokenizer.encode(text, add_special_tokens=False))
