@@ -125,3 +125,27 @@ def memory_cgroup():
     finally:
         for cg in made:
             cg.destroy()
+
+
+# --- the HTTP gateway in front of a real daemon ----------------------------------------------
+
+from gateway_harness import GatewayProcess, start_gateway  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gateway_stack(tmp_path_factory, tiny_model):
+    """(daemon, gateway): one resident daemon on the tiny checkpoint and a `moed gateway` in front
+    of it, shared by a test module (starting them costs seconds)."""
+    tmp = tmp_path_factory.mktemp("gateway")
+    # A small prompt limit, so a too-long prompt is cheap to send.
+    daemon = start_daemon(
+        tmp / "d", tiny_model, "--resident", env={"MOED_MAX_PROMPT_TOKENS": "512"}
+    )
+    gateway: GatewayProcess | None = None
+    try:
+        gateway = start_gateway(tmp / "g", daemon.socket)
+        yield daemon, gateway
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        daemon.stop()
