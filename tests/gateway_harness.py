@@ -5,12 +5,12 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from daemon_harness import moed_command
 
 
 def free_port() -> int:
@@ -44,17 +44,7 @@ class GatewayProcess:
 
 
 def gateway_command(daemon_socket: Path, port: int, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "moed.daemon.cli",
-        "gateway",
-        "--socket",
-        str(daemon_socket),
-        "--port",
-        str(port),
-        *extra,
-    ]
+    return moed_command("gateway", "--socket", str(daemon_socket), "--port", str(port), *extra)
 
 
 def start_gateway(

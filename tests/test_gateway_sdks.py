@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 
 import anthropic
@@ -14,6 +12,7 @@ import httpx
 import ollama
 import openai
 import pytest
+from daemon_harness import moe
 from prometheus_client.parser import text_string_to_metric_families
 
 PROMPT = "The quick brown fox"
@@ -23,12 +22,8 @@ N = 10  # tokens per generation: enough text to compare, few enough to stay fast
 
 def moe_run(socket, prompt: str, *flags: str, max_tokens: int = N) -> tuple[str, list[dict]]:
     """`moe run --json`: the completion text and its token lines."""
-    out = subprocess.run(
-        [sys.executable, "-m", "moed.client.cli", "--socket", str(socket), "run", "--json"]
-        + ["--no-start", "--max-tokens", str(max_tokens), *flags, prompt],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    out = moe(
+        socket, "run", "--json", "--no-start", "--max-tokens", str(max_tokens), *flags, prompt
     )
     assert out.returncode == 0, out.stderr
     tokens = [m for m in map(json.loads, out.stdout.splitlines()) if m["type"] == "token"]
