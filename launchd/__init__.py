@@ -1,1 +1,2 @@
-"""Service templates (launchd plists, systemd units), shipped as package data `moed.launchd`."""
+"""launchd LaunchAgent plist templates, shipped as package data `moed.launchd` (the systemd
+units are in daemon/service/units/)."""

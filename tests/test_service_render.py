@@ -16,31 +16,31 @@ from daemon_harness import moed_command
 
 from moed.daemon.config import load_config
 from moed.daemon.service.render import (
-    Platform,
     Role,
+    ServiceManager,
     foreign_defaults,
     layout_for,
     make_context,
     render_plist,
     render_unit,
     systemd_quote,
-    templates_dir,
+    template_file,
 )
 from moed.protocol import paths
 
 
-def _ctx(tmp_path: Path, platform: Platform, **serve):
+def _ctx(tmp_path: Path, manager: ServiceManager, **serve):
     home = tmp_path / "home"
     env = {"HOME": str(home)}
-    layout = layout_for(platform, env)
-    overrides = {**foreign_defaults(platform, env), **serve}
+    layout = layout_for(manager, env)
+    overrides = {**foreign_defaults(manager, env), **serve}
     config = load_config(tmp_path / "absent.toml", environ={}, serve_overrides=overrides)
     return make_context(layout, config, python=sys.executable, uid=501)
 
 
 @pytest.mark.parametrize("role", list(Role))
 def test_plist_parses_and_holds_the_policy(tmp_path, role):
-    ctx = _ctx(tmp_path, Platform.MACOS, drain_timeout_s=12.5)
+    ctx = _ctx(tmp_path, ServiceManager.LAUNCHD, drain_timeout_s=12.5)
     job = plistlib.loads(render_plist(ctx, role))
     home = tmp_path / "home"
     config = home / "Library" / "Application Support" / "moed" / "config.toml"
@@ -81,11 +81,11 @@ def _strings(value):
 def test_plist_escapes_awkward_paths(tmp_path):
     # A home folder with XML metacharacters still renders a well-formed plist.
     odd = tmp_path / "a & <b>"
-    layout = layout_for(Platform.MACOS, {"HOME": str(odd)})
+    layout = layout_for(ServiceManager.LAUNCHD, {"HOME": str(odd)})
     config = load_config(
         tmp_path / "absent.toml",
         environ={},
-        serve_overrides=foreign_defaults(Platform.MACOS, {"HOME": str(odd)}),
+        serve_overrides=foreign_defaults(ServiceManager.LAUNCHD, {"HOME": str(odd)}),
     )
     ctx = make_context(layout, config, python="/opt/my env/bin/python", uid=501)
     job = plistlib.loads(render_plist(ctx, Role.DAEMON))
@@ -95,7 +95,9 @@ def test_plist_escapes_awkward_paths(tmp_path):
 
 @pytest.mark.parametrize("role", list(Role))
 def test_unit_holds_the_policy(tmp_path, role):
-    ctx = _ctx(tmp_path, Platform.LINUX, drain_timeout_s=10, restart_budget=4, restart_window_s=300)
+    ctx = _ctx(
+        tmp_path, ServiceManager.SYSTEMD, drain_timeout_s=10, restart_budget=4, restart_window_s=300
+    )
     text = render_unit(ctx, role)
     sections = _sections(text)
     unit, svc = sections["Unit"], sections["Service"]
@@ -147,7 +149,7 @@ def test_host_layout_agrees_with_paths(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "st"))
-    host = Platform.host()
+    host = ServiceManager.of_host()
     assert layout_for(host).config_file == paths.config_path()
     defaults = foreign_defaults(host)
     assert defaults["log_dir"] == paths.log_dir()
@@ -155,10 +157,15 @@ def test_host_layout_agrees_with_paths(tmp_path, monkeypatch):
 
 
 def test_templates_are_valid_as_shipped():
-    d = templates_dir()
     for role in Role:
-        plistlib.loads((d / f"com.moed.{role.value}.plist").read_bytes())
-        assert (d / role.unit).read_text().startswith("#")
+        plistlib.loads(template_file(ServiceManager.LAUNCHD, role).read_bytes())
+        assert template_file(ServiceManager.SYSTEMD, role).read_text().startswith("#")
+
+
+def test_the_platform_option_keeps_its_values():
+    # `moed service --platform macos|linux` is user-facing: the rename to ServiceManager kept it.
+    assert ServiceManager("macos") is ServiceManager.LAUNCHD
+    assert ServiceManager("linux") is ServiceManager.SYSTEMD
 
 
 def _analyze_env(tmp_path: Path) -> dict:
@@ -171,7 +178,7 @@ def _analyze_env(tmp_path: Path) -> dict:
     shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed"
 )
 def test_units_pass_systemd_analyze_verify(tmp_path):
-    ctx = _ctx(tmp_path, Platform.LINUX)
+    ctx = _ctx(tmp_path, ServiceManager.SYSTEMD)
     files = []
     for role in Role:
         path = tmp_path / role.unit
@@ -194,7 +201,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path):
 )
 def test_systemd_analyze_catches_a_bad_unit(tmp_path):
     # The verify test above is only worth something if the tool complains about a broken unit here.
-    ctx = _ctx(tmp_path, Platform.LINUX)
+    ctx = _ctx(tmp_path, ServiceManager.SYSTEMD)
     bad = tmp_path / "moed.service"
     bad.write_text(render_unit(ctx, Role.DAEMON).replace("Restart=on-failure", "Restart=sometimes"))
     proc = subprocess.run(

@@ -23,9 +23,9 @@ from moed.daemon.service import launchctl, systemd
 from moed.daemon.service.render import (
     START_ORDER,
     STOP_ORDER,
-    Platform,
     Role,
     ServiceContext,
+    ServiceManager,
     render,
 )
 
@@ -152,7 +152,7 @@ class RoleStatus:
 
 
 class ServiceBackend(abc.ABC):
-    platform: Platform
+    manager: ServiceManager
 
     def __init__(self, ctx: ServiceContext, ex: Executor):
         self.ctx = ctx
@@ -254,7 +254,7 @@ class LaunchdBackend(ServiceBackend):
     in ~/Library/LaunchAgents, so they come back at the next login or with start.
     """
 
-    platform = Platform.MACOS
+    manager = ServiceManager.LAUNCHD
     # Retried bootstrap failures: the previous instance is still being torn down (5: I/O error,
     # 37: operation already in progress).
     BUSY = frozenset({5, 37})
@@ -370,7 +370,7 @@ class LaunchdBackend(ServiceBackend):
 class SystemdBackend(ServiceBackend):
     """systemd --user units; stop/start keep them enabled for the next login."""
 
-    platform = Platform.LINUX
+    manager = ServiceManager.SYSTEMD
     HINT = (
         "is systemd --user running for this user? (a login session, or `loginctl enable-linger`; "
         "XDG_RUNTIME_DIR must point at it)"
@@ -445,7 +445,7 @@ def _name_exit(role: Role, text: str | None, code: int | None) -> str | None:
         return text
 
 
-BACKENDS: dict[Platform, type[ServiceBackend]] = {
-    Platform.MACOS: LaunchdBackend,
-    Platform.LINUX: SystemdBackend,
+BACKENDS: dict[ServiceManager, type[ServiceBackend]] = {
+    ServiceManager.LAUNCHD: LaunchdBackend,
+    ServiceManager.SYSTEMD: SystemdBackend,
 }

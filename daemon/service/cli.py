@@ -27,9 +27,9 @@ from moed.daemon.service.backend import (
     ServiceBackend,
 )
 from moed.daemon.service.render import (
-    Platform,
     Role,
     ServiceContext,
+    ServiceManager,
     foreign_defaults,
     layout_for,
     make_context,
@@ -77,13 +77,13 @@ class _Session:
         serve_overrides: dict[str, Any] | None = None,
         factory: Callable | None = None,
     ):
-        self.platform = Platform(platform) if platform else Platform.host()
+        self.manager = ServiceManager(platform) if platform else ServiceManager.of_host()
         environ = dict(os.environ)
-        self.layout = layout_for(self.platform, environ, config_file)
+        self.layout = layout_for(self.manager, environ, config_file)
         overrides = {k: v for k, v in (serve_overrides or {}).items() if v is not None}
-        if self.platform is not Platform.host():
+        if self.manager is not ServiceManager.of_host():
             # A dry run for the other platform shows that platform's default locations.
-            for key, value in foreign_defaults(self.platform, environ).items():
+            for key, value in foreign_defaults(self.manager, environ).items():
                 overrides.setdefault(key, value)
         try:
             self.config = load_config(self.layout.config_file, environ, overrides)
@@ -91,7 +91,7 @@ class _Session:
             raise click.ClickException(str(exc)) from None
         self.ctx: ServiceContext = make_context(self.layout, self.config)
         self.ex = Executor(dry_run=dry_run, echo=click.echo)
-        self.backend: ServiceBackend = (factory or BACKENDS[self.platform])(self.ctx, self.ex)
+        self.backend: ServiceBackend = (factory or BACKENDS[self.manager])(self.ctx, self.ex)
 
     def first_config(self) -> str:
         return config_text(to_toml(self.config))
@@ -105,9 +105,9 @@ def _common(fn):
     )(fn)
     fn = click.option(
         "--platform",
-        type=click.Choice([p.value for p in Platform]),
+        type=click.Choice([m.value for m in ServiceManager]),
         default=None,
-        help="Service manager to target (default: this machine's). For dry runs and tests.",
+        help="Target launchd (macos) or systemd (linux); default: this machine's. For dry runs.",
     )(fn)
     fn = click.option(
         "--config",
@@ -164,7 +164,7 @@ def install(dry_run, platform, config_file, model, cache_budget):
         click.echo(f"note: {note}", err=True)
     if not dry_run:
         click.echo(f"installed {', '.join(str(p) for p in s.backend.files())}")
-        if s.platform is Platform.LINUX:
+        if s.manager is ServiceManager.SYSTEMD:
             click.echo("to keep it running without a login session: loginctl enable-linger $USER")
 
 
@@ -221,7 +221,7 @@ def status(dry_run, platform, config_file, as_json, timeout):
     answer, why = daemon_status(socket, timeout)
     starts = service_logs.read_start_records(s.ctx.log_path(Role.DAEMON))
     report = {
-        "platform": s.platform.value,
+        "platform": s.manager.value,
         "config": str(s.layout.config_file),
         "socket": str(socket),
         "services": [r.as_dict() for r in roles],

@@ -1,4 +1,5 @@
-"""Render the service templates in launchd/ with this environment's absolute paths.
+"""Render the service templates (launchd/ plists, units/ systemd units) with this environment's
+absolute paths.
 
 The templates hold the policy (restart rules, throttling, no core dumps); rendering fills in where
 things are (interpreter, config file, log directory) and the stop timeout derived from the config.
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from moed.daemon.config import Config
@@ -33,13 +35,16 @@ PERMANENT_EXITS = (
 )
 
 
-class Platform(str, enum.Enum):
-    MACOS = "macos"
-    LINUX = "linux"
+class ServiceManager(str, enum.Enum):
+    """The service manager that runs moed: launchd LaunchAgents or systemd user units. The values
+    are what `moed service --platform` takes."""
+
+    LAUNCHD = "macos"
+    SYSTEMD = "linux"
 
     @classmethod
-    def host(cls) -> Platform:
-        return cls.MACOS if sys.platform == "darwin" else cls.LINUX
+    def of_host(cls) -> ServiceManager:
+        return cls.LAUNCHD if sys.platform == "darwin" else cls.SYSTEMD
 
 
 class Role(str, enum.Enum):
@@ -70,19 +75,21 @@ STOP_ORDER = (Role.WATCHDOG, Role.DAEMON)
 
 @dataclass(frozen=True)
 class ServiceLayout:
-    """Where a platform keeps the service definitions and the config file."""
+    """Where a service manager keeps the service definitions, and where the config file goes."""
 
-    platform: Platform
+    manager: ServiceManager
     home: Path
     config_file: Path
     unit_dir: Path  # ~/Library/LaunchAgents or ~/.config/systemd/user
 
     def unit_path(self, role: Role) -> Path:
-        return self.unit_dir / template_name(self.platform, role)
+        return self.unit_dir / template_name(self.manager, role)
 
 
 def layout_for(
-    platform: Platform, environ: Mapping[str, str] | None = None, config_file: Path | None = None
+    manager: ServiceManager,
+    environ: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
 ) -> ServiceLayout:
     """The standard per-user locations for a platform, from HOME and XDG_* like moed.protocol.paths.
 
@@ -91,7 +98,7 @@ def layout_for(
     """
     env = os.environ if environ is None else environ
     home = Path(env.get("HOME") or Path.home())
-    if platform is Platform.MACOS:
+    if manager is ServiceManager.LAUNCHD:
         default_config = home / "Library" / "Application Support" / "moed" / "config.toml"
         unit_dir = home / "Library" / "LaunchAgents"
     else:
@@ -100,11 +107,11 @@ def layout_for(
         unit_dir = config_home / "systemd" / "user"
     if config_file is None:
         config_file = Path(env["MOED_CONFIG"]) if env.get("MOED_CONFIG") else default_config
-    return ServiceLayout(platform, home, config_file.expanduser().absolute(), unit_dir)
+    return ServiceLayout(manager, home, config_file.expanduser().absolute(), unit_dir)
 
 
 def foreign_defaults(
-    platform: Platform, environ: Mapping[str, str] | None = None
+    manager: ServiceManager, environ: Mapping[str, str] | None = None
 ) -> dict[str, Path]:
     """Serve settings whose defaults differ by platform, for rendering the other platform's files.
 
@@ -114,7 +121,7 @@ def foreign_defaults(
     env = os.environ if environ is None else environ
     home = Path(env.get("HOME") or Path.home())
     uid = os.getuid()
-    if platform is Platform.MACOS:
+    if manager is ServiceManager.LAUNCHD:
         state = home / "Library" / "Application Support" / "moed"
         logs = home / "Library" / "Logs" / "moed"
         runtime = Path("/tmp") / f"moed-{uid}"
@@ -142,8 +149,8 @@ class ServiceContext:
     uid: int
 
     @property
-    def platform(self) -> Platform:
-        return self.layout.platform
+    def manager(self) -> ServiceManager:
+        return self.layout.manager
 
     @property
     def log_dir(self) -> Path:
@@ -179,19 +186,17 @@ def stop_timeout_s(ctx: ServiceContext, role: Role) -> int:
     return int(math.ceil(ctx.config.serve.drain_timeout_s)) + STOP_MARGIN_S
 
 
-def templates_dir() -> Path:
-    """launchd/ beside the packages (source tree, editable install) or shipped as moed.launchd."""
-    try:
-        shipped = resources.files("moed.launchd")
-        if shipped.is_dir():
-            return Path(str(shipped))
-    except (ModuleNotFoundError, TypeError):
-        pass
-    return Path(__file__).resolve().parents[2] / "launchd"
+def template_name(manager: ServiceManager, role: Role) -> str:
+    return f"{role.label}.plist" if manager is ServiceManager.LAUNCHD else role.unit
 
 
-def template_name(platform: Platform, role: Role) -> str:
-    return f"{role.label}.plist" if platform is Platform.MACOS else role.unit
+def template_file(manager: ServiceManager, role: Role) -> Traversable:
+    """The shipped template: plists in launchd/ (moed.launchd), units in units/ beside this file."""
+    if manager is ServiceManager.LAUNCHD:
+        folder = resources.files("moed.launchd")
+    else:
+        folder = resources.files("moed.daemon.service") / "units"
+    return folder / template_name(manager, role)
 
 
 def _placeholders(ctx: ServiceContext, role: Role) -> dict[str, str]:
@@ -216,9 +221,9 @@ def _substitute(value, mapping: dict[str, str]):
 
 
 def plist_dict(ctx: ServiceContext, role: Role) -> dict:
-    template = templates_dir() / template_name(Platform.MACOS, role)
+    template = template_file(ServiceManager.LAUNCHD, role).read_bytes()
     # Substituting parsed values (not raw XML) keeps paths with '&' or '<' well-formed.
-    job = _substitute(plistlib.loads(template.read_bytes()), _placeholders(ctx, role))
+    job = _substitute(plistlib.loads(template), _placeholders(ctx, role))
     job["ExitTimeOut"] = stop_timeout_s(ctx, role)
     return job
 
@@ -236,7 +241,7 @@ def systemd_quote(arg: str) -> str:
 
 
 def render_unit(ctx: ServiceContext, role: Role) -> str:
-    template = (templates_dir() / template_name(Platform.LINUX, role)).read_text()
+    template = template_file(ServiceManager.SYSTEMD, role).read_text()
     serve = ctx.config.serve
     mapping = {
         "@EXEC_START@": " ".join(systemd_quote(a) for a in program_arguments(ctx, role)),
@@ -246,7 +251,7 @@ def render_unit(ctx: ServiceContext, role: Role) -> str:
         "@START_LIMIT_INTERVAL@": f"{int(math.ceil(serve.restart_window_s))}s",
         "@RESTART_PREVENT@": " ".join(str(int(code)) for code in PERMANENT_EXITS),
     }
-    # Comment lines about the template itself are for readers of launchd/, not of the unit.
+    # Comment lines about the template itself are for readers of units/, not of the unit.
     lines = [
         line for line in template.splitlines(keepends=True) if not line.startswith("# Template:")
     ]
@@ -257,6 +262,6 @@ def render_unit(ctx: ServiceContext, role: Role) -> str:
 
 
 def render(ctx: ServiceContext, role: Role) -> bytes:
-    if ctx.platform is Platform.MACOS:
+    if ctx.manager is ServiceManager.LAUNCHD:
         return render_plist(ctx, role)
     return render_unit(ctx, role).encode()
