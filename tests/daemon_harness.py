@@ -73,15 +73,18 @@ def moe(
     timeout: float = 120,
 ) -> subprocess.CompletedProcess:
     """Run `moe` to completion: text output captured, env added to this process's."""
-    return _run(moe_command(socket, *args), input, env, timeout)
+    return run_captured(moe_command(socket, *args), input=input, env=env, timeout=timeout)
 
 
 def moed(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `moed` to completion: text output captured, env added to this process's."""
-    return _run(moed_command(*args), None, env, timeout)
+    return run_captured(moed_command(*args), env=env, timeout=timeout)
 
 
-def _run(cmd: list[str], input: str | None, env: dict | None, timeout: float):
+def run_captured(
+    cmd: list[str], *, input: str | None = None, env: dict | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """Run to completion with text output captured; env is added to this process's."""
     return subprocess.run(
         cmd,
         capture_output=True,

@@ -11,6 +11,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
+from daemon_harness import run_captured, serve_command, short_socket_path, start_daemon
 
 from moed.client import RequestFailed
 
@@ -137,29 +138,16 @@ def test_spec_minimal_python_client_runs(daemon):
 
 
 def test_unknown_model_path_fails_serve_clearly(tmp_path):
-    from daemon_harness import serve_command
-
-    out = subprocess.run(
-        serve_command("/no/such/model", Path(f"/tmp/moedt-x{tmp_path.name[-8:]}/s"), tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = run_captured(serve_command("/no/such/model", short_socket_path(), tmp_path), timeout=60)
     assert out.returncode == 3
     assert "does not exist" in out.stderr
 
 
 def test_malformed_setting_is_a_config_error(tmp_path, tiny_model):
-    from daemon_harness import serve_command
-
-    sock = Path(f"/tmp/moedt-cfg{tmp_path.name[-8:]}/s")
-    env = {**__import__("os").environ, "MOED_DEBUG_FAULTS": "explode=yes"}
-    out = subprocess.run(
-        serve_command(tiny_model, sock, tmp_path),
-        capture_output=True,
-        text=True,
+    out = run_captured(
+        serve_command(tiny_model, short_socket_path(), tmp_path),
+        env={"MOED_DEBUG_FAULTS": "explode=yes"},
         timeout=60,
-        env=env,
     )
     assert out.returncode == 2, out.stderr
     assert "configuration" in out.stderr and "Traceback" not in out.stderr
@@ -168,8 +156,6 @@ def test_malformed_setting_is_a_config_error(tmp_path, tiny_model):
 def test_memory_plan_refuses_a_model_that_cannot_fit(tmp_path, tiny_model):
     """Refused before loading experts, with the plan in the message, and an exit code that stops
     restarts."""
-    from daemon_harness import start_daemon
-
     d = start_daemon(
         tmp_path,
         tiny_model,
