@@ -36,6 +36,9 @@ def _register() -> None:
     from moed.gateway.cli import gateway  # imports no mlx: the gateway is a client of the daemon
 
     main.add_command(gateway)
+    from moed.daemon.distributed.cli import rank
+
+    main.add_command(rank)
 
 
 _register()

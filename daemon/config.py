@@ -58,6 +58,12 @@ class ServeConfig:
     debug_faults: str = ""  # fault injection for tests; empty (off) by default
     restart_budget: int = 5  # crashes ...
     restart_window_s: float = 600.0  # ... within this window stop the restart loop
+    # A pipeline over several ranks (mx.distributed): N local ranks, or a hostfile's hosts.
+    pipeline: int = 0  # local ranks over the ring backend on loopback; 0: one process
+    hostfile: str = ""  # mlx.launch's hostfile (+ per-host expert_budget and layers)
+    pipeline_split: str = "even"  # even, cost, or layers per rank like "20,20" (rank 0 first)
+    pipeline_port: int = 0  # first ring port; 0: free local ports (hostfiles: 32323)
+    rank_timeout_s: float = 2.0  # a rank silent this long has stalled: the group restarts
 
     def __post_init__(self):
         if self.cache_policy not in policy_names():

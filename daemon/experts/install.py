@@ -19,13 +19,14 @@ def install_streaming(
     model: nn.Module,
     model_path: Path,
     cfg: StreamingConfig | None = None,
+    resident_weight_bytes: int | None = None,
 ) -> ExpertStreamer:
     """Replace every SwitchGLU / SwitchMLP of a lazily loaded mlx-lm model with a streaming twin.
     Call before `mx.eval(model.parameters())`, which then materializes only non-expert weights."""
     cfg = cfg or StreamingConfig()
     index = CheckpointIndex(Path(model_path))
     switches = describe_switches(model, index)
-    streamer = ExpertStreamer(Path(model_path), cfg, index, switches)
+    streamer = ExpertStreamer(Path(model_path), cfg, index, switches, resident_weight_bytes)
     for layer, sw in enumerate(switches):
         twin = StreamingSwitch(sw.kind, sw.projs, sw.module.activation, layer, streamer)
         set_module(model, sw.path, twin)

@@ -50,6 +50,7 @@ class ExpertStreamer:
         cfg: StreamingConfig,
         index: CheckpointIndex,
         switches: list[SwitchInfo],
+        resident_weight_bytes: int | None = None,
     ):
         self.model_path = Path(model_path)
         self.cfg = cfg
@@ -59,7 +60,10 @@ class ExpertStreamer:
             [sum(t.slot_bytes for t in s.tensors) for s in switches],
             [s.num_experts for s in switches],
         )
-        self.resident_weight_bytes = index.total_bytes - self.layout.experts_bytes
+        # A pipeline rank holds only its own layers' weights and says how many bytes those are.
+        if resident_weight_bytes is None:
+            resident_weight_bytes = index.total_bytes - self.layout.experts_bytes
+        self.resident_weight_bytes = resident_weight_bytes
         self.plan = make_plan(
             self.layout,
             self.resident_weight_bytes,

@@ -20,6 +20,7 @@ class LoadedModel:
     path: Path
     config: dict
     streamer: Any  # ExpertStreamer or None when resident
+    pipeline: Any = None  # PipelineLeader when this daemon is rank 0 of a pipeline group
 
 
 def load_model(serve: ServeConfig, path: Path) -> LoadedModel:
@@ -27,6 +28,12 @@ def load_model(serve: ServeConfig, path: Path) -> LoadedModel:
     import mlx.core as mx
     from mlx_lm.utils import load
 
+    from moed.daemon.distributed.spec import pipeline_enabled
+
+    if pipeline_enabled(serve):  # this daemon is rank 0: its layers only, the group follows
+        from moed.daemon.distributed.rank0 import load_leader
+
+        return load_leader(serve, path)
     model, tokenizer, config = load(str(path), lazy=True, return_config=True)
     streamer = None
     if not serve.resident:

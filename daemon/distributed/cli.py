@@ -1,0 +1,27 @@
+"""`moed rank`: one follower rank of a pipeline (started by rank 0, never by hand)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+
+@click.command(hidden=True)
+@click.option("--spec", "spec_json", required=True, help="What rank 0 decided (JSON).")
+@click.option("--rank", type=int, required=True)
+@click.option("--log-level", default="INFO")
+def rank(spec_json: str, rank: int, log_level: str) -> None:
+    """Follow rank 0's steps through this rank's layers."""
+    logging.basicConfig(
+        level=log_level.upper(),
+        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from moed.daemon.distributed.follower import run_follower
+    from moed.daemon.distributed.launch import Heartbeat
+    from moed.daemon.distributed.spec import RankSpec
+
+    Heartbeat().start()
+    sys.exit(run_follower(RankSpec.from_json(spec_json), rank))

@@ -1,0 +1,80 @@
+"""Ranks above 0: follow rank 0's steps until it says stop (or the group breaks)."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+
+from moed.daemon.distributed.protocol import ProtocolMismatch, StepChannel, StepOp
+from moed.daemon.distributed.rank_model import RankModel
+from moed.daemon.distributed.rank_status import rank_status
+
+log = logging.getLogger("moed.distributed")
+
+
+def follow(rank: RankModel, channel: StepChannel) -> int:
+    """Run every step rank 0 broadcasts; returns the number of steps run."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches: dict[int, list] = {}
+    while True:
+        step = channel.receive()
+        for handle in step.released:
+            caches.pop(handle, None)
+        if step.op is StepOp.FORWARD:
+            if len(step.handles) != 1:
+                raise ProtocolMismatch(f"a forward names {len(step.handles)} caches, not one")
+            handle = step.handles[0]
+            cache = caches.get(handle)
+            if cache is None:
+                cache = caches[handle] = make_prompt_cache(rank.model)
+            # The PipelineMixin module alone: the last norm, no lm_head (rank 0 samples).
+            out = rank.pipeline(mx.array(step.tokens), cache=cache)
+            mx.eval(out)
+        elif step.op is StepOp.STATUS:
+            channel.gather_json(rank_status(rank, {"steps": channel.counters.steps}))
+        elif step.op is StepOp.SHED:
+            if rank.streamer is not None:
+                rank.streamer.shed(step.arg / 1000.0)
+            mx.clear_cache()
+        elif step.op is StepOp.SHUTDOWN:
+            log.info("rank %d: rank 0 ended the group after %d steps", channel.rank, step.seq)
+            return channel.counters.steps
+
+
+def run_follower(spec, expected_rank: int) -> int:
+    """A follower process: join the group, load this rank's layers, follow until told to stop."""
+    import json
+    from pathlib import Path
+
+    from moed.daemon.distributed.rank_model import PipelineUnsupported, load_rank_model
+    from moed.daemon.exit_codes import DaemonExit
+    from moed.daemon.model.loader import MemoryPlanRefused
+
+    group = mx.distributed.init(backend=spec.backend, strict=True)
+    if group.rank() != expected_rank:
+        log.error("MLX_RANK says %d, rank 0 started rank %d", group.rank(), expected_rank)
+        return DaemonExit.CONFIG
+    path = Path(spec.model_path)
+    config = json.loads((path / "config.json").read_text())
+    num_layers = int(config.get("text_config", config)["num_hidden_layers"])
+    try:
+        rank = load_rank_model(
+            path, group, spec.split_for(group.size(), num_layers), spec.streaming(group.rank())
+        )
+    except PipelineUnsupported as exc:
+        log.error("%s", exc)
+        return DaemonExit.CONFIG
+    except MemoryPlanRefused as exc:
+        log.error("%s", exc)
+        return DaemonExit.DOES_NOT_FIT
+    try:
+        follow(rank, StepChannel(group))
+    except (RuntimeError, ProtocolMismatch) as exc:  # the ring lost a peer: rank 0 restarts us
+        log.error("rank %d leaves the group: %s", group.rank(), exc)
+        return DaemonExit.FAILED
+    finally:
+        if rank.streamer is not None:
+            rank.streamer.close()
+    return DaemonExit.OK

@@ -1,0 +1,207 @@
+"""Start the other ranks of a group and notice, within seconds, when one dies or stalls.
+
+Rank 0 (the daemon) starts every other rank the way `mlx.launch` does: the same environment
+(MLX_RANK, MLX_HOSTFILE or the JACCL variables, the hostfile's `envs`), locally as a child
+process or on another host through `ssh`. Each rank writes a heartbeat line to its stdout; rank 0
+reads them. A rank whose process ended, or whose heartbeats stopped (a stalled or frozen host), is
+a failed group: the daemon fails what is in flight and exits so the service restarts the group.
+A rank whose stdin closes (rank 0 is gone) exits by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from moed.daemon.distributed.hostfile import LOOPBACK, GroupSpec, RankHost
+
+log = logging.getLogger("moed.distributed")
+
+HEARTBEAT_S = 0.25  # how often a rank says it is alive
+
+
+def free_port_run(count: int, host: str = LOOPBACK, start: int = 0) -> int:
+    """A first port such that `count` consecutive ports are free (the ring listens on each)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind((host, start))
+            base = s.getsockname()[1]
+        if base + count < 65536 and all(_free(host, base + i) for i in range(count)):
+            return base
+    raise OSError(f"no run of {count} free ports on {host}")
+
+
+def _free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def rank_environment(group: GroupSpec, rank: int, files_dir: Path) -> dict[str, str]:
+    """The variables a rank's mx.distributed.init reads (files written under `files_dir`)."""
+    env = {**group.rank_env(), "MLX_RANK": str(rank)}
+    for name, content in group.rank_files().items():
+        path = files_dir / f"{name.lower()}.json"
+        path.write_text(content)
+        env[name] = str(path)
+    return env
+
+
+def remote_script(group: GroupSpec, rank: int, argv: list[str]) -> str:
+    """The shell line ssh runs on a remote host (mlx.launch writes its files the same way)."""
+    parts = [f"export {k}={shlex.quote(v)};" for k, v in group.rank_env().items()]
+    for name, content in group.rank_files().items():
+        parts.append(f"f=$(mktemp); printf %s {shlex.quote(content)} > $f; export {name}=$f;")
+    parts.append(f"export MLX_RANK={rank};")
+    parts.append("exec " + shlex.join(argv))
+    return " ".join(parts)
+
+
+def ssh_command(host: RankHost, script: str) -> list[str]:
+    # BatchMode: a missing key fails at once instead of waiting for a password nobody types.
+    return ["ssh", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR", host.ssh, script]
+
+
+class RankProcess:
+    """One started rank: its process and when it last said it was alive."""
+
+    def __init__(self, rank: int, host: RankHost, popen: subprocess.Popen):
+        self.rank = rank
+        self.host = host
+        self.popen = popen
+        self.last_beat = time.monotonic()
+        self._reader = threading.Thread(target=self._read, name=f"rank{rank}-beat", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for _line in self.popen.stdout:
+            self.last_beat = time.monotonic()
+
+    def failure(self, timeout_s: float) -> str | None:
+        code = self.popen.poll()
+        where = f"rank {self.rank} ({self.host.ssh or 'local'})"
+        if code is not None:
+            return f"{where} exited with code {code}"
+        silent = time.monotonic() - self.last_beat
+        if silent > timeout_s:
+            return f"{where} stopped responding ({silent:.1f}s without a heartbeat)"
+        return None
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        if self.popen.poll() is None:
+            try:
+                self.popen.stdin.close()  # the rank exits by itself when rank 0 goes
+            except OSError:
+                pass
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+class RankGroup:
+    """Rank 0's view of the group: the ranks it started and a monitor thread watching them."""
+
+    def __init__(self, group: GroupSpec, timeout_s: float):
+        self.group = group
+        self.timeout_s = timeout_s
+        self.ranks: list[RankProcess] = []
+        self.failure: str | None = None
+        self.on_failure: Callable[[str], None] | None = None
+        self._files = Path(tempfile.mkdtemp(prefix="moed-group-"))
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, name="moed-group", daemon=True)
+
+    def start(self, spec_json: str) -> None:
+        """Set rank 0's own environment, start ranks 1..N-1, start watching them."""
+        os.environ.update(rank_environment(self.group, 0, self._files))
+        for host in self.group.hosts[1:]:
+            if host.is_local:
+                env = {**os.environ, **rank_environment(self.group, host.rank, self._files)}
+                cmd = follower_argv(spec_json, host.rank)
+            else:
+                # Another host runs its own `moed` (same version, same model path): see README.
+                argv = ["moed", "rank", "--spec", spec_json, "--rank", str(host.rank)]
+                env, cmd = None, ssh_command(host, remote_script(self.group, host.rank, argv))
+            popen = subprocess.Popen(
+                cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None
+            )
+            self.ranks.append(RankProcess(host.rank, host, popen))
+            log.info("started rank %d on %s (pid %d)", host.rank, host.ssh or "local", popen.pid)
+        self._monitor.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            for rank in self.ranks:
+                reason = rank.failure(self.timeout_s)
+                if reason is not None:
+                    self.failure = reason
+                    log.error("pipeline group failed: %s", reason)
+                    if self.on_failure is not None:
+                        self.on_failure(reason)
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+        for rank in self.ranks:
+            rank.stop()
+        for f in self._files.iterdir():
+            f.unlink(missing_ok=True)
+        self._files.rmdir()
+
+
+def follower_argv(spec_json: str, rank: int) -> list[str]:
+    """How rank 0 starts a follower on this machine: the same interpreter and moed."""
+    return [
+        sys.executable,
+        "-m",
+        "moed.daemon.cli",
+        "rank",
+        "--spec",
+        spec_json,
+        "--rank",
+        str(rank),
+    ]
+
+
+class Heartbeat:
+    """A follower's side: beats on stdout; exits the process when stdin closes (rank 0 is gone)."""
+
+    def __init__(self) -> None:
+        self._beat = threading.Thread(target=self._run_beat, name="beat", daemon=True)
+        self._orphan = threading.Thread(target=self._watch_parent, name="parent", daemon=True)
+
+    def start(self) -> None:
+        self._beat.start()
+        self._orphan.start()
+
+    def _run_beat(self) -> None:
+        out = sys.stdout.buffer
+        while True:
+            try:
+                out.write(b".\n")
+                out.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                os._exit(0)
+            time.sleep(HEARTBEAT_S)
+
+    def _watch_parent(self) -> None:
+        while sys.stdin.buffer.read(4096):
+            pass
+        log.info("rank 0 went away: exiting")
+        os._exit(0)

@@ -1,0 +1,130 @@
+"""Rank 0's side of the pipeline: the model mlx-lm and the engine see.
+
+`PipelineLeader` stands in for the mlx-lm model on rank 0. Each forward first broadcasts the step
+(the tokens and the cache they run on) so that every other rank runs the same forward through its
+own layers; mlx-lm's PipelineMixin then carries the activations (send/recv, a final all_gather).
+Caches are `MirroredCache`s: a handle names the followers' twin, and dropping rank 0's cache
+(garbage collection) tells the followers, with the next step, to drop theirs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections import deque
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from moed.daemon.distributed.protocol import Step, StepChannel, StepOp
+from moed.daemon.distributed.rank_model import RankModel
+from moed.daemon.distributed.rank_status import rank_status
+
+
+class GatherFence(nn.Module):
+    """Rank 0's final norm, evaluating its input first. PipelineMixin ends every forward with an
+    all_gather that the followers always run; mlx-lm on rank 0 may evaluate only the KV cache of
+    a prefill chunk (never the logits), which would leave the followers waiting in that
+    all_gather. Evaluating here keeps every rank's collectives in the same order."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def __call__(self, h: mx.array) -> mx.array:
+        mx.eval(h)
+        return self.norm(h)
+
+
+class MirroredCache(list):
+    """Rank 0's per-layer caches of one sequence; followers keep theirs under `handle`."""
+
+    handle: int
+
+
+class PipelineLeader:
+    def __init__(self, rank: RankModel, channel: StepChannel):
+        self.rank = rank
+        self.model = rank.model
+        self.channel = channel
+        self._handles = itertools.count(1)
+        self._released: deque[int] = deque()  # filled by finalizers, on whatever thread runs GC
+        self._lock = threading.Lock()  # one step at a time (status may come from another thread)
+        text = rank.config.get("text_config", rank.config)
+        self._hidden = int(text.get("hidden_size", 0))
+        self._act_itemsize = rank.pipeline.norm.weight.dtype.size
+        rank.pipeline.norm = GatherFence(rank.pipeline.norm)
+        self.activation_bytes = 0  # activations moved between ranks, summed over forwards
+        self.forward_tokens = 0
+
+    # -- what mlx-lm calls --------------------------------------------------------------------
+    def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
+        if kwargs.get("input_embeddings") is not None:
+            raise ValueError("a pipeline runs token inputs only (no input embeddings)")
+        if not isinstance(cache, MirroredCache):
+            raise ValueError("a pipeline forward needs a cache made by make_cache()")
+        tokens = np.array(inputs, dtype=np.int32)  # waits for the sampled token: steps stay ordered
+        tokens = tokens.reshape(1, -1) if tokens.ndim == 1 else tokens
+        with self._lock:
+            self.channel.send(
+                Step(StepOp.FORWARD, 0, (cache.handle,), self._drain_released(), tokens)
+            )
+            self._count_activations(tokens.size)
+            return self.model(inputs, cache=cache)
+
+    def make_cache(self) -> MirroredCache:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = MirroredCache(make_prompt_cache(self.model))
+        cache.handle = next(self._handles)
+        weakref.finalize(cache, self._released.append, cache.handle)
+        return cache
+
+    def __getattr__(self, name: str) -> Any:  # layers, args, parameters(), ... of the real model
+        return getattr(self.model, name)
+
+    # -- group-wide operations (engine thread, between steps) -------------------------------
+    def status(self) -> list[dict]:
+        """Every rank's status, rank 0 first."""
+        with self._lock:
+            self.channel.send(Step(StepOp.STATUS, 0, released=self._drain_released()))
+            return self.channel.gather_json(rank_status(self.rank, self.link()))
+
+    def shed(self, fraction: float) -> None:
+        """Ask every follower to shrink its expert cache (rank 0 sheds its own)."""
+        with self._lock:
+            self.channel.send(
+                Step(StepOp.SHED, 0, released=self._drain_released(), arg=int(fraction * 1000))
+            )
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self.channel.send(Step(StepOp.SHUTDOWN, 0))
+
+    def link(self) -> dict:
+        c = self.channel.counters
+        per_token = (self.activation_bytes + c.broadcast_bytes) / max(1, self.forward_tokens)
+        return {
+            "steps": c.steps,
+            "forward_tokens": self.forward_tokens,
+            "activation_bytes": self.activation_bytes,
+            "broadcast_bytes": c.broadcast_bytes,
+            "bytes_per_token": per_token,
+        }
+
+    def _drain_released(self) -> tuple[int, ...]:
+        out = []
+        while self._released and len(out) < 64:  # the rest go with the next step
+            out.append(self._released.popleft())
+        return tuple(out)
+
+    def _count_activations(self, n_tokens: int) -> None:
+        """PipelineMixin moves each token's hidden state once per hop (send/recv) and then
+        all_gathers every rank's copy to every rank."""
+        size = self.channel.size
+        act = n_tokens * self._hidden * self._act_itemsize
+        self.activation_bytes += act * (size - 1) + act * size * (size - 1)
+        self.forward_tokens += n_tokens

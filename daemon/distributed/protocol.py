@@ -1,0 +1,161 @@
+"""The step protocol between ranks, carried by mx.distributed collectives (never a socket of ours).
+
+Every rank runs the same collectives in the same order. Rank 0 decides what runs next and
+broadcasts it; the others follow. A broadcast is an `all_sum` where only rank 0 contributes: a
+fixed-size int32 header (the op, the caches it runs on, the caches rank 0 has dropped, the token
+block's shape), followed by the tokens in the same header when they fit (every decode step) or in
+one more `all_sum` when they do not (prefill chunks). A step runs a (B, L) block of tokens through
+each rank's layers, so a batched decode step is one broadcast of B tokens with B cache handles.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+HEADER_INTS = 256  # 1 KB: a decode step of up to ~200 sequences fits in one collective
+_FIXED = 6  # op, seq, n_handles, n_released, batch, length
+
+
+class StepOp(enum.IntEnum):
+    FORWARD = 1  # run tokens through the layers with these caches
+    STATUS = 2  # every rank contributes its status (all_gather)
+    SHED = 3  # shrink every rank's expert cache (the watchdog asked rank 0)
+    SHUTDOWN = 4  # leave the follower loop
+
+
+class ProtocolMismatch(RuntimeError):
+    """Ranks disagree on the step sequence: the group is broken and must restart."""
+
+
+@dataclass(frozen=True)
+class Step:
+    op: StepOp
+    seq: int  # step number: every rank checks it, so a lost step cannot go unnoticed
+    handles: tuple[int, ...] = ()  # the caches a FORWARD runs on (one per sequence in the batch)
+    released: tuple[int, ...] = ()  # caches rank 0 has dropped: the followers drop theirs
+    tokens: np.ndarray | None = None  # (B, L) int32 for FORWARD
+    arg: int = 0  # SHED: the fraction kept, in per mille
+
+    def encode(self) -> tuple[np.ndarray, np.ndarray | None]:
+        b, length = self.tokens.shape if self.tokens is not None else (0, 0)
+        head = [int(self.op), self.seq, len(self.handles), len(self.released), b, length]
+        head += [*self.handles, *self.released]
+        if self.op is StepOp.SHED:
+            head.append(self.arg)
+        if len(head) > HEADER_INTS:
+            raise ValueError(f"a step names {len(head)} ints; the header holds {HEADER_INTS}")
+        header = np.zeros(HEADER_INTS, dtype=np.int32)
+        header[: len(head)] = head
+        payload = None
+        if self.tokens is not None:
+            flat = self.tokens.astype(np.int32).reshape(-1)
+            if len(head) + flat.size <= HEADER_INTS:
+                header[len(head) : len(head) + flat.size] = flat
+            else:
+                payload = flat
+        return header, payload
+
+
+def decode_header(header: np.ndarray) -> tuple[Step, int]:
+    """The step (tokens still missing if they travel separately) and how many tokens follow."""
+    op, seq, n_handles, n_released, b, length = (int(v) for v in header[:_FIXED])
+    try:
+        step_op = StepOp(op)
+    except ValueError:
+        raise ProtocolMismatch(
+            f"unknown step op {op} (the ranks run different versions?)"
+        ) from None
+    at = _FIXED
+    handles = tuple(int(v) for v in header[at : at + n_handles])
+    at += n_handles
+    released = tuple(int(v) for v in header[at : at + n_released])
+    at += n_released
+    arg = 0
+    if step_op is StepOp.SHED:
+        arg, at = int(header[at]), at + 1
+    tokens = None
+    n = b * length
+    if n and at + n <= HEADER_INTS:
+        tokens = header[at : at + n].astype(np.int32).reshape(b, length)
+        n = 0
+    elif n:
+        tokens = np.zeros((b, length), dtype=np.int32)  # filled from the payload
+    return Step(step_op, seq, handles, released, tokens, arg), n
+
+
+@dataclass
+class LinkCounters:
+    """What the step protocol itself moved (activations are counted by the pipeline)."""
+
+    steps: int = 0
+    broadcast_bytes: int = 0
+    status_bytes: int = 0
+    by_op: dict = field(default_factory=dict)
+
+
+class StepChannel:
+    """Rank 0 sends steps, the other ranks receive them, all through the group's collectives."""
+
+    def __init__(self, group: mx.distributed.Group):
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+        self.seq = 0
+        self.counters = LinkCounters()
+
+    def _broadcast(self, data: np.ndarray | None, n: int, dtype) -> np.ndarray:
+        local = data if (self.rank == 0 and data is not None) else np.zeros(n, dtype=dtype)
+        out = mx.distributed.all_sum(mx.array(local), group=self.group, stream=mx.cpu)
+        mx.eval(out)
+        self.counters.broadcast_bytes += local.nbytes * (self.size - 1)
+        return np.array(out)
+
+    def send(self, step: Step) -> None:
+        """Rank 0: broadcast `step` (its seq is assigned here)."""
+        self.seq += 1
+        step = Step(step.op, self.seq, step.handles, step.released, step.tokens, step.arg)
+        header, payload = step.encode()
+        self._broadcast(header, HEADER_INTS, np.int32)
+        if payload is not None:
+            self._broadcast(payload, payload.size, np.int32)
+        self._count(step.op)
+
+    def receive(self) -> Step:
+        """Ranks > 0: the next step rank 0 sent."""
+        header = self._broadcast(None, HEADER_INTS, np.int32)
+        step, follow = decode_header(header)
+        self.seq += 1
+        if step.seq != self.seq:
+            raise ProtocolMismatch(f"rank {self.rank} expected step {self.seq}, got {step.seq}")
+        if follow:
+            flat = self._broadcast(None, follow, np.int32)
+            step = Step(
+                step.op, step.seq, step.handles, step.released, flat.reshape(step.tokens.shape)
+            )
+        self._count(step.op)
+        return step
+
+    def _count(self, op: StepOp) -> None:
+        self.counters.steps += 1
+        self.counters.by_op[op.name.lower()] = self.counters.by_op.get(op.name.lower(), 0) + 1
+
+    def gather_json(self, mine: dict) -> list[dict]:
+        """Every rank's dict, on every rank (two all_gathers: lengths, then padded bytes)."""
+        raw = np.frombuffer(json.dumps(mine, default=float).encode(), dtype=np.uint8)
+        lengths = mx.distributed.all_gather(
+            mx.array(np.array([raw.size], dtype=np.int32)), group=self.group, stream=mx.cpu
+        )
+        mx.eval(lengths)
+        lengths = np.array(lengths).reshape(-1)
+        padded = np.zeros(int(lengths.max()), dtype=np.uint8)
+        padded[: raw.size] = raw
+        gathered = mx.distributed.all_gather(mx.array(padded), group=self.group, stream=mx.cpu)
+        mx.eval(gathered)
+        rows = np.array(gathered).reshape(self.size, -1)
+        self.counters.status_bytes += padded.nbytes * (self.size - 1)
+        return [json.loads(rows[r, : lengths[r]].tobytes()) for r in range(self.size)]

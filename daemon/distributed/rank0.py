@@ -1,0 +1,96 @@
+"""The daemon's side of a pipeline: refuse what cannot pipeline, start the group, load rank 0.
+
+Rank 0 is the `moed serve` process: it owns the socket and the scheduler, runs the model's last
+layers, samples, and drives the other ranks through `PipelineLeader`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from moed.daemon.config import ServeConfig
+from moed.daemon.distributed.launch import RankGroup
+from moed.daemon.distributed.rank_model import PipelineUnsupported
+from moed.daemon.distributed.spec import RankSpec, group_spec, rank_spec
+
+log = logging.getLogger("moed.distributed")
+
+SPEC_ENV = "MOED_RANK_SPEC"  # rank 0's copy of what it handed the followers
+
+
+def check_supported(model_path: Path) -> None:
+    """Refuse an architecture without mlx-lm pipeline support before any rank starts."""
+    from mlx_lm.models.pipeline import PipelineMixin
+    from mlx_lm.utils import _get_classes
+
+    from moed.daemon.distributed.rank_model import pipelined_architectures
+
+    config = json.loads((model_path / "config.json").read_text())
+    model_class, _ = _get_classes(config)
+    modules = {model_class.__module__} | {base.__module__ for base in model_class.__mro__}
+    for name in modules:
+        for obj in vars(sys.modules[name]).values():
+            if (
+                isinstance(obj, type)
+                and issubclass(obj, PipelineMixin)
+                and obj is not PipelineMixin
+            ):
+                return
+    import mlx_lm
+
+    raise PipelineUnsupported(
+        f"model type {config.get('model_type')!r} has no pipeline support in mlx-lm "
+        f"{mlx_lm.__version__} (no PipelineMixin); serve it without --pipeline/--hostfile, or use "
+        f"one of: {', '.join(pipelined_architectures())}"
+    )
+
+
+def start_group(serve: ServeConfig, model_path: Path) -> RankGroup:
+    """Start ranks 1..N-1 and set rank 0's own environment for mx.distributed.init."""
+    check_supported(model_path)
+    group = group_spec(serve)
+    config = json.loads((model_path / "config.json").read_text())
+    spec = rank_spec(serve, group, model_path, config)
+    ranks = RankGroup(group, serve.rank_timeout_s)
+    os.environ[SPEC_ENV] = spec.to_json()
+    ranks.start(spec.to_json())
+    log.info(
+        "pipeline of %d ranks over %s (split %s, budgets %s)",
+        group.size,
+        group.backend.value,
+        spec.split,
+        spec.budgets,
+    )
+    return ranks
+
+
+def load_leader(serve: ServeConfig, path: Path):
+    """Join the group as rank 0 and load its layers; returns the engine's LoadedModel."""
+    import mlx.core as mx
+
+    from moed.daemon.distributed.leader import PipelineLeader
+    from moed.daemon.distributed.protocol import StepChannel
+    from moed.daemon.distributed.rank_model import load_rank_model
+    from moed.daemon.model.loader import LoadedModel
+
+    spec = RankSpec.from_json(os.environ[SPEC_ENV])
+    group = mx.distributed.init(backend=spec.backend, strict=True)
+    split = spec.split_for(group.size(), _num_layers(path))
+    streaming = spec.streaming(0)
+    if streaming is not None:
+        from dataclasses import replace
+
+        streaming = replace(streaming, state_dir=serve.state_dir, prefetch_next=serve.prefetch_next)
+    rank = load_rank_model(path, group, split, streaming)
+    leader = PipelineLeader(rank, StepChannel(group))
+    loaded = LoadedModel(rank.model, rank.tokenizer, path, rank.config, rank.streamer, leader)
+    return loaded
+
+
+def _num_layers(path: Path) -> int:
+    config = json.loads((path / "config.json").read_text())
+    return int(config.get("text_config", config)["num_hidden_layers"])

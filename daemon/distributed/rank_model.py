@@ -1,0 +1,160 @@
+"""Load one rank's share of a model: its layers' non-expert weights resident, its layers' experts
+streamed within its own budget, with mlx-lm's PipelineMixin doing the split and the activations."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from moed.daemon.distributed.split import (
+    SplitMode,
+    balanced_split,
+    check_split,
+    even_split,
+    layer_costs,
+)
+
+log = logging.getLogger("moed.distributed")
+
+
+class PipelineUnsupported(ValueError):
+    """The architecture has no pipeline support in the installed mlx-lm."""
+
+
+@dataclass(frozen=True)
+class RankLayers:
+    rank: int
+    size: int
+    start: int  # first decoder layer this rank runs
+    end: int  # one past its last
+    num_layers: int  # in the whole model
+    split: tuple[int, ...]  # layers per rank, rank 0 first
+
+    def describe(self) -> dict:
+        return {"rank": self.rank, "layers": [self.start, self.end], "split": list(self.split)}
+
+
+@dataclass(frozen=True)
+class RankModel:
+    model: Any  # the mlx-lm model, cut to this rank's layers
+    tokenizer: Any
+    config: dict
+    path: Path
+    streamer: Any  # ExpertStreamer over this rank's layers, or None when resident
+    layers: RankLayers
+    pipeline: nn.Module  # the PipelineMixin module (model.model, or language_model.model)
+    resident_weight_bytes: int  # this rank's non-expert weights
+
+
+def pipeline_module(model: nn.Module) -> nn.Module | None:
+    """The module that carries mlx-lm's PipelineMixin, if the architecture has one."""
+    for owner in (model, getattr(model, "language_model", None)):
+        inner = getattr(owner, "model", None) if owner is not None else None
+        if inner is not None and callable(getattr(inner, "pipeline", None)):
+            return inner
+    return None
+
+
+def pipelined_architectures() -> list[str]:
+    """Model types whose mlx-lm module uses PipelineMixin (read from the installed sources)."""
+    import mlx_lm.models as models
+
+    root = Path(models.__file__).parent
+    return sorted(
+        p.stem
+        for p in root.glob("*.py")
+        if "PipelineMixin" in p.read_text() and p.stem != "pipeline"
+    )
+
+
+def refuse_unsupported(model: nn.Module, config: dict) -> nn.Module:
+    inner = pipeline_module(model)
+    if inner is None:
+        import mlx_lm
+
+        kind = config.get("model_type", type(model).__module__)
+        raise PipelineUnsupported(
+            f"model type {kind!r} has no pipeline support in mlx-lm {mlx_lm.__version__} "
+            f"(no PipelineMixin); run it in one process, or use one of: "
+            f"{', '.join(pipelined_architectures())}"
+        )
+    return inner
+
+
+def resolve_split(
+    split: tuple[int, ...] | SplitMode, size: int, path: Path, config: dict, num_layers: int
+) -> tuple[int, ...]:
+    if isinstance(split, tuple):
+        check_split(split, size, num_layers)
+        return split
+    if split is SplitMode.COST:
+        from moed.daemon.experts import CheckpointIndex
+
+        text = config.get("text_config", config)
+        top_k = int(text.get("num_experts_per_tok") or 1)
+        costs = layer_costs(CheckpointIndex(path), num_layers, top_k)
+        return balanced_split([c.per_token_bytes for c in costs], size)
+    return even_split(size, num_layers)
+
+
+def _switch_param_bytes(model: nn.Module) -> int:
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+    return sum(
+        v.nbytes
+        for _, m in model.named_modules()
+        if isinstance(m, (SwitchGLU, SwitchMLP))
+        for _, v in tree_flatten(m.parameters())
+    )
+
+
+def load_rank_model(
+    path: Path,
+    group: mx.distributed.Group,
+    split: tuple[int, ...] | SplitMode,
+    streaming=None,  # a StreamingConfig, or None to keep every expert resident
+) -> RankModel:
+    """Load lazily, keep this rank's layers, stream their experts, then materialize the rest."""
+    from mlx_lm.utils import load
+
+    model, tokenizer, config = load(str(path), lazy=True, return_config=True)
+    inner = refuse_unsupported(model, config)
+    num_layers = len(inner.layers)
+    per_rank = resolve_split(split, group.size(), path, config, num_layers)
+    inner.pipeline(group, list(per_rank))
+    layers = RankLayers(
+        group.rank(), group.size(), inner.start_idx, inner.end_idx, num_layers, per_rank
+    )
+    # Lazily loaded arrays know their size: this rank's weights without reading a byte.
+    resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    resident -= _switch_param_bytes(model)
+    streamer = None
+    if streaming is not None:
+        from moed.daemon.experts import install_streaming
+        from moed.daemon.model.loader import MemoryPlanRefused
+
+        share = (layers.end - layers.start) / num_layers  # the KV cache is per layer too
+        cfg = dataclasses.replace(streaming, kv_bytes=int(streaming.kv_bytes * share))
+        streamer = install_streaming(model, path, cfg, resident_weight_bytes=resident)
+        if not streamer.plan.fits:
+            streamer.close()
+            raise MemoryPlanRefused(f"rank {layers.rank}: {streamer.plan.refusal()}")
+    mx.eval(model.parameters())
+    log.info(
+        "rank %d/%d: layers %d-%d of %d, %d bytes of resident weights%s",
+        layers.rank,
+        layers.size,
+        layers.start,
+        layers.end - 1,
+        num_layers,
+        resident,
+        f", {streamer.resident_bytes} bytes of expert slots" if streamer else "",
+    )
+    return RankModel(model, tokenizer, config, Path(path), streamer, layers, inner, resident)

@@ -1,0 +1,85 @@
+"""What every rank must agree on, decided once by rank 0 and handed to each follower as JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from moed.daemon.config import PageCachePolicy, ServeConfig
+from moed.daemon.distributed.hostfile import GroupSpec, load_hostfile, local_group
+from moed.daemon.distributed.split import SplitMode, parse_split
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    model_path: str
+    split: list[int] | str  # layers per rank (rank 0 first), or a SplitMode value
+    budgets: list[str | None]  # each rank's expert cache budget; None: every expert resident
+    prefetch_workers: int = 0
+    page_cache: str = PageCachePolicy.AUTO.value
+    memory_limit_bytes: int = 0
+    kv_bytes: int = 0  # the whole model's KV estimate; each rank plans for its share
+    backend: str = "ring"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> RankSpec:
+        return cls(**json.loads(text))
+
+    def split_for(self, size: int, num_layers: int) -> tuple[int, ...] | SplitMode:
+        if isinstance(self.split, str):
+            return parse_split(self.split, size, num_layers)
+        return tuple(self.split)
+
+    def streaming(self, rank: int):
+        """This rank's StreamingConfig, or None when its experts stay resident."""
+        from moed.daemon.experts import StreamingConfig
+
+        budget = self.budgets[rank]
+        if budget is None:
+            return None
+        return StreamingConfig(
+            cache_budget=budget,
+            prefetch_workers=self.prefetch_workers,
+            page_cache=PageCachePolicy(self.page_cache),
+            memory_bytes=self.memory_limit_bytes,
+            kv_bytes=self.kv_bytes,
+        )
+
+
+def pipeline_enabled(serve: ServeConfig) -> bool:
+    return bool(serve.pipeline or serve.hostfile)
+
+
+def group_spec(serve: ServeConfig) -> GroupSpec:
+    """The group a daemon configuration asks for (`--hostfile` wins over `--pipeline N`)."""
+    from moed.daemon.distributed.launch import free_port_run
+
+    if serve.hostfile:
+        return load_hostfile(Path(serve.hostfile).expanduser(), serve.pipeline_port or 32323)
+    return local_group(serve.pipeline, serve.pipeline_port or free_port_run(serve.pipeline))
+
+
+def rank_spec(
+    serve: ServeConfig, group: GroupSpec, model_path: Path, model_config: dict
+) -> RankSpec:
+    from moed.daemon.experts import estimate_kv_bytes
+
+    split: list[int] | str = serve.pipeline_split
+    if group.given_split is not None:
+        split = list(group.given_split)
+    default = None if serve.resident else str(serve.cache_budget)
+    budgets = [h.expert_budget if h.expert_budget is not None else default for h in group.hosts]
+    return RankSpec(
+        model_path=str(model_path),
+        split=split,
+        budgets=budgets,
+        prefetch_workers=serve.prefetch_workers,
+        page_cache=serve.page_cache.value,
+        memory_limit_bytes=serve.memory_limit_bytes,
+        kv_bytes=estimate_kv_bytes(model_config, serve.plan_context_tokens),
+        backend=group.backend.value,
+    )

@@ -1,0 +1,93 @@
+"""Hostfiles, layer splits and the architecture check of a pipeline (no ranks started)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moed.daemon.distributed.hostfile import Backend, HostfileError, load_hostfile, parse_hostfile
+from moed.daemon.distributed.launch import remote_script
+from moed.daemon.distributed.protocol import Step, StepOp, decode_header
+from moed.daemon.distributed.rank0 import check_supported
+from moed.daemon.distributed.rank_model import PipelineUnsupported
+from moed.daemon.distributed.split import SplitError, balanced_split, layer_costs, parse_split
+from moed.daemon.experts import CheckpointIndex
+
+
+def test_mlx_launch_hostfile_with_moed_extras(tmp_path):
+    path = tmp_path / "hosts.json"
+    path.write_text(
+        json.dumps(
+            {
+                "backend": "ring",
+                "envs": ["MLX_METAL_FAST_SYNCH=1"],
+                "hosts": [
+                    {"ssh": "mini1", "ips": ["10.0.0.1"], "expert_budget": "6GB", "layers": 22},
+                    {"ssh": "mini2", "ips": ["10.0.0.2"], "expert_budget": "40%", "layers": 18},
+                ],
+            }
+        )
+    )
+    group = load_hostfile(path, port=40000)
+    assert group.backend is Backend.RING and group.size == 2
+    assert group.given_split == (22, 18)
+    assert [h.expert_budget for h in group.hosts] == ["6GB", "40%"]
+    # The same addresses mlx.launch would give the ring backend.
+    assert group.ring_addresses() == [["10.0.0.1:40000"], ["10.0.0.2:40001"]]
+    script = remote_script(group, 1, ["moed", "rank", "--spec", "{}"])
+    assert "export MLX_RANK=1;" in script and "MLX_HOSTFILE=$f" in script
+    assert "export MLX_METAL_FAST_SYNCH=1;" in script
+
+
+def test_plain_list_hostfile_and_bad_ones():
+    group = parse_hostfile([{"ssh": "a", "ips": ["1.2.3.4"]}, {"ssh": "b", "ips": ["1.2.3.5"]}])
+    assert group.given_split is None and not group.hosts[0].is_local
+    with pytest.raises(HostfileError, match="at least 2 hosts"):
+        parse_hostfile([{"ssh": "a", "ips": ["1.2.3.4"]}])
+    with pytest.raises(HostfileError, match="needs `ips`"):
+        parse_hostfile([{"ssh": "a"}, {"ssh": "b"}])
+    with pytest.raises(HostfileError, match="not for"):
+        parse_hostfile([{"ssh": "a", "ips": ["x"], "layers": 2}, {"ssh": "b", "ips": ["y"]}])
+    with pytest.raises(HostfileError, match="backend"):
+        parse_hostfile({"backend": "carrier-pigeon", "hosts": [{"ssh": "a"}, {"ssh": "b"}]})
+
+
+def test_splits():
+    assert parse_split("3,1", 2, 4) == (3, 1)
+    with pytest.raises(SplitError):
+        parse_split("3,2", 2, 4)
+    with pytest.raises(SplitError):
+        parse_split("abc", 2, 4)
+    # The expensive last layers go to rank 0 alone; the cheap first three to rank 1.
+    assert balanced_split([1.0, 1.0, 1.0, 3.0], 2) == (1, 3)
+    assert balanced_split([1.0] * 6, 3) == (2, 2, 2)
+
+
+def test_layer_costs_from_the_checkpoint(checkpoint_factory):
+    path = checkpoint_factory("deepseek_v3", num_layers=4)
+    costs = layer_costs(CheckpointIndex(path), 4, top_k=2)
+    assert costs[0].num_experts == 0  # deepseek's first layer is dense
+    assert all(c.num_experts == 8 and c.expert_bytes > 0 for c in costs[1:])
+
+
+def test_step_header_round_trip():
+    import numpy as np
+
+    decode = Step(StepOp.FORWARD, 3, (5,), (1, 2), np.array([[4, 8, 15]], dtype=np.int32))
+    header, payload = decode.encode()
+    step, follow = decode_header(header)
+    assert payload is None and follow == 0
+    assert (step.op, step.seq, step.handles, step.released) == (StepOp.FORWARD, 3, (5,), (1, 2))
+    assert step.tokens.tolist() == [[4, 8, 15]]
+    prefill = Step(StepOp.FORWARD, 4, (5,), (), np.arange(600, dtype=np.int32).reshape(1, 600))
+    header, payload = prefill.encode()
+    step, follow = decode_header(header)
+    assert follow == 600 and payload.tolist() == list(range(600))
+
+
+def test_architecture_without_pipeline_support_is_refused(checkpoint_factory):
+    check_supported(checkpoint_factory("qwen3_moe"))
+    check_supported(checkpoint_factory("qwen3_5_moe"))  # PipelineMixin one module down
+    with pytest.raises(PipelineUnsupported, match="'mixtral' has no pipeline support.*qwen3_moe"):
+        check_supported(checkpoint_factory("mixtral"))

@@ -1,0 +1,99 @@
+"""Two pipeline ranks over the ring backend on loopback give the resident model's tokens.
+
+No daemon here: the rank model, the step protocol and mlx-lm's PipelineMixin alone, with each
+rank streaming only its own layers' experts within its own budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load
+
+from moed.daemon.distributed.hostfile import local_group
+from moed.daemon.distributed.launch import free_port_run, rank_environment
+from moed.daemon.experts import parse_budget
+
+sys.path.insert(0, str(Path(__file__).parent))
+import pipeline_worker  # noqa: E402
+
+WORKER = Path(__file__).parent / "pipeline_worker.py"
+ARCHS = ["qwen3_moe", "deepseek_v3"]
+
+
+def run_group(path: Path, budget: str) -> dict:
+    group = local_group(2, free_port_run(2))
+    with tempfile.TemporaryDirectory() as files:
+        procs = []
+        for rank in (1, 0):
+            env = {**os.environ, **rank_environment(group, rank, Path(files))}
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), str(path), budget],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        try:
+            outs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0]
+    return json.loads(outs[1])
+
+
+@pytest.fixture(scope="module")
+def resident_tokens(checkpoint_factory):
+    cache = {}
+
+    def tokens(arch: str):
+        if arch not in cache:
+            model, _ = load(str(checkpoint_factory(arch, num_layers=4)))
+            cache[arch] = {
+                "greedy": [
+                    pipeline_worker.generate(model, p, pipeline_worker.SamplingParams())
+                    for p in pipeline_worker.PROMPTS
+                ],
+                "seeded": [
+                    pipeline_worker.generate(model, p, pipeline_worker.SEEDED)
+                    for p in pipeline_worker.PROMPTS
+                ],
+            }
+            del model
+            mx.clear_cache()
+        return cache[arch]
+
+    return tokens
+
+
+@pytest.mark.parametrize("budget", ["25%", "100%"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_ranks_match_the_resident_model(checkpoint_factory, resident_tokens, arch, budget):
+    path = checkpoint_factory(arch, num_layers=4)
+    got = run_group(path, budget)
+    want = resident_tokens(arch)
+    assert got["greedy"] == want["greedy"]
+    assert got["seeded"] == want["seeded"]
+
+    ranks = got["status"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert [r["layers"] for r in ranks] == [[2, 4], [0, 2]]  # rank 0 runs the last layers
+    for r in ranks:
+        experts = r["experts"]
+        # Each rank's budget is a share of its own layers' experts, and it stays within it.
+        assert experts["resident_bytes"] <= parse_budget(budget, experts["experts_bytes"])
+        assert experts["resident_bytes"] > 0 and experts["misses"] > 0
+    # Half the layers each: neither rank holds the other's expert bytes.
+    total = sum(r["experts"]["experts_bytes"] for r in ranks)
+    assert all(r["experts"]["experts_bytes"] < total for r in ranks)
+    link = ranks[0]["link"]
+    assert link["forward_tokens"] > 0 and link["bytes_per_token"] > 0
