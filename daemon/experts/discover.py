@@ -51,9 +51,7 @@ def _proj_spec(name: str, lin: nn.Module) -> tuple[ProjSpec, dict[str, mx.array]
             lin.group_size,
             lin.bits,
             lin.mode,
-            has_biases="biases" in arrays,
             has_bias="bias" in arrays,
-            has_global_scale="global_scale" in arrays,
         )
     elif isinstance(lin, SwitchLinear):
         spec = ProjSpec(name, False, has_bias="bias" in arrays)

@@ -57,9 +57,7 @@ class ProjSpec:
     group_size: int = 0
     bits: int = 0
     mode: str = "affine"
-    has_biases: bool = False  # quantization biases
     has_bias: bool = False  # additive bias (gpt_oss)
-    has_global_scale: bool = False
 
 
 class StreamingSwitch(nn.Module):

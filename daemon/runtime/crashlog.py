@@ -181,11 +181,6 @@ def record_crash(
     return entry
 
 
-def read_last_crash(state_dir: Path) -> dict | None:
-    last = _load(state_dir).get("last")
-    return last if isinstance(last, dict) else None
-
-
 def _entry(kind: CrashKind, message: str, boot_id: Any, pid: Any, at: float) -> dict:
     return {
         "kind": kind.value,
