@@ -78,3 +78,49 @@ def test_a_fully_protected_cache_refuses_to_evict(name):
     policy.insert(1)
     with pytest.raises(AllProtectedError):
         policy.victim({0, 1})
+
+
+def calls(*sets):
+    return [np.array(sorted(s), dtype=np.int64) for s in sets]
+
+
+def test_lfu_counts_uses_and_forgets_them_with_its_half_life():
+    # Expert 0 used in three calls long ago, expert 1 once, recently; 2 slots, then 2 arrives.
+    seq = calls({0}, {0}, {0}, {1}, *[set()] * 6, {1}, {2}, {0})
+    # A long memory keeps the frequent expert 0: evicts 1 for 2, and the last call hits 0.
+    assert simulate(seq, 2, make_policy("lfu", 4, 2, half_life=1000.0)) == (4, 3)
+    # A short one has forgotten 0's uses: 1 (used lately) stays, 0 is evicted and missed again.
+    assert simulate(seq, 2, make_policy("lfu", 4, 2, half_life=0.5)) == (3, 4)
+
+
+def test_slru_keeps_reused_experts_through_a_scan():
+    # 0 and 1 are used twice (protected), then a scan of one-time experts passes through.
+    seq = calls({0}, {1}, {0}, {1}, {2}, {3}, {4}, {5}, {0}, {1})
+    slru = simulate(seq, 3, make_policy("slru", 8, 3, protected_share=0.67))
+    lru = simulate(seq, 3, make_policy("lru", 8, 3))
+    assert slru == (4, 6) and lru == (2, 8)
+
+
+def test_bench_policy_on_recorded_traces(tmp_path):
+    """Held-out replays of committed demo-model traces: a column per policy, nothing beats
+    Belady, parameters come from the policies' grids."""
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+
+    from moed.daemon.bench.policy import TRACES, policy
+
+    for f in sorted(TRACES.glob("*.moetrace"))[:3]:
+        shutil.copy(f, tmp_path / f.name)
+    out = CliRunner().invoke(policy, ["--traces", str(tmp_path), "--shares", "0.25,0.5", "--json"])
+    assert out.exit_code == 0, out.output
+    res = json.loads(out.output)
+    assert len(res["traces"]) == 3 and res["sizes"] == [8, 16]  # the demo model: 32 experts
+    for name in [*policy_names(), "belady"]:
+        assert len(res[name]) == 2
+    for i in range(2):
+        assert all(res[n][i]["hit_rate"] <= res["belady"][i]["hit_rate"] for n in policy_names())
+        for name in policy_names():
+            grid = POLICIES[name].PARAM_GRID
+            assert all(res[name][i]["params"][k] in grid[k] for k in grid)

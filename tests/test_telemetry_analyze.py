@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from daemon_harness import moe, moed
 
-from moed.daemon.experts.policies import LRUPolicy, policy_names
+from moed.daemon.experts.policies import DEFAULT_POLICY, LRUPolicy, policy_names
 from moed.daemon.telemetry.analyze import simulate, simulate_belady
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -64,7 +64,7 @@ def test_trace_from_a_model_becomes_table_and_plots(tiny_model, daemon_factory, 
     lru, belady = report["hit_rate"]["lru"], report["hit_rate"]["belady"]
     assert all(b >= l for b, l in zip(belady, lru))
     assert lru == sorted(lru) and 0 < lru[-1] <= 1
-    assert report["policy"] == "lru"  # the daemon ran LRU: its column is the lru one
+    assert report["policy"] == DEFAULT_POLICY  # the daemon's column is its policy's
     assert set(report["hit_rate"]) == {*policy_names(), "belady"}  # a column per policy
     assert report["replay"] is None  # no single starting state for two traces
     assert all(1 <= l["unique"] <= 8 and 0 <= l["reuse"] <= 1 for l in report["per_layer"])

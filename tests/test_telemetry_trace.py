@@ -11,6 +11,7 @@ import pytest
 from daemon_harness import moe
 
 from moed.client import DoneEvent, TraceEvent
+from moed.daemon.experts.policies import DEFAULT_POLICY
 from moed.daemon.telemetry.trace import CLASSES, HIT, PAGE_CACHE, SSD, parse_trace, read_trace
 
 BUDGET = "25%"
@@ -44,7 +45,9 @@ def test_moe_run_trace_file_matches_the_cache_counters(tiny_model, daemon_factor
         [8, 8],
     )
     assert (
-        h["slots_per_layer"] == [2, 2] and h["policy"] == "lru" and h["model_type"] == "qwen3_moe"
+        h["slots_per_layer"] == [2, 2]
+        and h["policy"] == DEFAULT_POLICY
+        and h["model_type"] == "qwen3_moe"
     )
     prompt_tokens = h["request"]["prompt_tokens"]
     assert prompt_tokens + 12 <= trace.tokens <= prompt_tokens + 13

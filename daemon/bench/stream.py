@@ -156,20 +156,22 @@ def write_bench_model(dest: Path, config: dict, dtype: str, seed: int = 0) -> Pa
 
 def simulate(trace: list[list[set[int]]], slots: int, policy: str) -> tuple[int, int]:
     """(hits, misses) of one layer-by-layer trace [call][layer] -> experts, counted as the
-    streamer counts them (each distinct expert of a call once), for "lru" or "belady".
-    The simulators are `moed trace analyze`'s, so both commands judge a cache the same way."""
-    from moed.daemon.experts.policies import LRUPolicy
+    streamer counts them (each distinct expert of a call once), for a registered policy (with
+    its default parameters) or "belady". The simulators are `moed trace analyze`'s, so both
+    commands judge a cache the same way."""
+    from moed.daemon.experts.policies import make_policy
+    from moed.daemon.telemetry.analyze import BELADY, simulate_belady
     from moed.daemon.telemetry.analyze import simulate as replay
-    from moed.daemon.telemetry.analyze import simulate_belady
 
     hits = misses = 0
     layers = len(trace[0]) if trace else 0
     for layer in range(layers):
         calls = [np.array(sorted(call[layer]), dtype=np.int64) for call in trace]
+        experts = 1 + max((max(c) for call in trace for c in call if c), default=0)
         h, m = (
             simulate_belady(calls, slots)
-            if policy == "belady"
-            else replay(calls, slots, LRUPolicy())
+            if policy == BELADY
+            else replay(calls, slots, make_policy(policy, experts, slots))
         )
         hits += h
         misses += m
@@ -253,7 +255,8 @@ class RunResult:
     counters: dict = field(default_factory=dict)  # decode-phase deltas of the streamer's counters
     hits_total: int = 0
     misses_total: int = 0
-    lru_sim: tuple[int, int] = (0, 0)
+    policy: str = ""
+    policy_sim: tuple[int, int] = (0, 0)  # the streamer's policy replayed on its routing trace
     belady: tuple[int, int] = (0, 0)
     expert_bytes: int = 0
 
@@ -342,7 +345,8 @@ class Contender:
         )
         if self.simulate:
             trace = [[set(layer.tolist()) for layer in call] for call in self.streamer.trace]
-            res.lru_sim = simulate(trace, res.slots, "lru")
+            res.policy = self.streamer.cfg.cache_policy
+            res.policy_sim = simulate(trace, res.slots, res.policy)
             res.belady = simulate(trace, res.slots, "belady")
         return res
 
@@ -466,9 +470,10 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
                 f"{(c['bytes_read'] + c['prefetch_bytes']) / max(1, r.decode_tokens) / 1e6:.1f}"
                 " MB/token read"
             )
-    sim_ok = all(r.lru_sim == (r.hits_total, r.misses_total) for r in runs if r.lru_sim != (0, 0))
+    simulated = [r for r in runs if r.policy_sim != (0, 0)]
+    sim_ok = all(r.policy_sim == (r.hits_total, r.misses_total) for r in simulated)
     lines.append(
-        "(an LRU simulation of the same trace "
+        f"(a simulation of {', '.join(sorted({r.policy for r in simulated}))} on the same trace "
         f"{'reproduces' if sim_ok else 'DOES NOT reproduce'} the streamer's hits and misses)"
     )
     lines += [

@@ -8,11 +8,16 @@ it never loads MLX (the configuration validates names with it).
 from __future__ import annotations
 
 from moed.daemon.experts.policies.base import AllProtectedError, EvictionPolicy
+from moed.daemon.experts.policies.lfu import LFUDecayPolicy
 from moed.daemon.experts.policies.lru import LRUPolicy
+from moed.daemon.experts.policies.slru import SLRUPolicy
 
-DEFAULT_POLICY = "lru"
+# The winner of `moed bench policy` on the demo model's held-out traces (BENCHMARKS.md).
+DEFAULT_POLICY = "lfu"
 
-POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRUPolicy,)}
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    cls.name: cls for cls in (LRUPolicy, LFUDecayPolicy, SLRUPolicy)
+}
 
 
 class UnknownPolicyError(ValueError):
@@ -32,17 +37,20 @@ def policy_class(name: str) -> type[EvictionPolicy]:
         raise UnknownPolicyError(name) from None
 
 
-def make_policy(name: str, num_experts: int, slots: int) -> EvictionPolicy:
-    """A fresh policy for one layer's cache of `slots` slots over `num_experts` experts."""
-    return policy_class(name)(num_experts, slots)
+def make_policy(name: str, num_experts: int, slots: int, **params) -> EvictionPolicy:
+    """A fresh policy for one layer's cache of `slots` slots over `num_experts` experts; `params`
+    override the policy's fitted defaults (`moed bench policy` fits them)."""
+    return policy_class(name)(num_experts, slots, **params)
 
 
 __all__ = [
     "AllProtectedError",
     "DEFAULT_POLICY",
     "EvictionPolicy",
+    "LFUDecayPolicy",
     "LRUPolicy",
     "POLICIES",
+    "SLRUPolicy",
     "UnknownPolicyError",
     "make_policy",
     "policy_class",

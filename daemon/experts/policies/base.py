@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Container
+from typing import ClassVar
 
 
 class EvictionPolicy(abc.ABC):
@@ -14,6 +15,8 @@ class EvictionPolicy(abc.ABC):
     loads; `victim` and `remove` when a slot must be freed."""
 
     name: str = ""  # the registry key, e.g. "lru"
+    # Values of the constructor's keyword parameters that `moed bench policy` fits on traces.
+    PARAM_GRID: ClassVar[dict[str, tuple]] = {}
 
     def __init__(self, num_experts: int, slots: int):
         self.num_experts = num_experts
