@@ -2,7 +2,7 @@
 
 from .client import Client, default_socket_path
 from .errors import ClientError, DaemonRestarted, DaemonUnavailable, RequestFailed
-from .events import DoneEvent, Event, TelemetryEvent, TokenEvent, TraceEvent
+from .events import DoneEvent, Event, ProgressEvent, TelemetryEvent, TokenEvent, TraceEvent
 
 __all__ = [
     "Client",
@@ -11,6 +11,7 @@ __all__ = [
     "DaemonUnavailable",
     "DoneEvent",
     "Event",
+    "ProgressEvent",
     "RequestFailed",
     "TelemetryEvent",
     "TokenEvent",

@@ -67,7 +67,8 @@ def wait_until_ready(
         status = _status_or_none(socket_path)
         if on_status is not None:
             on_status(status)
-        if status is not None and status.get("state") == "ready":
+        # `idle`: loaded once and released by its keep-alive; it serves (and reloads) on demand.
+        if status is not None and status.get("state") in ("ready", "idle"):
             return status
         if status is not None and status.get("state") == "failed":
             raise DaemonUnavailable(f"the daemon could not load its model: {status.get('error')}")

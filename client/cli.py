@@ -14,13 +14,13 @@ from moed.protocol.units import format_bytes, format_duration
 from .cli_common import CONTEXT_SETTINGS, add_global_options, fail, global_options, json_line
 from .client import Client
 from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
-from .events import DoneEvent, TelemetryEvent, TokenEvent, TraceEvent
+from .events import DoneEvent, ProgressEvent, TelemetryEvent, TokenEvent, TraceEvent
 from .exit_codes import ExitCode
 from .models_cli import list_cmd as _list
 from .models_cli import ps as _ps
 from .models_cli import pull as _pull
 from .models_cli import rm as _rm
-from .progress import Progress, progress_mode
+from .progress import StagedProgress, progress_mode
 from .stats_cli import metrics as _metrics
 from .stats_cli import stats as _stats
 from .trace_file import TraceFile
@@ -104,6 +104,11 @@ def _fail(exit_code: ExitCode, message: str, as_json: bool = False, **fields: An
     is_flag=True,
     help="If the daemon restarts mid-stream, wait for it and continue where the text left off.",
 )
+@click.option(
+    "--keep-alive",
+    help="How long the daemon keeps the model loaded after this request: 30s, 5m, 1h, 0 "
+    "(release it at once) or -1 (never); default: the daemon's keep_alive.",
+)
 @click.pass_obj
 def run(
     obj,
@@ -119,6 +124,7 @@ def run(
     start_timeout,
     trace_path,
     resume,
+    keep_alive,
 ) -> None:
     """Generate from PROMPT (or stdin with '-') and stream the text."""
     if prompt is None or prompt == "-":
@@ -137,14 +143,20 @@ def run(
         model=model,
         trace=trace_path is not None,
         resume=resume,
+        keep_alive=keep_alive,
     )
     trace_out = TraceFile(trace_path) if trace_path else None
+    loading = StagedProgress("loading", progress_mode(as_json))  # after an idle unload
     try:
         for event in events:
             if isinstance(event, TraceEvent):
                 if trace_out is not None:
                     trace_out.write(event)
                 continue
+            if isinstance(event, ProgressEvent):
+                loading.update(event.stage, event.done, event.total, event.unit)
+                continue
+            loading.close()
             _print_event(event, as_json)
     except KeyboardInterrupt:
         try:
@@ -220,26 +232,25 @@ def _connect_or_start(
         for arg in (flag, str(value))
     ]
     proc = start_daemon(socket_path, model, tuple(passed))
-    with Progress("starting daemon", progress_mode(as_json)) as bar:
-        try:
-            wait_until_ready(
-                socket_path, proc, start_timeout, on_status=lambda s: show_load(bar, s)
-            )
-        except DaemonUnavailable as exc:
-            bar.close(done=False)
-            _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc), as_json, code="daemon_unavailable")
+    bar = StagedProgress("starting daemon", progress_mode(as_json))
+    try:
+        wait_until_ready(socket_path, proc, start_timeout, on_status=lambda s: show_load(bar, s))
+    except DaemonUnavailable as exc:
+        bar.close(done=False)
+        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc), as_json, code="daemon_unavailable")
+    bar.close()
     client = Client(socket_path, timeout=timeout)
     client.connect()
     return client
 
 
-def show_load(bar: Progress, status: dict | None) -> None:
-    """Draw a starting (or reloading) daemon's load progress from its status `load` field."""
-    if status is None:
-        return
-    load = status.get("load") or {}
-    stage = load.get("stage") or f"daemon {status.get('state')}"
-    bar.update(float(load.get("done") or 0), load.get("total"), stage=f"loading: {stage}")
+def show_load(bar: StagedProgress, status: dict | None) -> None:
+    """Draw a starting daemon's load progress from its status `load` field."""
+    load = (status or {}).get("load")
+    if load:
+        bar.update(load["stage"], float(load.get("done") or 0), load.get("total"), load["unit"])
+    elif status is None:
+        bar.update("waiting for the daemon", 0, None, "steps")
 
 
 def _print_event(event, as_json: bool) -> None:

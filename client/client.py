@@ -24,7 +24,7 @@ from moed.protocol import messages as wire
 from moed.protocol.paths import default_socket_path
 
 from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
-from .events import DoneEvent, Event, TelemetryEvent, TokenEvent, TraceEvent
+from .events import DoneEvent, Event, ProgressEvent, TelemetryEvent, TokenEvent, TraceEvent
 
 log = logging.getLogger("moed.client")
 
@@ -136,6 +136,7 @@ class Client:
         model: str | None = None,
         request_id: Any = None,
         telemetry_every: int | None = None,
+        keep_alive: str | float | None = None,
         resume_ids: list[int] | None = None,
         trace: bool = False,
         messages: list[dict] | None = None,
@@ -164,6 +165,7 @@ class Client:
             raw=raw,
             model=model,
             telemetry_every=telemetry_every,
+            keep_alive=keep_alive,
             trace=trace,
             messages=messages,
             tools=tools,
@@ -275,6 +277,13 @@ class Client:
                     )
                 elif kind == MessageType.TELEMETRY.value:
                     yield TelemetryEvent(msg.get("data") or {})
+                elif kind == MessageType.PROGRESS.value:
+                    yield ProgressEvent(
+                        str(msg.get("stage", "")),
+                        float(msg.get("done") or 0),
+                        msg.get("total"),
+                        str(msg.get("unit", "steps")),
+                    )
                 elif kind == MessageType.TRACE.value:
                     yield TraceEvent(int(msg.get("seq", 0)), bytes(msg.get("data") or b""))
                 elif kind == MessageType.DONE.value:

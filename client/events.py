@@ -37,4 +37,14 @@ class TraceEvent:
     data: bytes
 
 
-Event = TokenEvent | TelemetryEvent | TraceEvent | DoneEvent
+@dataclass(frozen=True)
+class ProgressEvent:
+    """The daemon is loading the model for this request (after an idle unload): how far along."""
+
+    stage: str
+    done: float
+    total: float | None
+    unit: str  # "bytes" or "steps"
+
+
+Event = TokenEvent | TelemetryEvent | TraceEvent | ProgressEvent | DoneEvent

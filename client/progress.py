@@ -139,3 +139,33 @@ def describe(done: float, total: float | None, unit: Unit) -> str:
     if unit is Unit.BYTES:
         return f"{format_bytes(done)} of {format_bytes(total)}" if total else format_bytes(done)
     return f"{done:.0f} of {total:.0f}" if total else f"{done:.0f}"
+
+
+class StagedProgress:
+    """Progress through named stages (a model load: reading, weights in bytes, warming): each
+    stage gets its own bar (or its own JSON task), since their units differ."""
+
+    def __init__(self, prefix: str, mode: ProgressMode, out: IO | None = None):
+        self.prefix, self.mode, self._out = prefix, mode, out
+        self.stage: str | None = None
+        self._current: Progress | None = None
+
+    def update(self, stage: str, done: float, total: float | None, unit: str) -> None:
+        if stage != self.stage:
+            self.close()
+            self.stage = stage
+            known = unit in Unit._value2member_map_
+            self._current = Progress(
+                f"{self.prefix}: {stage}",
+                self.mode,
+                total=total,
+                unit=Unit(unit) if known else Unit.STEPS,
+                out=self._out,
+            )
+        assert self._current is not None
+        self._current.update(done, total)
+
+    def close(self, done: bool = True) -> None:
+        if self._current is not None:
+            self._current.close(done)
+            self._current = None

@@ -19,6 +19,7 @@ from typing import Any
 
 from moed.daemon.experts.policies import DEFAULT_POLICY, policy_names
 from moed.protocol import paths
+from moed.protocol.units import parse_keep_alive
 
 DEMO_MODEL = "demo"  # resolved to the embedded demo checkpoint
 
@@ -64,6 +65,9 @@ class ServeConfig:
     pipeline_split: str = "even"  # even, cost, or layers per rank like "20,20" (rank 0 first)
     pipeline_port: int = 0  # first ring port; 0: free local ports (hostfiles: 32323)
     rank_timeout_s: float = 2.0  # a rank silent this long has stalled: the group restarts
+    # Unload the model and its expert cache after this idle time (ollama's keep_alive): a duration
+    # (30s, 5m, 1h), -1 never, 0 as soon as idle. The next request reloads it.
+    keep_alive: str = "5m"
 
     def __post_init__(self):
         if self.cache_policy not in policy_names():
@@ -71,6 +75,15 @@ class ServeConfig:
                 f"setting 'cache_policy': {self.cache_policy!r} is not a cache policy "
                 f"(allowed: {', '.join(policy_names())})"
             )
+        try:
+            parse_keep_alive(self.keep_alive)
+        except ValueError as exc:
+            raise ConfigError(f"setting 'keep_alive': {exc}") from None
+
+    @property
+    def keep_alive_s(self) -> float | None:
+        """Seconds an idle model stays loaded; None: forever."""
+        return parse_keep_alive(self.keep_alive)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from typing import Any
 
 from .chat import prompt_sources, validate_chat_fields
 from .errors import RETRYABLE, ErrorCode, ProtocolError
+from .units import parse_keep_alive
 from .version import PROTOCOL_MAJOR
 
 
@@ -35,6 +36,7 @@ class MessageType(str, enum.Enum):
     ERROR = "error"
     RESULT = "result"
     TRACE = "trace"  # a chunk of a router trace (generate with trace: true)
+    PROGRESS = "progress"  # the model is (re)loading for this generate: stage, done, total
 
 
 REQUEST_TYPES = frozenset(
@@ -93,6 +95,7 @@ FIELDS: dict[MessageType, dict[str, Field]] = {
         "tools": Field((list,)),  # function specs for the chat template
         "stop": Field((list,)),  # stop strings: the text ends before the first match
         "logprobs": Field((int,)),  # per-token logprobs with this many top alternatives
+        "keep_alive": Field((int, float, str)),  # how long the model stays loaded after it
     },
     MessageType.COUNT_TOKENS: {
         "prompt": Field((str,)),
@@ -193,6 +196,11 @@ def _validate_generate(msg: dict) -> None:
     temperature = msg.get("temperature")
     if temperature is not None and temperature < 0:
         raise ProtocolError(ErrorCode.INVALID_REQUEST, "generate: 'temperature' must be >= 0")
+    if msg.get("keep_alive") is not None:
+        try:
+            parse_keep_alive(msg["keep_alive"])
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"generate: {exc}") from None
     top_p = msg.get("top_p")
     if top_p is not None and not 0 < top_p <= 1:
         raise ProtocolError(ErrorCode.INVALID_REQUEST, "generate: 'top_p' must be in (0, 1]")
@@ -227,6 +235,17 @@ def token(
 def trace_chunk(request_id: Any, seq: int, data: bytes) -> dict:
     """The next `data` bytes of the request's router trace file (chunks in `seq` order)."""
     return {**_base(MessageType.TRACE, request_id), "seq": seq, "data": data}
+
+
+def progress(request_id: Any, stage: str, done: float, total: float | None, unit: str) -> dict:
+    """Load progress for a generate that waits while the model (re)loads."""
+    return {
+        **_base(MessageType.PROGRESS, request_id),
+        "stage": stage,
+        "done": done,
+        "total": total,
+        "unit": unit,
+    }
 
 
 def telemetry(request_id: Any, data: dict) -> dict:

@@ -13,12 +13,20 @@ from pathlib import Path
 from typing import Protocol
 
 from moed.daemon.config import ServeConfig
+from moed.daemon.distributed.spec import pipeline_enabled
 from moed.daemon.engine.commands import Cancel, EngineCommand, Shed, Stop, Submit
+from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
 from moed.daemon.engine.scheduler import RoundRobinScheduler, Scheduler
 from moed.daemon.engine.status import DaemonState, EngineStatus, ShedRecord
 from moed.daemon.exit_codes import DaemonExit
-from moed.daemon.model.loader import LoadedModel, MemoryPlanRefused, describe_model, load_model
+from moed.daemon.model.loader import (
+    LoadedModel,
+    LoadProgress,
+    MemoryPlanRefused,
+    describe_model,
+    load_model,
+)
 from moed.daemon.runtime.crashlog import CrashKind, is_out_of_memory
 from moed.daemon.runtime.faults import Faults
 from moed.daemon.telemetry.delta import counters_delta
@@ -62,19 +70,29 @@ class EngineCore:
         self.exit_code: int = DaemonExit.FAILED  # what the process exits with once `fatal` is set
         # Off unless debug_faults says otherwise; a bad spec is a configuration error at the edge.
         self.faults = faults if faults is not None else Faults.parse(serve.debug_faults)
+        # A pipeline's other ranks hold their layers for the group's life: only one process unloads.
+        self.keep_alive = KeepAlive(None if pipeline_enabled(serve) else serve.keep_alive_s)
+        self.status.update(keep_alive_s=self.keep_alive.seconds)
 
     @property
     def has_work(self) -> bool:
         return bool(self._gens)
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def load(self) -> bool:
+    def load(self, on_progress: LoadProgress | None = None) -> bool:
         """Load the model; False (with `fatal` set and status `failed`) when it cannot load."""
         t0 = time.perf_counter()
         mode = "resident" if self.serve.resident else f"streaming, budget {self.serve.cache_budget}"
         log.info("loading %s (%s)", self.model_path, mode)
+        self.status.update(state=DaemonState.LOADING)
+
+        def progress(stage: str, done: float, total: float, unit: str) -> None:
+            self.status.update(load={"stage": stage, "done": done, "total": total, "unit": unit})
+            if on_progress is not None:
+                on_progress(stage, done, total, unit)
+
         try:
-            self.loaded = load_model(self.serve, self.model_path)
+            self.loaded = load_model(self.serve, self.model_path, progress)
         except BaseException as exc:  # a model that cannot load is fatal for the daemon
             log.exception("model load failed")
             self._record_crash(CrashKind.LOAD_FAILED, f"{exc.__class__.__name__}: {exc}")
@@ -90,9 +108,47 @@ class EngineCore:
             load_s=round(time.perf_counter() - t0, 3),
             streaming=self._stream_snapshot(),
             memory_plan=self.loaded.streamer.plan.describe() if self.loaded.streamer else None,
+            load=None,
+            last_activity_at=time.time(),
         )
+        self.keep_alive.became_idle()
         log.info("model loaded from %s in %.2fs", self.model_path, time.perf_counter() - t0)
         return True
+
+    def maybe_unload(self) -> None:
+        """Release the model and the expert cache once the keep-alive of an idle engine expired."""
+        if self.loaded is not None and not self._gens and self.keep_alive.due():
+            log.info(
+                "idle for %.0fs: releasing the model and the expert cache",
+                self.keep_alive.current_s,
+            )
+            self.unload()
+
+    def unload(self) -> None:
+        """Release the model and the expert cache (state `idle`); the next request reloads them."""
+        import gc
+
+        import mlx.core as mx
+
+        self.close()  # saves the usage profile (the reload warms from it), closes the streamer
+        self.loaded = None
+        self.keep_alive.idle_since = None
+        gc.collect()  # the model graph holds reference cycles
+        mx.clear_cache()  # hand MLX's freed buffers back to the system
+        self.status.update(state=DaemonState.IDLE, streaming=None)
+        self.status.add(unloads=1)
+
+    def _reload_for(self, job: GenerateJob) -> bool:
+        """Load again for a request that arrived while idle; it sees `progress` messages."""
+        req_id = job.request["id"]
+
+        def progress(stage: str, done: float, total: float, unit: str) -> None:
+            self.sink.emit(job.identity, wire.progress(req_id, stage, done, total, unit))
+
+        if self.load(progress):
+            return True
+        self.reject(job, ErrorCode.INTERNAL, f"the model failed to load again: {self.fatal}")
+        return False
 
     def close(self) -> None:
         streamer = self.loaded.streamer if self.loaded else None
@@ -150,6 +206,8 @@ class EngineCore:
                 self._step(gen)
 
     def _admit(self, job: GenerateJob) -> None:
+        if self.loaded is None and not self._reload_for(job):
+            return
         try:
             gen = Generation(
                 job,
@@ -177,7 +235,10 @@ class EngineCore:
             return
         self._gens[job.key] = gen
         self.scheduler.add(job.key)
-        self.status.update(busy=True, active_requests=len(self._gens))
+        self.keep_alive.admitted(job.request.get("keep_alive"))
+        self.status.update(
+            busy=True, active_requests=len(self._gens), keep_alive_s=self.keep_alive.seconds
+        )
 
     def _step(self, gen: Generation) -> None:
         try:
@@ -223,6 +284,9 @@ class EngineCore:
         self.scheduler.remove(key)
         # Published before the terminal message, so a client that saw `done` sees the count drop.
         self.status.update(active_requests=len(self._gens), busy=bool(self._gens))
+        if not self._gens:
+            self.keep_alive.became_idle()
+            self.status.update(last_activity_at=time.time())
 
     def _finish(
         self,

@@ -98,6 +98,7 @@ class Engine:
                 self._drain_inbox(core, block=not core.has_work)
                 if core.fatal is None:
                     core.step()
+                    core.maybe_unload()
             if core.fatal is None:
                 message = "the daemon is shutting down"
                 core.finish_all(ErrorCode.SHUTTING_DOWN, message)

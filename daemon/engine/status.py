@@ -16,6 +16,7 @@ from typing import Any
 class DaemonState(str, enum.Enum):
     LOADING = "loading"
     READY = "ready"
+    IDLE = "idle"  # the keep-alive expired: model and expert cache released until the next request
     DRAINING = "draining"
     FAILED = "failed"
 
@@ -47,6 +48,12 @@ class StatusRecord:
     memory_plan: str | None = None
     streaming: dict | None = None
     error: str | None = None
+    load: dict | None = None  # while loading: {stage, done, total, unit}
+    # Keep-alive (engine/idle.py): seconds an idle model stays loaded (-1 never), when the engine
+    # last went idle, and how often the model was released.
+    keep_alive_s: float | None = None
+    last_activity_at: float | None = None
+    unloads: int = 0
     # Requests and progress.
     active_requests: int = 0
     queued_requests: int = 0

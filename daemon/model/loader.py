@@ -4,6 +4,7 @@ then only the resident weights materialized, after the memory plan agreed."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,14 @@ class LoadedModel:
     pipeline: Any = None  # PipelineLeader when this daemon is rank 0 of a pipeline group
 
 
-def load_model(serve: ServeConfig, path: Path) -> LoadedModel:
+# (stage, done, total, unit): how far a load is, for `status` and for a client waiting on a reload.
+LoadProgress = Callable[[str, float, float, str], None]
+
+
+def load_model(
+    serve: ServeConfig, path: Path, on_progress: LoadProgress | None = None
+) -> LoadedModel:
     """Load lazily, swap in the streaming experts, then materialize only what stays resident."""
-    import mlx.core as mx
     from mlx_lm.utils import load
 
     from moed.daemon.distributed.spec import pipeline_enabled
@@ -34,6 +40,9 @@ def load_model(serve: ServeConfig, path: Path) -> LoadedModel:
         from moed.daemon.distributed.rank0 import load_leader
 
         return load_leader(serve, path)
+
+    report = on_progress or (lambda *_: None)
+    report("reading the checkpoint", 0, 1, "steps")
     model, tokenizer, config = load(str(path), lazy=True, return_config=True)
     streamer = None
     if not serve.resident:
@@ -43,11 +52,38 @@ def load_model(serve: ServeConfig, path: Path) -> LoadedModel:
         if not streamer.plan.fits:
             streamer.close()
             raise MemoryPlanRefused(streamer.plan.refusal())
-    mx.eval(model.parameters())
+    materialize(model, report)
     if streamer is not None:
+        report("warming the expert cache", 0, 1, "steps")
         warmed = streamer.warm()  # the experts the saved usage profile found hot
         log.info("expert cache warmed with %d bytes from the usage profile", warmed)
+    report("ready", 1, 1, "steps")
     return LoadedModel(model, tokenizer, path, config, streamer)
+
+
+# Resident weights are evaluated in about this many batches, each a progress report.
+LOAD_STEPS = 20
+
+
+def materialize(model: Any, report: LoadProgress) -> None:
+    """Evaluate the resident weights in batches (the same arrays as one mx.eval of all of them),
+    reporting bytes as they land."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    arrays = [a for _, a in tree_flatten(model.parameters())]
+    total = sum(a.nbytes for a in arrays)  # from shapes: no evaluation
+    step = max(total // LOAD_STEPS, 1)
+    done, batch, batch_bytes = 0, [], 0
+    report("loading weights", 0, total, "bytes")
+    for i, array in enumerate(arrays):
+        batch.append(array)
+        batch_bytes += array.nbytes
+        if batch_bytes >= step or i == len(arrays) - 1:
+            mx.eval(batch)
+            done += batch_bytes
+            batch, batch_bytes = [], 0
+            report("loading weights", done, total, "bytes")
 
 
 def streaming_config(serve: ServeConfig, model_config: dict):

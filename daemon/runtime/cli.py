@@ -56,6 +56,11 @@ from moed.daemon.experts.policies import DEFAULT_POLICY, policy_names
     help="Record a router trace of every generation into this folder (.moetrace files).",
 )
 @click.option(
+    "--keep-alive",
+    help="Release the model and the expert cache after this idle time; the next request reloads "
+    "it: 30s, 5m (default), 1h, -1 never, 0 as soon as idle. A request's keep_alive overrides it.",
+)
+@click.option(
     "--log-level",
     default="INFO",
     show_default=True,
@@ -72,6 +77,7 @@ def serve(
     page_cache,
     metrics_port,
     trace_dir,
+    keep_alive,
     log_level,
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or `moe stop`."""
@@ -97,6 +103,7 @@ def serve(
                 "log_dir": given.log_dir,
                 "metrics_port": metrics_port,
                 "trace_dir": trace_dir,
+                "keep_alive": keep_alive,
             },
         )
     except ConfigError as exc:
