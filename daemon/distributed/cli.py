@@ -10,8 +10,10 @@ import click
 
 @click.command(hidden=True)
 @click.option("--spec", "spec_json", required=True, help="What rank 0 decided (JSON).")
-@click.option("--rank", type=int, required=True)
-@click.option("--log-level", default="INFO")
+@click.option("--rank", type=int, required=True, help="This process's rank in the group.")
+@click.option(
+    "--log-level", default="INFO", help="Logging threshold: DEBUG, INFO, WARNING or ERROR."
+)
 def rank(spec_json: str, rank: int, log_level: str) -> None:
     """Follow rank 0's steps through this rank's layers."""
     logging.basicConfig(
