@@ -70,6 +70,8 @@ class Progress:
                 file=out or sys.stderr,
                 leave=True,
                 dynamic_ncols=True,
+                # No total (waiting for a daemon to answer): the time spent, not a rate of nothing.
+                bar_format=None if total is not None else "{desc} [{elapsed}]",
             )
         self._emit(force=True)
 
@@ -84,6 +86,7 @@ class Progress:
             self.total = total
             if self._bar is not None:
                 self._bar.total = total
+                self._bar.bar_format = None  # now there is a bar to draw
         if detail is not None:
             self.detail = detail
             if self._bar is not None:

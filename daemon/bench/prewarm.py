@@ -28,6 +28,9 @@ from pathlib import Path
 import click
 import numpy as np
 
+from moed.client.progress import Progress, progress_mode
+from moed.protocol.units import format_bytes
+
 SCENARIOS = ("cold", "warm page cache", "prewarm")
 
 
@@ -296,18 +299,21 @@ def prewarm(
     summaries = {s: Summary(s) for s in SCENARIOS}
     total = runs * len(SCENARIOS)
     n = 0
+    bar = Progress("bench prewarm: runs", progress_mode(False), total=total)  # terminals only
     for r in range(runs):
         order = SCENARIOS[r % 3 :] + SCENARIOS[: r % 3]  # rotate so no scenario always goes first
         for scenario in order:
             n += 1
             run = measure(path, scenario, budget, page_cache, prompt_ids, max_tokens, counts)
             summaries[scenario].runs.append(run)
+            bar.update(n)
             say(
                 f"run {n}/{total} {scenario:<16} ttft {run.ttft_s * 1000:8.1f} ms  "
                 f"decode {run.decode_tps:7.1f} tok/s  "
-                f"hit {run.hit_rate:6.1%}  read {run.bytes_read / 1e6:7.1f} MB"
+                f"hit {run.hit_rate:6.1%}  read {format_bytes(run.bytes_read):>9}"
                 + (f"  preload {run.preload_s * 1000:.0f} ms" if scenario == "prewarm" else "")
             )
+    bar.close()
     reference = summaries["cold"].runs[0].tokens
     identical = all(r.tokens == reference for s in summaries.values() for r in s.runs)
     if as_json:

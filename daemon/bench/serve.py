@@ -15,6 +15,8 @@ from pathlib import Path
 
 import click
 
+from moed.client.progress import Progress, progress_mode
+
 
 @dataclass(frozen=True)
 class RunTiming:
@@ -99,9 +101,12 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
         time_in_process(mlx_model, tokenizer, prompt_ids, 8)
         time_through_daemon(client, prompt_ids, 8)
         local, remote = [], []
-        for _ in range(runs):
-            local.append(time_in_process(mlx_model, tokenizer, prompt_ids, max_tokens))
-            remote.append(time_through_daemon(client, prompt_ids, max_tokens))
+        # A bar on a terminal only: the report on stdout stays clean for BENCHMARKS.md.
+        with Progress("bench serve: runs", progress_mode(False), total=runs) as bar:
+            for i in range(runs):
+                local.append(time_in_process(mlx_model, tokenizer, prompt_ids, max_tokens))
+                remote.append(time_through_daemon(client, prompt_ids, max_tokens))
+                bar.update(i + 1)
         same = all(r.tokens == local[0].tokens for r in local + remote)
         client.shutdown("bench done")
         client.close()
