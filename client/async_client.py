@@ -25,7 +25,7 @@ from moed.protocol import messages as wire
 from moed.protocol.paths import default_socket_path
 
 from .errors import ClientError, DaemonRestarted, DaemonUnavailable, RequestFailed
-from .events import DoneEvent, Event, TelemetryEvent, TokenEvent, TraceEvent
+from .events import DoneEvent, Event, event_from_message
 
 
 class AsyncClient:
@@ -159,26 +159,13 @@ class AsyncClient:
         try:
             self._send(wire.request(MessageType.GENERATE, request_id, **fields))
             while True:
-                msg = _unwrap(await queue.get())
-                kind = msg.get("type")
-                if kind == MessageType.TOKEN.value:
-                    yield TokenEvent(
-                        msg["index"], list(msg["ids"]), msg["text"], msg.get("logprobs")
-                    )
-                elif kind == MessageType.TELEMETRY.value:
-                    yield TelemetryEvent(msg.get("data") or {})
-                elif kind == MessageType.TRACE.value:
-                    yield TraceEvent(int(msg.get("seq", 0)), bytes(msg.get("data") or b""))
-                elif kind == MessageType.DONE.value:
+                event = event_from_message(_unwrap(await queue.get()))
+                if isinstance(event, DoneEvent):
                     ended = True
-                    yield DoneEvent(
-                        msg["finish_reason"],
-                        msg.get("usage") or {},
-                        msg.get("timings") or {},
-                        msg.get("telemetry") or {},
-                        msg.get("stop_sequence"),
-                    )
+                    yield event
                     return
+                if event is not None:
+                    yield event
         except RequestFailed:
             ended = True
             raise
@@ -253,5 +240,5 @@ def _unwrap(msg: dict | ClientError) -> dict:
     if isinstance(msg, ClientError):
         raise msg
     if msg.get("type") == MessageType.ERROR.value:
-        raise RequestFailed(msg.get("code"), msg.get("message", ""), bool(msg.get("retryable")))
+        raise RequestFailed.from_message(msg)
     return msg

@@ -24,7 +24,7 @@ from moed.protocol import messages as wire
 from moed.protocol.paths import default_socket_path
 
 from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
-from .events import DoneEvent, Event, ProgressEvent, TelemetryEvent, TokenEvent, TraceEvent
+from .events import DoneEvent, Event, TokenEvent, event_from_message
 
 log = logging.getLogger("moed.client")
 
@@ -76,7 +76,7 @@ class Client:
         msg = self._recv_for(request_id, time.monotonic() + self.timeout, heartbeat=False)
         if msg.get("type") == MessageType.ERROR.value:
             self.close()
-            raise RequestFailed(msg.get("code"), msg.get("message", ""), bool(msg.get("retryable")))
+            raise RequestFailed.from_message(msg)
         self.welcome = msg
         self.boot_id = msg.get("boot_id")
         return msg
@@ -269,38 +269,16 @@ class Client:
         ended = False
         try:
             while True:
-                msg = self._recv_for(request_id, None, heartbeat=True)
-                kind = msg.get("type")
-                if kind == MessageType.TOKEN.value:
-                    yield TokenEvent(
-                        msg["index"], list(msg["ids"]), msg["text"], msg.get("logprobs")
-                    )
-                elif kind == MessageType.TELEMETRY.value:
-                    yield TelemetryEvent(msg.get("data") or {})
-                elif kind == MessageType.PROGRESS.value:
-                    yield ProgressEvent(
-                        str(msg.get("stage", "")),
-                        float(msg.get("done") or 0),
-                        msg.get("total"),
-                        str(msg.get("unit", "steps")),
-                    )
-                elif kind == MessageType.TRACE.value:
-                    yield TraceEvent(int(msg.get("seq", 0)), bytes(msg.get("data") or b""))
-                elif kind == MessageType.DONE.value:
+                event = event_from_message(self._recv_for(request_id, None, heartbeat=True))
+                if isinstance(event, DoneEvent):
                     ended = True
-                    yield DoneEvent(
-                        msg["finish_reason"],
-                        msg.get("usage") or {},
-                        msg.get("timings") or {},
-                        msg.get("telemetry") or {},
-                        msg.get("stop_sequence"),
-                    )
+                    yield event
                     return
-                elif kind == MessageType.ERROR.value:
-                    ended = True
-                    raise RequestFailed(
-                        msg.get("code"), msg.get("message", ""), bool(msg.get("retryable"))
-                    )
+                if event is not None:
+                    yield event
+        except RequestFailed:
+            ended = True
+            raise
         finally:
             self._streams.discard(request_id)
             self._buffered.pop(request_id, None)
@@ -321,7 +299,7 @@ class Client:
         self._send(wire.request(kind, request_id, **fields))
         msg = self._recv_for(request_id, time.monotonic() + self.timeout, heartbeat=False)
         if msg.get("type") == MessageType.ERROR.value:
-            raise RequestFailed(msg.get("code"), msg.get("message", ""), bool(msg.get("retryable")))
+            raise RequestFailed.from_message(msg)
         self._check_boot(msg.get("boot_id"))
         return msg
 

@@ -22,6 +22,11 @@ class RequestFailed(ClientError):
         self.message = message
         self.retryable = retryable
 
+    @classmethod
+    def from_message(cls, msg: dict) -> RequestFailed:
+        """From the daemon's `error` message."""
+        return cls(msg.get("code"), msg.get("message", ""), bool(msg.get("retryable")))
+
 
 class DaemonUnavailable(ClientError):
     """Nobody answered on the socket in time (not running, crashed, or wedged)."""

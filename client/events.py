@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from moed.protocol import MessageType
+
+from .errors import RequestFailed
+
 
 @dataclass(frozen=True)
 class TokenEvent:
@@ -48,3 +52,33 @@ class ProgressEvent:
 
 
 Event = TokenEvent | TelemetryEvent | TraceEvent | ProgressEvent | DoneEvent
+
+
+def event_from_message(msg: dict) -> Event | None:
+    """The event a generation-stream message carries; None for a type this client does not know
+    (a newer daemon's). An `error` message raises RequestFailed."""
+    kind = msg.get("type")
+    if kind == MessageType.TOKEN.value:
+        return TokenEvent(msg["index"], list(msg["ids"]), msg["text"], msg.get("logprobs"))
+    if kind == MessageType.TELEMETRY.value:
+        return TelemetryEvent(msg.get("data") or {})
+    if kind == MessageType.PROGRESS.value:
+        return ProgressEvent(
+            str(msg.get("stage", "")),
+            float(msg.get("done") or 0),
+            msg.get("total"),
+            str(msg.get("unit", "steps")),
+        )
+    if kind == MessageType.TRACE.value:
+        return TraceEvent(int(msg.get("seq", 0)), bytes(msg.get("data") or b""))
+    if kind == MessageType.DONE.value:
+        return DoneEvent(
+            msg["finish_reason"],
+            msg.get("usage") or {},
+            msg.get("timings") or {},
+            msg.get("telemetry") or {},
+            msg.get("stop_sequence"),
+        )
+    if kind == MessageType.ERROR.value:
+        raise RequestFailed.from_message(msg)
+    return None
