@@ -211,7 +211,11 @@ class Client:
             except (DaemonUnavailable, RequestFailed) as exc:
                 failed_boot = self.boot_id
                 if isinstance(exc, RequestFailed):
-                    if exc.code not in (ErrorCode.OUT_OF_MEMORY, ErrorCode.SHUTTING_DOWN):
+                    if exc.code not in (
+                        ErrorCode.OUT_OF_MEMORY,
+                        ErrorCode.SHUTTING_DOWN,
+                        ErrorCode.RANK_FAILED,
+                    ):
                         raise
                     # The daemon said it is going away: only a new daemon is worth resuming on.
                     need_new_boot = True

@@ -11,3 +11,4 @@ class DaemonExit(enum.IntEnum):
     ALREADY_RUNNING = 4
     OUT_OF_MEMORY = 5
     DOES_NOT_FIT = 6  # the memory plan refused the model at this budget: a restart cannot help
+    RANK_FAILED = 7  # another rank of the pipeline died or stalled: restart the whole group

@@ -19,6 +19,7 @@ class ErrorCode(str, enum.Enum):
     SHUTTING_DOWN = "shutting_down"
     OUT_OF_MEMORY = "out_of_memory"
     DAEMON_RESTARTED = "daemon_restarted"  # raised client-side when boot_id changes
+    RANK_FAILED = "rank_failed"  # a pipeline rank died or stalled; the group restarts
     INTERNAL = "internal"
 
 
@@ -28,6 +29,7 @@ RETRYABLE = frozenset(
         ErrorCode.SHUTTING_DOWN,
         ErrorCode.OUT_OF_MEMORY,
         ErrorCode.DAEMON_RESTARTED,
+        ErrorCode.RANK_FAILED,
     }
 )
 

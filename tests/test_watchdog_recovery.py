@@ -16,19 +16,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from daemon_harness import (
+    Supervisor,
     moe_command,
-    serve_command,
-    short_socket_path,
     start_watchdog,
     stop_process,
 )
@@ -47,90 +44,6 @@ pytestmark = [
 
 # Greedy decoding of this prompt on the tiny fixture meets no EOS for thousands of tokens.
 PROMPT = "hello"
-
-
-class Supervisor:
-    """Runs `moed serve` and restarts it like KeepAlive: again after a crash, not after exit 0."""
-
-    def __init__(
-        self,
-        tmp: Path,
-        model: Path,
-        *serve_args: str,
-        env: dict | None = None,
-        throttle_s: float = 0.2,
-    ):
-        self.tmp = tmp
-        self.socket = short_socket_path()
-        self.state_dir = tmp / "state"
-        self.args = serve_command(model, self.socket, self.state_dir, *serve_args)
-        self.env = {**os.environ, "MOED_LOG_DIR": str(tmp / "logs"), **(env or {})}
-        self.throttle_s = throttle_s
-        self.exits: list[int] = []  # return codes in order (negative: killed by that signal)
-        self.logs: list[Path] = []
-        self.proc: subprocess.Popen | None = None
-        self._stop = threading.Event()
-        self.finished = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def start(self) -> Supervisor:
-        self._thread.start()
-        return self
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                log = self.tmp / f"daemon-{len(self.logs)}.log"
-                self.logs.append(log)
-                with open(log, "wb") as out:
-                    # No core dumps, as the service units say (LimitCORE=0); ulimit is fork-safe
-                    # here.
-                    self.proc = subprocess.Popen(
-                        ["sh", "-c", 'ulimit -c 0; exec "$@"', "sh", *self.args],
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        env=self.env,
-                        start_new_session=True,
-                    )
-                if self._stop.is_set():  # stop() may have looked at the previous, dead process
-                    self.proc.kill()
-                code = self.proc.wait()
-                self.exits.append(code)
-                if code == 0 or self._stop.is_set():
-                    return
-                time.sleep(self.throttle_s)
-        finally:
-            self.finished.set()
-
-    def wait_ready(self, not_boot: str | None = None, timeout_s: float = 60.0) -> dict:
-        """The status of a ready daemon (one whose boot differs from `not_boot`, if given)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                with Client(self.socket, timeout=1.0) as c:
-                    st = c.status()
-                if st["state"] == "ready" and st["boot_id"] != not_boot:
-                    return st
-            except DaemonUnavailable:
-                pass
-            if self.finished.is_set():
-                raise RuntimeError(f"the supervisor stopped: exits {self.exits}\n{self.log_text()}")
-            time.sleep(0.05)
-        raise TimeoutError(
-            f"no ready daemon in {timeout_s}s; exits {self.exits}\n{self.log_text()}"
-        )
-
-    def log_text(self) -> str:
-        return "\n".join(
-            f"--- {p.name}\n{p.read_text(errors='replace')}" for p in self.logs if p.exists()
-        )
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self.proc is not None:
-            stop_process(self.proc)
-        self._thread.join(20)
-        shutil.rmtree(self.socket.parent, ignore_errors=True)
 
 
 @pytest.fixture

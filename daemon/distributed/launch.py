@@ -82,7 +82,7 @@ class RankProcess:
         self.rank = rank
         self.host = host
         self.popen = popen
-        self.last_beat = time.monotonic()
+        self.last_beat: float | None = None  # silence counts only once it has started beating
         self._reader = threading.Thread(target=self._read, name=f"rank{rank}-beat", daemon=True)
         self._reader.start()
 
@@ -95,6 +95,8 @@ class RankProcess:
         where = f"rank {self.rank} ({self.host.ssh or 'local'})"
         if code is not None:
             return f"{where} exited with code {code}"
+        if self.last_beat is None:
+            return None  # still starting (imports): only its exit counts
         silent = time.monotonic() - self.last_beat
         if silent > timeout_s:
             return f"{where} stopped responding ({silent:.1f}s without a heartbeat)"

@@ -79,7 +79,7 @@ def load_leader(serve: ServeConfig, path: Path):
 
     spec = RankSpec.from_json(os.environ[SPEC_ENV])
     group = mx.distributed.init(backend=spec.backend, strict=True)
-    split = spec.split_for(group.size(), _num_layers(path))
+    split = spec.split_for(group.size(), num_layers(path))
     streaming = spec.streaming(0)
     if streaming is not None:
         from dataclasses import replace
@@ -87,10 +87,10 @@ def load_leader(serve: ServeConfig, path: Path):
         streaming = replace(streaming, state_dir=serve.state_dir, prefetch_next=serve.prefetch_next)
     rank = load_rank_model(path, group, split, streaming)
     leader = PipelineLeader(rank, StepChannel(group))
-    loaded = LoadedModel(rank.model, rank.tokenizer, path, rank.config, rank.streamer, leader)
-    return loaded
+    # The engine drives the leader as its model: every forward is broadcast to the group first.
+    return LoadedModel(leader, rank.tokenizer, path, rank.config, rank.streamer, leader)
 
 
-def _num_layers(path: Path) -> int:
+def num_layers(path: Path) -> int:
     config = json.loads((path / "config.json").read_text())
     return int(config.get("text_config", config)["num_hidden_layers"])

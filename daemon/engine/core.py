@@ -14,6 +14,7 @@ from typing import Protocol
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.spec import pipeline_enabled
+from moed.daemon.distributed.failure import is_group_failure
 from moed.daemon.engine.commands import Cancel, EngineCommand, Shed, Stop, Submit
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
@@ -35,6 +36,8 @@ from moed.protocol import ErrorCode, FinishReason, ProtocolError, ShedLevel
 from moed.protocol import messages as wire
 
 log = logging.getLogger("moed.engine")
+
+RANKS_REFRESH_S = 1.0
 
 
 class EventSink(Protocol):
@@ -73,6 +76,7 @@ class EngineCore:
         # A pipeline's other ranks hold their layers for the group's life: only one process unloads.
         self.keep_alive = KeepAlive(None if pipeline_enabled(serve) else serve.keep_alive_s)
         self.status.update(keep_alive_s=self.keep_alive.seconds)
+        self._ranks_at = 0.0  # when the pipeline ranks' status was last gathered
 
     @property
     def has_work(self) -> bool:
@@ -102,6 +106,7 @@ class EngineCore:
             self.reject_queued(ErrorCode.INTERNAL, f"model failed to load: {exc}")
             self.fatal = exc
             return False
+        self._refresh_ranks(force=True)  # before READY: a ready pipeline lists its ranks
         self.status.update(
             state=DaemonState.READY,
             model=describe_model(self.loaded),
@@ -151,6 +156,12 @@ class EngineCore:
         return False
 
     def close(self) -> None:
+        pipeline = self.loaded.pipeline if self.loaded else None
+        if pipeline is not None and self.exit_code != DaemonExit.RANK_FAILED:
+            try:
+                pipeline.shutdown()  # the other ranks leave their loops and exit
+            except RuntimeError:
+                log.warning("the pipeline group was already broken at shutdown")
         streamer = self.loaded.streamer if self.loaded else None
         if streamer is None:
             return
@@ -249,6 +260,9 @@ class EngineCore:
             if is_out_of_memory(exc):
                 self._out_of_memory(exc)
                 return
+            if self.loaded.pipeline is not None and is_group_failure(exc):
+                self._group_failed(exc)
+                return
             log.exception("generation %r failed", gen.job.request.get("id"))
             self._finish(gen, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
             return
@@ -271,6 +285,7 @@ class EngineCore:
             )
 
     def _telemetry(self, gen: Generation, timings: dict | None = None) -> dict:
+        self._refresh_ranks()
         data = {"tokens": gen.completion, **(timings or gen.timings())}
         snapshot = self._stream_snapshot()
         if snapshot is not None:
@@ -332,6 +347,28 @@ class EngineCore:
         self.exit_code = DaemonExit.OUT_OF_MEMORY
         self.fatal = exc  # last: the transport exits once it sees this, after flushing the errors
 
+    def _group_failed(self, exc: BaseException) -> None:
+        """A collective lost its peer: every request fails retryably and the group restarts."""
+        message = f"a pipeline rank failed ({exc}); the daemon restarts the group"
+        log.error("%s", message)
+        self._record_crash(CrashKind.RANK_FAILED, message)
+        self.status.update(state=DaemonState.FAILED, error=message)
+        for gen in list(self._gens.values()):
+            self._finish(gen, ErrorCode.RANK_FAILED, message)
+        self.reject_queued(ErrorCode.RANK_FAILED, message)
+        self.exit_code = DaemonExit.RANK_FAILED
+        self.fatal = exc
+
+    def _refresh_ranks(self, force: bool = False) -> None:
+        """Every rank's status into `status.ranks` (collectives: on the engine thread only, and
+        at most once a second)."""
+        pipeline = self.loaded.pipeline if self.loaded else None
+        now = time.monotonic()
+        if pipeline is None or (not force and now - self._ranks_at < RANKS_REFRESH_S):
+            return
+        self._ranks_at = now
+        self.status.update(ranks=pipeline.status())
+
     def _record_crash(self, kind: CrashKind, message: str) -> None:
         if self.on_crash is None:
             return
@@ -346,6 +383,8 @@ class EngineCore:
         released = 0
         if self.loaded is not None and self.loaded.streamer is not None:
             released = self.loaded.streamer.shed(0.5)
+        if self.loaded is not None and self.loaded.pipeline is not None:
+            self.loaded.pipeline.shed(0.5)  # every rank sheds its own cache
         mx.clear_cache()
         log.warning("shed level=%s released=%d bytes", level.value, released)
         cancelled = None

@@ -67,6 +67,8 @@ class StatusRecord:
     sheds: int = 0
     last_shed: ShedRecord | None = None
     crashing: dict | None = None  # the crash record written while this run is failing
+    # A pipeline group: every rank's host, layers, memory and expert cache (rank 0 first).
+    ranks: list | None = None
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(StatusRecord))

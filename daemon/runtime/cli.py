@@ -61,6 +61,20 @@ from moed.daemon.experts.policies import DEFAULT_POLICY, policy_names
     "it: 30s, 5m (default), 1h, -1 never, 0 as soon as idle. A request's keep_alive overrides it.",
 )
 @click.option(
+    "--pipeline",
+    type=click.IntRange(min=2),
+    help="Run the model over N local ranks (mx.distributed ring backend on loopback).",
+)
+@click.option(
+    "--hostfile",
+    type=click.Path(dir_okay=False),
+    help="Run over the hosts of an mlx.launch hostfile (+ per-host expert_budget and layers).",
+)
+@click.option(
+    "--pipeline-split",
+    help="Layers per rank: even (default), cost (from the checkpoint), or N,N,... (rank 0 first).",
+)
+@click.option(
     "--log-level",
     default="INFO",
     show_default=True,
@@ -78,6 +92,9 @@ def serve(
     metrics_port,
     trace_dir,
     keep_alive,
+    pipeline,
+    hostfile,
+    pipeline_split,
     log_level,
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or `moe stop`."""
@@ -104,6 +121,9 @@ def serve(
                 "metrics_port": metrics_port,
                 "trace_dir": trace_dir,
                 "keep_alive": keep_alive,
+                "pipeline": pipeline,
+                "hostfile": hostfile,
+                "pipeline_split": pipeline_split,
             },
         )
     except ConfigError as exc:

@@ -49,6 +49,7 @@ class CrashKind(str, enum.Enum):
     )
     LOAD_FAILED = "load_failed"  # the model could not load (counts for the restart budget only)
     ENGINE_FAILED = "engine_failed"  # the engine died otherwise, or stayed stuck through a drain
+    RANK_FAILED = "rank_failed"  # another pipeline rank died or stalled (no budget backoff)
     MEMORY_PRESSURE = (
         "memory_pressure"  # the watchdog asked for a restart because swap kept growing
     )

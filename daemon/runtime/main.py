@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import zmq
 
 from moed.daemon.config import Config
+from moed.daemon.distributed.spec import pipeline_enabled
 from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.model.source import ModelNotFound, resolve_model
 from moed.daemon.runtime.run_log import RotatingLog
@@ -23,6 +25,9 @@ def run_daemon(config: Config) -> int:
     except ModelNotFound as exc:
         print(f"moed: {exc}", file=sys.stderr)
         return DaemonExit.MODEL_NOT_FOUND
+    if pipeline_enabled(serve) and (why := _check_pipeline(serve, model_path)):
+        print(f"moed: pipeline: {why}", file=sys.stderr)
+        return DaemonExit.CONFIG
     try:
         server = Server(serve, model_path)
     except ValueError as exc:  # e.g. a malformed debug_faults or cache budget setting
@@ -47,6 +52,12 @@ def run_daemon(config: Config) -> int:
         except OSError as exc:  # port taken: refuse to start rather than run without metrics
             print(f"moed: metrics port {serve.metrics_port}: {exc}", file=sys.stderr)
             return DaemonExit.CONFIG
+    group = None
+    if pipeline_enabled(server.serve):
+        from moed.daemon.distributed.rank0 import start_group
+
+        group = start_group(server.serve, model_path)
+        group.on_failure = lambda reason: setattr(server, "group_failure", reason)
     server.install_signal_handlers()
     # The transport thread answers control messages while the engine thread runs Python between MLX
     # evaluations; a 1 ms GIL switch interval (default 5 ms) bounds how long a `cancel` or `ping`
@@ -62,11 +73,37 @@ def run_daemon(config: Config) -> int:
     )
     code = server.run()
     log.info("moed exiting with code %d", code)
+    if group is not None:
+        group.stop()
     run_log.record_exit(
         code, DaemonExit(code).name.lower() if code in DaemonExit._value2member_map_ else None
     )
     run_log.close()
+    if code == DaemonExit.RANK_FAILED:
+        # The engine thread may still sit in a collective with the lost rank: do not wait for it.
+        logging.shutdown()
+        os._exit(code)
     return code
+
+
+def _check_pipeline(serve, model_path) -> str | None:
+    """Why a configured pipeline cannot start (before anything binds or spawns), else None."""
+    from moed.daemon.distributed.hostfile import HostfileError
+    from moed.daemon.distributed.rank0 import check_supported, num_layers
+    from moed.daemon.distributed.rank_model import PipelineUnsupported
+    from moed.daemon.distributed.spec import group_spec
+    from moed.daemon.distributed.split import SplitError, parse_split
+
+    try:
+        check_supported(model_path)
+        group = group_spec(serve)
+        if group.given_split is None:
+            parse_split(serve.pipeline_split, group.size, num_layers(model_path))
+        else:
+            parse_split(",".join(map(str, group.given_split)), group.size, num_layers(model_path))
+    except (PipelineUnsupported, HostfileError, SplitError, OSError) as exc:
+        return str(exc)
+    return None
 
 
 def _open_run_log(server: Server, model_path) -> RotatingLog:

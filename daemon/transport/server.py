@@ -106,6 +106,8 @@ class Server:
         self._restart_reason: str | None = None
         self._drain_deadline = 0.0
         self._stop_requested = threading.Event()
+        # Set by a pipeline group's monitor thread: another rank died or stalled.
+        self.group_failure: str | None = None
         # After crashes: count an unclean previous exit, back the cache budget off, or refuse to
         # start.
         self.start_plan = crashlog.plan_start(
@@ -232,6 +234,8 @@ class Server:
                 if self.engine.fatal is not None:
                     self._flush_events(poller)
                     return self.engine.exit_code
+                if self.group_failure is not None:
+                    return self._group_failed(poller)
                 for sock, _ in poller.poll(50):
                     if sock is self.router:
                         self._receive_all()
@@ -253,6 +257,18 @@ class Server:
             return DaemonExit.OK
         finally:
             self._close()
+
+    def _group_failed(self, poller: zmq.Poller) -> int:
+        """A pipeline rank is gone: the engine may be stuck in a collective, so the transport
+        itself ends every request in flight with a retryable error, then the group restarts."""
+        self._flush_events(poller)  # tokens already produced go out first
+        message = f"pipeline {self.group_failure}; the daemon restarts the group"
+        self.status.update(state=DaemonState.FAILED, error=message)
+        self._record_crash(crashlog.CrashKind.RANK_FAILED, message)
+        for identity, req_id in list(self._pending):
+            self._send(identity, [], encode(wire.error(req_id, ErrorCode.RANK_FAILED, message)))
+        self._pending.clear()
+        return DaemonExit.RANK_FAILED
 
     def _begin_drain(self) -> None:
         self._draining = True
