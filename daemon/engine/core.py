@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Protocol
 
 from moed.daemon.config import ServeConfig
-from moed.daemon.distributed.spec import pipeline_enabled
 from moed.daemon.distributed.failure import is_group_failure
+from moed.daemon.distributed.spec import pipeline_enabled
 from moed.daemon.engine.commands import Cancel, EngineCommand, Shed, Stop, Submit
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
