@@ -1,5 +1,6 @@
-"""`moed bench serve`: decode speed and time to first token through daemon + client, against
-in-process mlx-lm on the same model, measured side by side (alternating runs) in one process tree.
+"""`moed bench serve`: decode speed and time to first token through daemon + client, and through
+the HTTP gateway with the openai SDK, against in-process mlx-lm on the same model, measured side by
+side (alternating runs) in one process tree.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class RunTiming:
     ttft_s: float
     decode_tps: float
     tokens: list[int]
+    text: str = ""
 
 
 def _decode_tps(stamps: list[float]) -> float:
@@ -53,14 +55,16 @@ def time_through_daemon(client, prompt_ids: list[int], max_tokens: int) -> RunTi
     from moed.client import TokenEvent
 
     t0 = time.perf_counter()
-    stamps, tokens = [], []
+    stamps, tokens, parts = [], [], []
     for event in client.generate(
         prompt_ids=prompt_ids, max_tokens=max_tokens, telemetry_every=1 << 30
     ):
-        if isinstance(event, TokenEvent) and event.ids:
-            stamps.append(time.perf_counter())
-            tokens.extend(event.ids)
-    return RunTiming(stamps[0] - t0, _decode_tps(stamps), tokens)
+        if isinstance(event, TokenEvent):
+            parts.append(event.text)
+            if event.ids:
+                stamps.append(time.perf_counter())
+                tokens.extend(event.ids)
+    return RunTiming(stamps[0] - t0, _decode_tps(stamps), tokens, "".join(parts))
 
 
 @click.command("serve")
@@ -71,11 +75,17 @@ def time_through_daemon(client, prompt_ids: list[int], max_tokens: int) -> RunTi
     "--prompt", default="def fibonacci(n):", show_default=True, help="The measured prompt."
 )
 def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
-    """Daemon + client vs in-process mlx-lm: decode tok/s ratio and extra time to first token."""
+    """Daemon + client and gateway + openai SDK vs in-process mlx-lm: decode tok/s ratios and
+    extra time to first token."""
     from mlx_lm import load
 
     from moed.client import Client, DaemonUnavailable
     from moed.client.autostart import start_daemon, wait_until_ready
+    from moed.daemon.bench.gateway_timing import (
+        openai_client,
+        start_gateway,
+        time_through_gateway,
+    )
     from moed.daemon.model.source import resolve_model
 
     path = resolve_model(model)
@@ -97,21 +107,31 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
         except DaemonUnavailable as exc:
             raise click.ClickException(str(exc)) from None
         client = Client(socket, timeout=10.0)
-        # Warm both sides (graph caches, allocator) before timing.
+        gateway, url = start_gateway(socket, sock_dir / "gateway.log")
+        oai = openai_client(url)
+        served = client.connect()["model"]["name"]
+        # Warm every side (graph caches, allocator, HTTP connection) before timing.
         time_in_process(mlx_model, tokenizer, prompt_ids, 8)
         time_through_daemon(client, prompt_ids, 8)
-        local, remote = [], []
+        time_through_gateway(oai, served, prompt_ids, 8)
+        local, remote, http = [], [], []
         # A bar on a terminal only: the report on stdout stays clean for BENCHMARKS.md.
         with Progress("bench serve: runs", progress_mode(False), total=runs) as bar:
             for i in range(runs):
                 local.append(time_in_process(mlx_model, tokenizer, prompt_ids, max_tokens))
                 remote.append(time_through_daemon(client, prompt_ids, max_tokens))
+                http.append(time_through_gateway(oai, served, prompt_ids, max_tokens))
                 bar.update(i + 1)
         same = all(r.tokens == local[0].tokens for r in local + remote)
+        same_text = all(h.text == remote[0].text for h in http)
+        gateway.terminate()
+        gateway.wait(15)
         client.shutdown("bench done")
         client.close()
         daemon.wait(30)
     finally:
+        if "gateway" in locals() and gateway.poll() is None:
+            gateway.kill()
         if daemon.poll() is None:
             daemon.kill()
         shutil.rmtree(sock_dir, ignore_errors=True)
@@ -119,10 +139,22 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
     r_tps = statistics.median(r.decode_tps for r in remote)
     l_ttft = statistics.median(r.ttft_s for r in local)
     r_ttft = statistics.median(r.ttft_s for r in remote)
-    click.echo(f"{'':24}{'in-process mlx-lm':>20}{'daemon + client':>20}{'ratio / delta':>16}")
-    click.echo(f"{'decode tok/s (median)':24}{l_tps:20.1f}{r_tps:20.1f}{r_tps / l_tps:16.3f}")
+    h_tps = statistics.median(h.decode_tps for h in http)
+    h_ttft = statistics.median(h.ttft_s for h in http)
+    click.echo(
+        f"{'':24}{'in-process mlx-lm':>20}{'daemon + client':>20}{'ratio / delta':>16}"
+        f"{'gateway + openai':>20}{'ratio / delta':>16}"
+    )
+    click.echo(
+        f"{'decode tok/s (median)':24}{l_tps:20.1f}{r_tps:20.1f}{r_tps / l_tps:16.3f}"
+        f"{h_tps:20.1f}{h_tps / l_tps:16.3f}"
+    )
     click.echo(
         f"{'time to first token':24}{l_ttft * 1000:18.2f}ms{r_ttft * 1000:18.2f}ms"
         f"{(r_ttft - l_ttft) * 1000:+14.2f}ms"
+        f"{h_ttft * 1000:18.2f}ms{(h_ttft - l_ttft) * 1000:+14.2f}ms"
     )
-    click.echo(f"identical tokens: {same}   (machine: {os.cpu_count()} cpus, {sys.platform})")
+    click.echo(
+        f"identical tokens: {same}   gateway text identical: {same_text}   "
+        f"(machine: {os.cpu_count()} cpus, {sys.platform})"
+    )
