@@ -44,10 +44,8 @@ def test_plist_parses_and_holds_the_policy(tmp_path, role):
     job = plistlib.loads(render_plist(ctx, role))
     home = tmp_path / "home"
     config = home / "Library" / "Application Support" / "moed" / "config.toml"
-    command = "serve" if role is Role.DAEMON else "watchdog"
-
     assert job["Label"] == f"com.moed.{role.value}"
-    assert job["ProgramArguments"] == moed_command(command, "--config", str(config))
+    assert job["ProgramArguments"] == _expected_args(ctx, role, config)
     assert Path(job["ProgramArguments"][0]).is_absolute()
     assert job["RunAtLoad"] is True
     assert job["KeepAlive"] == {"SuccessfulExit": False, "Crashed": True}
@@ -65,6 +63,12 @@ def test_plist_parses_and_holds_the_policy(tmp_path, role):
         assert job["ExitTimeOut"] > 0
     # No placeholder survives rendering.
     assert not any("@" in v for v in _strings(job))
+
+
+def _expected_args(ctx, role: Role, config: Path) -> list[str]:
+    if role is Role.GATEWAY:  # a client of the daemon's socket, not a reader of the config
+        return moed_command("gateway", "--socket", str(ctx.config.serve.socket), "--port", "11435")
+    return moed_command("serve" if role is Role.DAEMON else "watchdog", "--config", str(config))
 
 
 def _strings(value):
@@ -103,8 +107,7 @@ def test_unit_holds_the_policy(tmp_path, role):
     unit, svc = sections["Unit"], sections["Service"]
     assert unit["StartLimitBurst"] == ["4"] and unit["StartLimitIntervalSec"] == ["300s"]
     config = tmp_path / "home" / ".config" / "moed" / "config.toml"
-    command = "serve" if role is Role.DAEMON else "watchdog"
-    assert shlex.split(svc["ExecStart"][0]) == moed_command(command, "--config", str(config))
+    assert shlex.split(svc["ExecStart"][0]) == _expected_args(ctx, role, config)
     assert svc["Restart"] == ["on-failure"]
     if role is Role.DAEMON:
         assert svc["RestartPreventExitStatus"] == [

@@ -21,8 +21,6 @@ from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.runtime.state_files import write_atomic
 from moed.daemon.service import launchctl, systemd
 from moed.daemon.service.render import (
-    START_ORDER,
-    STOP_ORDER,
     Role,
     ServiceContext,
     ServiceManager,
@@ -160,7 +158,7 @@ class ServiceBackend(abc.ABC):
 
     # The definition files this backend installs, rendered for this environment.
     def files(self) -> dict[Path, bytes]:
-        return {self.ctx.layout.unit_path(role): render(self.ctx, role) for role in START_ORDER}
+        return {self.ctx.layout.unit_path(role): render(self.ctx, role) for role in self.ctx.roles}
 
     def install(self, config_text: str) -> list[str]:
         """Write the config (first install only), the logs directory and the units; load and start.
@@ -202,7 +200,7 @@ class ServiceBackend(abc.ABC):
                 )
         log_dir = self.ctx.log_dir
         if purge:
-            for role in START_ORDER:
+            for role in self.ctx.roles:
                 for path in _generations(self.ctx.log_path(role)):
                     self.ex.remove(path)
         elif log_dir.is_dir() and any(log_dir.iterdir()):
@@ -267,7 +265,7 @@ class LaunchdBackend(ServiceBackend):
         return self.ctx.layout.unit_path(role)
 
     def _activate(self) -> None:
-        for role in START_ORDER:
+        for role in self.ctx.roles:
             # Reinstalling replaces a loaded job: unload the old definition first.
             self.ex.run(launchctl.bootout(self.uid, role.label), tolerate=True)
             self.ex.run(launchctl.enable(self.uid, role.label), tolerate=True)
@@ -305,12 +303,12 @@ class LaunchdBackend(ServiceBackend):
         return result is not None and result.returncode == 0
 
     def _deactivate(self) -> None:
-        for role in STOP_ORDER:
+        for role in self.ctx.stop_order:
             # bootout waits for the SIGTERM → ExitTimeOut → SIGKILL sequence; not loaded is fine.
             self.ex.run(launchctl.bootout(self.uid, role.label), tolerate=True)
 
     def start(self) -> None:
-        for role in START_ORDER:
+        for role in self.ctx.roles:
             self._bootstrap(role, already_loaded_ok=True)
             self.ex.run(launchctl.kickstart(self.uid, role.label))
 
@@ -318,7 +316,7 @@ class LaunchdBackend(ServiceBackend):
         self._deactivate()
 
     def restart(self) -> None:
-        for role in START_ORDER:
+        for role in self.ctx.roles:
             self.ex.run(
                 launchctl.kickstart(self.uid, role.label, kill=True),
                 hint="not loaded? run: moed service start",
@@ -326,7 +324,7 @@ class LaunchdBackend(ServiceBackend):
 
     def status(self) -> list[RoleStatus] | None:
         out: list[RoleStatus] = []
-        for role in START_ORDER:
+        for role in self.ctx.roles:
             result = self.ex.query(launchctl.print_(self.uid, role.label))
             if result is None:
                 continue
@@ -363,7 +361,7 @@ class LaunchdBackend(ServiceBackend):
             "-n",
             str(lines),
             *(["-F"] if follow else []),
-            *(str(self.ctx.log_path(r)) for r in START_ORDER),
+            *(str(self.ctx.log_path(r)) for r in self.ctx.roles),
         ]
 
 
@@ -378,7 +376,7 @@ class SystemdBackend(ServiceBackend):
 
     @property
     def units(self) -> list[str]:
-        return [role.unit for role in START_ORDER]
+        return [role.unit for role in self.ctx.roles]
 
     def _activate(self) -> None:
         self.ex.run(systemd.daemon_reload(), hint=self.HINT)
@@ -404,7 +402,7 @@ class SystemdBackend(ServiceBackend):
 
     def status(self) -> list[RoleStatus] | None:
         out: list[RoleStatus] = []
-        for role in START_ORDER:
+        for role in self.ctx.roles:
             result = self.ex.query(systemd.show(role.unit))
             if result is None:
                 continue

@@ -27,6 +27,7 @@ from moed.daemon.service.backend import (
     ServiceBackend,
 )
 from moed.daemon.service.render import (
+    GATEWAY_PORT,
     Role,
     ServiceContext,
     ServiceManager,
@@ -76,6 +77,7 @@ class _Session:
         dry_run: bool,
         serve_overrides: dict[str, Any] | None = None,
         factory: Callable | None = None,
+        gateway_port: int | None = None,
     ):
         self.manager = ServiceManager(platform) if platform else ServiceManager.of_host()
         environ = dict(os.environ)
@@ -89,7 +91,9 @@ class _Session:
             self.config = load_config(self.layout.config_file, environ, overrides)
         except ConfigError as exc:
             raise click.ClickException(str(exc)) from None
-        self.ctx: ServiceContext = make_context(self.layout, self.config)
+        if gateway_port is None and self.layout.unit_path(Role.GATEWAY).exists():
+            gateway_port = GATEWAY_PORT  # installed earlier: manage it with the others
+        self.ctx: ServiceContext = make_context(self.layout, self.config, gateway_port=gateway_port)
         self.ex = Executor(dry_run=dry_run, echo=click.echo)
         self.backend: ServiceBackend = (factory or BACKENDS[self.manager])(self.ctx, self.ex)
 
@@ -119,7 +123,7 @@ def _common(fn):
     return fn
 
 
-def _session(platform, config_file, dry_run, serve_overrides=None) -> _Session:
+def _session(platform, config_file, dry_run, serve_overrides=None, gateway_port=None) -> _Session:
     obj = click.get_current_context().find_object(dict) or {}
     given = global_options()
     overrides = {
@@ -128,7 +132,9 @@ def _session(platform, config_file, dry_run, serve_overrides=None) -> _Session:
         "log_dir": given.log_dir,
         **(serve_overrides or {}),
     }
-    return _Session(platform, config_file, dry_run, overrides, obj.get("backend_factory"))
+    return _Session(
+        platform, config_file, dry_run, overrides, obj.get("backend_factory"), gateway_port
+    )
 
 
 def _guard(action: Callable[[], Any]) -> Any:
@@ -150,10 +156,28 @@ def service() -> None:
 @click.option(
     "--cache-budget", default=None, help="Expert cache budget for a first install's config file."
 )
-def install(dry_run, platform, config_file, model, cache_budget):
-    """Write the config (first time only) and the service definitions; load and start both
-    processes."""
-    s = _session(platform, config_file, dry_run, {"model": model, "cache_budget": cache_budget})
+@click.option(
+    "--gateway",
+    is_flag=True,
+    help="Also run `moed gateway` (OpenAI/Ollama/Anthropic HTTP APIs on loopback) as a service.",
+)
+@click.option(
+    "--gateway-port",
+    type=int,
+    default=GATEWAY_PORT,
+    show_default=True,
+    help="Loopback port of the gateway service.",
+)
+def install(dry_run, platform, config_file, model, cache_budget, gateway, gateway_port):
+    """Write the config (first time only) and the service definitions; load and start the daemon
+    and its watchdog (and the HTTP gateway with --gateway)."""
+    s = _session(
+        platform,
+        config_file,
+        dry_run,
+        {"model": model, "cache_budget": cache_budget},
+        gateway_port if gateway else None,
+    )
     socket = global_options().socket
     if s.layout.config_file.exists() and any(v is not None for v in (model, cache_budget, socket)):
         click.echo(

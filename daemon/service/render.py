@@ -50,6 +50,7 @@ class ServiceManager(str, enum.Enum):
 class Role(str, enum.Enum):
     DAEMON = "daemon"
     WATCHDOG = "watchdog"
+    GATEWAY = "gateway"  # the HTTP gateway, installed only with `moed service install --gateway`
 
     @property
     def label(self) -> str:  # launchd Label and plist file stem
@@ -57,20 +58,21 @@ class Role(str, enum.Enum):
 
     @property
     def unit(self) -> str:  # systemd unit name
-        return "moed.service" if self is Role.DAEMON else "moed-watchdog.service"
+        return "moed.service" if self is Role.DAEMON else f"moed-{self.value}.service"
 
     @property
     def command(self) -> str:  # the `moed` subcommand the process runs
-        return "serve" if self is Role.DAEMON else "watchdog"
+        return "serve" if self is Role.DAEMON else self.value
 
     @property
     def log_name(self) -> str:
         return f"{self.value}.log"
 
 
-# Start the daemon before its watchdog; stop them in the reverse order.
+# Start the daemon before its watchdog (and the gateway, when installed); stop in reverse order.
 START_ORDER = (Role.DAEMON, Role.WATCHDOG)
 STOP_ORDER = (Role.WATCHDOG, Role.DAEMON)
+GATEWAY_PORT = 11435
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,16 @@ class ServiceContext:
     config: Config
     python: Path  # the interpreter of the installed environment, absolute
     uid: int
+    gateway_port: int | None = None  # the HTTP gateway runs too, on this loopback port
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
+        """The processes of this installation, in start order."""
+        return START_ORDER + ((Role.GATEWAY,) if self.gateway_port else ())
+
+    @property
+    def stop_order(self) -> tuple[Role, ...]:
+        return tuple(reversed(self.roles))
 
     @property
     def manager(self) -> ServiceManager:
@@ -162,26 +174,28 @@ class ServiceContext:
 
 
 def make_context(
-    layout: ServiceLayout, config: Config, python: str | Path | None = None, uid: int | None = None
+    layout: ServiceLayout,
+    config: Config,
+    python: str | Path | None = None,
+    uid: int | None = None,
+    gateway_port: int | None = None,
 ) -> ServiceContext:
     # Keep a venv's bin/python symlink as it is: resolving it would escape the venv.
     py = Path(python or sys.executable).absolute()
-    return ServiceContext(layout, config, py, os.getuid() if uid is None else uid)
+    return ServiceContext(layout, config, py, os.getuid() if uid is None else uid, gateway_port)
 
 
 def program_arguments(ctx: ServiceContext, role: Role) -> list[str]:
-    return [
-        str(ctx.python),
-        "-m",
-        "moed.daemon.cli",
-        role.command,
-        "--config",
-        str(ctx.layout.config_file),
-    ]
+    base = [str(ctx.python), "-m", "moed.daemon.cli", role.command]
+    if role is Role.GATEWAY:
+        # A client of the daemon's socket; loopback only (an API key needs a hand-made unit).
+        port = str(ctx.gateway_port or GATEWAY_PORT)
+        return [*base, "--socket", str(ctx.config.serve.socket), "--port", port]
+    return [*base, "--config", str(ctx.layout.config_file)]
 
 
 def stop_timeout_s(ctx: ServiceContext, role: Role) -> int:
-    if role is Role.WATCHDOG:
+    if role is not Role.DAEMON:
         return WATCHDOG_STOP_S
     return int(math.ceil(ctx.config.serve.drain_timeout_s)) + STOP_MARGIN_S
 
@@ -205,6 +219,8 @@ def _placeholders(ctx: ServiceContext, role: Role) -> dict[str, str]:
         "@PYTHON@": str(ctx.python),
         "@CONFIG@": str(ctx.layout.config_file),
         "@LOG_DIR@": str(ctx.log_dir),
+        "@SOCKET@": str(ctx.config.serve.socket),
+        "@PORT@": str(ctx.gateway_port or GATEWAY_PORT),
     }
 
 
