@@ -39,6 +39,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: off; 0: the chosen token's; k: also the top k
     model: str | None = None
+    keep_alive: int | float | str | None = None  # how long the model stays loaded once idle
 
     def wire_fields(self) -> dict:
         """The `generate` fields of this request (None values are left off the wire)."""
@@ -55,6 +56,7 @@ class GenerationRequest:
             "stop": list(self.stop) or None,
             "logprobs": self.logprobs,
             "model": self.model,
+            "keep_alive": self.keep_alive,
             # Per-request telemetry is for moe's live view; the gateway reports its own metrics.
             "telemetry_every": 1 << 30,
         }

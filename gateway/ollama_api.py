@@ -62,6 +62,14 @@ def _options(body: dict) -> dict:
     }
 
 
+def _keep_alive(body: dict) -> int | float | str | None:
+    """Ollama's keep_alive (seconds, or a duration like "5m"); the daemon checks its range."""
+    value = body.get("keep_alive")
+    if value is None or (isinstance(value, int | float | str) and not isinstance(value, bool)):
+        return value
+    raise invalid("'keep_alive' must be a number of seconds or a duration such as \"5m\"")
+
+
 def _logprobs(body: dict) -> int | None:
     if not f.get(body, "logprobs", bool):
         return None
@@ -73,7 +81,12 @@ def parse_generate(body: dict) -> GenerationRequest:
     if f.get(body, "suffix", str):
         raise invalid("'suffix' (fill-in-the-middle) is not supported")
     raw = f.get(body, "raw", bool, False)
-    common = dict(model=_model_name(body), logprobs=_logprobs(body), **_options(body))
+    common = dict(
+        model=_model_name(body),
+        logprobs=_logprobs(body),
+        keep_alive=_keep_alive(body),
+        **_options(body),
+    )
     if raw:
         return GenerationRequest(prompt=prompt, raw=True, **common)
     system = f.get(body, "system", str)
@@ -103,6 +116,7 @@ def parse_chat(body: dict) -> GenerationRequest:
         tools=tuple(tools) if tools else None,
         model=_model_name(body),
         logprobs=_logprobs(body),
+        keep_alive=_keep_alive(body),
         **_options(body),
     )
 
@@ -237,10 +251,20 @@ async def tags(request: Request) -> Response:
 
 
 async def ps(request: Request) -> Response:
+    """The loaded model, as `ollama ps` shows it: none while the daemon's keep-alive has released
+    it (state idle); it expires keep_alive_s after the engine last went idle."""
     gateway: Gateway = request.app.state.gateway
+    status = await gateway.call("status")
+    if status.get("state") == "idle":
+        return JSONResponse({"models": []})
     entry = _describe(await gateway.model())
-    # The daemon keeps its model loaded until it stops: no keep_alive expiry.
-    entry.update(expires_at="9999-12-31T23:59:59Z", size_vram=entry["size"])
+    keep = status.get("keep_alive_s")
+    if keep is None or keep < 0 or status.get("busy"):
+        expires = dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=dt.UTC)
+    else:
+        since = status.get("last_activity_at") or time.time()
+        expires = dt.datetime.fromtimestamp(since + keep, dt.UTC)
+    entry.update(expires_at=expires.isoformat(), size_vram=entry["size"])
     return JSONResponse({"models": [entry]})
 
 

@@ -33,6 +33,8 @@ def judge(status: dict, stall_after_s: float, now: float) -> Health:
     state = status.get("state")
     if state == "loading":
         return Health.LOADING
+    if state == "idle":  # the keep-alive released the model; the next request reloads it
+        return Health.READY
     if state != "ready":
         return Health.RESTARTING
     if status.get("busy"):

@@ -274,3 +274,21 @@ def test_disconnect_cancels_the_daemon_request(stack, model_name, oai):
     }
     cancelled = families["moed_gateway_cancelled_generations"].samples
     assert any(s.labels["api"] == "openai" and s.value >= 1 for s in cancelled)
+
+
+def test_ollama_keep_alive_unloads_and_the_next_request_reloads(stack, model_name, llama, claude):
+    daemon, gateway = stack
+    options = {"num_predict": N}
+    first = llama.generate(model=model_name, prompt=PROMPT, raw=True, options=options, keep_alive=0)
+    with daemon.client() as client:
+        deadline = time.monotonic() + 10
+        while client.status()["state"] != "idle" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.status()["state"] == "idle"
+    assert llama.ps().models == []  # released, as ollama shows an unloaded model
+    assert httpx.get(f"{gateway.url}/health").json()["status"] == "ready"
+    messages = [{"role": "user", "content": QUESTION}]
+    assert claude.messages.count_tokens(model=model_name, messages=messages).input_tokens > 0
+    again = llama.generate(model=model_name, prompt=PROMPT, raw=True, options=options)
+    assert again.response == first.response
+    assert [m.model for m in llama.ps().models] == [f"{model_name}:latest"]

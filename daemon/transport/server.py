@@ -409,11 +409,19 @@ class Server:
         return None
 
     def _count_tokens(self, msg: dict) -> int:
-        loaded = self.engine.loaded
-        if loaded is None:
-            raise ProtocolError(ErrorCode.OVERLOADED, "the model is still loading; retry shortly")
+        # The model's tokenizer, kept once seen: an idle (unloaded) daemon counts without reloading.
+        tokenizer = getattr(self, "_tokenizer", None)
+        if tokenizer is None:
+            loaded = self.engine.loaded
+            if loaded is not None:
+                tokenizer = loaded.tokenizer
+            else:
+                from mlx_lm.utils import load_tokenizer
+
+                tokenizer = load_tokenizer(self.model_path)
+            self._tokenizer = tokenizer
         # The tokenizer is thread-safe for encoding; counting never waits behind a generation.
-        return len(prompt_token_ids(loaded.tokenizer, msg))
+        return len(prompt_token_ids(tokenizer, msg))
 
     def _check_model(self, name: str | None) -> None:
         if not name:
