@@ -16,8 +16,9 @@ from moed.daemon.config import PageCachePolicy
 from moed.daemon.experts import CheckpointIndex, StreamingConfig, install_streaming
 from moed.daemon.experts.cache import LayerPool, PooledTensor, _alloc
 from moed.daemon.experts.policies import LRUPolicy
+from moed.daemon.experts.prefetch import ReadPool
 from moed.daemon.experts.safetensors_index import TensorLoc
-from moed.daemon.experts.store import _advance, resolve_page_cache
+from moed.daemon.experts.store import ExpertStore, _advance, resolve_page_cache
 
 MEMORY = 8 << 30
 
@@ -155,3 +156,46 @@ def test_split_large_jobs_into_chunks():
     assert [[len(v) for v in p.buffers] for p in pieces] == [[6], [4, 2], [5]]
     assert sum(len(v) for p in pieces for v in p.buffers) == 17
     assert _split(job, 0) == [job] and _split(job, 17) == [job]
+
+
+class OrderedStore(ExpertStore):
+    """A real store that also records the order in which jobs ran."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ran: list[int] = []
+
+    def run(self, job):
+        self.ran.append(job.offset)
+        return super().run(job)
+
+
+def test_demand_reads_go_first_and_speculative_ones_cancel(checkpoint_factory):
+    path = checkpoint_factory("qwen3_moe", bits=4)
+    model, _ = load_model(path, lazy=True)
+    streamer = install_streaming(
+        model, path, StreamingConfig(cache_budget="100%", memory_bytes=MEMORY)
+    )
+    store = OrderedStore(streamer.index.files, bypass_page_cache=False)
+    reader = ReadPool(store, workers=1)
+    try:
+        pool = streamer.pools[0]
+        _hits, loads = pool.admit([0, 1, 2, 3])
+        spec = [store.jobs_for(pool, [load]) for load in loads[:3]]
+        demand = store.jobs_for(pool, loads[3:])
+        with reader._cv:  # the worker cannot take anything until all are queued
+            spec_futures = [reader.submit(jobs, speculative=True) for jobs in spec]
+            demand_futures = reader.submit(demand)
+            reader.promote(spec_futures[1])  # needed after all: to the front of the queue
+            assert reader.cancel(spec_futures[2])  # not needed: never starts
+        reader.wait(demand_futures + spec_futures[0] + spec_futures[1])
+        # The promoted guess was queued first, so it leads; the other guess waits for demand.
+        order = [j.offset for j in spec[1] + demand + spec[0]]
+        assert store.ran == order
+        assert all(f.cancelled() for f in spec_futures[2])
+        for t in pool.tensors:  # the cancelled expert's slot was never written
+            assert not any(bytes(pool.slot_view(t, loads[2][1])))
+    finally:
+        reader.close()
+        store.close()
+        streamer.close()

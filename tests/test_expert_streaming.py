@@ -209,7 +209,13 @@ def test_speculative_next_layer_prefetch_is_exact(checkpoint_factory, arch):
     finally:
         streamer.close()
     assert 0 < snap["prefetch_hits"] <= snap["prefetched"]
-    assert snap["prefetch_bytes"] == snap["prefetched"] * snap["expert_bytes"]
+    assert snap["prefetch_hits"] + snap["prefetch_dropped"] == snap["prefetched"]
+    # Every guess was read or cancelled before its read started; the used ones all were read.
+    assert (
+        snap["prefetch_bytes"] + snap["prefetch_cancelled_bytes"]
+        == snap["prefetched"] * snap["expert_bytes"]
+    )
+    assert snap["prefetch_bytes"] >= snap["prefetch_hits"] * snap["expert_bytes"]
     assert snap["bytes_read"] == snap["misses"] * snap["expert_bytes"]
 
 

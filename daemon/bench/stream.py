@@ -11,144 +11,22 @@ time of a token goes.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import click
 import numpy as np
 
+from moed.daemon.bench.bench_model import _same_config, bench_config, write_bench_model
+from moed.daemon.bench.reads import raw_pread_bandwidth, sweep, sweep_report
+from moed.daemon.bench.stream_report import RunResult, report
+
+SWEEP_BURST = 2  # experts per burst in the read sweep: a layer's misses in a decode step at 25%
 PROMPT_TOKENS = 8  # short prompts: a prefill chunk fits the smallest budget in one pass
-
-
-# -- the generated checkpoint ----------------------------------------------------------------
-
-
-def bench_config(
-    layers: int,
-    hidden: int,
-    width: int,
-    experts: int,
-    top_k: int,
-    vocab: int,
-    bits: int,
-    group: int,
-) -> dict:
-    heads = max(2, hidden // 128)
-    quant = {"group_size": group, "bits": bits}
-    for i in range(layers):
-        quant[f"model.layers.{i}.mlp.gate"] = {
-            "group_size": 64,
-            "bits": 8,
-        }  # routers stay 8-bit, as mlx-lm converts them
-    return {
-        "model_type": "qwen3_moe",
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "hidden_size": hidden,
-        "num_hidden_layers": layers,
-        "intermediate_size": 4 * width,
-        "num_attention_heads": heads,
-        "num_key_value_heads": max(1, heads // 8),
-        "head_dim": 128,
-        "num_experts": experts,
-        "num_experts_per_tok": top_k,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "moe_intermediate_size": width,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": vocab,
-        "rope_theta": 10000000.0,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": 8192,
-        "norm_topk_prob": True,
-        "quantization": quant,
-        "quantization_config": quant,
-    }
-
-
-def write_bench_model(dest: Path, config: dict, dtype: str, seed: int = 0) -> Path:
-    """Non-expert weights from the mlx-lm model class; expert tensors written directly in the
-    quantized layout (random packed weights, scales and biases), one shard per layer, so the
-    full-precision experts never exist in memory."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    import numpy as np
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import qwen3_moe
-
-    dest.mkdir(parents=True, exist_ok=True)
-    mx.random.seed(seed)
-    rng = np.random.default_rng(seed)
-    mx_dtype = getattr(mx, dtype)
-    quant = config["quantization"]
-    bits, group = quant["bits"], quant["group_size"]
-    model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))  # bench_config is qwen3_moe
-
-    def predicate(path, module):
-        if "switch_mlp" in path or not hasattr(module, "to_quantized"):
-            return False
-        return quant.get(path, True)
-
-    # The stacked experts' random init stays a lazy graph that is never evaluated.
-    nn.quantize(model, group_size=group, bits=bits, class_predicate=predicate)
-    resident = {k: v for k, v in tree_flatten(model.parameters()) if ".switch_mlp." not in k}
-    resident = {
-        k: (v.astype(mx_dtype) if mx.issubdtype(v.dtype, mx.floating) else v)
-        for k, v in resident.items()
-    }
-    mx.eval(resident)
-
-    layers = config["num_hidden_layers"]
-    E, H, W = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
-    shards = layers
-    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
-    weight_map: dict[str, str] = {}
-    total = 0
-    per_word = 32 // bits
-    for layer in range(layers):
-        tensors: dict[str, mx.array] = {}
-        if layer == 0:
-            tensors.update({k: v for k, v in resident.items() if ".layers." not in k})
-        tensors.update({k: v for k, v in resident.items() if f".layers.{layer}." in k})
-        for proj, (out_dim, in_dim) in (
-            ("gate_proj", (W, H)),
-            ("up_proj", (W, H)),
-            ("down_proj", (H, W)),
-        ):
-            prefix = f"model.layers.{layer}.mlp.switch_mlp.{proj}"
-            packed = rng.integers(0, 2**32, size=(E, out_dim, in_dim // per_word), dtype=np.uint32)
-            # Dequantized weights ~ uniform(-1/sqrt(in), 1/sqrt(in)) with a little spread per group.
-            levels = 2**bits - 1
-            scale = (2.0 / (levels * np.sqrt(in_dim))) * (
-                1.0 + 0.1 * rng.standard_normal((E, out_dim, in_dim // group), dtype=np.float32)
-            )
-            tensors[f"{prefix}.weight"] = mx.array(packed)
-            tensors[f"{prefix}.scales"] = mx.array(scale.astype(np.float32)).astype(mx_dtype)
-            tensors[f"{prefix}.biases"] = mx.array(
-                (-levels / 2.0 * scale).astype(np.float32)
-            ).astype(mx_dtype)
-            del packed, scale
-        mx.eval(tensors)
-        mx.save_safetensors(str(dest / names[layer]), tensors, metadata={"format": "mlx"})
-        for k, v in tensors.items():
-            weight_map[k] = names[layer]
-            total += v.nbytes
-        del tensors
-    (dest / "model.safetensors.index.json").write_text(
-        json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
-            indent=2,
-        )
-    )
-    cfg = dict(config)
-    cfg["torch_dtype"] = dtype
-    (dest / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-    return dest
 
 
 # -- routing-trace analysis ------------------------------------------------------------------
@@ -176,97 +54,6 @@ def simulate(trace: list[list[set[int]]], slots: int, policy: str) -> tuple[int,
         hits += h
         misses += m
     return hits, misses
-
-
-# -- measurements ----------------------------------------------------------------------------
-
-
-def raw_pread_bandwidth(model_path: Path, workers: int, sample_bytes: int, seed: int = 0) -> dict:
-    """Parallel pread of expert-sized slices (every tensor of randomly chosen experts) with the
-    page cache dropped, with the streamer's worker count: the bandwidth the store could reach."""
-    from moed.daemon.experts.memory_plan import _EXPERT_TENSOR
-    from moed.daemon.experts.safetensors_index import CheckpointIndex
-
-    index = CheckpointIndex(model_path)
-    owners: dict[str, list] = {}
-    for name, loc in index.tensors.items():
-        m = _EXPERT_TENSOR.match(name)
-        if m:
-            owners.setdefault(m.group("owner"), []).append(loc)
-    pairs = [(owner, e) for owner, locs in owners.items() for e in range(locs[0].shape[0])]
-    random.Random(seed).shuffle(pairs)
-    jobs, total = [], 0
-    for owner, e in pairs:
-        for loc in owners[owner]:
-            off, n = loc.expert_range(e)
-            jobs.append((loc.file, off, n))
-            total += n
-        if total >= sample_bytes:
-            break
-    from moed.daemon.experts.store import drop_page_cache
-
-    drop_page_cache(index.files)
-    fds = {f: os.open(f, os.O_RDONLY) for f in index.files}
-    for fd in fds.values():
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    bufs = [bytearray(max(n for _, _, n in jobs)) for _ in range(workers)]
-    import threading
-
-    local = threading.local()
-    counter = iter(range(workers))
-    lock = threading.Lock()
-
-    def read(job):
-        if not hasattr(local, "buf"):
-            with lock:
-                local.buf = memoryview(bufs[next(counter)])
-        f, off, n = job
-        got = os.preadv(fds[f], [local.buf[:n]], off)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fds[f], off, n, os.POSIX_FADV_DONTNEED)
-        return got
-
-    try:
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            done = sum(pool.map(read, jobs))
-        wall = time.perf_counter() - t0
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return {
-        "bytes": done,
-        "seconds": wall,
-        "mb_s": done / wall / 1e6,
-        "reads": len(jobs),
-        "workers": workers,
-    }
-
-
-@dataclass
-class RunResult:
-    name: str
-    slots: int = 0
-    tokens: list[int] = field(default_factory=list)
-    decode_tokens: int = 0
-    decode_s: float = 0.0
-    token_s: list[float] = field(default_factory=list)  # wall time of each decode token
-    counters: dict = field(default_factory=dict)  # decode-phase deltas of the streamer's counters
-    hits_total: int = 0
-    misses_total: int = 0
-    policy: str = ""
-    policy_sim: tuple[int, int] = (0, 0)  # the streamer's policy replayed on its routing trace
-    belady: tuple[int, int] = (0, 0)
-    expert_bytes: int = 0
-
-    @property
-    def tok_s(self) -> float:
-        """From the median token time: robust to other processes stealing the CPU for a while."""
-        if not self.token_s:
-            return self.decode_tokens / self.decode_s if self.decode_s else 0.0
-        ordered = sorted(self.token_s)
-        return 1.0 / ordered[len(ordered) // 2]
 
 
 def _prompt(seed: int, vocab: int) -> list[int]:
@@ -412,120 +199,6 @@ def measure(
         active = [c for c in active if c.step()]
 
 
-# -- report ----------------------------------------------------------------------------------
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if b else "-"
-
-
-def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) -> str:
-    lines = [
-        f"moed bench stream: {meta['layers']} MoE layers x {meta['experts']} experts "
-        f"(top-{meta['top_k']}), hidden {meta['hidden']}, "
-        f"expert width {meta['width']}, {meta['bits']}-bit {meta['dtype']}; "
-        f"one expert {meta['expert_bytes'] / 1e6:.2f} MB, "
-        f"experts {meta['experts_bytes'] / 1e9:.2f} GB",
-        f"decode {meta['tokens']} tokens after a {meta['warmup']}-token warm-up; "
-        f"{raw['workers']} read workers; page cache: {meta['page_cache']}",
-        f"raw parallel pread, page cache dropped: {raw['mb_s']:.0f} MB/s "
-        f"(mean of {raw.get('before_mb_s', raw['mb_s']):.0f} before and "
-        f"{raw.get('after_mb_s', raw['mb_s']):.0f} after the runs; "
-        f"{raw['bytes'] / 1e6:.0f} MB in {raw['reads']} expert-tensor reads)",
-        "",
-        f"{'budget':>8} {'slots':>5} {'tok/s':>7} {'x res':>6} {'same':>5} "
-        f"{'hit%':>6} {'belady%':>8} {'hit/opt':>7} "
-        f"{'MB/tok':>7} {'B/(miss*E)':>10} {'read MB/s':>9} {'x raw':>6} {'syncs/tok':>9}",
-        f"{'resident':>8} {'-':>5} {resident.tok_s:7.2f} {1.0:6.2f} {'-':>5}",
-    ]
-    for r in runs:
-        c = r.counters
-        hr = (
-            r.hits_total / (r.hits_total + r.misses_total) if r.hits_total + r.misses_total else 0.0
-        )
-        bh, bm = r.belady
-        opt = bh / (bh + bm) if bh + bm else 0.0
-        if r.belady == (0, 0):  # preloaded or speculative: no offline optimum to compare with
-            opt = 0.0
-        mb_tok = c["bytes_read"] / r.decode_tokens / 1e6 if r.decode_tokens else 0.0
-        exact = c["bytes_read"] / (c["misses"] * r.expert_bytes) if c["misses"] else 0.0
-        moved = c["bytes_read"] + c.get("prefetch_bytes", 0)
-        bw = moved / c["stall_s"] / 1e6 if c["stall_s"] and moved > 16 * r.expert_bytes else 0.0
-        lines.append(
-            f"{r.name:>8} {r.slots:5d} {r.tok_s:7.2f} {_ratio(r.tok_s, resident.tok_s):>6} "
-            f"{'yes' if r.tokens == resident.tokens else 'NO':>5} "
-            f"{100 * hr:6.1f} {(f'{100 * opt:.1f}' if opt else '-'):>8} "
-            f"{(_ratio(hr, opt) if opt else '-'):>7} {mb_tok:7.1f} "
-            f"{(f'{exact:.3f}' if exact else '-'):>10} "
-            f"{(f'{bw:.0f}' if bw else '-'):>9} {(_ratio(bw, raw['mb_s']) if bw else '-'):>6} "
-            f"{c['host_syncs'] / max(1, r.decode_tokens):9.2f}"
-        )
-    for r in runs:
-        c = r.counters
-        if c.get("prefetched"):
-            lines.append(
-                f"{r.name}: {c['prefetched']} experts prefetched for the next layer, "
-                f"{100 * c['prefetch_hits'] / c['prefetched']:.0f}% "
-                "of them used; with prefetch "
-                f"{(c['bytes_read'] + c['prefetch_bytes']) / max(1, r.decode_tokens) / 1e6:.1f}"
-                " MB/token read"
-            )
-    simulated = [r for r in runs if r.policy_sim != (0, 0)]
-    sim_ok = all(r.policy_sim == (r.hits_total, r.misses_total) for r in simulated)
-    lines.append(
-        f"(a simulation of {', '.join(sorted({r.policy for r in simulated}))} on the same trace "
-        f"{'reproduces' if sim_ok else 'DOES NOT reproduce'} the streamer's hits and misses)"
-    )
-    lines += [
-        "",
-        "time per decode token (ms):",
-        f"{'budget':>8} {'wall':>7} {'sync':>11} {'fences':>8} {'readback':>8} "
-        f"{'stall':>7} {'reads*':>7} "
-        f"{'moe py':>7} {'other':>7}",
-    ]
-    lines.append(f"{'resident':>8} {1e3 * resident.decode_s / max(1, resident.decode_tokens):7.2f}")
-    for r in runs:
-        c, n = r.counters, max(1, r.decode_tokens)
-        wall = r.decode_s / n
-        sync, copy = c["router_sync_s"] / n, c["router_copy_s"] / n
-        comp, stall, reads = c["expert_compute_s"] / n, c["stall_s"] / n, c["read_s"] / n
-        moe_py = c["layer_python_s"] / n
-        other = wall - c["layer_s"] / n
-        lines.append(
-            f"{r.name:>8} {1e3 * wall:7.2f} {1e3 * sync:11.2f} {1e3 * comp:8.2f} "
-            f"{1e3 * copy:8.2f} {1e3 * stall:7.2f} "
-            f"{1e3 * reads:7.2f} {1e3 * moe_py:7.2f} {1e3 * other:7.2f}"
-        )
-    lines += [
-        "",
-        "100%+pre: every expert preloaded before the warm-up (no cold misses): "
-        "the streaming machinery's own cost.",
-        "+spec: speculative next-layer prefetch (hits include prefetched experts; "
-        "read MB/s: demand + prefetch",
-        "bytes over the time stalled, so reads hidden behind compute push it above "
-        "the raw bandwidth).",
-        "same: greedy tokens identical to resident. hit%: all calls (warm-up + decode); "
-        "belady%: offline optimum",
-        "on the same routing trace and slots. B/(miss*E): decode bytes read / "
-        "(misses x expert bytes).",
-        "read MB/s: decode bytes read / time stalled on reads. syncs/tok: evaluations the "
-        "streaming layers forced",
-        "per decode token (router read-backs + fences). sync: the router read-backs, which "
-        "evaluate everything pending",
-        "(attention, router, the previous layer's experts); fences: evaluating pending outputs "
-        "before a slot they read is",
-        "reused; readback: copying indices to the host; reads*: worker time summed",
-        "over parallel reads (inside the stall); moe py: the streaming layers' own Python "
-        "(planning, slot tables,",
-        "graph building); other: outside the streaming layers "
-        "(generate_step, sampling, graph building).",
-        "All models are loaded at once and decode interleaved token by token "
-        "(same machine conditions);",
-        "tok/s uses the median token time; the breakdown uses means.",
-    ]
-    return "\n".join(lines)
-
-
 @click.command("stream")
 @click.option("--layers", default=4, show_default=True, help="MoE layers of the generated model")
 @click.option("--tokens", default=48, show_default=True, help="decode tokens measured per run")
@@ -599,6 +272,13 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
     default=None,
     help="also write the results as JSON",
 )
+@click.option(
+    "--sweep",
+    "sweep_reads",
+    is_flag=True,
+    help="also measure the read path for every worker count x chunk size "
+    "(how the defaults were chosen)",
+)
 @click.option("--seed", default=0, show_default=True, help="Seed for the weights and prompts.")
 def stream(
     layers,
@@ -618,6 +298,7 @@ def stream(
     spec_budgets,
     preloaded,
     json_out,
+    sweep_reads,
     seed,
 ) -> None:
     """Expert streaming vs resident mlx-lm on a model with Qwen3.6-35B-A3B expert shapes."""
@@ -643,6 +324,10 @@ def stream(
         files = sorted(path.glob("model*.safetensors"))
         click.echo("raw parallel pread ...", err=True)
         raw_before = raw_pread_bandwidth(path, workers, raw_sample_mb * 10**6, seed)
+        swept = None
+        if sweep_reads:
+            click.echo("read path sweep ...", err=True)
+            swept = sweep(path, SWEEP_BURST, raw_sample_mb * 10**6 // 4, seed)
         click.echo("loading the resident model and one streaming model per budget ...", err=True)
         contenders = [load_resident(path)]
         try:
@@ -690,6 +375,8 @@ def stream(
             "warmup": warmup,
             "page_cache": page_cache,
         }
+        if swept is not None:
+            click.echo(sweep_report(swept, raw["mb_s"], SWEEP_BURST) + "\n")
         click.echo(report(meta, raw, resident, runs))
         if json_out:
             json_out.write_text(
@@ -707,11 +394,3 @@ def stream(
     finally:
         if cleanup:
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _same_config(path: Path, config: dict, dtype: str) -> bool:
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return saved == {**config, "torch_dtype": dtype}

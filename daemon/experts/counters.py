@@ -29,6 +29,8 @@ CUMULATIVE_KEYS = frozenset(
         "layer_python_s",
         "prefetched",
         "prefetch_hits",
+        "prefetch_dropped",
+        "prefetch_cancelled_bytes",
         "prefetch_bytes",
         "warm_bytes",
         "warm_s",
@@ -65,6 +67,8 @@ class Counters:
     layer_s: float = 0.0  # wall time inside streaming layers (all of the above plus their Python)
     prefetched: int = 0  # experts read speculatively for the next layer
     prefetch_hits: int = 0  # ... that the next layer did use
+    prefetch_dropped: int = 0  # ... that it did not: cancelled (or finished) and given back
+    prefetch_cancelled_bytes: int = 0  # speculative reads cancelled before they started
     prefetch_bytes: int = 0  # not in bytes_read (demand misses only)
     warm_bytes: int = 0  # read by warm(), not counted as misses
     warm_s: float = 0.0
@@ -107,6 +111,8 @@ class Counters:
             ),
             "prefetched": self.prefetched,
             "prefetch_hits": self.prefetch_hits,
+            "prefetch_dropped": self.prefetch_dropped,
+            "prefetch_cancelled_bytes": self.prefetch_cancelled_bytes,
             "prefetch_bytes": self.prefetch_bytes,
             "warm_bytes": self.warm_bytes,
             "warm_s": self.warm_s,

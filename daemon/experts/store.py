@@ -19,8 +19,9 @@ F_NOCACHE = 48  # macOS <sys/fcntl.h>: turn data caching off for this file descr
 IOV_MAX = 1024  # POSIX minimum guaranteed is 16; Linux and macOS allow 1024
 MAX_JOB_BYTES = 8 * 1024 * 1024  # split long runs so several workers share them
 # A layer's misses are few (a handful of experts per token), so the slowest read sets the stall:
-# cutting big slices into chunks lets every worker take a share of one expert.
-SPLIT_BYTES = 256 * 1024
+# cutting big slices into chunks lets every worker take a share of one expert. The size comes from
+# `moed bench stream --sweep` (BENCHMARKS.md).
+SPLIT_BYTES = 1024 * 1024
 
 
 @dataclass
@@ -81,6 +82,9 @@ class ExpertStore:
     def __init__(self, files: list[Path], bypass_page_cache: bool, split_bytes: int | None = None):
         self.bypass = bypass_page_cache
         self.split_bytes = SPLIT_BYTES if split_bytes is None else split_bytes
+        # Linux drops what was read once per burst (the read pool does it when idle); macOS needs
+        # nothing after the read: F_NOCACHE already kept the pages out.
+        self.drop_after_read = bypass_page_cache and sys.platform != "darwin"
         self.fds: dict[Path, int] = {
             Path(f): open_for_reads(Path(f), bypass_page_cache) for f in files
         }
@@ -121,8 +125,6 @@ class ExpertStore:
                 raise OSError(f"short read at offset {job.offset + done} (checkpoint truncated?)")
             done += n
             buffers = _advance(buffers, n)
-        if self.bypass:
-            drop_cached(job.fd, job.offset, job.nbytes)
         return done
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ from moed.daemon.experts.memory_plan import ExpertLayout, MemoryPlan, _memory_ov
 from moed.daemon.experts.policies import DEFAULT_POLICY, make_policy
 from moed.daemon.experts.prefetch import ReadPool
 from moed.daemon.experts.safetensors_index import CheckpointIndex
+from moed.daemon.experts.speculation import Speculator
 from moed.daemon.experts.store import ExpertStore, resolve_page_cache
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,7 @@ class ExpertStreamer:
         self.counters = Counters(layers=[LayerCounters() for _ in switches])
         self.usage = [np.zeros(s.num_experts, dtype=np.int64) for s in switches]
         self.routers = [s.router for s in switches]
-        self._predicted: tuple[int, np.ndarray] | None = None  # (layer, experts) to prefetch next
-        self._inflight: dict[int, tuple[list, list[tuple[int, int]], set[int]]] = {}
+        self.spec = Speculator(self, cfg.prefetch_next)
         self._pending_slots: int | None = None  # a shed requested from another thread
         # The lazy fence: layer outputs built but not yet evaluated, and per layer the slots they
         # read. A slot in `_pending_reads` is never overwritten before `_pending_outputs` ran.
@@ -107,7 +107,7 @@ class ExpertStreamer:
         """Read the router's choices back to the host (the known cost centre, timed)."""
         self._engine_thread = threading.get_ident()
         c = self.counters
-        predicted = self._prediction(layer, indices, x)
+        predicted = self.spec.predict(layer, indices, x)
         t0 = time.perf_counter()
         # The one host sync of the layer also finishes every pending layer output (usually
         # ancestors of these indices anyway), so their slots are free to be overwritten after it.
@@ -121,10 +121,11 @@ class ExpertStreamer:
             if self._pending_slots is not None:
                 self._apply_shed()
         host = np.array(indices)
-        self._predicted = (
-            (layer + 1, np.unique(np.array(predicted))) if predicted is not None else None
-        )
+        self.spec.predicted(layer, predicted)
         flat = host.reshape(-1)
+        if layer == 0:
+            k = host.shape[-1] if host.ndim else 1
+            self.spec.begin_step(decode=flat.size <= 8 * k)
         self.usage[layer] += np.bincount(flat, minlength=self.usage[layer].shape[0])
         if layer == 0:
             c.tokens += flat.size // max(1, host.shape[-1]) if host.ndim else 1
@@ -140,58 +141,6 @@ class ExpertStreamer:
             self.observer.on_route(layer, host)
         return host
 
-    def _prediction(self, layer: int, indices: mx.array, x: mx.array | None) -> mx.array | None:
-        """Layer L+1's router applied to layer L's input (decode steps only: a few tokens)."""
-        nxt = layer + 1
-        if (
-            not self.cfg.prefetch_next
-            or x is None
-            or nxt >= len(self.pools)
-            or self.routers[nxt] is None
-        ):
-            return None
-        k = indices.shape[-1] if indices.ndim else 1
-        if indices.size > 4 * k or self.pools[nxt].slots < 2 * k:
-            return None  # prefill chunks route widely; tiny caches would only thrash
-        out = self.routers[nxt](x)
-        if isinstance(out, tuple):  # MoEGate returns (indices, scores)
-            return mx.stop_gradient(out[0])
-        return mx.argpartition(-out, kth=k - 1, axis=-1)[..., :k]
-
-    def _prefetch(self, layer: int, experts: np.ndarray) -> None:
-        """Queue reads of predicted experts of `layer` (its previous computations are evaluated)."""
-        pool = self.pools[layer]
-        wanted = [int(e) for e in experts if pool.slot_of[e] < 0]
-        if not wanted or layer in self._inflight:
-            return
-        _hits, loads = self._admit(pool, wanted)
-        self._fence(layer, loads)
-        futures = self.reader.submit(self.store.jobs_for(pool, loads))
-        self._inflight[layer] = (futures, loads, {e for e, _ in loads})
-        self.counters.prefetched += len(loads)
-
-    def _await_prefetch(self, layer: int) -> set[int]:
-        """Wait for this layer's speculative reads; returns the experts they brought in."""
-        entry = self._inflight.pop(layer, None)
-        if entry is None:
-            return set()
-        futures, loads, experts = entry
-        c = self.counters
-        t0 = time.perf_counter()
-        try:
-            res = self.reader.wait(futures)
-        except OSError as exc:
-            self.pools[layer].forget(loads)  # a demand read will retry and report it
-            log.warning("prefetch read failed: %s", exc)
-            c.stall_s += time.perf_counter() - t0
-            return set()
-        self._count_reads(res, len(futures), prefetch=True)
-        return experts
-
-    def _drain_prefetch(self) -> None:
-        for layer in list(self._inflight):
-            self._await_prefetch(layer)
-
     def plan_passes(self, layer: int, host: np.ndarray) -> list[np.ndarray]:
         passes = self.pools[layer].plan_passes(np.unique(host))
         self.counters.passes += len(passes) - 1
@@ -200,9 +149,9 @@ class ExpertStreamer:
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]:
         """Make `experts` resident in `layer`; returns (expert -> slot table, pools)."""
         pool = self.pools[layer]
-        prefetched = self._await_prefetch(layer)
+        kept, spec_futures, spec_loads = self.spec.settle(layer, set(experts.tolist()))
         hits, loads = self._admit(pool, experts)
-        self.counters.prefetch_hits += len(prefetched.intersection(int(e) for e in experts))
+        self.counters.prefetch_hits += len(kept)
         lc = self.counters.layers[layer]
         lc.hits += len(hits)
         lc.misses += len(loads)
@@ -211,11 +160,11 @@ class ExpertStreamer:
         if loads:
             self._fence(layer, loads)
         demand = self.reader.submit(self.store.jobs_for(pool, loads)) if loads else []
-        if self._predicted is not None and self._predicted[0] == layer + 1:
-            self._prefetch(layer + 1, self._predicted[1])  # queued behind this layer's misses
-            self._predicted = None
+        self.spec.issue(layer + 1)  # queued behind every demand read
         if demand:
             self._collect(pool, loads, demand)
+        if spec_futures:
+            self._collect_speculative(pool, experts, spec_loads, spec_futures)
         table = np.zeros(pool.num_experts, dtype=np.uint32)
         table[experts] = pool.slot_of[experts]
         return table, pool.arrays
@@ -255,6 +204,20 @@ class ExpertStreamer:
             pool.forget(loads)
             raise
         self._count_reads(res, len(futures))
+
+    def _collect_speculative(self, pool: LayerPool, experts, loads, futures: list) -> None:
+        """Wait for the speculative reads this call needs; a failed one is read again on demand
+        (and reports its error then)."""
+        try:
+            res = self.reader.wait(futures)
+        except OSError as exc:
+            log.warning("prefetch read failed, reading on demand: %s", exc)
+            pool.forget(loads)
+            _hits, again = self._admit(pool, experts)  # the whole pass stays protected
+            self._fence(pool.layer, again)
+            self._collect(pool, again, self.reader.submit(self.store.jobs_for(pool, again)))
+            return
+        self._count_reads(res, len(futures), prefetch=True)
 
     def _admit(self, pool: LayerPool, experts) -> tuple[list[int], list[tuple[int, int]]]:
         free_before = pool.free_slots
@@ -302,6 +265,7 @@ class ExpertStreamer:
                 "cached_experts": sum(p.slots - p.free_slots for p in self.pools),
                 "prefetch_workers": self.reader.workers,
                 "page_cache_bypass": self.bypass_page_cache,
+                **self.spec.snapshot(),
             }
         )
         return snap
@@ -341,7 +305,7 @@ class ExpertStreamer:
         return released
 
     def _apply_shed(self) -> None:
-        self._drain_prefetch()
+        self.spec.drain()
         self._fence_all()  # resizing rewrites every slot
         with self._lock:
             target, self._pending_slots = self._pending_slots, None
@@ -384,7 +348,7 @@ class ExpertStreamer:
     def preload(self, experts_by_layer: list[list[int]]) -> int:
         """Load these experts of each layer (at most `slots`; the last listed are kept longest),
         all layers' reads in one parallel batch. Returns bytes read (counted as warm_bytes)."""
-        self._drain_prefetch()
+        self.spec.drain()
         self._fence_all()
         jobs, admitted = [], []
         for pool, experts in zip(self.pools, experts_by_layer):
@@ -410,7 +374,7 @@ class ExpertStreamer:
 
     def close(self) -> None:
         try:
-            self._drain_prefetch()
+            self.spec.drain()
         finally:
             self.reader.close()
         self.store.close()
