@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from moed.daemon.bench.pipeline import pipeline
 from moed.daemon.bench.policy import policy
 from moed.daemon.bench.prewarm import prewarm
 from moed.daemon.bench.serve import bench_serve
@@ -16,6 +17,7 @@ def bench() -> None:
 
 
 bench.add_command(bench_serve)
+bench.add_command(pipeline)
 bench.add_command(policy)
 bench.add_command(prewarm)
 bench.add_command(stream)

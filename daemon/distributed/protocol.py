@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-HEADER_INTS = 256  # 1 KB: a decode step of up to ~200 sequences fits in one collective
+HEADER_INTS = 64  # 256 bytes: a decode step of up to ~50 sequences fits in one collective
 _FIXED = 6  # op, seq, n_handles, n_released, batch, length
 
 

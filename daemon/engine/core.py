@@ -320,6 +320,7 @@ class EngineCore:
         if tail:
             self.sink.emit(gen.job.identity, wire.token(req_id, gen.index, [], tail))
         self.status.add(requests_served=1)
+        self._refresh_ranks(force=True)  # a client that saw `done` sees every rank's counters
         usage = {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion}
         timings = gen.timings()
         msg = wire.done(

@@ -1,0 +1,168 @@
+"""`moed bench pipeline`: one process against a 2-rank pipeline on this machine, both streaming
+the same model at the same per-rank budget, through real daemons, measured side by side."""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from moed.daemon.bench.serve import time_through_daemon
+
+
+@dataclass(frozen=True)
+class SetupResult:
+    ranks: int
+    decode_tps: float
+    tokens: list[int]
+    memory: list[dict]  # per rank: rss, resident weights, expert slots
+    link: dict | None  # bytes moved between ranks over the timed runs
+
+
+def _rank_memory(status: dict) -> list[dict]:
+    if status.get("ranks"):
+        return [
+            {
+                "rss": r["rss_bytes"],
+                "weights": r["resident_weight_bytes"],
+                "experts": r.get("experts", {}).get("resident_bytes", 0),
+                "layers": r["layers"],
+            }
+            for r in status["ranks"]
+        ]
+    streaming = status.get("streaming") or {}
+    return [
+        {
+            "rss": status.get("rss_bytes", 0),
+            "weights": streaming.get("resident_weight_bytes", 0),
+            "experts": streaming.get("resident_bytes", 0),
+            "layers": [0, (status.get("model") or {}).get("num_layers")],
+        }
+    ]
+
+
+def _link(status: dict) -> dict | None:
+    ranks = status.get("ranks")
+    return ranks[0]["link"] if ranks else None
+
+
+class Setup:
+    """A daemon of `ranks` ranks on its own socket, state and log dirs."""
+
+    def __init__(self, path: Path, ranks: int, budget: str):
+        from moed.client.autostart import start_daemon
+
+        self.ranks = ranks
+        self.tmp = Path(tempfile.mkdtemp(prefix="moed-bench-", dir="/tmp"))
+        self.socket = self.tmp / "s.sock"
+        args = ["--state-dir", str(self.tmp / "state"), "--cache-budget", budget]
+        args += ["--log-level", "WARNING"]
+        if ranks > 1:
+            args += ["--pipeline", str(ranks)]
+        env = {"MOED_LOG_DIR": str(self.tmp / "logs")}
+        self.daemon = start_daemon(self.socket, str(path), tuple(args), env=env)
+        self.client = None
+        self.timed: list = []
+
+    def connect(self) -> None:
+        from moed.client import Client, DaemonUnavailable
+        from moed.client.autostart import wait_until_ready
+
+        try:
+            wait_until_ready(self.socket, self.daemon, 300)
+        except DaemonUnavailable as exc:
+            raise click.ClickException(str(exc)) from None
+        self.client = Client(self.socket, timeout=30.0)
+
+    def close(self) -> None:
+        try:
+            if self.client is not None:
+                self.client.shutdown("bench done")
+                self.client.close()
+                self.daemon.wait(60)
+        finally:
+            if self.daemon.poll() is None:
+                self.daemon.kill()
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def result(self, link_before: dict | None) -> SetupResult:
+        status = self.client.status()  # each request's `done` refreshed every rank's counters
+        link = _link(status)
+        if link is not None and link_before is not None:
+            moved = (link["activation_bytes"] + link["broadcast_bytes"]) - (
+                link_before["activation_bytes"] + link_before["broadcast_bytes"]
+            )
+            tokens = link["forward_tokens"] - link_before["forward_tokens"]
+            link = {
+                "bytes_per_token": moved / max(1, tokens),
+                "steps": link["steps"] - link_before["steps"],
+            }
+        return SetupResult(
+            self.ranks,
+            statistics.median(t.decode_tps for t in self.timed),
+            self.timed[0].tokens,
+            _rank_memory(status),
+            link,
+        )
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+@click.command("pipeline")
+@click.option("--model", default="demo", show_default=True, help="Model folder, HF id or 'demo'.")
+@click.option("--budget", default="25%", show_default=True, help="Expert cache budget per rank.")
+@click.option("--max-tokens", default=64, show_default=True, help="Tokens generated per run.")
+@click.option("--runs", default=3, show_default=True, help="Timed runs of each setup.")
+# A prompt the demo model continues for well over 64 tokens (no early end of text).
+@click.option("--prompt", default="import os\nimport sys\n\nclass", show_default=True)
+def pipeline(model: str, budget: str, max_tokens: int, runs: int, prompt: str) -> None:
+    """1 process vs 2 local ranks (ring over loopback): tok/s, memory per rank, bytes per token."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from moed.daemon.model.source import resolve_model
+
+    path = resolve_model(model)
+    prompt_ids = list(load_tokenizer(path).encode(prompt))
+    click.echo(
+        f"model {path}  budget {budget} per rank  {max_tokens} tokens x {runs} runs", err=True
+    )
+    # Both daemons run at once and the runs alternate, so machine noise hits both sides alike.
+    setups = [Setup(path, 1, budget), Setup(path, 2, budget)]
+    try:
+        for s in setups:
+            s.connect()
+            time_through_daemon(s.client, prompt_ids, 8)  # warm graph caches and the expert cache
+        before = [_link(s.client.status()) for s in setups]
+        for _ in range(runs):
+            for s in setups:
+                s.timed.append(time_through_daemon(s.client, prompt_ids, max_tokens))
+        one, two = (s.result(b) for s, b in zip(setups, before))
+    finally:
+        for s in setups:
+            s.close()
+    click.echo(f"{'':34}{'1 process':>16}{'2 ranks':>16}{'ratio':>10}")
+    click.echo(
+        f"{'decode tok/s (median)':34}{one.decode_tps:16.1f}{two.decode_tps:16.1f}"
+        f"{two.decode_tps / one.decode_tps:10.3f}"
+    )
+    for what in ("weights", "experts", "rss"):
+        per_rank = [m[what] for m in two.memory]
+        label = {"weights": "resident weights", "experts": "expert cache", "rss": "process RSS"}
+        click.echo(
+            f"{label[what] + ' per rank (max)':34}{_mb(one.memory[0][what]):>16}"
+            f"{_mb(max(per_rank)):>16}{max(per_rank) / max(1, one.memory[0][what]):10.3f}"
+        )
+    layers = ", ".join(f"rank {i}: {m['layers']}" for i, m in enumerate(two.memory))
+    click.echo(f"layers: {layers}")
+    if two.link:
+        click.echo(
+            f"bytes between ranks per token: {two.link['bytes_per_token']:.0f} "
+            f"(activations + step broadcasts, {two.link['steps']} steps)"
+        )
+    click.echo(f"tokens per run: {len(one.tokens)}   identical tokens: {one.tokens == two.tokens}")
