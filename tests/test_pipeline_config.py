@@ -91,3 +91,19 @@ def test_architecture_without_pipeline_support_is_refused(checkpoint_factory):
     check_supported(checkpoint_factory("qwen3_5_moe"))  # PipelineMixin one module down
     with pytest.raises(PipelineUnsupported, match="'mixtral' has no pipeline support.*qwen3_moe"):
         check_supported(checkpoint_factory("mixtral"))
+
+
+def test_service_install_runs_the_group(tmp_path):
+    from click.testing import CliRunner
+
+    from moed.daemon.cli import main
+    from moed.daemon.exit_codes import DaemonExit
+
+    args = ["service", "install", "--dry-run", "--platform", "linux", "--pipeline", "2"]
+    result = CliRunner().invoke(main, [*args, "--config", str(tmp_path / "moed.toml")])
+    assert result.exit_code == 0, result.output
+    assert "pipeline = 2" in result.output  # the unit runs rank 0, which starts the others
+    prevent = next(
+        line for line in result.output.splitlines() if "RestartPreventExitStatus" in line
+    )
+    assert str(int(DaemonExit.RANK_FAILED)) not in prevent.split("=", 1)[1].split()

@@ -168,18 +168,28 @@ def service() -> None:
     show_default=True,
     help="Loopback port of the gateway service.",
 )
-def install(dry_run, platform, config_file, model, cache_budget, gateway, gateway_port):
+@click.option(
+    "--pipeline",
+    type=click.IntRange(min=2),
+    default=None,
+    help="Serve over N local ranks (the unit runs rank 0; it starts and stops the others).",
+)
+@click.option(
+    "--hostfile",
+    default=None,
+    help="Serve over the hosts of an mlx.launch hostfile (rank 0 reaches the others by ssh).",
+)
+def install(
+    dry_run, platform, config_file, model, cache_budget, gateway, gateway_port, pipeline, hostfile
+):
     """Write the config (first time only) and the service definitions; load and start the daemon
     and its watchdog (and the HTTP gateway with --gateway)."""
-    s = _session(
-        platform,
-        config_file,
-        dry_run,
-        {"model": model, "cache_budget": cache_budget},
-        gateway_port if gateway else None,
-    )
+    given = {"model": model, "cache_budget": cache_budget, "pipeline": pipeline}
+    if hostfile is not None:
+        given["hostfile"] = str(Path(hostfile).expanduser().resolve())
+    s = _session(platform, config_file, dry_run, given, gateway_port if gateway else None)
     socket = global_options().socket
-    if s.layout.config_file.exists() and any(v is not None for v in (model, cache_budget, socket)):
+    if s.layout.config_file.exists() and any(v is not None for v in (*given.values(), socket)):
         click.echo(
             f"note: {s.layout.config_file} exists and is kept; edit it to change settings", err=True
         )
