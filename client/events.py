@@ -17,6 +17,8 @@ class TokenEvent:
     text: str
     # Per token of `ids` when the request asked for logprobs: {id, token, logprob, top: [...]}.
     logprobs: list[dict] | None = None
+    # Tool calls the model finished with this token: {id, name, arguments (a map)}.
+    tool_calls: list[dict] | None = None
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,13 @@ def event_from_message(msg: dict) -> Event | None:
     (a newer daemon's). An `error` message raises RequestFailed."""
     kind = msg.get("type")
     if kind == MessageType.TOKEN.value:
-        return TokenEvent(msg["index"], list(msg["ids"]), msg["text"], msg.get("logprobs"))
+        return TokenEvent(
+            msg["index"],
+            list(msg["ids"]),
+            msg["text"],
+            msg.get("logprobs"),
+            msg.get("tool_calls"),
+        )
     if kind == MessageType.TELEMETRY.value:
         return TelemetryEvent(msg.get("data") or {})
     if kind == MessageType.PROGRESS.value:

@@ -23,6 +23,7 @@ STOP_REASON = {
     Finish.STOP_SEQUENCE: "stop_sequence",
     Finish.LENGTH: "max_tokens",
     Finish.CANCELLED: "end_turn",
+    Finish.TOOL_CALLS: "tool_use",
 }
 _ERROR_TYPE = {
     ErrorKind.INVALID_REQUEST: "invalid_request_error",
@@ -158,28 +159,87 @@ def _event(name: str, data: dict) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
+class _Blocks:
+    """Content blocks streamed in order: text goes to an open text block; a tool call closes it
+    and is sent as a whole tool_use block; text after that opens a new text block."""
+
+    def __init__(self) -> None:
+        self.index = 0
+        self.text_open = False
+
+    def text(self, text: str) -> list[bytes]:
+        out = []
+        if not self.text_open:
+            block = {"type": "text", "text": ""}
+            out.append(_block_start(self.index, block))
+            self.text_open = True
+        delta = {"type": "text_delta", "text": text}
+        out.append(
+            _event(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": self.index, "delta": delta},
+            )
+        )
+        return out
+
+    def tool_call(self, call: dict) -> list[bytes]:
+        out = self.close()
+        block = {"type": "tool_use", "id": call["id"], "name": call["name"], "input": {}}
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(call["arguments"])}
+        out += [
+            _block_start(self.index, block),
+            _event(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": self.index, "delta": delta},
+            ),
+            _event("content_block_stop", {"type": "content_block_stop", "index": self.index}),
+        ]
+        self.index += 1
+        return out
+
+    def close(self) -> list[bytes]:
+        if not self.text_open:
+            return []
+        self.text_open = False
+        self.index += 1
+        return [
+            _event("content_block_stop", {"type": "content_block_stop", "index": self.index - 1})
+        ]
+
+
+def _block_start(index: int, block: dict) -> bytes:
+    return _event(
+        "content_block_start",
+        {"type": "content_block_start", "index": index, "content_block": block},
+    )
+
+
+def _tool_use(call: dict) -> dict:
+    return {"type": "tool_use", "id": call["id"], "name": call["name"], "input": call["arguments"]}
+
+
 async def _sse_body(
     gateway: Gateway, stream: Stream, started: float, message: dict
 ) -> AsyncIterator[bytes]:
     yield _event("message_start", {"type": "message_start", "message": message})
-    yield _event(
-        "content_block_start",
-        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-    )
+    blocks = _Blocks()
+    for frame in blocks.text(""):  # clients expect a text block to open the content
+        yield frame
     yield _event("ping", {"type": "ping"})
     try:
         async for event in gateway.tokens(stream, API, "/v1/messages", started):
             if event.text:
-                delta = {"type": "text_delta", "text": event.text}
-                yield _event(
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": 0, "delta": delta},
-                )
+                for frame in blocks.text(event.text):
+                    yield frame
+            for call in event.tool_calls or ():
+                for frame in blocks.tool_call(call):
+                    yield frame
     except ApiError as err:
         yield _event("error", error_body(err))
         return
     outcome = stream.outcome
-    yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    for frame in blocks.close():
+        yield frame
     delta = {"stop_reason": STOP_REASON[outcome.finish], "stop_sequence": outcome.stop_sequence}
     usage = {"input_tokens": outcome.prompt_tokens, "output_tokens": outcome.completion_tokens}
     yield _event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
@@ -212,7 +272,14 @@ async def messages(request: Request) -> Response:
     result = await gateway.collect(request, stream, API, "/v1/messages", started)
     outcome = stream.outcome
     message.update(
-        content=[{"type": "text", "text": result.text}],
+        content=[
+            *(
+                [{"type": "text", "text": result.text}]
+                if result.text or not result.tool_calls
+                else []
+            ),
+            *(_tool_use(call) for call in result.tool_calls),
+        ],
         stop_reason=STOP_REASON[outcome.finish],
         stop_sequence=outcome.stop_sequence,
         usage={"input_tokens": outcome.prompt_tokens, "output_tokens": outcome.completion_tokens},

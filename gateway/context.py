@@ -25,6 +25,7 @@ class Collected:
     text: str
     logprobs: list[dict]
     ids: list[int]
+    tool_calls: list[dict]
 
 
 @dataclass
@@ -77,12 +78,13 @@ class Gateway:
         generation over the request timeout, cancels it in the daemon."""
 
         async def gather() -> Collected:
-            parts, logprobs, ids = [], [], []
+            parts, logprobs, ids, calls = [], [], [], []
             async for event in self.tokens(stream, api, endpoint, started):
                 parts.append(event.text)
                 ids.extend(event.ids)
                 logprobs.extend(event.logprobs or ())
-            return Collected("".join(parts), logprobs, ids)
+                calls.extend(event.tool_calls or ())
+            return Collected("".join(parts), logprobs, ids, calls)
 
         work = asyncio.create_task(gather())
         watch = asyncio.create_task(_wait_disconnect(request))

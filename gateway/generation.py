@@ -22,6 +22,7 @@ class Finish(str, enum.Enum):
     END = "end"  # the model's end-of-sequence token
     LENGTH = "length"  # max_tokens reached
     STOP_SEQUENCE = "stop_sequence"  # a requested stop string matched (it is not in the text)
+    TOOL_CALLS = "tool_calls"  # the model ended its turn after calling tools
     CANCELLED = "cancelled"
 
 
@@ -73,8 +74,10 @@ class Outcome:
     timings: dict
 
     @classmethod
-    def of(cls, done: DoneEvent) -> Outcome:
-        if done.finish_reason == "length":
+    def of(cls, done: DoneEvent, tool_calls: int = 0) -> Outcome:
+        if done.finish_reason == "stop" and done.stop_sequence is None and tool_calls:
+            finish = Finish.TOOL_CALLS
+        elif done.finish_reason == "length":
             finish = Finish.LENGTH
         elif done.finish_reason == "cancelled":
             finish = Finish.CANCELLED
@@ -101,6 +104,7 @@ class Stream:
         self._events = events
         self._pending: list[Event] = []
         self.outcome: Outcome | None = None
+        self.tool_calls = 0  # calls the model made so far
 
     @classmethod
     async def start(cls, client: AsyncClient, req: GenerationRequest) -> Stream:
@@ -117,9 +121,10 @@ class Stream:
             while True:
                 event = self._pending.pop() if self._pending else await anext(self._events)
                 if isinstance(event, TokenEvent):
+                    self.tool_calls += len(event.tool_calls or ())
                     yield event
                 elif isinstance(event, DoneEvent):
-                    self.outcome = Outcome.of(event)
+                    self.outcome = Outcome.of(event, self.tool_calls)
                     return
         except ClientError as exc:
             raise from_client_error(exc) from None
@@ -131,15 +136,3 @@ class Stream:
     async def close(self) -> None:
         """Stop reading; a generation still running is cancelled in the daemon."""
         await self._events.aclose()
-
-    async def collect(self) -> tuple[str, list[dict], list[int]]:
-        """The whole completion: text, per-token logprobs (if asked) and token ids."""
-        parts: list[str] = []
-        logprobs: list[dict] = []
-        ids: list[int] = []
-        async for event in self.tokens():
-            parts.append(event.text)
-            ids.extend(event.ids)
-            if event.logprobs:
-                logprobs.extend(event.logprobs)
-        return "".join(parts), logprobs, ids

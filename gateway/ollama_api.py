@@ -23,6 +23,7 @@ from .generation import Finish, GenerationRequest, Outcome, Stream
 API = "ollama"
 TAG = ":latest"
 FINISH = {
+    Finish.TOOL_CALLS: "stop",
     Finish.END: "stop",
     Finish.STOP_SEQUENCE: "stop",
     Finish.LENGTH: "length",
@@ -164,8 +165,9 @@ async def _ndjson(
     try:
         async for event in gateway.tokens(stream, API, endpoint, started):
             ids.extend(event.ids)
-            if event.text or event.logprobs:
-                part = {"model": model, "created_at": _now(), **piece(event.text), "done": False}
+            if event.text or event.logprobs or event.tool_calls:
+                body = piece(event.text, event.tool_calls)
+                part = {"model": model, "created_at": _now(), **body, "done": False}
                 if event.logprobs:
                     part["logprobs"] = _logprob_list(event.logprobs)
                 yield _line(part)
@@ -173,7 +175,7 @@ async def _ndjson(
         yield _line({"error": err.message})
         return
     extra = {"context": ids} if endpoint == "/api/generate" else {}
-    yield _line({**_final(stream.outcome, model), **piece(""), **end, **extra})
+    yield _line({**_final(stream.outcome, model), **piece("", None), **end, **extra})
 
 
 async def _run(request: Request, endpoint: str, parse, piece) -> Response:
@@ -185,7 +187,13 @@ async def _run(request: Request, endpoint: str, parse, piece) -> Response:
     if req.messages is None and not req.prompt:
         # Ollama answers an empty prompt by loading the model: ours is loaded already.
         return JSONResponse(
-            {**piece(""), "model": model, "created_at": _now(), "done": True, "done_reason": "load"}
+            {
+                **piece("", None),
+                "model": model,
+                "created_at": _now(),
+                "done": True,
+                "done_reason": "load",
+            }
         )
     stream = await gateway.start(req)
     if f.get(body, "stream", bool, True):
@@ -194,7 +202,7 @@ async def _run(request: Request, endpoint: str, parse, piece) -> Response:
             media_type="application/x-ndjson",
         )
     result = await gateway.collect(request, stream, API, endpoint, started)
-    out = {**_final(stream.outcome, model), **piece(result.text)}
+    out = {**_final(stream.outcome, model), **piece(result.text, result.tool_calls)}
     if endpoint == "/api/generate":
         out["context"] = result.ids
     if req.logprobs is not None:
@@ -203,16 +211,20 @@ async def _run(request: Request, endpoint: str, parse, piece) -> Response:
 
 
 async def generate(request: Request) -> Response:
-    return await _run(request, "/api/generate", parse_generate, lambda text: {"response": text})
+    return await _run(request, "/api/generate", parse_generate, lambda text, _: {"response": text})
+
+
+def _chat_piece(text: str, calls: list[dict] | None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if calls:  # ollama's shape: arguments stay a map
+        message["tool_calls"] = [
+            {"function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls
+        ]
+    return {"message": message}
 
 
 async def chat(request: Request) -> Response:
-    return await _run(
-        request,
-        "/api/chat",
-        parse_chat,
-        lambda text: {"message": {"role": "assistant", "content": text}},
-    )
+    return await _run(request, "/api/chat", parse_chat, _chat_piece)
 
 
 def _describe(model: dict) -> dict:

@@ -25,6 +25,7 @@ FINISH = {
     Finish.STOP_SEQUENCE: "stop",
     Finish.LENGTH: "length",
     Finish.CANCELLED: "stop",
+    Finish.TOOL_CALLS: "tool_calls",
 }
 _ERROR_TYPE = {
     ErrorKind.INVALID_REQUEST: "invalid_request_error",
@@ -227,6 +228,22 @@ def _completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
     }
 
 
+def _tool_call_list(calls: list[dict], first_index: int | None = None) -> list[dict]:
+    """The daemon's {id, name, arguments} as OpenAI tool calls (arguments as JSON text); streamed
+    ones carry their position in the message."""
+    out = []
+    for i, call in enumerate(calls):
+        entry = {
+            "id": call["id"],
+            "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+        }
+        if first_index is not None:
+            entry["index"] = first_index + i
+        out.append(entry)
+    return out
+
+
 def sse(data: dict | str) -> bytes:
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {text}\n\n".encode()
@@ -237,7 +254,7 @@ async def _sse_body(
     stream: Stream,
     endpoint: str,
     started: float,
-    chunk,  # (text, logprobs, finish) -> the chunk's choices entry
+    chunk,  # (text, logprobs, finish, tool_calls) -> the chunk's choices entry
     envelope: dict,
     include_usage: bool,
     opening: dict | None,
@@ -247,15 +264,16 @@ async def _sse_body(
         yield sse({**envelope, "choices": [opening], **usage_null})
     try:
         async for event in gateway.tokens(stream, API, endpoint, started):
-            if event.text or event.logprobs:
-                yield sse(
-                    {**envelope, "choices": [chunk(event.text, event.logprobs, None)], **usage_null}
-                )
+            if event.text or event.logprobs or event.tool_calls:
+                entry = chunk(event.text, event.logprobs, None, event.tool_calls)
+                yield sse({**envelope, "choices": [entry], **usage_null})
     except ApiError as err:  # the stream has started: the error travels in it
         yield sse(error_body(err))
         return
     outcome = stream.outcome
-    yield sse({**envelope, "choices": [chunk("", None, FINISH[outcome.finish])], **usage_null})
+    yield sse(
+        {**envelope, "choices": [chunk("", None, FINISH[outcome.finish], None)], **usage_null}
+    )
     if include_usage:
         yield sse({**envelope, "choices": [], "usage": _usage(outcome)})
     yield sse("[DONE]")
@@ -277,9 +295,14 @@ async def chat_completions(request: Request) -> Response:
     }
     endpoint = "/v1/chat/completions"
     if streaming:
+        calls_sent = 0
 
-        def chunk(text, logprobs, finish):
-            delta = {"content": text} if text or finish is None else {}
+        def chunk(text, logprobs, finish, calls):
+            nonlocal calls_sent
+            delta = {"content": text} if text or (finish is None and not calls) else {}
+            if calls:
+                delta["tool_calls"] = _tool_call_list(calls, calls_sent)
+                calls_sent += len(calls)
             out = {"index": 0, "delta": delta, "finish_reason": finish}
             if req.logprobs is not None:
                 out["logprobs"] = _chat_logprobs(logprobs) if logprobs else None
@@ -296,7 +319,11 @@ async def chat_completions(request: Request) -> Response:
     outcome = stream.outcome
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": result.text},
+        "message": {
+            "role": "assistant",
+            "content": result.text or (None if result.tool_calls else ""),
+            **({"tool_calls": _tool_call_list(result.tool_calls)} if result.tool_calls else {}),
+        },
         "logprobs": _chat_logprobs(result.logprobs) if req.logprobs is not None else None,
         "finish_reason": FINISH[outcome.finish],
     }
@@ -323,7 +350,7 @@ async def completions(request: Request) -> Response:
     endpoint = "/v1/completions"
     if streaming:
 
-        def chunk(text, logprobs, finish):
+        def chunk(text, logprobs, finish, calls):
             lp = _completion_logprobs(logprobs) if logprobs else None
             return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
 

@@ -224,11 +224,18 @@ def result(request_id: Any, **body: Any) -> dict:
 
 
 def token(
-    request_id: Any, index: int, ids: list[int], text: str, logprobs: list[dict] | None = None
+    request_id: Any,
+    index: int,
+    ids: list[int],
+    text: str,
+    logprobs: list[dict] | None = None,
+    tool_calls: list[dict] | None = None,
 ) -> dict:
     msg = {**_base(MessageType.TOKEN, request_id), "index": index, "ids": ids, "text": text}
     if logprobs is not None:
         msg["logprobs"] = logprobs
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
     return msg
 
 

@@ -292,3 +292,78 @@ def test_ollama_keep_alive_unloads_and_the_next_request_reloads(stack, model_nam
     again = llama.generate(model=model_name, prompt=PROMPT, raw=True, options=options)
     assert again.response == first.response
     assert [m.model for m in llama.ps().models] == [f"{model_name}:latest"]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_tools_reach_the_chat_template(stack, model_name, oai, claude):
+    """Tool specs and earlier tool calls render through the model's template the same way from
+    the OpenAI and the Anthropic API (the tiny model's template is tool-aware)."""
+    ask = [{"role": "user", "content": QUESTION}]
+
+    def prompt_tokens(**extra) -> int:
+        return oai.chat.completions.create(
+            model=model_name, messages=extra.pop("messages", ask), max_tokens=1, **extra
+        ).usage.prompt_tokens
+
+    plain = prompt_tokens()
+    with_tools = prompt_tokens(tools=[WEATHER])
+    assert with_tools > plain
+    assert prompt_tokens(tools=[WEATHER], tool_choice="none") == plain
+    anthropic_tool = {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "input_schema": WEATHER["function"]["parameters"],
+    }
+    counted = claude.messages.count_tokens(model=model_name, messages=ask, tools=[anthropic_tool])
+    assert counted.input_tokens == with_tools
+
+    openai_turns = [
+        *ask,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    anthropic_turns = [
+        *ask,
+        {
+            "role": "assistant",
+            "content": [
+                {
+                    "type": "tool_use",
+                    "id": "call_1",
+                    "name": "get_weather",
+                    "input": {"city": "Paris"},
+                }
+            ],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "sunny"}],
+        },
+    ]
+    followup = prompt_tokens(messages=openai_turns, tools=[WEATHER])
+    assert followup > with_tools
+    assert (
+        claude.messages.count_tokens(
+            model=model_name, messages=anthropic_turns, tools=[anthropic_tool]
+        ).input_tokens
+        == followup
+    )

@@ -269,14 +269,17 @@ class EngineCore:
         if finish is not None:
             self._finish(gen, finish)
             return
-        text, logprobs, stopped = gen.add_token(token)
+        out = gen.add_token(token)
         self.sink.emit(
-            gen.job.identity, wire.token(gen.job.request["id"], gen.index, [token], text, logprobs)
+            gen.job.identity,
+            wire.token(
+                gen.job.request["id"], gen.index, [token], out.text, out.logprobs, out.tool_calls
+            ),
         )
         gen.index += 1
         gen.completion += 1
         self.status.token_produced(time.time())
-        if stopped:  # a stop sequence matched: the text ends before it
+        if out.stopped:  # a stop sequence matched: the text ends before it
             self._finish(gen, FinishReason.STOP)
             return
         if gen.completion % gen.telemetry_every == 0:
@@ -317,8 +320,11 @@ class EngineCore:
             self.sink.emit(gen.job.identity, wire.error(req_id, reason, message), terminal=True)
             return
         tail = gen.final_text()
-        if tail:
-            self.sink.emit(gen.job.identity, wire.token(req_id, gen.index, [], tail))
+        if tail.text or tail.tool_calls:
+            self.sink.emit(
+                gen.job.identity,
+                wire.token(req_id, gen.index, [], tail.text, tool_calls=tail.tool_calls),
+            )
         self.status.add(requests_served=1)
         self._refresh_ranks(force=True)  # a client that saw `done` sees every rank's counters
         usage = {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion}

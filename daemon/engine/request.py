@@ -10,6 +10,7 @@ from typing import Any
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.engine.stop_sequences import StopSequences
+from moed.daemon.engine.tool_calls import ToolCalls
 from moed.daemon.model.chat_template import prompt_token_ids
 from moed.daemon.model.loader import LoadedModel
 from moed.daemon.telemetry.trace import recording
@@ -27,6 +28,16 @@ class GenerateJob:
     @property
     def key(self) -> RequestKey:
         return (self.identity, self.request["id"])
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """What one sampled token (or the end of the stream) sends: text, logprobs, tool calls."""
+
+    text: str
+    logprobs: list[dict] | None
+    tool_calls: list[dict]
+    stopped: bool  # a stop string matched: the generation ends here
 
 
 class Generation:
@@ -70,6 +81,7 @@ class Generation:
         self.completion = 0
         self.telemetry_every = req.get("telemetry_every") or serve.telemetry_every
         self.stops = StopSequences(req.get("stop") or ())
+        self.tool_calls = ToolCalls(loaded.tokenizer, req.get("tools"))
         self.top_logprobs: int | None = req.get("logprobs")  # None: the request wants none
         self.last_logprobs = None  # the distribution the last token was sampled from
         self.detokenizer = loaded.tokenizer.detokenizer
@@ -107,10 +119,12 @@ class Generation:
             return None, FinishReason.STOP
         return int(token), None
 
-    def add_token(self, token: int) -> tuple[str, list[dict] | None, bool]:
-        """Detokenize a sampled token: (text to send, its logprobs if asked, a stop matched)."""
+    def add_token(self, token: int) -> Emitted:
+        """Detokenize a sampled token: the text to send (tool calls and stop strings cut out),
+        its logprobs if asked, finished tool calls, and whether a stop string matched."""
         self.detokenizer.add_token(token)
-        text = self.stops.feed(self.detokenizer.last_segment)
+        text, calls = self.tool_calls.feed(self.detokenizer.last_segment)
+        text = self.stops.feed(text)
         logprobs = None
         if self.top_logprobs is not None:
             from moed.daemon.engine.logprobs import token_logprobs
@@ -118,14 +132,17 @@ class Generation:
             logprobs = [
                 token_logprobs(self.last_logprobs, token, self.top_logprobs, self.tokenizer)
             ]
-        return text, logprobs, self.stops.matched is not None
+        return Emitted(text, logprobs, calls, self.stops.matched is not None)
 
-    def final_text(self) -> str:
-        """The text still held back (by the detokenizer or a possible stop) when the stream ends."""
+    def final_text(self) -> Emitted:
+        """What is still held back (by the detokenizer, a possible tool call or stop) at the end."""
         if self.stops.matched is not None:
-            return ""
+            return Emitted("", None, [], True)
         self.detokenizer.finalize()
-        return self.stops.feed(self.detokenizer.last_segment) + self.stops.flush()
+        text, calls = self.tool_calls.feed(self.detokenizer.last_segment)
+        rest, more = self.tool_calls.flush()
+        text = self.stops.feed(text + rest)
+        return Emitted(text + self.stops.flush(), None, calls + more, False)
 
     def timings(self) -> dict:
         now = time.perf_counter()

@@ -1,0 +1,93 @@
+"""Tool calls in a streamed completion, cut out with the model's own markers and parsed by mlx-lm's
+tool parser for that model (the tokenizer wrapper infers both from the chat template).
+
+Text between the start and end markers never reaches the client as text; each finished call goes
+out as `{id, name, arguments}`. Text that might begin a start marker is held back, as for stops.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any
+
+log = logging.getLogger("moed.engine")
+
+
+class ToolCalls:
+    def __init__(self, tokenizer: Any, tools: list[dict] | None):
+        self.active = bool(tools) and bool(getattr(tokenizer, "has_tool_calling", False))
+        self.tools = tools
+        if self.active:
+            self.start = tokenizer.tool_call_start
+            self.end = tokenizer.tool_call_end
+            self.parse = tokenizer.tool_parser
+        self.made = 0  # calls sent so far
+        self._buffer = ""
+        self._inside = False
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """(text to send now, finished calls) after the next text delta."""
+        if not self.active:
+            return text, []
+        self._buffer += text
+        out, calls = [], []
+        while True:
+            if self._inside:
+                at = self._buffer.find(self.end)
+                if at < 0:
+                    return "".join(out), calls
+                calls.extend(self._parsed(self._buffer[:at]))
+                self._buffer = self._buffer[at + len(self.end) :]
+                self._inside = False
+                continue
+            at = self._buffer.find(self.start)
+            if at < 0:
+                keep = _partial_suffix(self._buffer, self.start)
+                out.append(self._buffer[: len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep :]
+                return "".join(out), calls
+            out.append(self._buffer[:at])
+            self._buffer = self._buffer[at + len(self.start) :]
+            self._inside = True
+
+    def flush(self) -> tuple[str, list[dict]]:
+        """At the end: an unterminated call is parsed if it can be, else given back as text."""
+        held, self._buffer = self._buffer, ""
+        if not self._inside:
+            return held, []
+        self._inside = False
+        calls = self._parsed(held)
+        return ("", calls) if calls else (self.start + held, [])
+
+    def _parsed(self, text: str) -> list[dict]:
+        try:
+            parsed = self.parse(text, self.tools)
+        except (ValueError, KeyError, json.JSONDecodeError) as exc:
+            log.warning("could not parse a tool call (%s): %.200r", exc.__class__.__name__, text)
+            return []
+        calls = []
+        for call in parsed if isinstance(parsed, list) else [parsed]:
+            arguments = call.get("arguments")
+            if isinstance(arguments, str):  # some parsers keep the JSON text
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError:
+                    arguments = {"input": arguments}
+            calls.append(
+                {
+                    "id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+                    "name": call.get("name"),
+                    "arguments": arguments if isinstance(arguments, dict) else {},
+                }
+            )
+        self.made += len(calls)
+        return calls
+
+
+def _partial_suffix(buffer: str, marker: str) -> int:
+    for n in range(min(len(marker) - 1, len(buffer)), 0, -1):
+        if buffer.endswith(marker[:n]):
+            return n
+    return 0
