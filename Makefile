@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # A socket of its own, so the demo never touches a daemon the user runs as a service.
-DEMO_DIR := /tmp/moed-demo-$(shell id -u)
+DEMO_DIR ?= /tmp/moed-demo-$(shell id -u)
 DEMO_SOCKET := $(DEMO_DIR)/moed.sock
 PROMPT ?= def fibonacci(n):
 # A quarter of the demo's experts in the cache, so the run shows real streaming (misses, reads).
@@ -12,11 +12,15 @@ BUDGET ?= 25%
 
 .PHONY: run test bench clean
 
+# setuptools adds a note to every editable install that it maps moed.* with an import hook (the
+# package-dir layout): only that note is silenced; real build warnings still show.
 $(STAMP): pyproject.toml
+	@echo "==> installing moed and its dependencies into $(VENV) (a minute or two the first time)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	@PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -e '.[test]'
 	touch $(STAMP)
+	@echo "==> installed; in a new shell, '. $(VENV)/bin/activate' puts moe and moed on PATH"
 
 # Start a daemon on the embedded demo model, stream a completion with telemetry, stop the daemon.
 run: $(STAMP)
@@ -25,6 +29,7 @@ run: $(STAMP)
 	  status=$$?; \
 	  $(BIN)/moe --socket $(DEMO_SOCKET) stats || true; \
 	  $(BIN)/moe --socket $(DEMO_SOCKET) stop >/dev/null 2>&1 || true; \
+	  echo "==> moe and moed are in $(VENV)/bin: '. $(VENV)/bin/activate' puts them on PATH"; \
 	  exit $$status
 
 # The lint and format gate runs first, so .ci/run (which calls `make test`) enforces it.

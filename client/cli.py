@@ -133,6 +133,8 @@ def run(
         _fail(ExitCode.USAGE, "empty prompt", as_json)
     client = _connect_or_start(_socket(), obj["timeout"], no_start, model, start_timeout, as_json)
     _note_capped(client, max_tokens)
+    if not as_json and ((client.welcome or {}).get("model") or {}).get("demo"):
+        click.echo(DEMO_NOTE, err=True)
     events = client.generate(
         prompt,
         max_tokens=max_tokens,
@@ -182,6 +184,12 @@ def run(
         client.close()
         if trace_out is not None:
             trace_out.close()
+
+
+DEMO_NOTE = (
+    "[moe] demo model: a 14.6 MB MoE trained for minutes on Python's standard library, so the "
+    "text looks like Python and makes little sense (MODEL_CARD.md); `moe pull` a real model"
+)
 
 
 def _note_capped(client: Client, max_tokens: int | None) -> None:

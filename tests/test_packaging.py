@@ -16,9 +16,11 @@ def test_every_package_folder_is_listed():
     listed = set(tool["packages"])
     found = set()
     for prefix, folder in tool["package-dir"].items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            rel = init.parent.relative_to(ROOT / folder)
-            if "__pycache__" in rel.parts:
+        # Every folder counts, with or without __init__.py: Python imports a data folder as a
+        # namespace package, and setuptools warns at every install about one not listed.
+        for sub in [ROOT / folder, *(ROOT / folder).rglob("*")]:
+            rel = sub.relative_to(ROOT / folder)
+            if not sub.is_dir() or "__pycache__" in rel.parts:
                 continue
             found.add(".".join([prefix, *rel.parts]))
     assert found <= listed, f"add to pyproject.toml packages: {sorted(found - listed)}"

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from moed.daemon.config import ServeConfig
+from moed.daemon.model.demo import demo_model_path
 
 log = logging.getLogger("moed.engine")
 
@@ -117,4 +118,6 @@ def describe_model(loaded: LoadedModel) -> dict:
         "quantization": cfg.get("quantization"),
         "streaming": loaded.streamer is not None,
         "chat_template": bool(getattr(loaded.tokenizer, "has_chat_template", False)),
+        # The embedded demo model: clients say what its text is (a toy, see MODEL_CARD.md).
+        "demo": loaded.path.resolve() == demo_model_path().resolve(),
     }
