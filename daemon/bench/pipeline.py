@@ -120,7 +120,12 @@ def _mb(n: float) -> str:
 @click.option("--max-tokens", default=64, show_default=True, help="Tokens generated per run.")
 @click.option("--runs", default=3, show_default=True, help="Timed runs of each setup.")
 # A prompt the demo model continues for well over 64 tokens (no early end of text).
-@click.option("--prompt", default="import os\nimport sys\n\nclass", show_default=True)
+@click.option(
+    "--prompt",
+    default="import os\nimport sys\n\nclass",
+    show_default=True,
+    help="The measured prompt.",
+)
 def pipeline(model: str, budget: str, max_tokens: int, runs: int, prompt: str) -> None:
     """1 process vs 2 local ranks (ring over loopback): tok/s, memory per rank, bytes per token."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
