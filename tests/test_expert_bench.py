@@ -63,11 +63,13 @@ def test_bench_stream_tiny(tmp_path):
             str(tmp_path / "model"),
             "--json",
             str(out),
+            "--sweep",
         ],
     )
     assert result.exit_code == 0, result.output
     text = result.output
     assert "raw parallel pread" in text and "time per decode token" in text
+    assert "read path sweep" in text and "best:" in text and "syncs/tok" in text
     assert "reproduces" in text
     data = json.loads(out.read_text())
     assert [r["name"] for r in data["runs"]] == ["25%", "100%", "25%+spec", "100%+pre"]

@@ -125,6 +125,10 @@ class Contender:
         end = self.streamer.snapshot()
         res.counters = {k: end[k] - self.first[k] for k in CUMULATIVE_KEYS}
         res.slots = min(self.streamer.slots)
+        res.speculation = {
+            k: end[k]
+            for k in ("prefetch_next_active", "prefetch_accuracy", "prefetch_net_ms_per_step")
+        }
         res.hits_total, res.misses_total, res.expert_bytes = (
             end["hits"],
             end["misses"],
@@ -273,6 +277,14 @@ def measure(
     help="also write the results as JSON",
 )
 @click.option(
+    "--model",
+    "model_path",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    default=None,
+    help="measure this existing checkpoint (read only, e.g. daemon/model/demo_model) instead of "
+    "the generated one; the shape options are then ignored",
+)
+@click.option(
     "--sweep",
     "sweep_reads",
     is_flag=True,
@@ -299,6 +311,7 @@ def stream(
     preloaded,
     json_out,
     sweep_reads,
+    model_path,
     seed,
 ) -> None:
     """Expert streaming vs resident mlx-lm on a model with Qwen3.6-35B-A3B expert shapes."""
@@ -309,11 +322,21 @@ def stream(
 
         dtype = "bfloat16" if mx.metal.is_available() else "float32"
     config = bench_config(layers, hidden, expert_width, experts, top_k, vocab, bits=4, group=64)
-    cleanup = model_dir is None
-    path = Path(model_dir) if model_dir else Path(tempfile.mkdtemp(prefix="moed-bench-stream-"))
+    if model_path is not None:  # an existing model: its own shapes, never written to
+        config = json.loads((model_path / "config.json").read_text())
+        layers, hidden, vocab = (
+            config[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")
+        )
+        experts, top_k = config["num_experts"], config["num_experts_per_tok"]
+        expert_width = config["moe_intermediate_size"]
+        dtype = config.get("torch_dtype", dtype)
+    cleanup = model_dir is None and model_path is None
+    path = model_path or (
+        Path(model_dir) if model_dir else Path(tempfile.mkdtemp(prefix="moed-bench-stream-"))
+    )
     try:
         existing = path / "config.json"
-        if not (existing.exists() and _same_config(existing, config, dtype)):
+        if model_path is None and not (existing.exists() and _same_config(existing, config, dtype)):
             click.echo(f"writing the benchmark model to {path} ...", err=True)
             t0 = time.perf_counter()
             write_bench_model(path, config, dtype, seed)
@@ -367,7 +390,9 @@ def stream(
             "top_k": top_k,
             "hidden": hidden,
             "width": expert_width,
-            "bits": 4,
+            "bits": (config.get("quantization") or {}).get(
+                "bits", 32 if dtype == "float32" else 16
+            ),
             "dtype": dtype,
             "expert_bytes": expert_bytes,
             "experts_bytes": expert_bytes * experts * layers,

@@ -17,6 +17,7 @@ class RunResult:
     hits_total: int = 0
     misses_total: int = 0
     policy: str = ""
+    speculation: dict = field(default_factory=dict)  # the prefetch-next governor at the end
     policy_sim: tuple[int, int] = (0, 0)  # the streamer's policy replayed on its routing trace
     belady: tuple[int, int] = (0, 0)
     expert_bytes: int = 0
@@ -85,6 +86,13 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
                 f"{(c['bytes_read'] + c['prefetch_bytes']) / max(1, r.decode_tokens) / 1e6:.1f}"
                 " MB/token read"
             )
+            g = r.speculation
+            if g.get("prefetch_net_ms_per_step") is not None:
+                lines.append(
+                    f"{r.name}: the governor measured {100 * (g['prefetch_accuracy'] or 0):.0f}% "
+                    f"of guesses used and {g['prefetch_net_ms_per_step']:+.2f} ms per step saved; "
+                    f"speculation {'on' if g['prefetch_next_active'] else 'off'} at the end"
+                )
     simulated = [r for r in runs if r.policy_sim != (0, 0)]
     sim_ok = all(r.policy_sim == (r.hits_total, r.misses_total) for r in simulated)
     lines.append(

@@ -14,6 +14,7 @@ CUMULATIVE_KEYS = frozenset(
         "steps",
         "host_syncs",
         "fences",
+        "overlapped",
         "layer_calls",
         "passes",
         "bytes_read",
@@ -51,6 +52,7 @@ class Counters:
     steps: int = 0  # forward passes (calls of the first MoE layer): one per decode token
     host_syncs: int = 0  # evaluations the streaming layers forced (router read-backs + fences)
     fences: int = 0  # ... of them evaluating pending outputs before a slot they read was reused
+    overlapped: int = 0  # layer calls that computed resident experts' rows during the reads
     layer_calls: int = 0  # streaming layer calls
     passes: int = 0  # extra passes when a call needed more experts than a layer has slots
     bytes_read: int = 0
@@ -89,6 +91,7 @@ class Counters:
             "steps": self.steps,
             "host_syncs": self.host_syncs,
             "fences": self.fences,
+            "overlapped": self.overlapped,
             "layer_calls": self.layer_calls,
             "passes": self.passes,
             "bytes_read": self.bytes_read,

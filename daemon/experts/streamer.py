@@ -42,6 +42,19 @@ class StreamingConfig:
     cache_policy: str = DEFAULT_POLICY  # a name in experts/policies (the registry)
 
 
+@dataclass
+class PendingLoad:
+    """A layer call's admission whose reads are queued: `ready` experts can be computed now."""
+
+    pool: LayerPool
+    experts: np.ndarray
+    ready: np.ndarray  # resident and complete (not read by this load nor in flight)
+    loads: list[tuple[int, int]]
+    demand: list
+    spec_loads: list
+    spec_futures: list
+
+
 class ExpertStreamer:
     """Owns the slot pools, the store, the read workers, the counters and the usage profile."""
 
@@ -148,6 +161,11 @@ class ExpertStreamer:
 
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]:
         """Make `experts` resident in `layer`; returns (expert -> slot table, pools)."""
+        pending = self.begin_load(layer, experts)
+        return self.finish_load(pending), pending.pool.arrays
+
+    def begin_load(self, layer: int, experts: np.ndarray) -> PendingLoad:
+        """Admit `experts` and queue the reads of the missing ones without waiting for them."""
         pool = self.pools[layer]
         kept, spec_futures, spec_loads = self.spec.settle(layer, set(experts.tolist()))
         hits, loads = self._admit(pool, experts)
@@ -161,13 +179,22 @@ class ExpertStreamer:
             self._fence(layer, loads)
         demand = self.reader.submit(self.store.jobs_for(pool, loads)) if loads else []
         self.spec.issue(layer + 1)  # queued behind every demand read
-        if demand:
-            self._collect(pool, loads, demand)
-        if spec_futures:
-            self._collect_speculative(pool, experts, spec_loads, spec_futures)
+        ready = np.array([e for e in hits if e not in kept], dtype=np.int64)
+        return PendingLoad(pool, experts, ready, loads, demand, spec_loads, spec_futures)
+
+    def finish_load(self, p: PendingLoad) -> np.ndarray:
+        """Wait for a `begin_load`'s reads; returns the expert -> slot table."""
+        if p.demand:
+            self._collect(p.pool, p.loads, p.demand)
+        if p.spec_futures:
+            self._collect_speculative(p.pool, p.experts, p.spec_loads, p.spec_futures)
+        return self.table(p.pool, p.experts)
+
+    @staticmethod
+    def table(pool: LayerPool, experts: np.ndarray) -> np.ndarray:
         table = np.zeros(pool.num_experts, dtype=np.uint32)
         table[experts] = pool.slot_of[experts]
-        return table, pool.arrays
+        return table
 
     def defer(self, layer: int, out: mx.array, slots_read: np.ndarray) -> None:
         """`out` reads `slots_read` of `layer`'s pools and is not evaluated yet: it will be at the

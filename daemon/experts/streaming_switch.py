@@ -47,6 +47,12 @@ class LayerCache(Protocol):
 
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]: ...
 
+    def begin_load(self, layer: int, experts: np.ndarray): ...
+
+    def finish_load(self, pending) -> np.ndarray: ...
+
+    def table(self, pool, experts: np.ndarray) -> np.ndarray: ...
+
     def defer(self, layer: int, out: mx.array, slots_read: np.ndarray) -> None: ...
 
 
@@ -113,6 +119,51 @@ class StreamingSwitch(nn.Module):
         x = self._proj("fc1", x, idx, do_sort, pools)
         return self._proj("fc2", self.activation(x), idx, do_sort, pools)
 
+    def _in_passes(self, x, idx, host, passes, do_sort: bool) -> mx.array:
+        """One graph per pass over every row, each row kept from the pass that held its expert."""
+        streamer, layer = self._streamer, self._layer
+        out = None
+        for experts in passes:
+            table, pools = streamer.load(layer, experts)
+            y = self._experts(x, mx.array(table)[idx], do_sort, pools)
+            if len(passes) > 1:
+                member = np.zeros(table.shape[0], dtype=np.bool_)
+                member[experts] = True
+                if out is not None:
+                    y = mx.where(mx.expand_dims(mx.array(member)[idx], (-1, -2)), y, out)
+            # Not evaluated here: the streamer fences it before any slot it reads is reused.
+            streamer.defer(layer, y, np.unique(table[host]))
+            out = y
+        return out
+
+    def _overlapped(self, x, indices, host: np.ndarray, experts: np.ndarray) -> mx.array:
+        """Rows whose expert is resident are computed while the missing experts are read, then
+        the rest; each (token, expert) row is the same matrix-vector product either way, and the
+        two groups are put back in order by a permutation (no arithmetic)."""
+        streamer, layer = self._streamer, self._layer
+        pending = streamer.begin_load(layer, experts)
+        flat = host.reshape(-1)
+        early = np.isin(flat, pending.ready)
+        if early.all() or not early.any():
+            table = streamer.finish_load(pending)
+            y = self._experts(x, mx.array(table)[indices], False, pending.pool.arrays)
+            streamer.defer(layer, y, np.unique(table[host]))
+            return y
+        pools = pending.pool.arrays
+        rows = mx.broadcast_to(x, (*indices.shape, 1, x.shape[-1])).reshape(-1, 1, x.shape[-1])
+        first, rest = np.flatnonzero(early), np.flatnonzero(~early)
+        table = streamer.table(pending.pool, experts)  # the ready experts' slots are final
+        y_first = self._experts(rows[mx.array(first)], mx.array(table[flat[first]]), False, pools)
+        mx.async_eval(y_first)  # runs while the reads land; not a host sync
+        streamer.counters.overlapped += 1
+        table = streamer.finish_load(pending)
+        y_rest = self._experts(rows[mx.array(rest)], mx.array(table[flat[rest]]), False, pools)
+        order = mx.array(np.argsort(np.concatenate([first, rest])))
+        y = mx.concatenate([y_first, y_rest])[order]
+        y = y.reshape(*indices.shape, *y.shape[-2:])
+        streamer.defer(layer, y, np.unique(table[flat]))
+        return y
+
     def __call__(self, x, indices) -> mx.array:
         t0 = time.perf_counter()
         streamer, layer = self._streamer, self._layer
@@ -127,18 +178,10 @@ class StreamingSwitch(nn.Module):
         if do_sort:
             x, idx, inv_order = gather_sort(x, indices)
 
-        out = None
-        for experts in passes:
-            table, pools = streamer.load(layer, experts)
-            y = self._experts(x, mx.array(table)[idx], do_sort, pools)
-            if len(passes) > 1:
-                member = np.zeros(table.shape[0], dtype=np.bool_)
-                member[experts] = True
-                if out is not None:
-                    y = mx.where(mx.expand_dims(mx.array(member)[idx], (-1, -2)), y, out)
-            # Not evaluated here: the streamer fences it before any slot it reads is reused.
-            streamer.defer(layer, y, np.unique(table[host]))
-            out = y
+        if not do_sort and len(passes) == 1:
+            out = self._overlapped(x, indices, host, passes[0])
+        else:
+            out = self._in_passes(x, idx, host, passes, do_sort)
 
         if do_sort:
             out = scatter_unsort(out, inv_order, indices.shape)
