@@ -69,12 +69,50 @@ def run_follower(spec, expected_rank: int) -> int:
     except MemoryPlanRefused as exc:
         log.error("%s", exc)
         return DaemonExit.DOES_NOT_FIT
+    channel = StepChannel(group)
+    control = None
+    if spec.control and spec.control[group.rank()]:
+        control = _start_control(rank, channel)
     try:
-        follow(rank, StepChannel(group))
+        follow(rank, channel)
     except (RuntimeError, ProtocolMismatch) as exc:  # the ring lost a peer: rank 0 restarts us
         log.error("rank %d leaves the group: %s", group.rank(), exc)
         return DaemonExit.FAILED
     finally:
+        if control is not None:
+            control.close()
         if rank.streamer is not None:
             rank.streamer.close()
     return DaemonExit.OK
+
+
+def _start_control(rank: RankModel, channel: StepChannel):
+    """This host's moed socket, for its watchdog (shed, status, leave the group)."""
+    import os
+
+    from moed.daemon.distributed.control import RankControl
+    from moed.daemon.exit_codes import DaemonExit
+    from moed.protocol.paths import default_socket_path
+
+    def leave(reason: str) -> None:
+        # The main thread may sit in a collective: leave at once; rank 0 restarts the group.
+        log.error("rank %d leaves the group: %s", channel.rank, reason)
+        control.socket_path.unlink(missing_ok=True)
+        os._exit(DaemonExit.FAILED)
+
+    def shed(fraction: float) -> int:
+        return rank.streamer.shed(fraction) if rank.streamer is not None else 0
+
+    control = RankControl(
+        default_socket_path(),
+        channel.rank,
+        lambda: rank_status(rank, {"steps": channel.counters.steps}),
+        shed,
+        leave,
+    )
+    try:
+        control.start()
+    except OSError as exc:  # advisory: the rank serves its group without a local watchdog
+        log.warning("rank %d: no control socket for a watchdog (%s)", channel.rank, exc)
+        return None
+    return control

@@ -21,6 +21,8 @@ class RankSpec:
     memory_limit_bytes: int = 0
     kv_bytes: int = 0  # the whole model's KV estimate; each rank plans for its share
     backend: str = "ring"
+    # Ranks on other hosts bind that host's moed socket for its watchdog (never rank 0's host).
+    control: list[bool] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -82,4 +84,5 @@ def rank_spec(
         memory_limit_bytes=serve.memory_limit_bytes,
         kv_bytes=estimate_kv_bytes(model_config, serve.plan_context_tokens),
         backend=group.backend.value,
+        control=[not h.is_local for h in group.hosts],
     )
