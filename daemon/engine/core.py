@@ -30,7 +30,7 @@ from moed.daemon.model.loader import (
 )
 from moed.daemon.runtime.crashlog import CrashKind, is_out_of_memory
 from moed.daemon.runtime.faults import Faults
-from moed.daemon.telemetry.delta import counters_delta
+from moed.daemon.telemetry.delta import cache_state, request_counters
 from moed.daemon.telemetry.trace import finish_request_trace, start_request_trace
 from moed.protocol import ErrorCode, FinishReason, ProtocolError, ShedLevel
 from moed.protocol import messages as wire
@@ -293,7 +293,8 @@ class EngineCore:
         snapshot = self._stream_snapshot()
         if snapshot is not None:
             self.status.update(streaming=snapshot)
-            data["experts"] = counters_delta(gen.stream_before, snapshot)
+            data["experts"] = request_counters(gen.stream_before, snapshot)  # this request's
+            data["cache"] = cache_state(snapshot)  # the daemon-wide cache, named apart
         return data
 
     # ---- endings -----------------------------------------------------------------------------
