@@ -67,12 +67,16 @@ class AsyncClient:
                 raise DaemonUnavailable(f"no daemon socket at {self.socket_path}")
             sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, 50)
+            # The daemon's death drops the ipc connection at once: watch for it, not for pings.
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(f"ipc://{self.socket_path}")
             self._socket = sock
             self._last_heard = time.monotonic()
             self._tasks = [
                 asyncio.create_task(self._read_loop(sock)),
                 asyncio.create_task(self._heartbeat_loop(sock)),
+                asyncio.create_task(self._watch_disconnect(monitor)),
             ]
             try:
                 msg = await self._call_raw(MessageType.HELLO, client=self.name)
@@ -92,6 +96,7 @@ class AsyncClient:
             task.cancel()
         self._tasks = []
         if self._socket is not None:
+            self._socket.disable_monitor()
             self._socket.close(linger=0)
             self._socket = None
         self.welcome = None
@@ -210,6 +215,19 @@ class AsyncClient:
             if queue is not None:
                 queue.put_nowait(msg)
             # Anything else is late: a heartbeat's answer, an abandoned stream, a timed-out call.
+
+    async def _watch_disconnect(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            await monitor.recv_multipart()
+            await asyncio.sleep(0.05)  # let the reader take what the daemon sent before it went
+            self._drop(
+                DaemonUnavailable(
+                    f"the connection to the daemon at {self.socket_path} dropped "
+                    "(it exited or crashed)"
+                )
+            )
+        finally:
+            monitor.close(linger=0)
 
     async def _heartbeat_loop(self, sock: zmq.asyncio.Socket) -> None:
         """While requests are open, ping after `heartbeat_s` of silence; fail them after

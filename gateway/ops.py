@@ -3,6 +3,7 @@ the daemon's counters, then the gateway's own)."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 
@@ -15,6 +16,7 @@ from moed.client import ClientError
 from .context import Gateway
 from .errors import ApiError
 
+HEALTH_TIMEOUT_S = 2.0
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -47,9 +49,11 @@ def judge(status: dict, stall_after_s: float, now: float) -> Health:
 async def health(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     try:
-        status = await gateway.client.status()
-    except ClientError as exc:
-        body = {"status": Health.RESTARTING.value, "daemon": None, "error": str(exc)}
+        # A probe answers fast: a daemon that cannot say its status in time is not healthy.
+        status = await asyncio.wait_for(gateway.client.status(), HEALTH_TIMEOUT_S)
+    except (ClientError, TimeoutError) as exc:
+        reason = str(exc) or "no answer in time"
+        body = {"status": Health.RESTARTING.value, "daemon": None, "error": reason}
         return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
     verdict = judge(status, gateway.config.stall_after_s, time.time())
     body = {
