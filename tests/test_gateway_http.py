@@ -126,7 +126,9 @@ def test_api_key_is_enforced(stack, tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text(key + "\n")
     key_file.chmod(0o600)
-    gateway = start_gateway(tmp_path, daemon.socket, "--api-key-file", str(key_file))
+    gateway = start_gateway(
+        tmp_path, daemon.socket, "--api-key-file", str(key_file), "--max-body-bytes", "4096"
+    )
     try:
         url = gateway.url
         assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
@@ -143,6 +145,14 @@ def test_api_key_is_enforced(stack, tmp_path):
         authorized = ollama.Client(host=url, headers={"Authorization": f"Bearer {key}"})
         assert authorized.list().models
         assert httpx.get(f"{url}/metrics").status_code == 401
+        # The body limit, with a Content-Length and chunked (no length given up front).
+        big = {"model": "m", "prompt": "x" * 5000}
+        headers = {"Authorization": f"Bearer {key}"}
+        too_big = httpx.post(f"{url}/v1/completions", json=big, headers=headers)
+        assert too_big.status_code == 413 and "error" in too_big.json()
+        chunks = (part for part in [b'{"model": "m", "prompt": "', b"x" * 5000, b'"}'])
+        chunked = httpx.post(f"{url}/api/generate", content=chunks, headers=headers)
+        assert chunked.status_code == 413 and isinstance(chunked.json()["error"], str)
     finally:
         gateway.stop()
 
