@@ -100,6 +100,7 @@ def _mac(home: Path):
 
 def _linux(home: Path):
     units = "moed.service moed-watchdog.service"
+    daemon_log = home / ".local" / "state" / "moed" / "logs" / "daemon.log"
     return {
         "install": ["systemctl --user daemon-reload", f"systemctl --user enable --now {units}"],
         "uninstall": [
@@ -116,9 +117,14 @@ def _linux(home: Path):
             "systemctl --user show -p LoadState,ActiveState,SubState,UnitFileState,MainPID,"
             "ExecMainCode,ExecMainStatus,Result,NRestarts moed-watchdog.service",
         ],
-        "logs": ["journalctl --user -u moed.service -u moed-watchdog.service -n 200 --no-pager"],
+        # daemon.log has the daemon's whole story; the watchdog logs to the journal.
+        "logs": [
+            f"tail -n 200 {daemon_log}",
+            "journalctl --user -u moed-watchdog.service -n 200 --no-pager",
+        ],
         "logs -f": [
-            "journalctl --user -u moed.service -u moed-watchdog.service -n 200 --no-pager -f"
+            f"tail -n 200 -F {daemon_log}",
+            "journalctl --user -u moed-watchdog.service -n 200 --no-pager -f",
         ],
     }
 
@@ -395,18 +401,11 @@ def test_logs_runs_the_viewer(tmp_path, fake_tools):
     env = service_env(tmp_path, bin_dir)
     env["FAKE_STATE"] = str(state)
     assert invoke(env, "logs", "--platform", "linux", "-f", "-n", "5").exit_code == 0
-    assert calls()[-1] == [
-        "journalctl",
-        "--user",
-        "-u",
-        "moed.service",
-        "-u",
-        "moed-watchdog.service",
-        "-n",
-        "5",
-        "--no-pager",
-        "-f",
-    ]
+    # Both followers run at once: daemon.log and the watchdog's journal.
+    seen = sorted(calls()[-2:])
+    assert seen[0][:4] == ["journalctl", "--user", "-u", "moed-watchdog.service"]
+    assert seen[0][-1] == "-f" and seen[1][:4] == ["tail", "-n", "5", "-F"]
+    assert seen[1][-1].endswith("daemon.log")
 
 
 def test_macos_stop_then_start(tmp_path, fake_tools):

@@ -90,6 +90,7 @@ def test_daemon_started_from_the_rendered_unit_serves(tmp_path, fake_tools, tiny
         # `moed service status` finds the daemon through the installed config and shows its answer.
         result = invoke(env, "status", "--platform", platform)
         assert f"daemon answers on {socket}" in result.output, result.output
+        assert "state     ready" in result.output and "{'" not in result.output  # no raw dicts
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, output.read_text(errors="replace")

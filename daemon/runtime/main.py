@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 import zmq
 
@@ -110,14 +111,27 @@ def _open_run_log(server: Server, model_path) -> RotatingLog:
     """The rotating daemon.log: a start record (version, model, budget, why the last run ended),
     then logging."""
     from moed.daemon import __version__
-    from moed.daemon.runtime.run_log import record_start
+    from moed.daemon.runtime.run_log import (
+        DAEMON_LOG,
+        previous_run_end,
+        read_start_records,
+        record_start,
+    )
     from moed.daemon.service.launchctl import previous_exit as previous_exit_from_launchd
 
+    log_path = Path(server.serve.log_dir) / DAEMON_LOG
+    starts = read_start_records(log_path)
+    previous_pid = starts[-1].get("pid") if starts else None
     plan = server.start_plan
-    last = plan.last_crash if (plan.unclean_previous or plan.recent_crashes) else None
+    last = plan.last_crash
+    # A crash record speaks of the previous run only if that run crashed: an older crash (still
+    # within the restart window) is not why the last run ended.
+    if not (plan.unclean_previous or (last and str(last.get("pid")) == previous_pid)):
+        last = None
     reasons = [
         f"{last['kind']}: {str(last.get('message', ''))[:200]}" if last else None,
         previous_exit_from_launchd(),
+        previous_run_end(log_path),  # the log's own word: the last run's exit record
     ]
     previous = "; ".join(r for r in reasons if r) or None
     run_log = record_start(

@@ -202,6 +202,29 @@ def record_start(
 
 
 _START = re.compile(r"^(?P<time>\S+) moed start (?P<rest>.*)$")
+_EXIT = re.compile(r"^(?P<time>\S+) moed exit code=(?P<code>-?\d+) .*?reason=(?P<reason>\S*)")
+
+
+def previous_run_end(path: Path) -> str | None:
+    """How the last run recorded in this log ended, read before a new start record is added: its
+    exit record, or that it never wrote one (killed or crashed); None when there is no log."""
+    lines: list[str] = []
+    for file in (path.with_name(f"{path.name}.1"), path):  # a rotation may split the two
+        try:
+            lines += file.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            continue
+    started, ended = False, None
+    for line in lines:
+        if _START.match(line):
+            started, ended = True, None
+        elif m := _EXIT.match(line):
+            ended = m
+    if ended is not None:
+        code, reason = int(ended.group("code")), ended.group("reason") or "unknown"
+        kind = "clean exit" if code == 0 else f"exit code {code}"
+        return f"{kind} ({reason}) at {ended.group('time')}"
+    return "no exit record (killed or crashed)" if started else None
 
 
 def read_start_records(path: Path, backups: int = DEFAULT_BACKUPS) -> list[dict[str, str]]:

@@ -110,15 +110,31 @@ class Executor:
 
     def foreground(self, argv: list[str]) -> int:
         """Hand the terminal to a command (logs -f): its output goes straight to ours."""
+        return self.foreground_all([argv])
+
+    def foreground_all(self, commands: list[list[str]]) -> int:
+        """Hand the terminal to several commands at once (two log followers), until they end or
+        Ctrl-C; the worst exit code."""
         if self.dry_run:
-            self.echo(shlex.join(argv))
+            for argv in commands:
+                self.echo(shlex.join(argv))
             return 0
+        procs: list[subprocess.Popen] = []
         try:
-            return subprocess.call(argv)
-        except FileNotFoundError:
-            raise CommandFailed(argv, Result(127, stderr=f"{argv[0]}: command not found")) from None
+            for argv in commands:
+                try:
+                    procs.append(subprocess.Popen(argv))
+                except FileNotFoundError:
+                    result = Result(127, stderr=f"{argv[0]}: command not found")
+                    raise CommandFailed(argv, result) from None
+            return max(proc.wait() for proc in procs)
         except KeyboardInterrupt:
             return 0
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+                    proc.wait()
 
 
 def _capture(argv: list[str]) -> Result:
@@ -231,10 +247,18 @@ class ServiceBackend(abc.ABC):
         """None in a dry run (the queries were printed, nothing was asked)."""
 
     @abc.abstractmethod
-    def logs_command(self, lines: int, follow: bool) -> list[str]: ...
+    def logs_commands(self, lines: int, follow: bool) -> list[list[str]]: ...
 
     def logs(self, lines: int = 200, follow: bool = False) -> int:
-        return self.ex.foreground(self.logs_command(lines, follow))
+        commands = self.logs_commands(lines, follow)
+        if follow:  # every follower at once: their lines interleave as they come
+            return self.ex.foreground_all(commands)
+        return max(self.ex.foreground(argv) for argv in commands)
+
+
+def tail_command(paths: list[Path], lines: int, follow: bool) -> list[str]:
+    # -F follows across rotation (the daemon renames its log when it grows too large).
+    return ["tail", "-n", str(lines), *(["-F"] if follow else []), *map(str, paths)]
 
 
 def _generations(path: Path, keep: int = 9) -> list[Path]:
@@ -354,15 +378,9 @@ class LaunchdBackend(ServiceBackend):
             )
         return None if self.ex.dry_run else out
 
-    def logs_command(self, lines: int, follow: bool) -> list[str]:
-        # -F follows across rotation (the daemon renames its log when it grows too large).
-        return [
-            "tail",
-            "-n",
-            str(lines),
-            *(["-F"] if follow else []),
-            *(str(self.ctx.log_path(r)) for r in self.ctx.roles),
-        ]
+    def logs_commands(self, lines: int, follow: bool) -> list[list[str]]:
+        # Every process's stderr is its log file here.
+        return [tail_command([self.ctx.log_path(r) for r in self.ctx.roles], lines, follow)]
 
 
 class SystemdBackend(ServiceBackend):
@@ -429,8 +447,14 @@ class SystemdBackend(ServiceBackend):
             )
         return None if self.ex.dry_run else out
 
-    def logs_command(self, lines: int, follow: bool) -> list[str]:
-        return systemd.journal(self.units, lines, follow)
+    def logs_commands(self, lines: int, follow: bool) -> list[list[str]]:
+        # daemon.log has all of the daemon's story (start and exit records, every log line); the
+        # other processes log to the journal only.
+        others = [role.unit for role in self.ctx.roles if role is not Role.DAEMON]
+        commands = [tail_command([self.ctx.log_path(Role.DAEMON)], lines, follow)]
+        if others:
+            commands.append(systemd.journal(others, lines, follow))
+        return commands
 
 
 def _name_exit(role: Role, text: str | None, code: int | None) -> str | None:

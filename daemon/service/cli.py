@@ -35,6 +35,7 @@ from moed.daemon.service.render import (
     layout_for,
     make_context,
 )
+from moed.protocol.units import format_bytes, format_duration
 
 DIGEST_PREFIX = "# sha256 of the settings below as written: "
 
@@ -278,7 +279,9 @@ def status(dry_run, platform, config_file, as_json, timeout):
     "-n", "--lines", default=200, show_default=True, help="Lines of history to show first."
 )
 def logs_cmd(dry_run, platform, config_file, follow, lines):
-    """Show the daemon's and the watchdog's logs (the journal on Linux)."""
+    """Show the logs: daemon.log (start and exit records, every daemon line) and the other
+    processes' logs (their log files under launchd, the journal under systemd; the daemon's raw
+    stderr, such as a hard crash's last words, is also in `journalctl --user -u moed.service`)."""
     s = _session(platform, config_file, dry_run)
     code = _guard(lambda: s.backend.logs(lines=lines, follow=follow))
     if code:
@@ -301,24 +304,6 @@ def daemon_status(socket: Path, timeout: float) -> tuple[dict | None, str | None
         return None, f"{type(exc).__name__}: {exc}"
     finally:
         client.close()
-
-
-# The daemon's status fields worth a line; `status --json` has them all.
-STATUS_KEYS = (
-    "state",
-    "model",
-    "version",
-    "pid",
-    "uptime_s",
-    "requests_served",
-    "requests_failed",
-    "active_requests",
-    "queued_requests",
-)
-
-
-def _short(value: Any) -> str:
-    return f"{value:.0f}" if isinstance(value, float) else str(value)
 
 
 def format_status(
@@ -350,11 +335,29 @@ def format_status(
             bits.append(f"last exit: {r.last_exit}")
         lines.append(f"{r.role.value:9} {r.name}: loaded, " + ", ".join(bits))
     if answer is not None:
-        summary = ", ".join(f"{k}={_short(answer[k])}" for k in STATUS_KEYS if k in answer)
-        lines.append(f"daemon answers on {socket}" + (f": {summary}" if summary else ""))
+        lines.append(f"daemon answers on {socket}:")
+        lines += [f"  {line}" for line in format_daemon_answer(answer)]
     else:
         lines.append(f"daemon does not answer on {socket}" + (f" ({why})" if why else ""))
     if last_start:
-        rest = " ".join(f"{k}={v}" for k, v in last_start.items() if k != "time")
-        lines.append(f"last start {last_start.get('time')}: {rest}")
+        rest = ", ".join(f"{k} {v}" for k, v in last_start.items() if k not in ("time", "pid"))
+        lines.append(f"last start {last_start.get('time')} (pid {last_start.get('pid')}): {rest}")
     return "\n".join(lines)
+
+
+def format_daemon_answer(answer: dict) -> list[str]:
+    """The daemon's own status, a few readable lines (`--json` has every field)."""
+    model = answer.get("model") or {}
+    kind = "streaming" if model.get("streaming") else "resident"
+    keep = answer.get("keep_alive_s")
+    return [
+        f"state     {answer.get('state')} (pid {answer.get('pid')}, version "
+        f"{answer.get('version')}, up {format_duration(answer.get('uptime_s'))})",
+        f"model     {model.get('name') or '-'} ({model.get('model_type') or '?'}, {kind}) "
+        f"at {model.get('path') or '-'}",
+        f"requests  served {answer.get('requests_served')}, failed "
+        f"{answer.get('requests_failed')}, active {answer.get('active_requests')}, queued "
+        f"{answer.get('queued_requests')}",
+        f"memory    rss {format_bytes(answer.get('rss_bytes'))}, idle model released "
+        f"{'never' if keep is None or keep < 0 else 'after ' + format_duration(keep)}",
+    ]
