@@ -59,7 +59,7 @@ class BodyTooLarge(ApiError):
 class Guard:
     """API key, body-size limit and per-request metrics, before any route runs."""
 
-    OPEN_PATHS = frozenset({"/health"})  # liveness probes need no key
+    OPEN_PATHS = frozenset({"/", "/health"})  # liveness probes need no key
 
     def __init__(self, app: ASGIApp, gateway: Gateway, known_paths: frozenset[str]):
         self.app = app

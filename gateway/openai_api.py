@@ -377,8 +377,17 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [entry]})
 
 
+async def model(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    served = (await gateway.model()).get("name")
+    if request.path_params["name"] != served:
+        raise ApiError(ErrorKind.NOT_FOUND, f"model {request.path_params['name']!r} not found")
+    return JSONResponse({"id": served, "object": "model", "created": 0, "owned_by": "moed"})
+
+
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/models/{name:path}", model, methods=["GET"]),
 ]

@@ -90,7 +90,13 @@ async def metrics(request: Request) -> Response:
     )
 
 
+async def root(request: Request) -> Response:
+    # Tools that speak to ollama probe `GET /` for this line before anything else.
+    return PlainTextResponse("moed gateway is running")
+
+
 ROUTES = [
+    Route("/", root, methods=["GET", "HEAD"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
 ]

@@ -52,6 +52,10 @@ def test_model_listings(stack):
     name = daemon.client().connect()["model"]["name"]
     oai = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in oai.models.list()] == [name]
+    assert oai.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("not-" + name)
+    assert httpx.get(gateway.url).text == "moed gateway is running"
     llama = ollama.Client(host=gateway.url)
     assert [m.model for m in llama.list().models] == [f"{name}:latest"]
     assert [m.model for m in llama.ps().models] == [f"{name}:latest"]
