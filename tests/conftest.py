@@ -76,7 +76,7 @@ def tiny_model(checkpoint_factory) -> Path:
 
 # --- real daemon processes ------------------------------------------------------------------
 
-from daemon_harness import DaemonProcess, start_daemon  # noqa: E402
+from daemon_harness import DaemonProcess, Supervisor, start_daemon  # noqa: E402
 
 
 @pytest.fixture
@@ -99,6 +99,25 @@ def daemon_factory(tmp_path):
 def daemon(daemon_factory, tiny_model) -> DaemonProcess:
     """A running resident daemon on the tiny qwen3_moe checkpoint."""
     return daemon_factory(tiny_model, "--resident")
+
+
+@pytest.fixture
+def supervisor(tmp_path):
+    """`supervisor(model, *serve_args, env=None) -> Supervisor`: `moed serve` restarted like
+    KeepAlive restarts it; all stopped at teardown."""
+    made: list[Supervisor] = []
+
+    def make(model: Path, *serve_args: str, env: dict | None = None) -> Supervisor:
+        sup = Supervisor(tmp_path / f"s{len(made)}", model, *serve_args, env=env)
+        sup.tmp.mkdir(parents=True)
+        made.append(sup)
+        return sup.start()
+
+    try:
+        yield make
+    finally:
+        for sup in made:
+            sup.stop()
 
 
 # --- memory cgroups (root-only Linux tests) ---------------------------------------------------

@@ -34,21 +34,12 @@ SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 7}
 
 
 @pytest.fixture
-def pipeline(tmp_path, checkpoint_factory):
-    made: list[Supervisor] = []
-
+def pipeline(supervisor, checkpoint_factory):
     def start(*args: str, env: dict | None = None) -> Supervisor:
         path = checkpoint_factory("qwen3_moe", num_layers=4)
-        sup = Supervisor(tmp_path / f"s{len(made)}", path, "--pipeline", "2", *args, env=env)
-        sup.tmp.mkdir(parents=True)
-        made.append(sup)
-        return sup.start()
+        return supervisor(path, "--pipeline", "2", *args, env=env)
 
-    try:
-        yield start
-    finally:
-        for sup in made:
-            sup.stop()
+    return start
 
 
 def tokens(client: Client, max_tokens: int, **sampling) -> list[int]:

@@ -46,23 +46,6 @@ pytestmark = [
 PROMPT = "hello"
 
 
-@pytest.fixture
-def supervisor(tmp_path):
-    made: list[Supervisor] = []
-
-    def make(model: Path, *serve_args: str, env: dict | None = None) -> Supervisor:
-        sup = Supervisor(tmp_path / f"s{len(made)}", model, *serve_args, env=env)
-        sup.tmp.mkdir(parents=True)
-        made.append(sup)
-        return sup.start()
-
-    try:
-        yield make
-    finally:
-        for sup in made:
-            sup.stop()
-
-
 def _reference(sup: Supervisor, max_tokens: int) -> tuple[list[int], str]:
     ids, text = [], []
     with Client(sup.socket) as c:
