@@ -19,7 +19,7 @@ from mlx_lm.utils import load
 
 from moed.daemon.distributed.hostfile import local_group
 from moed.daemon.distributed.launch import free_port_run, rank_environment
-from moed.daemon.experts import parse_budget
+from moed.daemon.experts import CheckpointIndex, StreamingConfig, install_streaming, parse_budget
 
 sys.path.insert(0, str(Path(__file__).parent))
 import pipeline_worker  # noqa: E402
@@ -97,3 +97,32 @@ def test_two_ranks_match_the_resident_model(checkpoint_factory, resident_tokens,
     assert all(r["experts"]["experts_bytes"] < total for r in ranks)
     link = ranks[0]["link"]
     assert link["forward_tokens"] > 0 and link["bytes_per_token"] > 0
+
+    # Memory: the ranks partition one process's weights and expert slots, except the embeddings,
+    # final norm and head that every rank keeps.
+    single = one_process_memory(path, budget)
+    shared = sum(
+        loc.nbytes for name, loc in CheckpointIndex(path).tensors.items() if "layers." not in name
+    )
+    weights = [r["resident_weight_bytes"] for r in ranks]
+    assert sum(weights) - shared == single["weights"]
+    assert sum(r["experts"]["resident_bytes"] for r in ranks) == single["experts"]
+    # About half of the per-layer memory each (deepseek's dense first layer tilts an even split
+    # by layer count a little; `--pipeline-split cost` evens it).
+    per_layer = single["weights"] + single["experts"] - shared
+    for r in ranks:
+        mine = r["resident_weight_bytes"] + r["experts"]["resident_bytes"] - shared
+        assert 0.4 * per_layer <= mine <= 0.6 * per_layer
+
+
+def one_process_memory(path: Path, budget: str) -> dict:
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(path, lazy=True)
+    streamer = install_streaming(
+        model, path, StreamingConfig(cache_budget=budget, memory_bytes=8 << 30)
+    )
+    try:
+        return {"weights": streamer.resident_weight_bytes, "experts": streamer.resident_bytes}
+    finally:
+        streamer.close()
