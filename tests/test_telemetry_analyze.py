@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +47,18 @@ def test_trace_from_a_model_becomes_table_and_plots(tiny_model, daemon_factory, 
         data = (tmp_path / "plots" / name).read_bytes()
         assert data.startswith(PNG) and len(data) > 10_000, name
 
-    # Two traces together, as JSON: the curves are hit rates, Belady never below LRU, all rising.
+    # A second run starts with the first one's experts cached: the recorded row states the run's
+    # own hit rate (the one on the `recorded` line), not the empty-cache simulation beside it.
     record(d, tmp_path / "b.moetrace", "class Stack:", 16)
+    out = moed("trace", "analyze", str(tmp_path / "b.moetrace"), "--no-plots")
+    assert out.returncode == 0, out.stderr
+    recorded_line = next(line for line in out.stdout.splitlines() if line.startswith("recorded"))
+    hit_pct = re.search(r"hit \d+ \((\d+\.\d%)\)", recorded_line).group(1)
+    row = next(line for line in out.stdout.splitlines() if "<- recorded" in line)
+    assert f"the run hit {hit_pct}" in row and "experts cached" in row, row
+    assert "each simulated from an empty cache" in out.stdout
+
+    # Two traces together, as JSON: the curves are hit rates, Belady never below LRU, all rising.
     out = moed(
         "trace",
         "analyze",

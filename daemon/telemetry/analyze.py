@@ -291,6 +291,7 @@ def _replay(traces: list[Trace], policy: str, E: int) -> dict:
         "recorded_hits": rec["hit"],
         "recorded_misses": rec_misses,
         "match": hits == rec["hit"] and misses == rec_misses,
+        "warm_experts": sum(len(experts) for experts in start),  # cached when the run began
     }
 
 
@@ -344,18 +345,26 @@ def format_report(r: Report) -> str:
     )
     lines += [
         "",
-        f"hit rate vs cache size (the daemon ran {r.policy}; {BELADY}: the offline optimum)",
+        f"hit rate vs cache size, each simulated from an empty cache (the daemon ran {r.policy}; "
+        f"{BELADY}: the offline optimum)",
         f"{'slots/layer':>11}  {'% experts':>9}  {'cache':>10}  "
         + "  ".join(f"{name:>7}" for name in r.curves),
     ]
     for i, s in enumerate(r.sizes):
-        mark = "  <- recorded" if s == r.recorded_slots else ""
+        mark = recorded_mark(r) if s == r.recorded_slots else ""
         lines.append(
             f"{s:>11}  {s / r.experts:>9.1%}  {_gb(s * r.expert_bytes * r.layers):>10}  "
             + "  ".join(f"{curve[i]:>7.1%}" for curve in r.curves.values())
             + mark
         )
     return "\n".join(lines)
+
+
+def recorded_mark(r: Report) -> str:
+    """The recorded budget's row: the run's own hit rate (its cache may not have started empty)."""
+    looked, warm = sum(r.recorded.values()), (r.replay or {}).get("warm_experts")
+    rate = f": the run hit {r.recorded['hit'] / looked:.1%}" if looked else ""
+    return f"  <- recorded{rate}" + (f", starting with {warm} experts cached" if warm else "")
 
 
 # ---- plots ------------------------------------------------------------------------------------
