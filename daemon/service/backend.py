@@ -1,148 +1,28 @@
 """One interface over launchd and systemd --user: install, uninstall, start, stop, restart, status,
 logs.
 
-Every side effect goes through an Executor, which either performs it or, in a dry run, prints it
-(files as shell here-documents, commands as shell lines), so a dry run shows exactly what a real
-run would do on either platform.
+Every side effect goes through an Executor (executor.py), which performs it or, in a dry run,
+prints it (files as shell here-documents, commands as shell lines), so a dry run shows exactly what
+a real run would do on either platform.
 """
 
 from __future__ import annotations
 
 import abc
-import os
 import shlex
-import subprocess
 import time
-from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moed.daemon.exit_codes import DaemonExit
-from moed.daemon.runtime.state_files import write_atomic
 from moed.daemon.service import launchctl, systemd
+from moed.daemon.service.executor import CommandFailed, Executor, Result
 from moed.daemon.service.render import (
     Role,
     ServiceContext,
     ServiceManager,
     render,
 )
-
-HEREDOC_END = "MOED_EOF"
-
-
-@dataclass(frozen=True)
-class Result:
-    returncode: int
-    stdout: str = ""
-    stderr: str = ""
-
-
-class CommandFailed(RuntimeError):
-    def __init__(self, argv: list[str], result: Result, hint: str = ""):
-        detail = (result.stderr or result.stdout).strip()
-        message = f"`{shlex.join(argv)}` exited {result.returncode}" + (
-            f": {detail}" if detail else ""
-        )
-        super().__init__(message + (f"\n{hint}" if hint else ""))
-        self.argv = argv
-        self.result = result
-
-
-class Executor:
-    """Performs file writes and commands, or prints them when dry_run is set."""
-
-    def __init__(self, dry_run: bool = False, echo: Callable[[str], None] = print):
-        self.dry_run = dry_run
-        self.echo = echo
-
-    def write(self, path: Path, content: bytes, mode: int = 0o644) -> None:
-        if self.dry_run:
-            text = content.decode()
-            self.echo(f"mkdir -p {shlex.quote(str(path.parent))}")
-            self.echo(
-                f"cat > {shlex.quote(str(path))} <<'{HEREDOC_END}'\n"
-                f"{text.rstrip(chr(10))}\n{HEREDOC_END}"
-            )
-            return
-        write_atomic(path, content)
-        os.chmod(path, mode)
-
-    def mkdir(self, path: Path) -> None:
-        if self.dry_run:
-            self.echo(f"mkdir -p {shlex.quote(str(path))}")
-            return
-        path.mkdir(parents=True, exist_ok=True)
-
-    def remove(self, path: Path) -> None:
-        if self.dry_run:
-            self.echo(f"rm -f {shlex.quote(str(path))}")
-            return
-        path.unlink(missing_ok=True)
-
-    def rmdir_if_empty(self, path: Path) -> None:
-        if self.dry_run:
-            self.echo(f"rmdir {shlex.quote(str(path))} 2>/dev/null || true")
-            return
-        try:
-            path.rmdir()
-        except OSError:
-            pass  # not empty, or not there
-
-    def run(
-        self, argv: list[str], ok: Iterable[int] = (0,), tolerate: bool = False, hint: str = ""
-    ) -> Result:
-        """Run a command; a dry run prints it and reports success. tolerate: never raise."""
-        if self.dry_run:
-            self.echo(shlex.join(argv) + (" || true" if tolerate else ""))
-            return Result(0)
-        result = _capture(argv)
-        if result.returncode not in set(ok) and not tolerate:
-            raise CommandFailed(argv, result, hint)
-        return result
-
-    def query(self, argv: list[str]) -> Result | None:
-        """A read-only command whose answer the caller needs: None in a dry run (after printing
-        it)."""
-        if self.dry_run:
-            self.echo(shlex.join(argv))
-            return None
-        return _capture(argv)
-
-    def foreground(self, argv: list[str]) -> int:
-        """Hand the terminal to a command (logs -f): its output goes straight to ours."""
-        return self.foreground_all([argv])
-
-    def foreground_all(self, commands: list[list[str]]) -> int:
-        """Hand the terminal to several commands at once (two log followers), until they end or
-        Ctrl-C; the worst exit code."""
-        if self.dry_run:
-            for argv in commands:
-                self.echo(shlex.join(argv))
-            return 0
-        procs: list[subprocess.Popen] = []
-        try:
-            for argv in commands:
-                try:
-                    procs.append(subprocess.Popen(argv))
-                except FileNotFoundError:
-                    result = Result(127, stderr=f"{argv[0]}: command not found")
-                    raise CommandFailed(argv, result) from None
-            return max(proc.wait() for proc in procs)
-        except KeyboardInterrupt:
-            return 0
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.terminate()
-                    proc.wait()
-
-
-def _capture(argv: list[str]) -> Result:
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        return Result(127, stderr=f"{argv[0]}: command not found")
-    return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
 @dataclass(frozen=True)
@@ -242,9 +122,22 @@ class ServiceBackend(abc.ABC):
     @abc.abstractmethod
     def restart(self) -> None: ...
 
-    @abc.abstractmethod
     def status(self) -> list[RoleStatus] | None:
         """None in a dry run (the queries were printed, nothing was asked)."""
+        out: list[RoleStatus] = []
+        for role in self.ctx.roles:
+            result = self.ex.query(self._status_query(role))
+            if result is not None:
+                installed = self.ctx.layout.unit_path(role).exists()
+                out.append(self._role_status(role, installed, result))
+        return None if self.ex.dry_run else out
+
+    @abc.abstractmethod
+    def _status_query(self, role: Role) -> list[str]: ...
+
+    @abc.abstractmethod
+    def _role_status(self, role: Role, installed: bool, result: Result) -> RoleStatus:
+        """The service manager's answer about one role (with `error` set when unreadable)."""
 
     @abc.abstractmethod
     def logs_commands(self, lines: int, follow: bool) -> list[list[str]]: ...
@@ -346,37 +239,19 @@ class LaunchdBackend(ServiceBackend):
                 hint="not loaded? run: moed service start",
             )
 
-    def status(self) -> list[RoleStatus] | None:
-        out: list[RoleStatus] = []
-        for role in self.ctx.roles:
-            result = self.ex.query(launchctl.print_(self.uid, role.label))
-            if result is None:
-                continue
-            installed = self._plist(role).exists()
-            try:
-                st = launchctl.state_from_result(result.returncode, result.stdout, result.stderr)
-            except launchctl.LaunchctlError as exc:
-                out.append(RoleStatus(role, role.label, installed, False, False, error=str(exc)))
-                continue
-            last = _name_exit(
-                role,
-                st.last_exit(),
-                st.last_exit_code if ":" not in (st.last_exit_text or "") else None,
-            )
-            out.append(
-                RoleStatus(
-                    role,
-                    role.label,
-                    installed,
-                    st.loaded,
-                    st.running,
-                    st.pid,
-                    st.state,
-                    last,
-                    st.runs,
-                )
-            )
-        return None if self.ex.dry_run else out
+    def _status_query(self, role: Role) -> list[str]:
+        return launchctl.print_(self.uid, role.label)
+
+    def _role_status(self, role: Role, installed: bool, result: Result) -> RoleStatus:
+        try:
+            st = launchctl.state_from_result(result.returncode, result.stdout, result.stderr)
+        except launchctl.LaunchctlError as exc:
+            return RoleStatus(role, role.label, installed, False, False, error=str(exc))
+        code = st.last_exit_code if ":" not in (st.last_exit_text or "") else None
+        last = _name_exit(role, st.last_exit(), code)
+        return RoleStatus(
+            role, role.label, installed, st.loaded, st.running, st.pid, st.state, last, runs=st.runs
+        )
 
     def logs_commands(self, lines: int, follow: bool) -> list[list[str]]:
         # Every process's stderr is its log file here.
@@ -418,34 +293,27 @@ class SystemdBackend(ServiceBackend):
     def restart(self) -> None:
         self.ex.run(systemd.verb("restart", self.units), hint=self.HINT)
 
-    def status(self) -> list[RoleStatus] | None:
-        out: list[RoleStatus] = []
-        for role in self.ctx.roles:
-            result = self.ex.query(systemd.show(role.unit))
-            if result is None:
-                continue
-            installed = self.ctx.layout.unit_path(role).exists()
-            try:
-                st = systemd.state_from_result(result.returncode, result.stdout, result.stderr)
-            except systemd.SystemctlError as exc:
-                out.append(RoleStatus(role, role.unit, installed, False, False, error=str(exc)))
-                continue
-            code = st.exec_main_status if st.exec_main_code == 1 else None
-            last = _name_exit(role, st.last_exit(), code)
-            out.append(
-                RoleStatus(
-                    role,
-                    role.unit,
-                    installed,
-                    st.loaded,
-                    st.running,
-                    st.pid,
-                    st.state,
-                    last,
-                    restarts=st.restarts,
-                )
-            )
-        return None if self.ex.dry_run else out
+    def _status_query(self, role: Role) -> list[str]:
+        return systemd.show(role.unit)
+
+    def _role_status(self, role: Role, installed: bool, result: Result) -> RoleStatus:
+        try:
+            st = systemd.state_from_result(result.returncode, result.stdout, result.stderr)
+        except systemd.SystemctlError as exc:
+            return RoleStatus(role, role.unit, installed, False, False, error=str(exc))
+        code = st.exec_main_status if st.exec_main_code == 1 else None
+        last = _name_exit(role, st.last_exit(), code)
+        return RoleStatus(
+            role,
+            role.unit,
+            installed,
+            st.loaded,
+            st.running,
+            st.pid,
+            st.state,
+            last,
+            restarts=st.restarts,
+        )
 
     def logs_commands(self, lines: int, follow: bool) -> list[list[str]]:
         # daemon.log has all of the daemon's story (start and exit records, every log line); the

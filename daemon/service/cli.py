@@ -19,13 +19,8 @@ from moed.client.cli_common import global_options
 from moed.client.errors import DaemonUnavailable
 from moed.daemon.config import ConfigError, load_config, to_toml
 from moed.daemon.runtime import run_log as service_logs
-from moed.daemon.service.backend import (
-    BACKENDS,
-    CommandFailed,
-    Executor,
-    RoleStatus,
-    ServiceBackend,
-)
+from moed.daemon.service.backend import BACKENDS, RoleStatus, ServiceBackend
+from moed.daemon.service.executor import CommandFailed, Executor
 from moed.daemon.service.render import (
     GATEWAY_PORT,
     Role,
