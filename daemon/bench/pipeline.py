@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from moed.daemon.bench.serve import time_through_daemon
+from moed.protocol.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,7 @@ class Setup:
         )
 
 
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.2f} MB"
+_mb = format_bytes  # the one byte formatter
 
 
 @click.command("pipeline")

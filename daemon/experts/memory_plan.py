@@ -14,6 +14,7 @@ import psutil
 
 from moed.daemon.experts.budget import parse_budget, slots_per_layer
 from moed.daemon.experts.safetensors_index import CheckpointIndex
+from moed.protocol.units import format_bytes
 
 GB = 1e9
 LINUX_USABLE_FRACTION = 0.85  # leave the rest to the OS and other processes
@@ -81,8 +82,7 @@ class MemoryPlan:
         )
 
 
-def _gb(n: int) -> str:
-    return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.1f} MB"
+_gb = format_bytes  # the one byte formatter
 
 
 def cgroup_memory_limit() -> int | None:

@@ -21,6 +21,7 @@ import numpy as np
 from moed.daemon.experts.policies import DEFAULT_POLICY, POLICIES, EvictionPolicy, make_policy
 from moed.daemon.experts.slots import SlotTable
 from moed.daemon.telemetry.trace import CLASSES, Trace
+from moed.protocol.units import format_bytes
 
 Calls = list[np.ndarray]  # per layer call: the distinct experts, ascending
 BELADY = "belady"  # the offline optimum's column
@@ -298,10 +299,7 @@ def _replay(traces: list[Trace], policy: str, E: int) -> dict:
 # ---- text -------------------------------------------------------------------------------------
 
 
-def _gb(n: float) -> str:
-    if n >= 1e8:
-        return f"{n / 1e9:.2f} GB"
-    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+_gb = format_bytes  # the one byte formatter
 
 
 def format_report(r: Report) -> str:

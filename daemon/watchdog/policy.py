@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from moed.daemon.platform import PressureLevel
+from moed.protocol.units import format_bytes
 
 _MIB = 1024 * 1024
 
@@ -233,7 +234,7 @@ class Policy:
             return
         if self.baseline is None:
             self.baseline = s.swap_used_bytes
-            notes.append(f"swap baseline {s.swap_used_bytes / _MIB:.0f} MiB")
+            notes.append(f"swap baseline {format_bytes(s.swap_used_bytes)}")
         elif s.swap_used_bytes < self.baseline:
             self.baseline = s.swap_used_bytes  # swap shrank: measure growth from the new low
 
@@ -243,8 +244,8 @@ class Policy:
             growth = s.swap_used_bytes - self.baseline
             if growth >= self.params.swap_growth_bytes:
                 reasons.append(
-                    f"swap grew {growth / _MIB:.0f} MiB over its baseline "
-                    f"(limit {self.params.swap_growth_bytes / _MIB:.0f} MiB)"
+                    f"swap grew {format_bytes(growth)} over its baseline "
+                    f"(limit {format_bytes(self.params.swap_growth_bytes)})"
                 )
         if self.params.act_on_critical_pressure and s.pressure is PressureLevel.CRITICAL:
             reasons.append("memory pressure is critical")
