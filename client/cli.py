@@ -370,6 +370,15 @@ def format_status(body: dict) -> str:
         f"tokens       {body.get('tokens_generated')}",
         f"memory       rss {format_bytes(body.get('rss_bytes'))}",
     ]
+    for rank in body.get("ranks") or []:  # a pipeline: one line per rank
+        experts = rank.get("experts") or {}
+        hit = experts.get("hit_rate")
+        lines.append(
+            f"rank {rank.get('rank'):<7} {rank.get('host')} pid {rank.get('pid')}  "
+            f"layers {rank.get('layers')}  rss {format_bytes(rank.get('rss_bytes'))}  "
+            f"experts {format_bytes(experts.get('resident_bytes'))}"
+            + (f"  hits {hit:.1%}  reads {experts.get('reads')}" if hit is not None else "")
+        )
     for key in ("last_crash", "watchdog"):
         if body.get(key):
             lines.append(f"{key:<12} {json.dumps(body[key], default=str)}")

@@ -107,3 +107,37 @@ def test_service_install_runs_the_group(tmp_path):
         line for line in result.output.splitlines() if "RestartPreventExitStatus" in line
     )
     assert str(int(DaemonExit.RANK_FAILED)) not in prevent.split("=", 1)[1].split()
+
+
+def test_rank_spec_from_a_hostfile_and_the_cost_split(checkpoint_factory, tmp_path):
+    from moed.daemon.config import ServeConfig
+    from moed.daemon.distributed.rank_model import resolve_split
+    from moed.daemon.distributed.spec import RankSpec, group_spec, rank_spec
+    from moed.daemon.distributed.split import SplitMode
+
+    path = checkpoint_factory("deepseek_v3", num_layers=4)
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(
+        json.dumps(
+            [
+                {"ssh": "localhost", "ips": ["127.0.0.1"]},
+                {"ssh": "mini2", "ips": ["10.0.0.2"], "expert_budget": "2GB"},
+            ]
+        )
+    )
+    serve = ServeConfig(hostfile=str(hosts), cache_budget="25%")
+    config = json.loads((path / "config.json").read_text())
+    spec = RankSpec.from_json(rank_spec(serve, group_spec(serve), path, config).to_json())
+    assert spec.budgets == ["25%", "2GB"]  # a host's own budget wins over the daemon's
+    assert spec.control == [False, True]  # only the other host binds its own moed socket
+    assert spec.split_for(2, 4) is SplitMode.EVEN
+    # The cost split's slowest stage is never slower than the even split's.
+    costs = [c.per_token_bytes for c in layer_costs(CheckpointIndex(path), 4, top_k=2)]
+
+    def slowest(split):  # rank 0 runs the last layers
+        bounds = [sum(split[r + 1 :]) for r in range(len(split))]
+        return max(sum(costs[b : b + n]) for b, n in zip(bounds, split))
+
+    cost_split = resolve_split(SplitMode.COST, 2, path, config, 4)
+    assert sum(cost_split) == 4
+    assert slowest(cost_split) <= slowest(resolve_split(SplitMode.EVEN, 2, path, config, 4))

@@ -74,6 +74,10 @@ def test_pipeline_daemon_serves_the_resident_tokens(pipeline, checkpoint_factory
             moe_command(sup.socket, "status", "--json"), capture_output=True, check=True
         ).stdout
     )
+    human = subprocess.run(
+        moe_command(sup.socket, "status"), capture_output=True, text=True, check=True
+    ).stdout
+    assert "rank 0" in human and "rank 1" in human and "layers [0, 2]" in human
     ranks = status["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and [r["layers"] for r in ranks] == [[2, 4], [0, 2]]
     for r in ranks:

@@ -37,9 +37,6 @@ class RankLayers:
     num_layers: int  # in the whole model
     split: tuple[int, ...]  # layers per rank, rank 0 first
 
-    def describe(self) -> dict:
-        return {"rank": self.rank, "layers": [self.start, self.end], "split": list(self.split)}
-
 
 @dataclass(frozen=True)
 class RankModel:
