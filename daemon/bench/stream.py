@@ -127,7 +127,13 @@ class Contender:
         res.slots = min(self.streamer.slots)
         res.speculation = {
             k: end[k]
-            for k in ("prefetch_next_active", "prefetch_accuracy", "prefetch_net_ms_per_step")
+            for k in (
+                "prefetch_next_active",
+                "prefetch_accuracy",
+                "prefetch_net_ms_per_step",
+                "overlap_reads_active",
+                "overlap_net_ms_per_step",
+            )
         }
         res.hits_total, res.misses_total, res.expert_bytes = (
             end["hits"],

@@ -17,7 +17,7 @@ class RunResult:
     hits_total: int = 0
     misses_total: int = 0
     policy: str = ""
-    speculation: dict = field(default_factory=dict)  # the prefetch-next governor at the end
+    speculation: dict = field(default_factory=dict)  # the step tuner's switches at the end
     policy_sim: tuple[int, int] = (0, 0)  # the streamer's policy replayed on its routing trace
     belady: tuple[int, int] = (0, 0)
     expert_bytes: int = 0
@@ -86,13 +86,26 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
                 f"{(c['bytes_read'] + c['prefetch_bytes']) / max(1, r.decode_tokens) / 1e6:.1f}"
                 " MB/token read"
             )
-            g = r.speculation
-            if g.get("prefetch_net_ms_per_step") is not None:
-                lines.append(
-                    f"{r.name}: the governor measured {100 * (g['prefetch_accuracy'] or 0):.0f}% "
-                    f"of guesses used and {g['prefetch_net_ms_per_step']:+.2f} ms per step saved; "
-                    f"speculation {'on' if g['prefetch_next_active'] else 'off'} at the end"
-                )
+
+    for r in runs:
+        g = r.speculation
+        if g.get("prefetch_net_ms_per_step") is not None:
+            lines.append(
+                f"{r.name}: next-layer prefetch used {100 * (g['prefetch_accuracy'] or 0):.0f}% "
+                f"of its guesses, saved {g['prefetch_net_ms_per_step']:+.2f} ms per step in the "
+                f"tuner's last probe; {'on' if g['prefetch_next_active'] else 'off'} at the end"
+            )
+    overlap = [
+        f"{r.name} {r.speculation['overlap_net_ms_per_step']:+.2f}"
+        + ("" if r.speculation["overlap_reads_active"] else " (off)")
+        for r in runs
+        if r.speculation.get("overlap_net_ms_per_step") is not None
+    ]
+    if overlap:
+        lines.append(
+            "computing resident experts during reads, ms per step saved in the last probe: "
+            + ", ".join(overlap)
+        )
     simulated = [r for r in runs if r.policy_sim != (0, 0)]
     sim_ok = all(r.policy_sim == (r.hits_total, r.misses_total) for r in simulated)
     lines.append(

@@ -2,28 +2,27 @@
 L+1's router picks for layer L's input. Exact either way (it only changes what is resident).
 
 It pays only when its guesses are used and the reads it hides cost more than the router it runs
-and the bandwidth it wastes, so a governor measures that on the running workload: it alternates
-probe windows with speculation on and off, keeps the faster setting for a while, then probes
-again. Speculative reads queue behind demand reads, and the ones a layer turns out not to need
-are cancelled before they start.
+and the bandwidth it wastes, so it is a switch of the step tuner (tuning.py), kept on only while
+it measurably saves time and enough of its guesses are used. Speculative reads queue behind demand
+reads, and the ones a layer turns out not to need are cancelled before they start.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import statistics
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
+from moed.daemon.experts.tuning import Switch
+
 log = logging.getLogger(__name__)
 
-WINDOW = 16  # decode steps per probe window
-HOLD = 8  # windows to keep the chosen setting before probing again
 MIN_ACCURACY = 0.3  # below this share of guesses used, speculation stays off
+ACCURACY_STEPS = 64  # recent steps with speculation on that the accuracy covers
 
 
 @dataclass
@@ -35,82 +34,30 @@ class Inflight:
     nbytes: dict[int, list[int]] = field(default_factory=dict)  # per job, as `futures`
 
 
-class PrefetchGovernor:
-    """Decides per decode step whether speculation runs, from measured step times."""
-
-    def __init__(self):
-        self.active = True
-        self._phase: list[bool] = [True, False]  # probe: one window on, one window off
-        self._hold = 0
-        self._times: dict[bool, list[float]] = {True: [], False: []}
-        self._window: list[float] = []
-        self._used = self._guessed = 0
-        self.accuracy: float | None = None  # share of guesses used, last window with it on
-        self.net_ms: float | None = None  # step time saved by speculation (off minus on)
-        self.switches = 0
-
-    def on_step(self, step_s: float, used: int, guessed: int) -> None:
-        """One decode step finished in `step_s`; speculation guessed `guessed` experts and
-        `used` of them were needed."""
-        self._window.append(step_s)
-        self._used += used
-        self._guessed += guessed
-        if len(self._window) < WINDOW:
-            return
-        median = statistics.median(self._window)
-        self._window = []
-        if self.active and self._guessed:
-            self.accuracy = self._used / self._guessed
-        self._used = self._guessed = 0
-        if self._hold > 0:
-            self._hold -= 1
-            if self._hold == 0:
-                self._phase = [True, False]
-                self._set(True)
-            return
-        self._times[self.active] = [median]
-        self._phase.pop(0)
-        if self._phase:
-            self._set(self._phase[0])
-            return
-        on, off = self._times[True][0], self._times[False][0]
-        self.net_ms = 1e3 * (off - on)
-        accurate = self.accuracy is not None and self.accuracy >= MIN_ACCURACY
-        self._set(accurate and on < off)
-        self._hold = HOLD
-        log.debug(
-            "prefetch-next %s: accuracy %s, net %.2f ms per step",
-            "on" if self.active else "off",
-            self.accuracy,
-            self.net_ms,
-        )
-
-    def _set(self, active: bool) -> None:
-        if active != self.active:
-            self.switches += 1
-        self.active = active
-
-
 class Speculator:
     """The speculative reads of an ExpertStreamer (pools, store, reader and counters are its)."""
 
     def __init__(self, streamer, enabled: bool):
         self.s = streamer
         self.enabled = enabled
-        self.governor = PrefetchGovernor() if enabled else None
+        self.switch = Switch("prefetch_next", active=enabled, allowed=self._accurate)
         self._predicted: tuple[int, np.ndarray] | None = None  # (layer, experts) to read next
         self._inflight: dict[int, Inflight] = {}
-        self._step_t0: float | None = None
+        self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=ACCURACY_STEPS)
         self._step_used = self._step_guessed = 0
 
-    # -- the step clock (layer 0's router read-back) ----------------------------------------
+    @property
+    def accuracy(self) -> float | None:
+        """Share of the guesses that the next layer used, over recent steps with it on."""
+        guessed = sum(g for _u, g in self._recent)
+        return sum(u for u, _g in self._recent) / guessed if guessed else None
 
-    def begin_step(self, decode: bool) -> None:
-        now = time.perf_counter()
-        gov = self.governor
-        if gov is not None and self._step_t0 is not None and decode:
-            gov.on_step(now - self._step_t0, self._step_used, self._step_guessed)
-        self._step_t0 = now if decode else None
+    def _accurate(self) -> bool:
+        return (self.accuracy or 0.0) >= MIN_ACCURACY
+
+    def end_step(self) -> None:
+        if self._step_guessed:
+            self._recent.append((self._step_used, self._step_guessed))
         self._step_used = self._step_guessed = 0
 
     # -- prediction ------------------------------------------------------------------------
@@ -120,7 +67,7 @@ class Speculator:
         s, nxt = self.s, layer + 1
         if (
             not self.enabled
-            or not self.governor.active
+            or not self.switch.active
             or x is None
             or nxt >= len(s.pools)
             or s.routers[nxt] is None
@@ -211,10 +158,9 @@ class Speculator:
             self.s.counters.prefetch_bytes += res.bytes_read
 
     def snapshot(self) -> dict:
-        gov = self.governor
         return {
-            "prefetch_next_active": bool(gov and gov.active),
-            "prefetch_accuracy": None if gov is None else gov.accuracy,
-            "prefetch_net_ms_per_step": None if gov is None else gov.net_ms,
-            "prefetch_switches": 0 if gov is None else gov.switches,
+            "prefetch_next_active": self.enabled and self.switch.active,
+            "prefetch_accuracy": self.accuracy,
+            "prefetch_net_ms_per_step": self.switch.net_ms,
+            "prefetch_switches": self.switch.changes,
         }

@@ -23,6 +23,7 @@ from moed.daemon.experts.prefetch import ReadPool
 from moed.daemon.experts.safetensors_index import CheckpointIndex
 from moed.daemon.experts.speculation import Speculator
 from moed.daemon.experts.store import ExpertStore, resolve_page_cache
+from moed.daemon.experts.tuning import StepTuner, Switch
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,10 @@ class ExpertStreamer:
         self.usage = [np.zeros(s.num_experts, dtype=np.int64) for s in switches]
         self.routers = [s.router for s in switches]
         self.spec = Speculator(self, cfg.prefetch_next)
+        # Computing resident experts' rows while the misses are read (streaming_switch.py).
+        self.overlap = Switch("overlap_reads")
+        self.tuner = StepTuner([self.overlap] + ([self.spec.switch] if cfg.prefetch_next else []))
+        self._step_layer_s: float | None = None
         self._pending_slots: int | None = None  # a shed requested from another thread
         # The lazy fence: layer outputs built but not yet evaluated, and per layer the slots they
         # read. A slot in `_pending_reads` is never overwritten before `_pending_outputs` ran.
@@ -138,7 +143,7 @@ class ExpertStreamer:
         flat = host.reshape(-1)
         if layer == 0:
             k = host.shape[-1] if host.ndim else 1
-            self.spec.begin_step(decode=flat.size <= 8 * k)
+            self._begin_step(decode=flat.size <= 8 * k)
         self.usage[layer] += np.bincount(flat, minlength=self.usage[layer].shape[0])
         if layer == 0:
             c.tokens += flat.size // max(1, host.shape[-1]) if host.ndim else 1
@@ -153,6 +158,14 @@ class ExpertStreamer:
         if self.observer is not None:
             self.observer.on_route(layer, host)
         return host
+
+    def _begin_step(self, decode: bool) -> None:
+        """A forward step starts: the previous decode step's cost goes to the tuner."""
+        now = self.counters.layer_s
+        if self._step_layer_s is not None and decode:
+            self.tuner.on_step(now - self._step_layer_s)
+        self._step_layer_s = now if decode else None
+        self.spec.end_step()
 
     def plan_passes(self, layer: int, host: np.ndarray) -> list[np.ndarray]:
         passes = self.pools[layer].plan_passes(np.unique(host))
@@ -293,6 +306,8 @@ class ExpertStreamer:
                 "prefetch_workers": self.reader.workers,
                 "page_cache_bypass": self.bypass_page_cache,
                 **self.spec.snapshot(),
+                "overlap_reads_active": self.overlap.active,
+                "overlap_net_ms_per_step": self.overlap.net_ms,
             }
         )
         return snap

@@ -40,6 +40,7 @@ class LayerCache(Protocol):
     """What a streaming layer asks of the expert cache (experts/streamer.py ExpertStreamer)."""
 
     counters: object
+    overlap: object  # a tuning.Switch: whether to compute resident rows during the reads
 
     def route(self, layer: int, indices: mx.array, x: mx.array | None = None) -> np.ndarray: ...
 
@@ -178,7 +179,7 @@ class StreamingSwitch(nn.Module):
         if do_sort:
             x, idx, inv_order = gather_sort(x, indices)
 
-        if not do_sort and len(passes) == 1:
+        if not do_sort and len(passes) == 1 and streamer.overlap.active:
             out = self._overlapped(x, indices, host, passes[0])
         else:
             out = self._in_passes(x, idx, host, passes, do_sort)

@@ -73,11 +73,14 @@ def expert_stats(snap: dict | None) -> dict | None:
         # router read-backs plus the fences before a pending read's slot was reused.
         "host_syncs": snap.get("host_syncs", 0),
         "host_syncs_per_step": _ratio(snap.get("host_syncs", 0), snap.get("steps", 0)),
-        # --prefetch-next: whether the governor has it on, the share of its guesses used and
-        # the step time it saved (negative: cost) in its last probe.
+        # --prefetch-next: whether the step tuner has it on, the share of its guesses used and
+        # the step time it saved (negative: cost) in its last probe; the same for computing
+        # resident experts while the misses are read.
         "prefetch_next_active": snap.get("prefetch_next_active", False),
         "prefetch_accuracy": snap.get("prefetch_accuracy"),
         "prefetch_net_ms_per_step": snap.get("prefetch_net_ms_per_step"),
+        "overlap_reads_active": snap.get("overlap_reads_active", False),
+        "overlap_net_ms_per_step": snap.get("overlap_net_ms_per_step"),
         "read_s": snap.get("read_s", 0.0),
         "reads": snap.get("reads", snap.get("read_jobs", 0)),
         "evictions": snap.get("evictions", 0),
