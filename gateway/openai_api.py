@@ -162,7 +162,7 @@ def parse_chat(body: dict) -> GenerationRequest:
 def parse_completion(body: dict) -> GenerationRequest:
     prompt = body.get("prompt")
     prompt_ids = None
-    if isinstance(prompt, list) and len(prompt) == 1:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if (
         isinstance(prompt, list)
