@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -249,21 +250,60 @@ def sse(data: dict | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
+@dataclass
+class _Call:
+    """A generation the endpoint has started: what both OpenAI endpoints read off the request."""
+
+    gateway: Gateway
+    started: float
+    req: GenerationRequest
+    streaming: bool
+    include_usage: bool
+    stream: Stream
+    endpoint: str
+    envelope: dict  # id, created and model of every response object
+
+    async def collect(self, request: Request):
+        """The whole generation, for a response that is not streamed."""
+        return await self.gateway.collect(request, self.stream, API, self.endpoint, self.started)
+
+    def streaming_response(self, chunk, opening: dict | None) -> StreamingResponse:
+        """Server-sent events: `chunk(text, logprobs, finish, tool_calls)` builds each choice."""
+        return StreamingResponse(
+            _sse_body(self, chunk, opening), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+
+
+async def _start(
+    request: Request, parse: Callable[[dict], GenerationRequest], id_prefix: str, endpoint: str
+) -> _Call:
+    gateway: Gateway = request.app.state.gateway
+    started = time.perf_counter()
+    body = await f.json_body(request)
+    req = parse(body)
+    streaming = f.get(body, "stream", bool, False)
+    include_usage = _include_usage(body)
+    model = (await gateway.model()).get("name")
+    stream = await gateway.start(req)
+    envelope = {
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": model,
+    }
+    return _Call(gateway, started, req, streaming, include_usage, stream, endpoint, envelope)
+
+
 async def _sse_body(
-    gateway: Gateway,
-    stream: Stream,
-    endpoint: str,
-    started: float,
+    call: _Call,
     chunk,  # (text, logprobs, finish, tool_calls) -> the chunk's choices entry
-    envelope: dict,
-    include_usage: bool,
     opening: dict | None,
 ) -> AsyncIterator[bytes]:
-    usage_null = {"usage": None} if include_usage else {}
+    envelope, stream = call.envelope, call.stream
+    usage_null = {"usage": None} if call.include_usage else {}
     if opening is not None:
         yield sse({**envelope, "choices": [opening], **usage_null})
     try:
-        async for event in gateway.tokens(stream, API, endpoint, started):
+        async for event in call.gateway.tokens(stream, API, call.endpoint, call.started):
             if event.text or event.logprobs or event.tool_calls:
                 entry = chunk(event.text, event.logprobs, None, event.tool_calls)
                 yield sse({**envelope, "choices": [entry], **usage_null})
@@ -274,27 +314,15 @@ async def _sse_body(
     yield sse(
         {**envelope, "choices": [chunk("", None, FINISH[outcome.finish], None)], **usage_null}
     )
-    if include_usage:
+    if call.include_usage:
         yield sse({**envelope, "choices": [], "usage": _usage(outcome)})
     yield sse("[DONE]")
 
 
 async def chat_completions(request: Request) -> Response:
-    gateway: Gateway = request.app.state.gateway
-    started = time.perf_counter()
-    body = await f.json_body(request)
-    req = parse_chat(body)
-    streaming = f.get(body, "stream", bool, False)
-    include_usage = _include_usage(body)
-    model = (await gateway.model()).get("name")
-    stream = await gateway.start(req)
-    envelope = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "created": int(time.time()),
-        "model": model,
-    }
-    endpoint = "/v1/chat/completions"
-    if streaming:
+    call = await _start(request, parse_chat, "chatcmpl", "/v1/chat/completions")
+    req, stream, envelope = call.req, call.stream, call.envelope
+    if call.streaming:
         calls_sent = 0
 
         def chunk(text, logprobs, finish, calls):
@@ -310,12 +338,8 @@ async def chat_completions(request: Request) -> Response:
 
         opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
         envelope["object"] = "chat.completion.chunk"
-        return StreamingResponse(
-            _sse_body(gateway, stream, endpoint, started, chunk, envelope, include_usage, opening),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
-    result = await gateway.collect(request, stream, API, endpoint, started)
+        return call.streaming_response(chunk, opening)
+    result = await call.collect(request)
     outcome = stream.outcome
     choice = {
         "index": 0,
@@ -333,33 +357,17 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def completions(request: Request) -> Response:
-    gateway: Gateway = request.app.state.gateway
-    started = time.perf_counter()
-    body = await f.json_body(request)
-    req = parse_completion(body)
-    streaming = f.get(body, "stream", bool, False)
-    include_usage = _include_usage(body)
-    model = (await gateway.model()).get("name")
-    stream = await gateway.start(req)
-    envelope = {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-    }
-    endpoint = "/v1/completions"
-    if streaming:
+    call = await _start(request, parse_completion, "cmpl", "/v1/completions")
+    req, stream, envelope = call.req, call.stream, call.envelope
+    envelope["object"] = "text_completion"
+    if call.streaming:
 
         def chunk(text, logprobs, finish, calls):
             lp = _completion_logprobs(logprobs) if logprobs else None
             return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
 
-        return StreamingResponse(
-            _sse_body(gateway, stream, endpoint, started, chunk, envelope, include_usage, None),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
-    result = await gateway.collect(request, stream, API, endpoint, started)
+        return call.streaming_response(chunk, None)
+    result = await call.collect(request)
     outcome = stream.outcome
     choice = {
         "index": 0,
