@@ -379,6 +379,13 @@ def format_status(body: dict) -> str:
             f"experts {format_bytes(experts.get('resident_bytes'))}"
             + (f"  hits {hit:.1%}  reads {experts.get('reads')}" if hit is not None else "")
         )
+    keep = body.get("keep_alive_s")
+    if keep is not None:
+        after = "never" if keep < 0 else f"after {format_duration(keep)} idle"
+        note = "  (released; the next request reloads it)" if body.get("state") == "idle" else ""
+        lines.append(f"keep-alive   model released {after}{note}")
+    if load := body.get("load"):
+        lines.append(f"loading      {load.get('stage')}: {load.get('done')} of {load.get('total')}")
     for key in ("last_crash", "watchdog"):
         if body.get(key):
             lines.append(f"{key:<12} {json.dumps(body[key], default=str)}")

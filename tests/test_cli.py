@@ -40,6 +40,16 @@ def test_run_error_is_typed_json_and_exit_code(daemon):
     assert last["type"] == "error" and last["code"] == "invalid_request"
 
 
+def test_a_capped_max_tokens_is_said(daemon_factory, tiny_model):
+    d = daemon_factory(tiny_model, "--resident", env={"MOED_MAX_TOKENS_LIMIT": "4"})
+    out = moe(d.socket, "run", "--raw", "--no-start", "--json", "--max-tokens", "50", "def f")
+    assert out.returncode == 0, out.stderr
+    assert "--max-tokens 50 is over this daemon's limit; capped at 4" in out.stderr
+    assert json.loads(out.stdout.splitlines()[-1])["usage"]["completion_tokens"] == 4
+    quiet = moe(d.socket, "run", "--raw", "--no-start", "--max-tokens", "3", "def f")
+    assert quiet.returncode == 0 and "capped" not in quiet.stderr
+
+
 def test_status_json_and_stop(daemon):
     out = moe(daemon.socket, "status", "--json")
     assert out.returncode == 0, out.stderr
