@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -97,7 +98,8 @@ class Guard:
 
     def _refusal(self, scope: Scope) -> ApiError | None:
         headers = dict(scope["headers"])
-        if self.key is not None and scope["path"] not in self.OPEN_PATHS:
+        preflight = scope["method"] == "OPTIONS" and bool(self.gateway.config.cors_origins)
+        if self.key is not None and scope["path"] not in self.OPEN_PATHS and not preflight:
             given = headers.get(b"x-api-key") or _bearer(headers.get(b"authorization", b""))
             if not hmac.compare_digest(given or b"", self.key):
                 return ApiError(ErrorKind.AUTHENTICATION, "a valid API key is required")
@@ -162,4 +164,12 @@ def build_app(config: GatewayConfig, client: AsyncClient | None = None) -> ASGIA
         lifespan=lifespan,
     )
     app.state.gateway = gateway
-    return Guard(app, gateway, frozenset(route.path for route in routes))
+    inner: ASGIApp = app
+    if config.cors_origins:  # browsers send a preflight without the key: CORS answers it
+        inner = CORSMiddleware(
+            app,
+            allow_origins=list(config.cors_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+        )
+    return Guard(inner, gateway, frozenset(route.path for route in routes))

@@ -35,6 +35,12 @@ log = logging.getLogger("moed.gateway")
     show_default=True,
     help="Seconds a non-streamed generation may take before it is cancelled.",
 )
+@click.option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    help="A browser origin allowed to call the APIs (repeat; '*' for any), for web chat UIs.",
+)
 @click.option("--log-level", default="INFO", show_default=True, help="Logging level.")
 def gateway(
     host: str,
@@ -43,6 +49,7 @@ def gateway(
     max_connections: int,
     max_body_bytes: int,
     request_timeout: float,
+    cors_origins: tuple[str, ...],
     log_level: str,
 ) -> None:
     """Serve OpenAI-, Ollama- and Anthropic-compatible HTTP APIs backed by the daemon
@@ -63,6 +70,7 @@ def gateway(
             max_connections=max_connections,
             max_body_bytes=max_body_bytes,
             request_timeout_s=request_timeout,
+            cors_origins=tuple(cors_origins),
         )
     except ConfigError as exc:
         click.echo(f"moed gateway: {exc}", err=True)

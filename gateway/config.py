@@ -33,9 +33,9 @@ class GatewayConfig:
     keep_alive_s: int = 5
     request_timeout_s: float = 600.0  # a non-streamed answer that takes longer is cancelled
     daemon_timeout_s: float = 10.0  # control calls to the daemon (status, metrics, ...)
-    stall_after_s: float = (
-        60.0  # /health says "stalled" when a busy daemon made no progress this long
-    )
+    # /health says "stalled" when a busy daemon made no progress this long.
+    stall_after_s: float = 60.0
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call (chat UIs in a page)
 
 
 def is_loopback(host: str) -> bool:

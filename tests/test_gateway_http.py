@@ -131,7 +131,14 @@ def test_api_key_is_enforced(stack, tmp_path):
     key_file.write_text(key + "\n")
     key_file.chmod(0o600)
     gateway = start_gateway(
-        tmp_path, daemon.socket, "--api-key-file", str(key_file), "--max-body-bytes", "4096"
+        tmp_path,
+        daemon.socket,
+        "--api-key-file",
+        str(key_file),
+        "--max-body-bytes",
+        "4096",
+        "--cors-origin",
+        "http://chat.localhost",
     )
     try:
         url = gateway.url
@@ -149,6 +156,16 @@ def test_api_key_is_enforced(stack, tmp_path):
         authorized = ollama.Client(host=url, headers={"Authorization": f"Bearer {key}"})
         assert authorized.list().models
         assert httpx.get(f"{url}/metrics").status_code == 401
+        # A web chat UI's preflight carries no key; the real request does.
+        origin = {"Origin": "http://chat.localhost"}
+        preflight = httpx.options(
+            f"{url}/v1/chat/completions",
+            headers={**origin, "Access-Control-Request-Method": "POST"},
+        )
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "http://chat.localhost"
+        listed = httpx.get(f"{url}/v1/models", headers={**origin, "x-api-key": key})
+        assert listed.headers["access-control-allow-origin"] == "http://chat.localhost"
         # The body limit, with a Content-Length and chunked (no length given up front).
         big = {"model": "m", "prompt": "x" * 5000}
         headers = {"Authorization": f"Bearer {key}"}
