@@ -162,3 +162,24 @@ def test_the_daemon_serves_a_pulled_model_by_its_id(hub, hf_env, daemon_factory,
     assert json_lines(other.stdout)[-1]["code"] == "model_not_found"
     # The served model cannot be removed from under the daemon by accident.
     assert moe("--socket", str(d.socket), "rm", REPO, env=offline).returncode == ExitCode.USAGE
+
+
+def test_pull_list_and_rm_never_import_mlx(hub, hf_env):
+    """client/ stays mlx-free: the model commands run in a process that never loads mlx."""
+    probe = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from moed.client.cli import main\n"
+        f"for args in (['pull', {REPO!r}], ['list', '--all'], ['rm', {REPO!r}]):\n"
+        "    assert CliRunner().invoke(main, args).exit_code == 0, args\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **hf_env},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
