@@ -91,7 +91,11 @@ class EngineCore:
         self.status.update(state=DaemonState.LOADING)
 
         def progress(stage: str, done: float, total: float, unit: str) -> None:
-            self.status.update(load={"stage": stage, "done": done, "total": total, "unit": unit})
+            # A load step is progress: the watchdog's wedge rule sees a reload move.
+            self.status.update(
+                load={"stage": stage, "done": done, "total": total, "unit": unit},
+                last_progress_at=time.time(),
+            )
             if on_progress is not None:
                 on_progress(stage, done, total, unit)
 
@@ -150,7 +154,10 @@ class EngineCore:
         def progress(stage: str, done: float, total: float, unit: str) -> None:
             self.sink.emit(job.identity, wire.progress(req_id, stage, done, total, unit))
 
-        if self.load(progress):
+        self.status.update(busy=True)  # a request waits on this load: the watchdog watches it
+        loaded = self.load(progress)
+        self.status.update(busy=bool(self._gens))
+        if loaded:
             return True
         self.reject(job, ErrorCode.INTERNAL, f"the model failed to load again: {self.fatal}")
         return False
