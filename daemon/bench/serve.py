@@ -1,6 +1,6 @@
 """`moed bench serve`: decode speed and time to first token through daemon + client, and through
 the HTTP gateway with the openai SDK, against in-process mlx-lm on the same model, measured side by
-side (alternating runs) in one process tree.
+side (interleaved runs, the order rotating) in one process tree.
 """
 
 from __future__ import annotations
@@ -117,10 +117,16 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
         local, remote, http = [], [], []
         # A bar on a terminal only: the report on stdout stays clean for BENCHMARKS.md.
         with Progress("bench serve: runs", progress_mode(False), total=runs) as bar:
+            sides = [
+                lambda: local.append(time_in_process(mlx_model, tokenizer, prompt_ids, max_tokens)),
+                lambda: remote.append(time_through_daemon(client, prompt_ids, max_tokens)),
+                lambda: http.append(time_through_gateway(oai, served, prompt_ids, max_tokens)),
+            ]
             for i in range(runs):
-                local.append(time_in_process(mlx_model, tokenizer, prompt_ids, max_tokens))
-                remote.append(time_through_daemon(client, prompt_ids, max_tokens))
-                http.append(time_through_gateway(oai, served, prompt_ids, max_tokens))
+                # Rotate the order run by run: no side always follows the same one (MLX's
+                # threads in this process may still spin for a moment after an in-process run).
+                for k in range(len(sides)):
+                    sides[(i + k) % len(sides)]()
                 bar.update(i + 1)
         same = all(r.tokens == local[0].tokens for r in local + remote)
         same_text = all(h.text == remote[0].text for h in http)
