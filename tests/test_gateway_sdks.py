@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import anthropic
@@ -240,7 +241,26 @@ def test_concurrent_streaming_chats(stack, model_name, oai):
         ) as client:
             return await asyncio.gather(*(stream_one(client, p) for p in prompts))
 
-    assert asyncio.run(all_at_once()) == alone
+    # The daemon runs them side by side (one gateway connection carries them all).
+    daemon, _ = stack
+    most = 0
+    watching = threading.Event()
+
+    def watch() -> None:
+        nonlocal most
+        with daemon.client() as client:
+            while not watching.is_set():
+                most = max(most, client.status()["active_requests"])
+                time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert asyncio.run(all_at_once()) == alone
+    finally:
+        watching.set()
+        watcher.join()
+    assert most > 1
 
 
 def test_disconnect_cancels_the_daemon_request(stack, model_name, oai):
