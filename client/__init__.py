@@ -1,7 +1,13 @@
 """moed.client: the thin client library and the `moe` CLI. Imports no mlx."""
 
 from .client import Client, default_socket_path
-from .errors import ClientError, DaemonRestarted, DaemonUnavailable, RequestFailed
+from .errors import (
+    ClientError,
+    DaemonRestarted,
+    DaemonUnavailable,
+    InsecureSocket,
+    RequestFailed,
+)
 from .events import DoneEvent, Event, ProgressEvent, TelemetryEvent, TokenEvent, TraceEvent
 
 __all__ = [
@@ -11,6 +17,7 @@ __all__ = [
     "DaemonUnavailable",
     "DoneEvent",
     "Event",
+    "InsecureSocket",
     "ProgressEvent",
     "RequestFailed",
     "TelemetryEvent",

@@ -9,8 +9,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from moed.protocol.paths import UnsafeSocketPath, ensure_private_dir
+
 from .client import Client
-from .errors import DaemonUnavailable
+from .errors import DaemonUnavailable, InsecureSocket
 
 
 def log_path_for(socket_path: Path) -> Path:
@@ -23,7 +25,10 @@ def start_daemon(
     extra_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
-    socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:  # another user's directory is refused, never used
+        ensure_private_dir(socket_path.parent)
+    except UnsafeSocketPath as exc:
+        raise InsecureSocket(str(exc)) from None
     cmd = [
         sys.executable,
         "-m",
@@ -35,7 +40,10 @@ def start_daemon(
     ]
     if model:
         cmd += ["--model", model]
-    with open(log_path_for(socket_path), "ab") as log:  # the child keeps its own copy of the fd
+    log_fd = os.open(
+        log_path_for(socket_path), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600
+    )
+    with os.fdopen(log_fd, "ab") as log:  # the child keeps its own copy of the fd
         # A new session: the daemon outlives this shell and ignores its Ctrl-C.
         return subprocess.Popen(
             cmd,

@@ -13,7 +13,7 @@ from moed.protocol.units import format_bytes, format_duration
 
 from .cli_common import CONTEXT_SETTINGS, add_global_options, fail, global_options, json_line
 from .client import Client
-from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
+from .errors import DaemonRestarted, DaemonUnavailable, InsecureSocket, RequestFailed
 from .events import DoneEvent, ProgressEvent, TelemetryEvent, TokenEvent, TraceEvent
 from .exit_codes import ExitCode
 from .models_cli import list_cmd as _list
@@ -215,6 +215,8 @@ def _connect_or_start(
     try:
         client.connect()
         return client
+    except InsecureSocket as exc:  # nothing was sent, and no daemon is started there either
+        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc), as_json, code="insecure_socket")
     except DaemonUnavailable as exc:
         client.close()
         if no_start:

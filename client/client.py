@@ -21,9 +21,14 @@ import zmq
 
 from moed.protocol import ErrorCode, MessageType, decode, encode
 from moed.protocol import messages as wire
-from moed.protocol.paths import default_socket_path
+from moed.protocol.paths import (
+    UnsafeSocketPath,
+    check_socket,
+    control_token_path,
+    default_socket_path,
+)
 
-from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
+from .errors import DaemonRestarted, DaemonUnavailable, InsecureSocket, RequestFailed
 from .events import DoneEvent, Event, TokenEvent, event_from_message
 
 log = logging.getLogger("moed.client")
@@ -60,6 +65,10 @@ class Client:
             return self.welcome
         if not self.socket_path.exists():
             raise DaemonUnavailable(f"no daemon socket at {self.socket_path}")
+        try:  # before a single byte goes out: a socket another user could own gets no prompt
+            check_socket(self.socket_path)
+        except UnsafeSocketPath as exc:
+            raise InsecureSocket(str(exc)) from None
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 50)
@@ -115,12 +124,26 @@ class Client:
         return self._call(MessageType.CANCEL, target=request_id)
 
     def shed(self, level: str = "cache", reason: str | None = None) -> dict:
-        return self._call(MessageType.SHED, level=level, reason=reason)
+        """Owner only: sends the control token the daemon keeps beside its socket."""
+        return self._call(MessageType.SHED, level=level, reason=reason, token=self._control_token())
 
     def shutdown(self, reason: str | None = None, restart: bool = False) -> dict:
-        """Drain and exit; `restart=True` exits non-zero so the service manager restarts it
-        smaller."""
-        return self._call(MessageType.SHUTDOWN, reason=reason, restart=restart or None)
+        """Drain and exit; `restart=True` exits non-zero so the service manager restarts it smaller.
+        Owner only: sends the control token the daemon keeps beside its socket."""
+        return self._call(
+            MessageType.SHUTDOWN,
+            reason=reason,
+            restart=restart or None,
+            token=self._control_token(),
+        )
+
+    def _control_token(self) -> str | None:
+        try:
+            fd = os.open(control_token_path(self.socket_path), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None  # not the owner: the daemon answers not_permitted
+        with os.fdopen(fd) as f:
+            return f.read().strip()
 
     # ---- generation --------------------------------------------------------------------------
     def generate(

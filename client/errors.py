@@ -31,11 +31,19 @@ class RequestFailed(ClientError):
 class DaemonUnavailable(ClientError):
     """Nobody answered on the socket in time (not running, crashed, or wedged)."""
 
+    code = ErrorCode.DAEMON_UNAVAILABLE
+    retryable = True
+
+
+class InsecureSocket(ClientError):
+    """The socket's directory is not this user's private directory: nothing was sent."""
+
 
 class DaemonRestarted(DaemonUnavailable):
     """The daemon answering now is not the one that took the request (its boot_id changed)."""
 
     def __init__(self, message: str, old_boot_id: str | None, new_boot_id: str | None):
         super().__init__(message)
+        self.code = ErrorCode.DAEMON_RESTARTED
         self.old_boot_id = old_boot_id
         self.new_boot_id = new_boot_id

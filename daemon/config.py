@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
+import re
 import tomllib
-import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,9 @@ class ServeConfig:
     max_tokens_limit: int = 8192
     default_max_tokens: int = 256
     max_pending: int = 64
+    max_pending_per_client: int = 16  # one connection cannot hold every pending slot
+    client_send_hwm: int = 1000  # messages queued to one client before it counts as not reading
+    progress_deadline_s: float = 60.0  # work to do and no progress this long: `engine_stalled`
     drain_timeout_s: float = 10.0
     telemetry_every: int = 16  # tokens between telemetry messages
     metrics_port: int = 0  # 0: no HTTP metrics endpoint
@@ -109,6 +113,9 @@ class ConfigError(ValueError):
     pass
 
 
+_SECTIONS = {ServeConfig: "serve", WatchdogConfig: "watchdog"}
+
+
 def load_config(
     file: Path | None = None,
     environ: Mapping[str, str] | None = None,
@@ -124,8 +131,15 @@ def load_config(
     if file.exists():
         try:
             table = tomllib.loads(file.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{file}: {exc}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{file}: not valid TOML: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"{file}: cannot be read: {exc}") from None
+        unknown = set(table) - set(_SECTIONS.values())
+        if unknown:
+            raise ConfigError(
+                f"{file}: unknown section(s) {', '.join(sorted(unknown))}; allowed: serve, watchdog"
+            )
     serve = _build(ServeConfig, table.get("serve", {}), environ, "MOED_", serve_overrides or {})
     watchdog = _build(
         WatchdogConfig,
@@ -153,40 +167,134 @@ def _build(
 ):
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"[{_SECTIONS[cls]}] must be a table of settings, got {table!r:.60}")
     unknown = set(table) - known
     if unknown:
-        raise ConfigError(f"unknown {cls.__name__} setting(s): {', '.join(sorted(unknown))}")
+        raise ConfigError(
+            f"unknown [{_SECTIONS[cls]}] setting(s): {', '.join(sorted(unknown))} "
+            f"(allowed: {', '.join(sorted(known))})"
+        )
     values: dict[str, Any] = {}
     for name in known:
         raw: Any = None
         if overrides.get(name) is not None:
-            raw = overrides[name]
+            raw, source = overrides[name], "flag"
         elif (env_name := prefix + name.upper()) in environ:
-            raw = environ[env_name]
+            raw, source = environ[env_name], env_name
         elif name in table:
-            raw = table[name]
+            raw, source = table[name], f"[{_SECTIONS[cls]}] {name}"
         if raw is not None:
-            values[name] = _coerce(name, hints[name], raw)
+            values[name] = _checked(name, source, hints[name], raw)
     return cls(**values)
 
 
-def _coerce(name: str, hint: Any, raw: Any) -> Any:
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+_INT = re.compile(r"^[+-]?\d+$")
+
+
+def _checked(name: str, source: str, hint: Any, raw: Any) -> Any:
+    """Coerce one setting strictly and check its range; the error names key, value and allowed."""
+    allowed = RANGES.get(name, (None, _KIND.get(hint, str(hint))))[1]
+
+    def refuse() -> ConfigError:
+        return ConfigError(
+            f"setting {name!r} ({source}): {raw!r} is not allowed; allowed: {allowed}"
+        )
+
+    if hint is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
+            return raw.strip().lower() in _TRUE
+        raise refuse()
+    if hint is int:
+        if isinstance(raw, bool) or not (
+            isinstance(raw, int) or (isinstance(raw, str) and _INT.match(raw.strip()))
+        ):
+            raise refuse()
+        value: Any = int(raw)
+    elif hint is float:
+        try:
+            value = float(raw) if not isinstance(raw, bool) else math.nan
+        except (TypeError, ValueError):
+            raise refuse() from None
+        if not math.isfinite(value):
+            raise refuse()
+    elif hint is Path:
+        if not isinstance(raw, (str, Path)) or not str(raw):
+            raise refuse()
+        value = Path(raw).expanduser()
+    elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+        allowed = ", ".join(m.value for m in hint)
+        try:
+            value = hint(raw)
+        except ValueError:
+            raise refuse() from None
+    elif hint is str:
+        if not isinstance(raw, str):
+            raise refuse()
+        value = raw
+    else:
+        raise ConfigError(f"setting {name!r}: unsupported type {hint}")
+    check = RANGES.get(name, (None, ""))[0]
+    if check is not None and not _passes(check, value):
+        raise refuse()
+    return value
+
+
+def _passes(check: Callable[[Any], bool], value: Any) -> bool:
     try:
-        if hint is bool:
-            if isinstance(raw, str):
-                return raw.strip().lower() in {"1", "true", "yes", "on"}
-            return bool(raw)
-        if hint is Path:
-            return Path(raw).expanduser()
-        if isinstance(hint, type) and issubclass(hint, enum.Enum):
-            return hint(raw)
-        if hint in (int, float, str):
-            return hint(raw)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"setting {name!r}: cannot use {raw!r} ({exc})") from None
-    if isinstance(hint, types.UnionType):
-        return raw
-    raise ConfigError(f"setting {name!r}: unsupported type {hint}")
+        return bool(check(value))
+    except ValueError:
+        return False
+
+
+def _budget_syntax(spec: str) -> bool:
+    from moed.daemon.experts.budget import parse_budget
+
+    parse_budget(spec, experts_bytes=1 << 30, auto_bytes=0)  # raises BudgetError (a ValueError)
+    return True
+
+
+def _faults_syntax(spec: str) -> bool:
+    from moed.daemon.runtime.faults import Faults
+
+    Faults.parse(spec)
+    return True
+
+
+_KIND = {int: "an integer", float: "a finite number", bool: "true or false", Path: "a path"}
+# name -> (check of the coerced value, what is allowed); fields not listed only need their type.
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "cache_budget": (_budget_syntax, "bytes (3000000), a size (12GB, 512MiB), 25%, 0.25 or auto"),
+    "prefetch_workers": (
+        lambda v: 0 <= v <= 256,
+        "an integer in [0, 256] (0: sized to the machine)",
+    ),
+    "memory_limit_bytes": (lambda v: v >= 0, "an integer >= 0 (0: the machine's)"),
+    "plan_context_tokens": (lambda v: v >= 1, "an integer >= 1"),
+    "max_prompt_tokens": (lambda v: v >= 1, "an integer >= 1"),
+    "max_tokens_limit": (lambda v: v >= 1, "an integer >= 1"),
+    "default_max_tokens": (lambda v: v >= 1, "an integer >= 1"),
+    "max_pending": (lambda v: v >= 1, "an integer >= 1"),
+    "max_pending_per_client": (lambda v: v >= 1, "an integer >= 1"),
+    "client_send_hwm": (lambda v: 16 <= v <= 1_000_000, "an integer in [16, 1000000]"),
+    "progress_deadline_s": (lambda v: v > 0, "a number of seconds > 0"),
+    "drain_timeout_s": (lambda v: v >= 0, "a number of seconds >= 0"),
+    "telemetry_every": (lambda v: v >= 1, "an integer >= 1 (tokens between telemetry messages)"),
+    "metrics_port": (lambda v: 0 <= v <= 65535, "a TCP port in [1, 65535], or 0 for none"),
+    "debug_faults": (_faults_syntax, "empty, or oom_after=N, abort_after=N, hang_after=N"),
+    "restart_budget": (lambda v: v >= 0, "an integer >= 0 (0: never stop restarting)"),
+    "restart_window_s": (lambda v: v > 0, "a number of seconds > 0"),
+    "interval_s": (lambda v: v > 0, "a number of seconds > 0"),
+    "consecutive": (lambda v: v >= 1, "an integer >= 1"),
+    "swap_growth_mb": (lambda v: v > 0, "a number of MB > 0"),
+    "progress_timeout_s": (lambda v: v > 0, "a number of seconds > 0"),
+    "step_grace_s": (lambda v: v >= 0, "a number of seconds >= 0"),
+    "recover_s": (lambda v: v >= 0, "a number of seconds >= 0"),
+    "model": (lambda v: bool(v.strip()), "a model folder, a Hugging Face id or demo"),
+}
 
 
 def to_toml(config: Config) -> str:

@@ -8,8 +8,8 @@ from .messages import (
     FinishReason,
     MessageType,
     ShedLevel,
-    validate_request,
 )
+from .validation import Limits, validate_request
 from .version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "RETRYABLE",
     "ErrorCode",
     "FinishReason",
+    "Limits",
     "MessageType",
     "ProtocolError",
     "ShedLevel",

@@ -1,4 +1,4 @@
-"""msgpack codec. Strict: no ext types, no pickles, bounded sizes, str keys only."""
+"""msgpack codec. Strict: no ext types, no pickles, bounded sizes and depth, str keys only."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from .errors import ErrorCode, ProtocolError
 
 # One frame is one message; anything larger is refused before decoding.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
+# No message of the protocol nests deeper than this; deeper is refused, not recursed into.
+MAX_DEPTH = 16
+_PLAIN = (str, bytes, int, float, bool, type(None))
 
 
 def encode(msg: dict) -> bytes:
@@ -22,7 +25,7 @@ def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Any:
             ErrorCode.FRAME_TOO_LARGE, f"frame of {len(frame)} bytes exceeds {max_bytes}"
         )
     try:
-        return msgpack.unpackb(
+        value = msgpack.unpackb(
             frame,
             raw=False,
             strict_map_key=True,
@@ -34,7 +37,29 @@ def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Any:
         raise ProtocolError(
             ErrorCode.BAD_FRAME, f"frame is not valid msgpack: {exc.__class__.__name__}"
         ) from None
+    _check_plain(value)
+    return value
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
     raise ProtocolError(ErrorCode.BAD_FRAME, f"msgpack extension type {code} is not allowed")
+
+
+def _check_plain(value: Any) -> None:
+    """Refuse what ext_hook never sees: msgpack decodes the timestamp extension (-1) itself."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, _PLAIN):
+            continue
+        if depth >= MAX_DEPTH:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"message nests deeper than {MAX_DEPTH}")
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+        else:
+            raise ProtocolError(
+                ErrorCode.BAD_FRAME,
+                f"msgpack extension type ({type(item).__name__}) is not allowed",
+            )

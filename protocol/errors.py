@@ -20,6 +20,11 @@ class ErrorCode(str, enum.Enum):
     OUT_OF_MEMORY = "out_of_memory"
     DAEMON_RESTARTED = "daemon_restarted"  # raised client-side when boot_id changes
     RANK_FAILED = "rank_failed"  # a pipeline rank died or stalled; the group restarts
+    DAEMON_UNAVAILABLE = "daemon_unavailable"  # client-side: no answer within the liveness timeout
+    ENGINE_STALLED = "engine_stalled"  # the engine made no progress within the deadline
+    SLOW_CONSUMER = "slow_consumer"  # the client did not read; its streams were cancelled
+    POISON_REQUEST = "poison_request"  # this request was in flight at two crashes: not replayed
+    NOT_PERMITTED = "not_permitted"  # a control verb that affects others, without the owner's token
     INTERNAL = "internal"
 
 
@@ -30,6 +35,9 @@ RETRYABLE = frozenset(
         ErrorCode.OUT_OF_MEMORY,
         ErrorCode.DAEMON_RESTARTED,
         ErrorCode.RANK_FAILED,
+        ErrorCode.DAEMON_UNAVAILABLE,
+        ErrorCode.ENGINE_STALLED,
+        ErrorCode.SLOW_CONSUMER,
     }
 )
 

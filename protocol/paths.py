@@ -6,6 +6,7 @@ Shared by the daemon and its clients (the socket path is part of the protocol); 
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -58,12 +59,60 @@ def config_path() -> Path:
     )
 
 
+class UnsafeSocketPath(Exception):
+    """The socket or its directory could be another user's: refuse, as ssh-agent and tmux do."""
+
+
+def check_private_dir(path: Path) -> None:
+    """The socket's directory must be a real directory, owned by this user, mode 0700."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise UnsafeSocketPath(f"socket directory {path} does not exist") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeSocketPath(f"socket directory {path} is a symlink; refusing to use it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeSocketPath(f"socket directory {path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafeSocketPath(
+            f"socket directory {path} is owned by uid {st.st_uid}, not by this user "
+            f"(uid {os.geteuid()}); remove it or choose another --socket"
+        )
+    if st.st_mode & 0o077:
+        raise UnsafeSocketPath(
+            f"socket directory {path} has mode {stat.S_IMODE(st.st_mode):04o}; it must be 0700 "
+            f"(only its owner may enter); fix it with chmod 700 or choose another --socket"
+        )
+
+
+def check_socket(socket_path: Path) -> None:
+    """What a client checks before it sends anything: a private directory and a socket of ours."""
+    check_private_dir(socket_path.parent)
+    try:
+        st = os.lstat(socket_path)
+    except FileNotFoundError:
+        return  # nobody listens: the connect says so
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        raise UnsafeSocketPath(f"{socket_path} is not a socket owned by this user; refusing it")
+
+
 def ensure_private_dir(path: Path) -> Path:
-    """Create a directory readable only by this user (the socket's directory guards the socket)."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if path.stat().st_uid == os.getuid():
-        os.chmod(path, 0o700)
+    """Create the socket's directory (mode 0700), or check an existing one; never chmod it.
+
+    A directory this process did not create is used only if check_private_dir accepts it.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)  # the umask can only clear bits of 0700
+    except FileExistsError:
+        pass
+    check_private_dir(path)
     return path
+
+
+def control_token_path(socket_path: Path) -> Path:
+    """The owner's capability for `shed` and `shutdown`, beside the socket (mode 0600)."""
+    return socket_path.with_name(socket_path.name + ".token")
 
 
 def endpoint_for(socket_path: Path) -> str:

@@ -112,20 +112,22 @@ def test_duplicate_request_id_is_refused(daemon, raw_socket):
         "type": "generate",
         "id": "dup",
         "prompt": "hello",
-        "max_tokens": 5000,
+        "max_tokens": 4000,
         "raw": True,
     }
     raw_socket.send(msgpack.packb(gen))
     raw_socket.send(msgpack.packb(gen))
-    codes = []
+    errors = []
     while raw_socket.poll(10000):
         msg = msgpack.unpackb(raw_socket.recv())
         if msg["type"] == "error":
-            codes.append(msg["code"])
+            errors.append(msg)
             raw_socket.send(msgpack.packb({"v": 1, "type": "cancel", "id": "c", "target": "dup"}))
         if msg["type"] == "done":
             break
-    assert codes == ["duplicate_id"]
+    # Not the running stream's end for a client routing by id: `id` is nil, the id is in `target`.
+    assert [(e["code"], e["id"], e["target"]) for e in errors] == [("duplicate_id", None, "dup")]
+    assert msg["type"] == "done" and msg["finish_reason"] == "cancelled"
 
 
 def test_spec_minimal_python_client_runs(daemon):

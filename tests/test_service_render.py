@@ -111,8 +111,8 @@ def test_unit_holds_the_policy(tmp_path, role):
     assert svc["Restart"] == ["on-failure"]
     if role is Role.DAEMON:
         assert svc["RestartPreventExitStatus"] == [
-            "2 3 4 6"
-        ]  # config, model not found, already running, does not fit
+            "2 3 4 6 8"
+        ]  # config, model not found, already running, does not fit, no tokenizer
     assert int(svc["RestartSec"][0]) >= 5
     assert svc["KillSignal"] == ["SIGTERM"]
     assert svc["LimitCORE"] == ["0"]

@@ -199,7 +199,9 @@ def test_cli_rejects_nonsense():
         text=True,
         timeout=60,
     )
-    assert out.returncode != 0 and "--interval" in out.stderr
+    # A configuration error: exit 2, the setting, the value and what is allowed; no traceback.
+    assert out.returncode == 2 and "interval_s" in out.stderr and "> 0" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_event_log_appends_whole_lines(tmp_path):

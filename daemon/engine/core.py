@@ -22,6 +22,7 @@ from moed.daemon.engine.scheduler import RoundRobinScheduler, Scheduler
 from moed.daemon.engine.status import DaemonState, EngineStatus, ShedRecord
 from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.model.loader import (
+    CheckpointUnusable,
     LoadedModel,
     LoadProgress,
     MemoryPlanRefused,
@@ -106,6 +107,8 @@ class EngineCore:
             self._record_crash(CrashKind.LOAD_FAILED, f"{exc.__class__.__name__}: {exc}")
             if isinstance(exc, MemoryPlanRefused):
                 self.exit_code = DaemonExit.DOES_NOT_FIT
+            elif isinstance(exc, CheckpointUnusable):
+                self.exit_code = DaemonExit.MODEL_UNUSABLE
             self.status.update(state=DaemonState.FAILED, error=f"{exc.__class__.__name__}: {exc}")
             self.reject_queued(ErrorCode.INTERNAL, f"model failed to load: {exc}")
             self.fatal = exc
@@ -345,6 +348,8 @@ class EngineCore:
             telemetry=self._telemetry(gen, timings),
             stop_sequence=gen.stops.matched,
         )
+        if gen.notice:
+            msg["notice"] = gen.notice
         self.sink.emit(gen.job.identity, msg, terminal=True)
 
     def _out_of_memory(self, exc: BaseException, also: GenerateJob | None = None) -> None:

@@ -12,9 +12,11 @@ from moed.daemon.config import ServeConfig
 from moed.daemon.engine.stop_sequences import StopSequences
 from moed.daemon.engine.tool_calls import ToolCalls
 from moed.daemon.model.chat_template import prompt_token_ids
+from moed.daemon.model.limits import limits_for
 from moed.daemon.model.loader import LoadedModel
 from moed.daemon.telemetry.trace import recording
-from moed.protocol import ErrorCode, FinishReason, ProtocolError
+from moed.protocol import FinishReason
+from moed.protocol.validation import check_context, check_token_ids, resolve_max_tokens
 
 RequestKey = tuple[bytes, Any]  # (client identity, client-chosen request id)
 
@@ -61,16 +63,19 @@ class Generation:
         self.job = job
         self.tokenizer = loaded.tokenizer
         prompt_ids = prompt_token_ids(loaded.tokenizer, req)
-        if len(prompt_ids) > serve.max_prompt_tokens:
-            raise ProtocolError(
-                ErrorCode.PROMPT_TOO_LONG,
-                f"prompt is {len(prompt_ids)} tokens; "
-                f"this daemon accepts at most {serve.max_prompt_tokens}",
-            )
-        max_tokens = min(req.get("max_tokens") or serve.default_max_tokens, serve.max_tokens_limit)
         resume_ids = list(req.get("resume_ids") or [])
-        if len(resume_ids) >= max_tokens:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, "resume_ids already reach max_tokens")
+        # The text prompt is checked here, once tokenized: same rules as prompt_ids at the edge.
+        limits = limits_for(serve, loaded.config)
+        max_tokens = resolve_max_tokens(req.get("max_tokens"), len(prompt_ids), limits)
+        check_context(len(prompt_ids), len(resume_ids), max_tokens, limits)
+        check_token_ids(prompt_ids, limits)
+        asked = req.get("max_tokens")
+        self.notice = (
+            f"max_tokens {asked} capped at {max_tokens} (limits.max_tokens, or the context "
+            "left after the prompt)"
+            if asked is not None and asked > max_tokens
+            else None
+        )
         context = prompt_ids + resume_ids
         params = SamplingParams(
             float(req.get("temperature") or 0.0), float(req.get("top_p") or 1.0), req.get("seed")
@@ -79,7 +84,7 @@ class Generation:
         self.prompt_tokens = len(prompt_ids)
         self.index = len(resume_ids)  # token indices continue after a resume
         self.completion = 0
-        self.telemetry_every = req.get("telemetry_every") or serve.telemetry_every
+        self.telemetry_every = req.get("telemetry_every") or limits.telemetry_every
         self.stops = StopSequences(req.get("stop") or ())
         self.tool_calls = ToolCalls(loaded.tokenizer, req.get("tools"))
         self.top_logprobs: int | None = req.get("logprobs")  # None: the request wants none

@@ -19,6 +19,7 @@ class DaemonState(str, enum.Enum):
     IDLE = "idle"  # the keep-alive expired: model and expert cache released until the next request
     DRAINING = "draining"
     FAILED = "failed"
+    STALLED = "stalled"  # set by the transport: work to do, no progress within the deadline
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moed.daemon.runtime.state_files import read_json, write_json_atomic
+from moed.daemon.runtime.state_files import read_json, save_json
 
 VERSION = 1
 
@@ -19,7 +19,7 @@ def profile_path(state_dir: Path, model_path: Path) -> Path:
 
 
 def save_profile(path: Path, model_path: Path, counts: list[np.ndarray]) -> None:
-    write_json_atomic(
+    save_json(
         path,
         {
             "version": VERSION,
@@ -30,17 +30,27 @@ def save_profile(path: Path, model_path: Path, counts: list[np.ndarray]) -> None
 
 
 def load_profile(path: Path, num_experts: list[int]) -> list[np.ndarray] | None:
-    """The saved counts, or None when missing, corrupt or for another layout."""
-    data = read_json(path)
-    if not isinstance(data, dict) or data.get("version") != VERSION:
+    """The saved counts, or None when missing or for another layout (misshapen: set aside)."""
+    data = read_json(path, shape=_profile_shape)
+    if data is None or data.get("version") != VERSION:
         return None
+    layers = data["layers"]
+    if [len(layer) for layer in layers] != list(num_experts):
+        return None  # another model's layout: a valid file, just not for this one
+    return [np.asarray(layer, dtype=np.int64) for layer in layers]
+
+
+def _profile_shape(data) -> bool:
     layers = data.get("layers")
-    if not isinstance(layers, list) or [len(l) for l in layers] != list(num_experts):
-        return None
-    try:
-        return [np.asarray(l, dtype=np.int64) for l in layers]
-    except (TypeError, ValueError):
-        return None
+    return (
+        isinstance(data, dict)
+        and isinstance(layers, list)
+        and all(
+            isinstance(layer, list)
+            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in layer)
+            for layer in layers
+        )
+    )
 
 
 def merge(saved: list[np.ndarray] | None, current: list[np.ndarray]) -> list[np.ndarray]:

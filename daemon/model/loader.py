@@ -45,6 +45,7 @@ def load_model(
     report = on_progress or (lambda *_: None)
     report("reading the checkpoint", 0, 1, "steps")
     model, tokenizer, config = load(str(path), lazy=True, return_config=True)
+    check_tokenizer(tokenizer, config)
     streamer = None
     if not serve.resident:
         from moed.daemon.experts import install_streaming
@@ -101,6 +102,29 @@ def streaming_config(serve: ServeConfig, model_config: dict):
         memory_bytes=serve.memory_limit_bytes,
         kv_bytes=estimate_kv_bytes(model_config, serve.plan_context_tokens),
     )
+
+
+class CheckpointUnusable(RuntimeError):
+    """The checkpoint loads but cannot serve a prompt (no tokenizer): refused at load."""
+
+
+def check_tokenizer(tokenizer: Any, config: dict) -> None:
+    """Text must tokenize to ids the embedding holds, or every prompt would fail later."""
+    try:
+        ids = list(tokenizer.encode("Hello, world.", add_special_tokens=False))
+    except Exception as exc:
+        raise CheckpointUnusable(f"the checkpoint's tokenizer cannot encode text: {exc}") from exc
+    if not ids:
+        raise CheckpointUnusable(
+            "the checkpoint's tokenizer encodes text to nothing (tokenizer.json missing or empty?)"
+        )
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    vocab = config.get("vocab_size") or text_config.get("vocab_size")
+    if isinstance(vocab, int) and max(ids) >= vocab:
+        raise CheckpointUnusable(
+            f"the checkpoint's tokenizer gives id {max(ids)}, "
+            f"outside the model's vocabulary ({vocab})"
+        )
 
 
 class MemoryPlanRefused(RuntimeError):

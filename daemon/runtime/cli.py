@@ -11,7 +11,16 @@ import click
 
 from moed.client.cli_common import global_options
 from moed.daemon.config import ConfigError, PageCachePolicy, load_config
+from moed.daemon.exit_codes import DaemonExit, for_supervisor
 from moed.daemon.experts.policies import DEFAULT_POLICY, policy_names
+
+
+class ConfigExit(click.ClickException):
+    """A configuration error: one line on stderr, exit 2 (a unit does not restart on it)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(f"configuration: {error}")
+        self.exit_code = for_supervisor(DaemonExit.CONFIG)
 
 
 @click.command()
@@ -78,6 +87,7 @@ from moed.daemon.experts.policies import DEFAULT_POLICY, policy_names
     "--log-level",
     default="INFO",
     show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
     help="Logging threshold: DEBUG, INFO, WARNING or ERROR.",
 )
 def serve(
@@ -127,7 +137,7 @@ def serve(
             },
         )
     except ConfigError as exc:
-        raise click.ClickException(f"configuration: {exc}") from None
+        raise ConfigExit(exc) from None
     from moed.daemon.runtime.main import run_daemon
 
-    sys.exit(run_daemon(config))
+    sys.exit(for_supervisor(run_daemon(config)))

@@ -7,6 +7,9 @@ an abort or a SIGKILL, which leave no chance to write anything, still knows the 
 - Backoff: each memory crash (out_of_memory, or an unclean exit, which is how older MLX reports a
   Metal OOM) within the window halves the next start's cache budget, down to 1/8. Crashes older
   than the window drop out, so a stable period restores the full budget.
+- Poison requests: the transport writes the fingerprints of the generations in flight
+  (`inflight.json`) before the engine sees them; a crash keeps them in its entry, and a request
+  that was in flight at two crashes within the window is refused, not replayed.
 - Restart budget: `restart_budget` crashes within `restart_window_s` and the daemon refuses to
   start, exiting 0 so that launchd (KeepAlive SuccessfulExit=false) and systemd (Restart=on-failure)
   stop restarting it; the log says why and how to start again.
@@ -15,6 +18,7 @@ an abort or a SIGKILL, which leave no chance to write anything, still knows the 
 from __future__ import annotations
 
 import enum
+import hashlib
 import os
 import time
 from dataclasses import dataclass
@@ -23,9 +27,12 @@ from typing import Any
 
 import psutil
 
-from moed.daemon.runtime.state_files import read_json, write_json_atomic
+from moed.daemon.runtime.state_files import read_json, save_json
+from moed.protocol import encode
 
 CRASH_FILE = "crash.json"
+INFLIGHT_FILE = "inflight.json"
+POISON_AFTER = 2  # crashes with the same request in flight before it is refused
 BACKOFF_STEP = 0.5
 BACKOFF_FLOOR = 0.125
 MAX_HISTORY = 50
@@ -71,14 +78,34 @@ def crash_path(state_dir: Path) -> Path:
     return Path(state_dir) / CRASH_FILE
 
 
+def _is_entry(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("kind"), str)
+        and isinstance(entry.get("at"), (int, float))
+        and not isinstance(entry.get("at"), bool)
+    )
+
+
+def _crash_file_shape(data: Any) -> bool:
+    """What plan_start relies on; anything else is set aside, not half-trusted."""
+    history = data.get("history", [])
+    return (
+        isinstance(data, dict)
+        and isinstance(history, list)
+        and all(_is_entry(e) for e in history)
+        and (data.get("last") is None or _is_entry(data["last"]))
+        and (data.get("run") is None or isinstance(data["run"], dict))
+    )
+
+
 def _load(state_dir: Path) -> dict:
-    data = read_json(crash_path(state_dir), default={})
-    return data if isinstance(data, dict) else {}
+    return read_json(crash_path(state_dir), default={}, shape=_crash_file_shape)
 
 
 def _save(state_dir: Path, data: dict) -> None:
     data["history"] = data.get("history", [])[-MAX_HISTORY:]
-    write_json_atomic(crash_path(state_dir), data)
+    save_json(crash_path(state_dir), data)
 
 
 @dataclass(frozen=True)
@@ -88,6 +115,9 @@ class StartPlan:
     recent_crashes: int  # within the window
     refuse: str | None  # set: the restart budget is spent; exit 0 with this message
     unclean_previous: dict | None  # the previous run, if it died without a word
+    poison: frozenset[str] = (
+        frozenset()
+    )  # fingerprints of requests in flight at POISON_AFTER crashes
 
     def describe(self) -> dict:
         return {"factor": self.budget_factor, "recent_crashes": self.recent_crashes}
@@ -116,15 +146,12 @@ def plan_start(
             now,
         )
         entry["started_at"] = run.get("started_at")
+        entry["inflight"] = _inflight(state_dir, run.get("boot_id"))
         data.setdefault("history", []).append(entry)
         data["last"] = entry
         data.pop("run", None)
         _save(state_dir, data)
-    recent = [
-        e
-        for e in data.get("history", [])
-        if isinstance(e, dict) and now - float(e.get("at", 0)) <= window_s
-    ]
+    recent = [e for e in data.get("history", []) if now - float(e["at"]) <= window_s]
     memory = [e for e in recent if e.get("kind") in {k.value for k in MEMORY_KINDS}]
     factor = max(BACKOFF_FLOOR, BACKOFF_STEP ** len(memory))
     refuse = None
@@ -140,7 +167,7 @@ def plan_start(
             f"Fix the cause, then start again in {wait / 60:.0f} minutes "
             f"or after removing {crash_path(state_dir)}"
         )
-    return StartPlan(data.get("last"), factor, len(recent), refuse, unclean)
+    return StartPlan(data.get("last"), factor, len(recent), refuse, unclean, _poison(recent))
 
 
 def begin_run(
@@ -171,6 +198,7 @@ def record_crash(
     """Write the crash before anything else happens (the process is about to exit)."""
     data = _load(state_dir)
     entry = _entry(kind, message, boot_id, os.getpid(), time.time())
+    entry["inflight"] = _inflight(state_dir, boot_id)
     if extra:
         entry.update(extra)
     data.setdefault("history", []).append(entry)
@@ -191,6 +219,41 @@ def _entry(kind: CrashKind, message: str, boot_id: Any, pid: Any, at: float) -> 
         "at": at,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(at)),
     }
+
+
+def fingerprint(request: dict) -> str:
+    """What identifies a generate request across clients and restarts: everything but its id."""
+    body = {k: request[k] for k in sorted(request) if k not in ("id", "trace", "telemetry_every")}
+    return hashlib.sha256(encode(body)).hexdigest()[:32]
+
+
+def write_inflight(state_dir: Path, boot_id: str, fingerprints: list[str]) -> None:
+    """The requests in flight now; no fsync: it must outlive a crash, not a power loss."""
+    save_json(
+        Path(state_dir) / INFLIGHT_FILE,
+        {"boot_id": boot_id, "requests": fingerprints},
+        durable=False,
+    )
+
+
+def _inflight(state_dir: Path, boot_id: Any) -> list[str]:
+    data = read_json(Path(state_dir) / INFLIGHT_FILE, default={})
+    if not isinstance(data, dict) or data.get("boot_id") != boot_id:
+        return []
+    requests = data.get("requests")
+    return [r for r in requests if isinstance(r, str)] if isinstance(requests, list) else []
+
+
+def _poison(recent: list[dict]) -> frozenset[str]:
+    seen: dict[str, int] = {}
+    for entry in recent:
+        if entry.get("kind") == CrashKind.MEMORY_PRESSURE.value:
+            continue  # the watchdog's restart says nothing about the requests in flight
+        inflight = entry.get("inflight")
+        for fp in set(inflight) if isinstance(inflight, list) else ():
+            if isinstance(fp, str):
+                seen[fp] = seen.get(fp, 0) + 1
+    return frozenset(fp for fp, n in seen.items() if n >= POISON_AFTER)
 
 
 def scale_budget(budget_bytes: int, factor: float) -> int:

@@ -15,6 +15,7 @@ from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.model.source import ModelNotFound, resolve_model
 from moed.daemon.runtime.run_log import RotatingLog
 from moed.daemon.transport.server import AlreadyRunning, Server
+from moed.protocol.paths import UnsafeSocketPath
 
 log = logging.getLogger("moed")
 
@@ -34,17 +35,6 @@ def run_daemon(config: Config) -> int:
     except ValueError as exc:  # e.g. a malformed debug_faults or cache budget setting
         print(f"moed: configuration: {exc}", file=sys.stderr)
         return DaemonExit.CONFIG
-    try:
-        server.bind()
-    except AlreadyRunning as exc:
-        print(f"moed: {exc}", file=sys.stderr)
-        return DaemonExit.ALREADY_RUNNING
-    except (
-        OSError,
-        zmq.ZMQError,
-    ) as exc:  # the socket directory cannot be made private, or bind failed
-        print(f"moed: socket {serve.socket}: {exc}", file=sys.stderr)
-        return DaemonExit.CONFIG
     if serve.metrics_port:
         from moed.daemon.telemetry.http import start_metrics_server
 
@@ -52,7 +42,21 @@ def run_daemon(config: Config) -> int:
             start_metrics_server(serve.metrics_port, server.telemetry.metrics_text)
         except OSError as exc:  # port taken: refuse to start rather than run without metrics
             print(f"moed: metrics port {serve.metrics_port}: {exc}", file=sys.stderr)
-            return DaemonExit.CONFIG
+            return DaemonExit.CONFIG  # before bind: no socket left behind
+    try:
+        server.bind()
+    except AlreadyRunning as exc:
+        print(f"moed: {exc}", file=sys.stderr)
+        return DaemonExit.ALREADY_RUNNING
+    except UnsafeSocketPath as exc:  # another user's directory, a symlink, group-writable
+        print(f"moed: {exc}", file=sys.stderr)
+        return DaemonExit.CONFIG
+    except (
+        OSError,
+        zmq.ZMQError,
+    ) as exc:  # the socket directory cannot be made private, or bind failed
+        print(f"moed: socket {serve.socket}: {exc}", file=sys.stderr)
+        return DaemonExit.CONFIG
     group = None
     if pipeline_enabled(server.serve):
         from moed.daemon.distributed.rank0 import start_group
@@ -64,7 +68,11 @@ def run_daemon(config: Config) -> int:
     # evaluations; a 1 ms GIL switch interval (default 5 ms) bounds how long a `cancel` or `ping`
     # waits.
     sys.setswitchinterval(0.001)
-    run_log = _open_run_log(server, model_path)
+    try:
+        run_log = _open_run_log(server, model_path)
+    except OSError as exc:  # the log is advisory: a symlink or a read-only dir never stops serving
+        log.warning("daemon.log in %s cannot be opened (%s); stderr only", serve.log_dir, exc)
+        run_log = None
     log.info(
         "moed %s serving %s on %s (boot %s)",
         server.status.get("version"),
@@ -76,10 +84,11 @@ def run_daemon(config: Config) -> int:
     log.info("moed exiting with code %d", code)
     if group is not None:
         group.stop()
-    run_log.record_exit(
-        code, DaemonExit(code).name.lower() if code in DaemonExit._value2member_map_ else None
-    )
-    run_log.close()
+    if run_log is not None:
+        run_log.record_exit(
+            code, DaemonExit(code).name.lower() if code in DaemonExit._value2member_map_ else None
+        )
+        run_log.close()
     if code == DaemonExit.RANK_FAILED:
         # The engine thread may still sit in a collective with the lost rank: do not wait for it.
         logging.shutdown()

@@ -18,6 +18,8 @@ import sys
 import threading
 from pathlib import Path
 
+from moed.daemon.runtime.state_files import open_nofollow
+
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
 DEFAULT_BACKUPS = 3  # daemon.log, daemon.log.1 .. daemon.log.3
 DAEMON_LOG = "daemon.log"
@@ -46,7 +48,8 @@ class RotatingLog:
             self.rotate()
 
     def _open(self) -> int:
-        return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        # Never through a symlink: another user must not point the daemon's log at a file of theirs.
+        return open_nofollow(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
 
     def write(self, line: str) -> None:
         data = (line if line.endswith("\n") else line + "\n").encode("utf-8", "replace")

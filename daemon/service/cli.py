@@ -19,6 +19,7 @@ from moed.client.cli_common import global_options
 from moed.client.errors import DaemonUnavailable
 from moed.daemon.config import ConfigError, load_config, to_toml
 from moed.daemon.runtime import run_log as service_logs
+from moed.daemon.runtime.cli import ConfigExit
 from moed.daemon.service.backend import BACKENDS, RoleStatus, ServiceBackend
 from moed.daemon.service.executor import CommandFailed, Executor
 from moed.daemon.service.render import (
@@ -86,7 +87,7 @@ class _Session:
         try:
             self.config = load_config(self.layout.config_file, environ, overrides)
         except ConfigError as exc:
-            raise click.ClickException(str(exc)) from None
+            raise ConfigExit(exc) from None
         if gateway_port is None and self.layout.unit_path(Role.GATEWAY).exists():
             gateway_port = GATEWAY_PORT  # installed earlier: manage it with the others
         self.ctx: ServiceContext = make_context(self.layout, self.config, gateway_port=gateway_port)

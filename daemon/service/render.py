@@ -20,19 +20,11 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from moed.daemon.config import Config
-from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.exit_codes import PERMANENT_EXITS
 
 # launchd sends SIGKILL this long after SIGTERM if the drain has not finished.
 STOP_MARGIN_S = 15
 WATCHDOG_STOP_S = 10
-# Daemon exits that a restart cannot fix; systemd stops on them (launchd has no such key: there the
-# daemon's own restart budget ends the loop by exiting 0).
-PERMANENT_EXITS = (
-    DaemonExit.CONFIG,
-    DaemonExit.MODEL_NOT_FOUND,
-    DaemonExit.ALREADY_RUNNING,
-    DaemonExit.DOES_NOT_FIT,
-)
 
 
 class ServiceManager(str, enum.Enum):

@@ -43,6 +43,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from moed.daemon.telemetry.trace_file import open_trace_file
+
 log = logging.getLogger("moed.telemetry.trace")
 
 FORMAT = "moed-trace"
@@ -392,26 +394,24 @@ def start_request_trace(
     if to_client:
         seq = iter(range(1 << 62))
         sinks.append(lambda data: emit(wire.trace_chunk(req["id"], next(seq), data)))
+    file_sink = None
     if trace_dir:
-        folder = Path(trace_dir).expanduser()
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{_safe(req.get('id'))}{SUFFIX}"
-        f = open(path, "wb")
-        log.info("tracing request %r to %s", req.get("id"), path)
-
-        def to_file(data: bytes, f=f) -> None:
-            f.write(data)
-            f.flush()
-
-        sinks.append(to_file)
+        name = f"{time.strftime('%Y%m%d-%H%M%S')}-{_safe(req.get('id'))}{SUFFIX}"
+        file_sink = open_trace_file(
+            Path(trace_dir).expanduser() / name,
+            lambda message: emit(wire.telemetry(req["id"], {"warning": message})),
+        )
+    if file_sink is not None:
+        sinks.append(file_sink.write)
+    if not sinks:
+        return None
     from moed.daemon.model.loader import describe_model
 
     header = trace_header(
         streamer, describe_model(loaded), {"id": str(req.get("id")), "prompt_tokens": prompt_tokens}
     )
     recorder = TraceRecorder(streamer, header, lambda data: [s(data) for s in sinks])
-    if trace_dir:
-        recorder.file = f  # closed by finish_request_trace
+    recorder.file = file_sink  # closed by finish_request_trace
     return recorder
 
 

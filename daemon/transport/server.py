@@ -7,15 +7,13 @@ generation. Startup → main loop → drain; signal handlers only set flags.
 
 from __future__ import annotations
 
-import errno
-import json
 import logging
 import os
 import signal
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +23,28 @@ import zmq
 from moed.daemon import __version__
 from moed.daemon.config import ServeConfig
 from moed.daemon.engine.loop import Engine
-from moed.daemon.engine.request import GenerateJob, RequestKey
+from moed.daemon.engine.request import GenerateJob
 from moed.daemon.engine.status import DaemonState, EngineStatus
 from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.model.chat_template import prompt_token_ids
+from moed.daemon.model.limits import read_limits
 from moed.daemon.runtime import crashlog
 from moed.daemon.telemetry import LiveTelemetry
-from moed.daemon.watchdog.events import read_state as read_watchdog_state
+from moed.daemon.transport.backoff import back_off_budget
+from moed.daemon.transport.bodies import status_body, welcome_body
+from moed.daemon.transport.control import ControlToken
+from moed.daemon.transport.outbound import Outbound
+from moed.daemon.transport.pipes import (
+    EVENTS_ENDPOINT,
+    TERMINAL_FLAG,
+    TOKEN_FLAG,
+    ZmqEventSink,
+    probe_live_daemon,
+)
+from moed.daemon.transport.progress import ProgressMonitor
+from moed.daemon.transport.streams import RequestKey, StreamTable
 from moed.protocol import (
     MAX_FRAME_BYTES,
-    PROTOCOL_MAJOR,
-    PROTOCOL_MINOR,
     ErrorCode,
     MessageType,
     ProtocolError,
@@ -47,44 +56,16 @@ from moed.protocol import (
 from moed.protocol import messages as wire
 from moed.protocol.paths import endpoint_for, ensure_private_dir
 
-log = logging.getLogger("moed.server")
+# Inbound frames taken per loop turn before the engine's events are forwarded: a client flooding
+# requests cannot starve other clients' streams.
+RECEIVE_BATCH = 64
+PROGRESS_CHECK_S = 0.25
 
-EVENTS_ENDPOINT = "inproc://moed-events"
-_TERMINAL_FLAG = b"T"
-_TOKEN_FLAG = b"t"  # counted by the transport, so a cancel can say how many tokens had gone out
+log = logging.getLogger("moed.server")
 
 
 class AlreadyRunning(RuntimeError):
     pass
-
-
-class ZmqEventSink:
-    """The engine's end of the event pipe; created on the engine thread (ZMQ sockets are per
-    thread)."""
-
-    def __init__(self, context: zmq.Context):
-        self.socket = context.socket(zmq.PUSH)
-        self.socket.setsockopt(zmq.SNDHWM, 0)
-        self.socket.connect(EVENTS_ENDPOINT)
-
-    def emit(self, identity: bytes, msg: dict, terminal: bool = False) -> None:
-        flag = _TERMINAL_FLAG if terminal else _TOKEN_FLAG if msg["type"] == "token" else b""
-        # The request id rides in its own small frame, so the transport never decodes a message.
-        self.socket.send_multipart([identity, encode(msg), flag, encode(msg["id"])])
-
-
-def probe_live_daemon(endpoint: str, context: zmq.Context, timeout_s: float = 0.5) -> dict | None:
-    """Ping whoever owns the endpoint; return its answer, or None when nobody answers."""
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(encode(wire.request(MessageType.PING, "probe")))
-        if sock.poll(int(timeout_s * 1000)):
-            return decode(sock.recv())
-        return None
-    finally:
-        sock.close()
 
 
 @dataclass
@@ -98,10 +79,11 @@ class Server:
     def __post_init__(self) -> None:
         self.context = zmq.Context.instance()
         self.endpoint = endpoint_for(self.serve.socket)
-        self._pending: dict[
-            RequestKey, int
-        ] = {}  # admitted generate requests not yet terminal: tokens sent
-        self._order: list[RequestKey] = []
+        self.limits = read_limits(self.serve, self.model_path)
+        self._streams = StreamTable()  # admitted generations not yet terminal
+        self.progress = ProgressMonitor(self.serve.progress_deadline_s)
+        self.control_token = ControlToken(self.serve.socket)
+        self._next_progress_check = 0.0
         self._draining = False
         self._restart_reason: str | None = None
         self._drain_deadline = 0.0
@@ -143,9 +125,12 @@ class Server:
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished client raises
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.SNDHWM, 0)
+        # Bounded per connection: a client that does not read is cut off (outbound.py's policy).
+        self.router.setsockopt(zmq.SNDHWM, self.serve.client_send_hwm)
         self.router.bind(self.endpoint)
         os.chmod(self.serve.socket, 0o600)
+        self.control_token.write()
+        self.outbound = Outbound(self.router, self._client_slow, self._client_gone)
         self.status.update(
             pid=os.getpid(),
             boot_id=self.boot_id,
@@ -154,36 +139,8 @@ class Server:
         )
 
     def _back_off_budget(self) -> dict | None:
-        """Shrink the expert cache budget by the crash backoff factor (resolved to bytes first)."""
-        plan = self.start_plan
-        if plan.budget_factor >= 1.0:
-            return None
-        info = {**plan.describe(), "budget": self.serve.cache_budget}
-        if self.serve.resident:
-            return info  # nothing to shrink: every expert is resident by request
-        try:
-            from moed.daemon.experts import plan_memory
-            from moed.daemon.model.loader import streaming_config
-
-            model_config = json.loads((self.model_path / "config.json").read_text())
-            full = plan_memory(
-                self.model_path, streaming_config(self.serve, model_config)
-            ).cache_budget_bytes
-        except (
-            Exception
-        ) as exc:  # a model that cannot be planned fails at load with a better message
-            log.warning("cache budget backoff skipped: %s", exc)
-            return info
-        scaled = crashlog.scale_budget(full, plan.budget_factor)
-        self.serve = replace(self.serve, cache_budget=str(scaled))
-        log.warning(
-            "%d recent crash(es): expert cache budget backed off to %.0f%% (%d -> %d bytes)",
-            plan.recent_crashes,
-            100 * plan.budget_factor,
-            full,
-            scaled,
-        )
-        return {**info, "budget_bytes_full": full, "budget_bytes": scaled}
+        self.serve, info = back_off_budget(self.serve, self.model_path, self.start_plan)
+        return info
 
     def _record_crash(self, kind: crashlog.CrashKind, message: str) -> None:
         extra = {"budget_backoff": self.budget_backoff} if self.budget_backoff else None
@@ -228,7 +185,7 @@ class Server:
                 if self._stop_requested.is_set() and not self._draining:
                     self._begin_drain()
                 if self._draining and (
-                    not self._pending or time.monotonic() > self._drain_deadline
+                    not self._streams or time.monotonic() > self._drain_deadline
                 ):
                     break
                 if self.engine.fatal is not None:
@@ -238,9 +195,11 @@ class Server:
                     return self._group_failed(poller)
                 for sock, _ in poller.poll(50):
                     if sock is self.router:
-                        self._receive_all()
+                        self._receive_some(RECEIVE_BATCH)
                     else:
                         self._forward_events()
+                self.outbound.retry_owed()
+                self._check_progress()
             self.engine.stop()  # what is still in flight ends with `shutting_down`
             self.engine.thread.join(timeout=5.0)
             self._flush_events(poller)
@@ -275,7 +234,7 @@ class Server:
         self._drain_deadline = time.monotonic() + self.serve.drain_timeout_s
         self.status.update(state=DaemonState.DRAINING)
         log.info(
-            "draining %d request(s), deadline %.1fs", len(self._pending), self.serve.drain_timeout_s
+            "draining %d request(s), deadline %.1fs", len(self._streams), self.serve.drain_timeout_s
         )
 
     def _flush_events(self, poller: zmq.Poller) -> None:
@@ -285,6 +244,7 @@ class Server:
 
     def _close(self) -> None:
         self.telemetry.close()
+        self.control_token.remove()
         self.router.close(linger=0)
         self.events.close(linger=0)
         try:
@@ -293,8 +253,8 @@ class Server:
             pass
 
     # ---- inbound -----------------------------------------------------------------------------
-    def _receive_all(self) -> None:
-        while True:
+    def _receive_some(self, limit: int) -> None:
+        for _ in range(limit):
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -312,8 +272,10 @@ class Server:
         try:
             msg = decode(body[0], MAX_FRAME_BYTES)
             request_id = msg.get("id") if isinstance(msg, dict) else None
-            kind, request_id = validate_request(msg)
+            kind, request_id = validate_request(msg, self.limits)
             reply = self._dispatch(identity, kind, msg)
+        except _Duplicate as exc:
+            reply = {**wire.error(None, exc.code, exc.message), "target": exc.target}
         except ProtocolError as exc:
             reply = wire.error(
                 request_id if isinstance(request_id, (str, int)) else None, exc.code, exc.message
@@ -326,7 +288,7 @@ class Server:
                 str(exc),
             )
         if reply is not None:
-            self._send(identity, envelope, encode(reply))
+            self.outbound.send(identity, envelope, encode(reply))
 
     def _dispatch(self, identity: bytes, kind: MessageType, msg: dict) -> dict | None:
         req_id = msg["id"]
@@ -343,10 +305,14 @@ class Server:
         if kind is MessageType.CANCEL:
             key = (identity, msg["target"])
             self._forward_events()  # tokens already produced go out first, and are counted
-            found = key in self._pending
-            if found:
+            stream = self._streams.open.get(key)
+            if stream is not None and not stream.cancelled:
+                stream.cancelled = True  # from here: no token, then `done` (cancelled)
                 self.engine.cancel(key)
-            return wire.result(req_id, cancelled=found, tokens_sent=self._pending.get(key, 0))
+            sent = stream.tokens_sent if stream else 0
+            return wire.result(req_id, cancelled=stream is not None, tokens_sent=sent)
+        if kind in (MessageType.SHED, MessageType.SHUTDOWN):
+            self.control_token.require(kind.value, msg.get("token"))
         if kind is MessageType.SHED:
             level = ShedLevel(msg.get("level") or ShedLevel.CACHE.value)
             log.warning("shed requested: level=%s reason=%s", level.value, msg.get("reason"))
@@ -358,7 +324,7 @@ class Server:
                 # smaller.
                 self._restart_reason = msg.get("reason") or "restart requested"
             self.request_stop(f"shutdown request: {msg.get('reason') or 'no reason given'}")
-            return wire.result(req_id, accepted=True, pending=len(self._pending))
+            return wire.result(req_id, accepted=True, pending=len(self._streams))
         if kind is MessageType.STATS:
             return wire.result(req_id, **self.telemetry.stats())
         if kind is MessageType.METRICS:
@@ -382,29 +348,33 @@ class Server:
             raise ProtocolError(
                 ErrorCode.INTERNAL, f"the model failed to load: {self.engine.fatal}"
             )
-        if key in self._pending:
+        if self.progress.stalled_at is not None:
+            raise ProtocolError(ErrorCode.ENGINE_STALLED, self._stall_message())
+        if key in self._streams:
+            # Not terminal for the running stream: sent with `id: nil`, the id in `target`.
+            raise _Duplicate(msg["id"])
+        if len(self._streams) >= self.serve.max_pending:
             raise ProtocolError(
-                ErrorCode.DUPLICATE_ID, f"request id {msg['id']!r} is already in flight"
+                ErrorCode.OVERLOADED, f"{len(self._streams)} requests in flight; retry later"
             )
-        if len(self._pending) >= self.serve.max_pending:
+        if self._streams.of_client(identity) >= self.serve.max_pending_per_client:
             raise ProtocolError(
-                ErrorCode.OVERLOADED, f"{len(self._pending)} requests in flight; retry later"
+                ErrorCode.OVERLOADED,
+                f"this connection has {self._streams.of_client(identity)} requests in flight "
+                f"(at most {self.serve.max_pending_per_client} per client); retry later",
             )
         self._check_model(msg.get("model"))
-        prompt = msg.get("prompt")
-        # A cheap bound before tokenizing: a token is at least one byte of text.
-        if prompt is not None and len(prompt) > self.serve.max_prompt_tokens * 32:
+        fingerprint = crashlog.fingerprint(msg)
+        if fingerprint in self.start_plan.poison:
             raise ProtocolError(
-                ErrorCode.PROMPT_TOO_LONG, f"prompt of {len(prompt)} characters is too long"
+                ErrorCode.POISON_REQUEST,
+                f"this request was in flight at {crashlog.POISON_AFTER} crashes of the daemon; "
+                "it is refused, not replayed",
             )
-        if (
-            len(msg.get("prompt_ids") or []) + len(msg.get("resume_ids") or [])
-            > self.serve.max_prompt_tokens
-        ):
-            raise ProtocolError(
-                ErrorCode.PROMPT_TOO_LONG, f"prompt exceeds {self.serve.max_prompt_tokens} tokens"
-            )
-        self._pending[key] = 0  # tokens sent so far
+        self.progress.work_admitted(idle_before=not self._streams)
+        self._streams.add(key, fingerprint)
+        # Written before the engine sees it, so that a crash in it is pinned on it.
+        crashlog.write_inflight(self.serve.state_dir, self.boot_id, self._streams.fingerprints())
         self.engine.submit(GenerateJob(identity, msg))
         return None
 
@@ -423,6 +393,13 @@ class Server:
         # The tokenizer is thread-safe for encoding; counting never waits behind a generation.
         return len(prompt_token_ids(tokenizer, msg))
 
+    def _count_tokens(self, msg: dict) -> int:
+        loaded = self.engine.loaded
+        if loaded is None:
+            raise ProtocolError(ErrorCode.OVERLOADED, "the model is still loading; retry shortly")
+        # The tokenizer is thread-safe for encoding; counting never waits behind a generation.
+        return len(prompt_token_ids(loaded.tokenizer, msg))
+
     def _check_model(self, name: str | None) -> None:
         if not name:
             return
@@ -435,77 +412,74 @@ class Server:
 
     # ---- outbound ----------------------------------------------------------------------------
     def _forward_events(self) -> None:
+        ended = False
         while True:
             try:
                 identity, frame, flag, id_frame = self.events.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
-            if flag:
-                key = (identity, decode(id_frame))
-                if flag == _TERMINAL_FLAG:
-                    self._pending.pop(key, None)
-                elif key in self._pending:
-                    self._pending[key] += 1
-            self._send(identity, [], frame)
+                break
+            terminal = flag == TERMINAL_FLAG
+            key = (identity, decode(id_frame))
+            out = self._streams.outgoing(key, frame, flag == TOKEN_FLAG, terminal)
+            ended = ended or terminal
+            if out is not None:
+                self.outbound.send(identity, [], out)
+        if ended:
+            crashlog.write_inflight(
+                self.serve.state_dir, self.boot_id, self._streams.fingerprints()
+            )
 
-    def _send(self, identity: bytes, envelope: list[bytes], frame: bytes) -> None:
-        try:
-            self.router.send_multipart([identity, *envelope, frame], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            if exc.errno in (errno.EHOSTUNREACH, zmq.EHOSTUNREACH, zmq.EAGAIN):
-                self._client_gone(identity)
-            else:
-                raise
+    def _fail_streams(self, keys: list[RequestKey], code: ErrorCode, message: str) -> list[bytes]:
+        """End streams here (the engine cannot, or the client would not hear it); cancel there."""
+        frames = []
+        for key in keys:
+            self._streams.fail(key)
+            self.engine.cancel(key)
+            frames.append(encode(wire.error(key[1], code, message)))
+        return frames
+
+    def _client_slow(self, identity: bytes) -> list[bytes]:
+        message = (
+            f"this client did not read its replies (over {self.serve.client_send_hwm} queued); "
+            "its streams were cancelled"
+        )
+        return self._fail_streams(self._streams.keys_of(identity), ErrorCode.SLOW_CONSUMER, message)
 
     def _client_gone(self, identity: bytes) -> None:
-        for key in [k for k in self._pending if k[0] == identity]:
+        for key in self._streams.keys_of(identity):
             log.info("client gone; cancelling request %r", key[1])
-            del self._pending[key]  # once: its later frames are undeliverable too
-            self.engine.cancel(key)
+        self._fail_streams(self._streams.keys_of(identity), ErrorCode.INTERNAL, "client gone")
+
+    def _check_progress(self) -> None:
+        now = time.monotonic()
+        if now < self._next_progress_check:
+            return
+        self._next_progress_check = now + PROGRESS_CHECK_S
+        snap = self.status.snapshot()
+        was_stalled = self.progress.stalled_at is not None
+        if not self.progress.check(snap, bool(self._streams)) or was_stalled:
+            return
+        message = self._stall_message()
+        log.error("%s; failing %d request(s)", message, len(self._streams))
+        keys = list(self._streams.open)
+        for key, frame in zip(keys, self._fail_streams(keys, ErrorCode.ENGINE_STALLED, message)):
+            self.outbound.send(key[0], [], frame)
+
+    def _stall_message(self) -> str:
+        return (
+            f"the engine made no progress for over {self.progress.deadline_s:g}s; "
+            "retry later (the watchdog restarts a wedged daemon)"
+        )
 
     # ---- bodies ------------------------------------------------------------------------------
     def _welcome_body(self) -> dict:
-        snap = self.status.snapshot()
-        return {
-            "protocol": {"major": PROTOCOL_MAJOR, "minor": PROTOCOL_MINOR},
-            "boot_id": self.boot_id,
-            "pid": os.getpid(),
-            "version": __version__,
-            "state": snap["state"],
-            "model": snap.get("model")
-            or {"path": str(self.model_path), "name": self.model_path.name},
-            "limits": {
-                "max_prompt_tokens": self.serve.max_prompt_tokens,
-                "max_tokens": self.serve.max_tokens_limit,
-                "max_frame_bytes": MAX_FRAME_BYTES,
-                "max_pending": self.serve.max_pending,
-            },
-            "last_crash": self.start_plan.last_crash,
-            "budget_backoff": self.budget_backoff,
-            **self.extra_welcome,
-        }
+        return welcome_body(self)
 
     def status_body(self) -> dict[str, Any]:
-        snap = self.status.snapshot()
-        snap["pending_requests"] = len(self._pending)
-        snap["boot_id"] = self.boot_id
-        snap["pid"] = os.getpid()
-        snap["uptime_s"] = time.time() - snap["started_at"]
-        snap["rss_bytes"] = self._process.memory_info().rss
-        snap["last_crash"] = self.start_plan.last_crash
-        snap["recent_crashes"] = (
-            self.start_plan.recent_crashes
-        )  # crash restarts within the restart window
-        snap["budget_backoff"] = self.budget_backoff
-        snap["watchdog"] = _watchdog_summary(self.serve.state_dir)
-        snap.update(self.extra_welcome)
-        return snap
+        return status_body(self)
 
 
-def _watchdog_summary(state_dir: Path) -> dict | None:
-    """The watchdog's published state (it shares the state directory), for `moe status`."""
-    state = read_watchdog_state(state_dir)
-    if state is None:
-        return None
-    keep = ("running", "state", "reason", "last_action", "pid", "updated_at")
-    return {k: state.get(k) for k in keep}
+class _Duplicate(ProtocolError):
+    def __init__(self, request_id: Any):
+        super().__init__(ErrorCode.DUPLICATE_ID, f"request id {request_id!r} is already in flight")
+        self.target = request_id

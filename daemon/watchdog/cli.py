@@ -11,6 +11,7 @@ import click
 
 from moed.client.cli_common import global_options
 from moed.daemon.config import ConfigError, load_config
+from moed.daemon.runtime.cli import ConfigExit
 
 
 @click.command()
@@ -41,6 +42,7 @@ from moed.daemon.config import ConfigError, load_config
     "--log-level",
     default="INFO",
     show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
     help="Logging threshold: DEBUG, INFO, WARNING or ERROR.",
 )
 def watchdog(
@@ -76,9 +78,7 @@ def watchdog(
             },
         ).watchdog
     except ConfigError as exc:
-        raise click.ClickException(f"configuration: {exc}") from None
-    if config.interval_s <= 0 or config.consecutive < 1:
-        raise click.ClickException("--interval must be > 0 and --consecutive at least 1")
+        raise ConfigExit(exc) from None
 
     from moed.daemon.watchdog.runner import Watchdog
 

@@ -8,6 +8,7 @@ descriptor (so a crash never leaves half a line mid-file). The state file is rew
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -15,7 +16,9 @@ from typing import Any
 
 import psutil
 
-from moed.daemon.runtime.state_files import read_json, write_json_atomic
+from moed.daemon.runtime.state_files import open_nofollow, read_json, save_json
+
+log = logging.getLogger("moed.watchdog")
 
 EVENT_LOG_NAME = "watchdog.jsonl"
 STATE_FILE_NAME = "watchdog.json"
@@ -47,7 +50,14 @@ class EventLog:
                 os.replace(path, path.with_name(path.name + ".1"))
         except FileNotFoundError:
             pass
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            self._fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        except OSError as exc:  # a symlink planted in its place, a read-only dir: advisory, go on
+            log.warning(
+                "watchdog event log %s cannot be opened (%s); events go unlogged", path, exc
+            )
+            self._fd = -1
+            return
         if _ends_mid_line(path):  # a writer died mid-line: end it, so our first line stands alone
             os.write(self._fd, b"\n")
 
@@ -60,7 +70,11 @@ class EventLog:
             **fields,
         }
         line = json.dumps(record, default=_jsonable, sort_keys=False) + "\n"
-        os.write(self._fd, line.encode())
+        if self._fd >= 0:
+            try:
+                os.write(self._fd, line.encode())
+            except OSError as exc:  # a full disk must not stop the guard
+                log.warning("watchdog event not logged: %s", exc)
         return record
 
     def close(self) -> None:
@@ -99,13 +113,22 @@ def read_events(path: Path) -> list[dict]:
 
 
 def write_state(path: Path, state: dict) -> None:
-    write_json_atomic(path, json.loads(json.dumps(state, default=_jsonable)))
+    save_json(path, json.loads(json.dumps(state, default=_jsonable)))
+
+
+def _state_shape(state) -> bool:
+    numbers = ("updated_at", "heartbeat_s")
+    return isinstance(state, dict) and all(
+        state.get(k) is None
+        or (isinstance(state[k], (int, float)) and not isinstance(state[k], bool))
+        for k in numbers
+    )
 
 
 def read_state(state_dir: Path, stale_after_s: float = 30.0) -> dict | None:
     """The watchdog's last published state, with `running` judged from its pid and freshness."""
-    state = read_json(state_file_path(state_dir))
-    if not isinstance(state, dict):
+    state = read_json(state_file_path(state_dir), shape=_state_shape)
+    if state is None:
         return None
     pid = state.get("pid")
     alive = isinstance(pid, int) and psutil.pid_exists(pid)

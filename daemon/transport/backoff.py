@@ -1,0 +1,43 @@
+"""After recent crashes, the next start takes a smaller expert cache budget (resolved to bytes)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from moed.daemon.config import ServeConfig
+from moed.daemon.runtime import crashlog
+
+log = logging.getLogger("moed.server")
+
+
+def back_off_budget(
+    serve: ServeConfig, model_path: Path, plan: crashlog.StartPlan
+) -> tuple[ServeConfig, dict | None]:
+    """Shrink the expert cache budget by the crash backoff factor (resolved to bytes first)."""
+    if plan.budget_factor >= 1.0:
+        return serve, None
+    info = {**plan.describe(), "budget": serve.cache_budget}
+    if serve.resident:
+        return serve, info  # nothing to shrink: every expert is resident by request
+    try:
+        from moed.daemon.experts import plan_memory
+        from moed.daemon.model.loader import streaming_config
+
+        model_config = json.loads((model_path / "config.json").read_text())
+        full = plan_memory(model_path, streaming_config(serve, model_config)).cache_budget_bytes
+    except Exception as exc:  # a model that cannot be planned fails at load with a better message
+        log.warning("cache budget backoff skipped: %s", exc)
+        return serve, info
+    scaled = crashlog.scale_budget(full, plan.budget_factor)
+    serve = replace(serve, cache_budget=str(scaled))
+    log.warning(
+        "%d recent crash(es): expert cache budget backed off to %.0f%% (%d -> %d bytes)",
+        plan.recent_crashes,
+        100 * plan.budget_factor,
+        full,
+        scaled,
+    )
+    return serve, {**info, "budget_bytes_full": full, "budget_bytes": scaled}

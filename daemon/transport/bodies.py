@@ -1,0 +1,65 @@
+"""The bodies of `welcome` and `status`: what a client learns about the daemon and its limits."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from moed.daemon import __version__
+from moed.daemon.engine.status import DaemonState
+from moed.daemon.watchdog.events import read_state as read_watchdog_state
+from moed.protocol import MAX_FRAME_BYTES, PROTOCOL_MAJOR, PROTOCOL_MINOR
+
+
+def watchdog_summary(state_dir: Path) -> dict | None:
+    """The watchdog's published state (it shares the state directory), for `moe status`."""
+    state = read_watchdog_state(state_dir)
+    if state is None:
+        return None
+    keep = ("running", "state", "reason", "last_action", "pid", "updated_at")
+    return {k: state.get(k) for k in keep}
+
+
+def welcome_body(self) -> dict:
+    """The `welcome` body; `self` is the Server."""
+    snap = self.status.snapshot()
+    return {
+        "protocol": {"major": PROTOCOL_MAJOR, "minor": PROTOCOL_MINOR},
+        "boot_id": self.boot_id,
+        "pid": os.getpid(),
+        "version": __version__,
+        "state": snap["state"],
+        "model": snap.get("model") or {"path": str(self.model_path), "name": self.model_path.name},
+        "limits": {
+            **self.limits.describe(),
+            "max_frame_bytes": MAX_FRAME_BYTES,
+            "max_pending": self.serve.max_pending,
+            "max_pending_per_client": self.serve.max_pending_per_client,
+            "client_send_hwm": self.serve.client_send_hwm,
+            "progress_deadline_s": self.serve.progress_deadline_s,
+        },
+        "last_crash": self.start_plan.last_crash,
+        "budget_backoff": self.budget_backoff,
+        **self.extra_welcome,
+    }
+
+
+def status_body(self) -> dict[str, Any]:
+    """The `status` body: the engine's snapshot, the progress deadline, crashes, the watchdog."""
+    snap = self.status.snapshot()
+    snap.update(self.progress.describe(snap))
+    if self.progress.stalled_at is not None:
+        snap["state"] = DaemonState.STALLED.value  # the transport's verdict over the engine's state
+    snap["pending_requests"] = len(self._streams)
+    snap["boot_id"] = self.boot_id
+    snap["pid"] = os.getpid()
+    snap["uptime_s"] = time.time() - snap["started_at"]
+    snap["rss_bytes"] = self._process.memory_info().rss
+    snap["last_crash"] = self.start_plan.last_crash
+    snap["recent_crashes"] = self.start_plan.recent_crashes  # within the restart window
+    snap["budget_backoff"] = self.budget_backoff
+    snap["watchdog"] = watchdog_summary(self.serve.state_dir)
+    snap.update(self.extra_welcome)
+    return snap
