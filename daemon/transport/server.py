@@ -30,6 +30,7 @@ from moed.daemon.model.chat_template import prompt_token_ids
 from moed.daemon.model.limits import read_limits
 from moed.daemon.runtime import crashlog
 from moed.daemon.telemetry import LiveTelemetry
+from moed.daemon.transport.admission import DuplicateId, check_model_name
 from moed.daemon.transport.backoff import back_off_budget
 from moed.daemon.transport.bodies import status_body, welcome_body
 from moed.daemon.transport.control import ControlToken
@@ -274,7 +275,7 @@ class Server:
             request_id = msg.get("id") if isinstance(msg, dict) else None
             kind, request_id = validate_request(msg, self.limits)
             reply = self._dispatch(identity, kind, msg)
-        except _Duplicate as exc:
+        except DuplicateId as exc:
             reply = {**wire.error(None, exc.code, exc.message), "target": exc.target}
         except ProtocolError as exc:
             reply = wire.error(
@@ -352,7 +353,7 @@ class Server:
             raise ProtocolError(ErrorCode.ENGINE_STALLED, self._stall_message())
         if key in self._streams:
             # Not terminal for the running stream: sent with `id: nil`, the id in `target`.
-            raise _Duplicate(msg["id"])
+            raise DuplicateId(msg["id"])
         if len(self._streams) >= self.serve.max_pending:
             raise ProtocolError(
                 ErrorCode.OVERLOADED, f"{len(self._streams)} requests in flight; retry later"
@@ -363,7 +364,7 @@ class Server:
                 f"this connection has {self._streams.of_client(identity)} requests in flight "
                 f"(at most {self.serve.max_pending_per_client} per client); retry later",
             )
-        self._check_model(msg.get("model"))
+        check_model_name(msg.get("model"), self.serve.model, self.model_path)
         fingerprint = crashlog.fingerprint(msg)
         if fingerprint in self.start_plan.poison:
             raise ProtocolError(
@@ -392,23 +393,6 @@ class Server:
             self._tokenizer = tokenizer
         # The tokenizer is thread-safe for encoding; counting never waits behind a generation.
         return len(prompt_token_ids(tokenizer, msg))
-
-    def _count_tokens(self, msg: dict) -> int:
-        loaded = self.engine.loaded
-        if loaded is None:
-            raise ProtocolError(ErrorCode.OVERLOADED, "the model is still loading; retry shortly")
-        # The tokenizer is thread-safe for encoding; counting never waits behind a generation.
-        return len(prompt_token_ids(loaded.tokenizer, msg))
-
-    def _check_model(self, name: str | None) -> None:
-        if not name:
-            return
-        accepted = {self.serve.model, str(self.model_path), self.model_path.name}
-        if name not in accepted:
-            raise ProtocolError(
-                ErrorCode.MODEL_NOT_FOUND,
-                f"model {name!r} is not served here; this daemon serves {self.serve.model!r}",
-            )
 
     # ---- outbound ----------------------------------------------------------------------------
     def _forward_events(self) -> None:
@@ -477,9 +461,3 @@ class Server:
 
     def status_body(self) -> dict[str, Any]:
         return status_body(self)
-
-
-class _Duplicate(ProtocolError):
-    def __init__(self, request_id: Any):
-        super().__init__(ErrorCode.DUPLICATE_ID, f"request id {request_id!r} is already in flight")
-        self.target = request_id

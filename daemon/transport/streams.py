@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+
 from moed.daemon.engine.request import RequestKey
 from moed.protocol import FinishReason, MessageType, decode, encode
 

@@ -1,0 +1,50 @@
+"""A wedged engine, no watchdog: the client fails with a typed, retryable `engine_stalled` instead
+of waiting forever, new work is refused the same way, and status says `stalled`."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from moed.client import RequestFailed, TokenEvent
+from moed.protocol import ErrorCode
+
+DEADLINE_S = 1.0
+
+
+def test_wedged_engine_fails_clients_with_engine_stalled(daemon_factory, tiny_model):
+    d = daemon_factory(
+        tiny_model,
+        "--resident",
+        env={"MOED_DEBUG_FAULTS": "hang_after=3", "MOED_PROGRESS_DEADLINE_S": str(DEADLINE_S)},
+    )
+    with d.client() as c:
+        assert c.connect()["limits"]["progress_deadline_s"] == DEADLINE_S
+        tokens = 0
+        with pytest.raises(RequestFailed) as info:
+            for event in c.generate("hello", max_tokens=50, raw=True):
+                tokens += isinstance(event, TokenEvent)
+                last_token = time.monotonic()
+        failed_after = time.monotonic() - last_token
+        assert info.value.code is ErrorCode.ENGINE_STALLED and info.value.retryable
+        assert tokens >= 1
+        # It took the deadline (plus the check interval), not forever.
+        assert DEADLINE_S <= failed_after < DEADLINE_S * 10
+        status = c.status()
+        assert status["state"] == "stalled" and status["stalled"] is True
+        assert status["progress_age_s"] > DEADLINE_S
+        # New work is refused at once with the same typed error, while status keeps answering.
+        with pytest.raises(RequestFailed) as again:
+            list(c.generate("hello", max_tokens=5, raw=True))
+        assert again.value.code is ErrorCode.ENGINE_STALLED
+        assert c.ping()["pong"] is True
+    assert d.proc.poll() is None
+
+
+def test_status_reports_progress_while_healthy(daemon):
+    with daemon.client() as c:
+        list(c.generate("hello", max_tokens=3, raw=True))
+        status = c.status()
+    assert status["state"] == "ready" and status["stalled"] is False
+    assert status["last_progress_at"] is not None and status["progress_age_s"] >= 0
