@@ -232,9 +232,10 @@ def _checked(name: str, source: str, hint: Any, raw: Any) -> Any:
         except ValueError:
             raise refuse() from None
     elif hint is str:
-        if not isinstance(raw, str):
+        # TOML may give a budget or a keep-alive as a number (cache_budget = 3000000).
+        if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
             raise refuse()
-        value = raw
+        value = str(raw)
     else:
         raise ConfigError(f"setting {name!r}: unsupported type {hint}")
     check = RANGES.get(name, (None, ""))[0]
@@ -294,6 +295,9 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "step_grace_s": (lambda v: v >= 0, "a number of seconds >= 0"),
     "recover_s": (lambda v: v >= 0, "a number of seconds >= 0"),
     "model": (lambda v: bool(v.strip()), "a model folder, a Hugging Face id or demo"),
+    "pipeline": (lambda v: 0 <= v <= 64, "an integer in [0, 64] (0: one process)"),
+    "pipeline_port": (lambda v: 0 <= v <= 65535, "a TCP port in [1, 65535], or 0 for free ports"),
+    "rank_timeout_s": (lambda v: v > 0, "a number of seconds > 0"),
 }
 
 

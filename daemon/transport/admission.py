@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from moed.daemon.model.chat_template import prompt_token_ids
 from moed.protocol import ErrorCode, ProtocolError
 
 
@@ -27,3 +29,24 @@ def check_model_name(name: str | None, configured: str, model_path: Path) -> Non
             f"model {name!r} is not served here; this daemon serves {configured!r} "
             f"(also known as {model_path.name!r})",
         )
+
+
+class TokenCounter:
+    """`count_tokens`: the model's tokenizer, kept once seen, so an idle (unloaded) daemon counts
+    without reloading; encoding is thread-safe, so counting never waits behind a generation."""
+
+    def __init__(self, loaded: Callable[[], Any], model_path: Path):
+        self._loaded = loaded
+        self._model_path = model_path
+        self._tokenizer: Any = None
+
+    def count(self, msg: dict) -> int:
+        if self._tokenizer is None:
+            loaded = self._loaded()
+            if loaded is not None:
+                self._tokenizer = loaded.tokenizer
+            else:
+                from mlx_lm.utils import load_tokenizer
+
+                self._tokenizer = load_tokenizer(self._model_path)
+        return len(prompt_token_ids(self._tokenizer, msg))

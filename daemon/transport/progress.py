@@ -52,3 +52,9 @@ class ProgressMonitor:
             "progress_deadline_s": self.deadline_s,
             "stalled": self.stalled_at is not None,
         }
+
+    def message(self) -> str:
+        return (
+            f"the engine made no progress for over {self.deadline_s:g}s; "
+            "retry later (the watchdog restarts a wedged daemon)"
+        )

@@ -26,11 +26,10 @@ from moed.daemon.engine.loop import Engine
 from moed.daemon.engine.request import GenerateJob
 from moed.daemon.engine.status import DaemonState, EngineStatus
 from moed.daemon.exit_codes import DaemonExit
-from moed.daemon.model.chat_template import prompt_token_ids
 from moed.daemon.model.limits import read_limits
 from moed.daemon.runtime import crashlog
 from moed.daemon.telemetry import LiveTelemetry
-from moed.daemon.transport.admission import DuplicateId, check_model_name
+from moed.daemon.transport.admission import DuplicateId, TokenCounter, check_model_name
 from moed.daemon.transport.backoff import back_off_budget
 from moed.daemon.transport.bodies import status_body, welcome_body
 from moed.daemon.transport.control import ControlToken
@@ -84,6 +83,7 @@ class Server:
         self._streams = StreamTable()  # admitted generations not yet terminal
         self.progress = ProgressMonitor(self.serve.progress_deadline_s)
         self.control_token = ControlToken(self.serve.socket)
+        self.token_counter = TokenCounter(lambda: self.engine.loaded, self.model_path)
         self._next_progress_check = 0.0
         self._draining = False
         self._restart_reason: str | None = None
@@ -225,9 +225,7 @@ class Server:
         message = f"pipeline {self.group_failure}; the daemon restarts the group"
         self.status.update(state=DaemonState.FAILED, error=message)
         self._record_crash(crashlog.CrashKind.RANK_FAILED, message)
-        for identity, req_id in list(self._pending):
-            self._send(identity, [], encode(wire.error(req_id, ErrorCode.RANK_FAILED, message)))
-        self._pending.clear()
+        self._fail_all(ErrorCode.RANK_FAILED, message)
         return DaemonExit.RANK_FAILED
 
     def _begin_drain(self) -> None:
@@ -331,7 +329,7 @@ class Server:
         if kind is MessageType.METRICS:
             return wire.result(req_id, text=self.telemetry.metrics_text())
         if kind is MessageType.COUNT_TOKENS:
-            return wire.result(req_id, tokens=self._count_tokens(msg))
+            return wire.result(req_id, tokens=self.token_counter.count(msg))
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{kind.value!r} is not handled")
 
     def _admit(self, identity: bytes, msg: dict) -> dict | None:
@@ -350,7 +348,7 @@ class Server:
                 ErrorCode.INTERNAL, f"the model failed to load: {self.engine.fatal}"
             )
         if self.progress.stalled_at is not None:
-            raise ProtocolError(ErrorCode.ENGINE_STALLED, self._stall_message())
+            raise ProtocolError(ErrorCode.ENGINE_STALLED, self.progress.message())
         if key in self._streams:
             # Not terminal for the running stream: sent with `id: nil`, the id in `target`.
             raise DuplicateId(msg["id"])
@@ -378,21 +376,6 @@ class Server:
         crashlog.write_inflight(self.serve.state_dir, self.boot_id, self._streams.fingerprints())
         self.engine.submit(GenerateJob(identity, msg))
         return None
-
-    def _count_tokens(self, msg: dict) -> int:
-        # The model's tokenizer, kept once seen: an idle (unloaded) daemon counts without reloading.
-        tokenizer = getattr(self, "_tokenizer", None)
-        if tokenizer is None:
-            loaded = self.engine.loaded
-            if loaded is not None:
-                tokenizer = loaded.tokenizer
-            else:
-                from mlx_lm.utils import load_tokenizer
-
-                tokenizer = load_tokenizer(self.model_path)
-            self._tokenizer = tokenizer
-        # The tokenizer is thread-safe for encoding; counting never waits behind a generation.
-        return len(prompt_token_ids(tokenizer, msg))
 
     # ---- outbound ----------------------------------------------------------------------------
     def _forward_events(self) -> None:
@@ -443,17 +426,13 @@ class Server:
         was_stalled = self.progress.stalled_at is not None
         if not self.progress.check(snap, bool(self._streams)) or was_stalled:
             return
-        message = self._stall_message()
-        log.error("%s; failing %d request(s)", message, len(self._streams))
-        keys = list(self._streams.open)
-        for key, frame in zip(keys, self._fail_streams(keys, ErrorCode.ENGINE_STALLED, message)):
-            self.outbound.send(key[0], [], frame)
+        log.error("%s; failing %d request(s)", self.progress.message(), len(self._streams))
+        self._fail_all(ErrorCode.ENGINE_STALLED, self.progress.message())
 
-    def _stall_message(self) -> str:
-        return (
-            f"the engine made no progress for over {self.progress.deadline_s:g}s; "
-            "retry later (the watchdog restarts a wedged daemon)"
-        )
+    def _fail_all(self, code: ErrorCode, message: str) -> None:
+        keys = list(self._streams.open)
+        for key, frame in zip(keys, self._fail_streams(keys, code, message)):
+            self.outbound.send(key[0], [], frame)
 
     # ---- bodies ------------------------------------------------------------------------------
     def _welcome_body(self) -> dict:
