@@ -22,11 +22,16 @@ def d(daemon_factory, tiny_model):
     return daemon_factory(tiny_model, "--resident", env={"MOED_MAX_TOKENS_LIMIT": str(LIMIT)})
 
 
-@pytest.fixture
-def raw(d):
+def _connect(daemon) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"ipc://{d.socket}")
+    sock.connect(f"ipc://{daemon.socket}")
+    return sock
+
+
+@pytest.fixture
+def raw(d):
+    sock = _connect(d)
     yield sock
     sock.close()
 
@@ -45,8 +50,9 @@ def _until_terminal(sock, request_id) -> list[dict]:
     raise AssertionError(f"no terminal for {request_id}: {out[-3:]}")
 
 
-def test_cancel_result_comes_before_done_and_no_token_after_it(raw):
-    _send(raw, type="generate", id="g", prompt="hello", raw=True, max_tokens=LIMIT)
+def test_cancel_result_comes_before_done_and_no_token_after_it(daemon):
+    raw = _connect(daemon)  # no max_tokens limit: the stream is still running at the cancel
+    _send(raw, type="generate", id="g", prompt="hello", raw=True, max_tokens=4000)
     seen = 0
     while seen < 3:
         assert raw.poll(15_000)
@@ -66,6 +72,7 @@ def test_cancel_result_comes_before_done_and_no_token_after_it(raw):
     # A cancel of a stream that already ended: cancelled false, nothing else follows.
     _send(raw, type="cancel", id="c2", target="g")
     assert _until_terminal_result(raw, "c2")["cancelled"] is False
+    raw.close()
 
 
 def _until_terminal_result(sock, request_id) -> dict:
@@ -129,11 +136,11 @@ def test_client_disconnect_cancels_its_generation(d, raw):
         assert c.status()["pending_requests"] == 0
 
 
-def test_a_dead_daemon_is_daemon_unavailable_on_the_client(d):
-    with d.client() as c:
-        events = c.generate("hello", max_tokens=LIMIT, raw=True)
+def test_a_dead_daemon_is_daemon_unavailable_on_the_client(daemon):
+    with daemon.client() as c:
+        events = c.generate("hello", max_tokens=4000, raw=True)
         next(e for e in events if isinstance(e, TokenEvent))
-        d.proc.send_signal(signal.SIGKILL)
+        daemon.proc.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(DaemonUnavailable) as info:
             for _ in events:
