@@ -21,6 +21,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from moed.client.progress import Progress, progress_mode
 from moed.daemon.bench.bench_model import _same_config, bench_config, write_bench_model
 from moed.daemon.bench.reads import raw_pread_bandwidth, sweep, sweep_report
 from moed.daemon.bench.stream_report import RunResult, report
@@ -205,8 +206,14 @@ def measure(
     for c in contenders:
         c.start(prompt, tokens)
     active = list(contenders)
-    while active:
-        active = [c for c in active if c.step()]
+    # A bar on a terminal only (outside each contender's own timing); stdout keeps the report.
+    total = tokens * len(contenders)
+    with Progress("bench stream: decode", progress_mode(False), total=total) as bar:
+        done = 0
+        while active:
+            done += len(active)
+            active = [c for c in active if c.step()]
+            bar.update(min(done, total))
 
 
 @click.command("stream")
