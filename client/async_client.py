@@ -22,9 +22,15 @@ import zmq.asyncio
 
 from moed.protocol import MessageType, decode, encode
 from moed.protocol import messages as wire
-from moed.protocol.paths import default_socket_path
+from moed.protocol.paths import UnsafeSocketPath, check_socket, default_socket_path
 
-from .errors import ClientError, DaemonRestarted, DaemonUnavailable, RequestFailed
+from .errors import (
+    ClientError,
+    DaemonRestarted,
+    DaemonUnavailable,
+    InsecureSocket,
+    RequestFailed,
+)
 from .events import DoneEvent, Event, event_from_message
 
 
@@ -65,6 +71,10 @@ class AsyncClient:
                 return self.welcome
             if not self.socket_path.exists():
                 raise DaemonUnavailable(f"no daemon socket at {self.socket_path}")
+            try:  # before a single byte goes out: a socket another user could own gets nothing
+                check_socket(self.socket_path)
+            except UnsafeSocketPath as exc:
+                raise InsecureSocket(str(exc)) from None
             sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RECONNECT_IVL, 50)

@@ -4,6 +4,7 @@ opened without following symlinks."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pwd
 import shutil
@@ -18,6 +19,7 @@ import pytest
 from daemon_harness import serve_command
 
 from moed.client import Client, InsecureSocket
+from moed.client.async_client import AsyncClient
 
 # A fake daemon in the other user's directory: binds the socket and prints whatever arrives. (It
 # runs as this user: the other one cannot read this venv, and the directory's owner is the point.)
@@ -83,6 +85,8 @@ def test_another_users_socket_dir_is_refused_by_daemon_and_client(other_user, ti
         # The client refuses before sending a byte: the fake daemon hears nothing.
         with pytest.raises(InsecureSocket):
             Client(socket, timeout=1.0).connect()
+        with pytest.raises(InsecureSocket):  # the gateway's client too
+            asyncio.run(AsyncClient(socket, timeout=1.0).connect())
         cli = subprocess.run(
             [
                 sys.executable,
