@@ -18,6 +18,7 @@ class GatewayTiming:
     ttft_s: float
     decode_tps: float
     text: str
+    tokens: int
 
 
 def start_gateway(daemon_socket: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -43,6 +44,14 @@ def start_gateway(daemon_socket: Path, log_path: Path) -> tuple[subprocess.Popen
             time.sleep(0.1)
     proc.kill()
     raise click.ClickException("the gateway did not answer within 30s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (the gateway's cost, independent of load)."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def openai_client(url: str):
@@ -76,4 +85,4 @@ def time_through_gateway(oai, model: str, prompt_ids: list[int], max_tokens: int
             parts.append(chunk.choices[0].text)
     span = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
     tps = (tokens - 1) / span if span > 0 else 0.0
-    return GatewayTiming(stamps[0] - t0, tps, "".join(parts))
+    return GatewayTiming(stamps[0] - t0, tps, "".join(parts), tokens)

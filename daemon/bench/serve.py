@@ -82,6 +82,7 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
     from moed.client import Client, DaemonUnavailable
     from moed.client.autostart import start_daemon, wait_until_ready
     from moed.daemon.bench.gateway_timing import (
+        cpu_seconds,
         openai_client,
         start_gateway,
         time_through_gateway,
@@ -122,12 +123,14 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
                 lambda: remote.append(time_through_daemon(client, prompt_ids, max_tokens)),
                 lambda: http.append(time_through_gateway(oai, served, prompt_ids, max_tokens)),
             ]
+            gateway_cpu = -cpu_seconds(gateway.pid)
             for i in range(runs):
                 # Rotate the order run by run: no side always follows the same one (MLX's
                 # threads in this process may still spin for a moment after an in-process run).
                 for k in range(len(sides)):
                     sides[(i + k) % len(sides)]()
                 bar.update(i + 1)
+            gateway_cpu += cpu_seconds(gateway.pid)
         same = all(r.tokens == local[0].tokens for r in local + remote)
         same_text = all(h.text == remote[0].text for h in http)
         gateway.terminate()
@@ -159,6 +162,11 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
         f"{'time to first token':24}{l_ttft * 1000:18.2f}ms{r_ttft * 1000:18.2f}ms"
         f"{(r_ttft - l_ttft) * 1000:+14.2f}ms"
         f"{h_ttft * 1000:18.2f}ms{(h_ttft - l_ttft) * 1000:+14.2f}ms"
+    )
+    gateway_tokens = sum(h.tokens for h in http)
+    click.echo(
+        f"gateway process CPU per token: {gateway_cpu / max(gateway_tokens, 1) * 1e6:.0f} us "
+        f"({gateway_tokens} tokens streamed through it)"
     )
     click.echo(
         f"identical tokens: {same}   gateway text identical: {same_text}   "
