@@ -141,3 +141,33 @@ def test_rank_spec_from_a_hostfile_and_the_cost_split(checkpoint_factory, tmp_pa
     cost_split = resolve_split(SplitMode.COST, 2, path, config, 4)
     assert sum(cost_split) == 4
     assert slowest(cost_split) <= slowest(resolve_split(SplitMode.EVEN, 2, path, config, 4))
+
+
+@pytest.mark.parametrize(
+    "script,code",
+    [
+        ("import sys; sys.exit(6)", 6),  # a rank whose memory plan refused: final, no restart loop
+        ("import sys; sys.exit(1)", 7),  # any other death: restart the group
+        ("import time; print('.', flush=True); time.sleep(30)", 7),  # beats once, then freezes
+    ],
+    ids=["does-not-fit", "died", "stalled"],
+)
+def test_rank_monitor_tells_a_final_exit_from_a_restart(script, code):
+    import subprocess
+    import sys
+    import time
+
+    from moed.daemon.distributed.hostfile import RankHost
+    from moed.daemon.distributed.launch import RankProcess
+
+    popen = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    rank = RankProcess(1, RankHost(1, "127.0.0.1", ("127.0.0.1",)), popen)
+    try:
+        deadline = time.monotonic() + 20
+        while (failure := rank.failure(timeout_s=0.5)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert failure is not None and failure.exit_code == code, failure
+    finally:
+        rank.stop(grace_s=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 import click
@@ -25,5 +26,8 @@ def rank(spec_json: str, rank: int, log_level: str) -> None:
     from moed.daemon.distributed.launch import Heartbeat
     from moed.daemon.distributed.spec import RankSpec
 
+    # Rank 0 decides when the group ends: a Ctrl-C in its terminal reaches this process group
+    # too, and must not kill a rank mid-step before rank 0 has said goodbye.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     Heartbeat().start()
     sys.exit(run_follower(RankSpec.from_json(spec_json), rank))

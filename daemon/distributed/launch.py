@@ -21,9 +21,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from moed.daemon.distributed.hostfile import LOOPBACK, GroupSpec, RankHost
+from moed.daemon.exit_codes import DaemonExit
 
 log = logging.getLogger("moed.distributed")
 
@@ -75,6 +77,16 @@ def ssh_command(host: RankHost, script: str) -> list[str]:
     return ["ssh", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR", host.ssh, script]
 
 
+# A rank that exited with one of these cannot be helped by a restart: rank 0 exits with it too.
+_FINAL_EXITS = frozenset({DaemonExit.CONFIG, DaemonExit.MODEL_NOT_FOUND, DaemonExit.DOES_NOT_FIT})
+
+
+@dataclass(frozen=True)
+class GroupFailure:
+    reason: str
+    exit_code: int  # what rank 0 exits with: RANK_FAILED (restart the group) or a final code
+
+
 class RankProcess:
     """One started rank: its process and when it last said it was alive."""
 
@@ -90,16 +102,20 @@ class RankProcess:
         for _line in self.popen.stdout:
             self.last_beat = time.monotonic()
 
-    def failure(self, timeout_s: float) -> str | None:
+    def failure(self, timeout_s: float) -> GroupFailure | None:
         code = self.popen.poll()
         where = f"rank {self.rank} ({self.host.ssh or 'local'})"
         if code is not None:
-            return f"{where} exited with code {code}"
+            final = code if code in _FINAL_EXITS else DaemonExit.RANK_FAILED
+            return GroupFailure(f"{where} exited with code {code}", final)
         if self.last_beat is None:
             return None  # still starting (imports): only its exit counts
         silent = time.monotonic() - self.last_beat
         if silent > timeout_s:
-            return f"{where} stopped responding ({silent:.1f}s without a heartbeat)"
+            return GroupFailure(
+                f"{where} stopped responding ({silent:.1f}s without a heartbeat)",
+                DaemonExit.RANK_FAILED,
+            )
         return None
 
     def stop(self, grace_s: float = 2.0) -> None:
@@ -123,8 +139,8 @@ class RankGroup:
         self.group = group
         self.timeout_s = timeout_s
         self.ranks: list[RankProcess] = []
-        self.failure: str | None = None
-        self.on_failure: Callable[[str], None] | None = None
+        self.failure: GroupFailure | None = None
+        self.on_failure: Callable[[GroupFailure], None] | None = None
         self._files = Path(tempfile.mkdtemp(prefix="moed-group-"))
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="moed-group", daemon=True)
@@ -150,12 +166,12 @@ class RankGroup:
     def _watch(self) -> None:
         while not self._stop.wait(0.1):
             for rank in self.ranks:
-                reason = rank.failure(self.timeout_s)
-                if reason is not None:
-                    self.failure = reason
-                    log.error("pipeline group failed: %s", reason)
+                failure = rank.failure(self.timeout_s)
+                if failure is not None:
+                    self.failure = failure
+                    log.error("pipeline group failed: %s", failure.reason)
                     if self.on_failure is not None:
-                        self.on_failure(reason)
+                        self.on_failure(failure)
                     return
 
     def stop(self) -> None:

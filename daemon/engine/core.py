@@ -113,7 +113,11 @@ class EngineCore:
             self.reject_queued(ErrorCode.INTERNAL, f"model failed to load: {exc}")
             self.fatal = exc
             return False
-        self._refresh_ranks(force=True)  # before READY: a ready pipeline lists its ranks
+        try:
+            self._refresh_ranks(force=True)  # before READY: a ready pipeline lists its ranks
+        except RuntimeError as exc:  # a rank failed while loading; the group monitor says which
+            self._group_failed(exc)
+            return False
         self.status.update(
             state=DaemonState.READY,
             model=describe_model(self.loaded),

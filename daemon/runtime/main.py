@@ -89,7 +89,7 @@ def run_daemon(config: Config) -> int:
             code, DaemonExit(code).name.lower() if code in DaemonExit._value2member_map_ else None
         )
         run_log.close()
-    if code == DaemonExit.RANK_FAILED:
+    if server.group_failure is not None:
         # The engine thread may still sit in a collective with the lost rank: do not wait for it.
         logging.shutdown()
         os._exit(code)

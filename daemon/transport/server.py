@@ -89,8 +89,8 @@ class Server:
         self._restart_reason: str | None = None
         self._drain_deadline = 0.0
         self._stop_requested = threading.Event()
-        # Set by a pipeline group's monitor thread: another rank died or stalled.
-        self.group_failure: str | None = None
+        # Set by a pipeline group's monitor thread (a GroupFailure): another rank died or stalled.
+        self.group_failure: Any = None
         # After crashes: count an unclean previous exit, back the cache budget off, or refuse to
         # start.
         self.start_plan = crashlog.plan_start(
@@ -189,11 +189,11 @@ class Server:
                     not self._streams or time.monotonic() > self._drain_deadline
                 ):
                     break
+                if self.group_failure is not None:  # first: the engine's error follows from it
+                    return self._group_failed(poller)
                 if self.engine.fatal is not None:
                     self._flush_events(poller)
                     return self.engine.exit_code
-                if self.group_failure is not None:
-                    return self._group_failed(poller)
                 for sock, _ in poller.poll(50):
                     if sock is self.router:
                         self._receive_some(RECEIVE_BATCH)
@@ -222,11 +222,11 @@ class Server:
         """A pipeline rank is gone: the engine may be stuck in a collective, so the transport
         itself ends every request in flight with a retryable error, then the group restarts."""
         self._flush_events(poller)  # tokens already produced go out first
-        message = f"pipeline {self.group_failure}; the daemon restarts the group"
+        message = f"pipeline {self.group_failure.reason}; the daemon restarts the group"
         self.status.update(state=DaemonState.FAILED, error=message)
         self._record_crash(crashlog.CrashKind.RANK_FAILED, message)
         self._fail_all(ErrorCode.RANK_FAILED, message)
-        return DaemonExit.RANK_FAILED
+        return self.group_failure.exit_code
 
     def _begin_drain(self) -> None:
         self._draining = True
