@@ -1,7 +1,8 @@
 """Switches that pay on some machines and models and cost on others (next-layer prefetch, computing
 resident experts during reads) are set by measurement on the running workload: the tuner probes
-one switch at a time, a window of decode steps on and a window off, keeps the cheaper setting,
-holds the result for a while, then probes again.
+one switch at a time, on and off in alternate decode steps (so both settings see the same load
+from the rest of the machine), keeps the setting with the lower median step cost, holds the
+result for a while, then probes again.
 
 A step's cost is the time spent inside the streaming layers (router read-backs, stalls, planning,
 graph building): what these switches change, with less of the noise of the rest of the step.
@@ -16,8 +17,8 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-WINDOW = 16  # decode steps per probe window
-HOLD = 8  # windows to keep the chosen settings before probing again
+WINDOW = 16  # decode steps per setting in a probe (2 * WINDOW steps, alternating)
+HOLD = 16  # windows of WINDOW steps to keep the chosen settings before probing again
 
 
 @dataclass
@@ -33,16 +34,16 @@ class Switch:
 class StepTuner:
     def __init__(self, switches: list[Switch]):
         self.switches = switches
-        self._plan: list[tuple[Switch, bool]] = []
-        self._measured: dict[bool, float] = {}
-        self._window: list[float] = []
-        self._hold = 0
-        self._start_probe()
+        self._queue: list[Switch] = []  # switches still to probe in this round
+        self._costs: dict[bool, list[float]] = {True: [], False: []}
+        self._held = 0  # steps held since the last round
+        self._start_round()
 
-    def _start_probe(self) -> None:
-        self._plan = [(sw, setting) for sw in self.switches for setting in (True, False)]
-        if self._plan:
-            self._set(*self._plan[0])
+    def _start_round(self) -> None:
+        self._queue = list(self.switches)
+        self._costs = {True: [], False: []}
+        if self._queue:
+            self._set(self._queue[0], True)
 
     @staticmethod
     def _set(sw: Switch, active: bool) -> None:
@@ -52,26 +53,22 @@ class StepTuner:
 
     def on_step(self, cost_s: float) -> None:
         """One decode step spent `cost_s` in the streaming layers."""
-        if not self.switches:
+        if not self._queue:  # holding
+            self._held += 1
+            if self._held >= HOLD * WINDOW:
+                self._held = 0
+                self._start_round()
             return
-        self._window.append(cost_s)
-        if len(self._window) < WINDOW:
+        sw = self._queue[0]
+        self._costs[sw.active].append(cost_s)
+        if min(len(c) for c in self._costs.values()) < WINDOW:
+            self._set(sw, not sw.active)  # alternate
             return
-        median = statistics.median(self._window)
-        self._window = []
-        if self._hold > 0:
-            self._hold -= 1
-            if self._hold == 0:
-                self._start_probe()
-            return
-        sw, setting = self._plan.pop(0)
-        self._measured[setting] = median
-        if not setting:  # on and off both measured: decide this switch
-            on, off = self._measured[True], self._measured[False]
-            sw.net_ms = 1e3 * (off - on)
-            self._set(sw, on < off and sw.allowed())
-            log.debug("%s %s: net %.3f ms per step", sw.name, sw.active, sw.net_ms)
-        if self._plan:
-            self._set(*self._plan[0])
-        else:
-            self._hold = HOLD
+        on, off = (statistics.median(self._costs[k]) for k in (True, False))
+        sw.net_ms = 1e3 * (off - on)
+        self._set(sw, on < off and sw.allowed())
+        log.debug("%s %s: net %.3f ms per step", sw.name, sw.active, sw.net_ms)
+        self._queue.pop(0)
+        self._costs = {True: [], False: []}
+        if self._queue:
+            self._set(self._queue[0], True)
