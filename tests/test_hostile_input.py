@@ -11,6 +11,7 @@ import json
 import msgpack
 import pytest
 import zmq
+from daemon_harness import start_daemon
 
 GENERATE = {"v": 1, "type": "generate", "raw": True}
 
@@ -88,6 +89,14 @@ def corpus(vocab: int, context: int) -> list[tuple[str, bytes, str]]:
             frame = msgpack.packb(msg, datetime=False)
         out.append((name, frame, code))
     return out
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, tiny_model):
+    """One daemon for the module: the corpus must leave it serving anyway."""
+    d = start_daemon(tmp_path_factory.mktemp("hostile"), tiny_model, "--resident")
+    yield d
+    d.stop()
 
 
 @pytest.fixture

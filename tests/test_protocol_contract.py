@@ -10,6 +10,7 @@ import time
 import msgpack
 import pytest
 import zmq
+from daemon_harness import start_daemon
 
 from moed.client import DaemonUnavailable, RequestFailed, TokenEvent
 from moed.protocol import ErrorCode
@@ -17,9 +18,17 @@ from moed.protocol import ErrorCode
 LIMIT = 40  # the daemon's max_tokens_limit in this module
 
 
-@pytest.fixture
-def d(daemon_factory, tiny_model):
-    return daemon_factory(tiny_model, "--resident", env={"MOED_MAX_TOKENS_LIMIT": str(LIMIT)})
+@pytest.fixture(scope="module")
+def d(tmp_path_factory, tiny_model):
+    """One daemon for the module (each test leaves it idle): its start is most of a test's time."""
+    daemon = start_daemon(
+        tmp_path_factory.mktemp("contract"),
+        tiny_model,
+        "--resident",
+        env={"MOED_MAX_TOKENS_LIMIT": str(LIMIT)},
+    )
+    yield daemon
+    daemon.stop()
 
 
 def _connect(daemon) -> zmq.Socket:
