@@ -37,6 +37,8 @@ def judge(status: dict, stall_after_s: float, now: float) -> Health:
         return Health.LOADING
     if state == "idle":  # the keep-alive released the model; the next request reloads it
         return Health.READY
+    if state == "stalled":  # the daemon's own progress deadline passed
+        return Health.STALLED
     if state != "ready":
         return Health.RESTARTING
     if status.get("busy"):

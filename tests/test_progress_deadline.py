@@ -34,6 +34,10 @@ def test_wedged_engine_fails_clients_with_engine_stalled(daemon_factory, tiny_mo
         status = c.status()
         assert status["state"] == "stalled" and status["stalled"] is True
         assert status["progress_age_s"] > DEADLINE_S
+        # The gateway's /health takes the daemon's verdict (its own deadline is longer).
+        from moed.gateway.ops import Health, judge
+
+        assert judge(status, stall_after_s=3600, now=time.time()) is Health.STALLED
         # New work is refused at once with the same typed error, while status keeps answering.
         with pytest.raises(RequestFailed) as again:
             list(c.generate("hello", max_tokens=5, raw=True))
