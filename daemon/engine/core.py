@@ -124,7 +124,6 @@ class EngineCore:
             load_s=round(time.perf_counter() - t0, 3),
             streaming=self._stream_snapshot(),
             memory_plan=self.loaded.streamer.plan.describe() if self.loaded.streamer else None,
-            load=None,
             last_activity_at=time.time(),
         )
         self.keep_alive.became_idle()
