@@ -13,11 +13,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import fields as f
-from .context import Gateway
+from .context import Api, Gateway
 from .errors import ApiError, ErrorKind, invalid
 from .generation import Finish, GenerationRequest, Stream
 
-API = "anthropic"
+API = Api.ANTHROPIC
 STOP_REASON = {
     Finish.END: "end_turn",
     Finish.STOP_SEQUENCE: "stop_sequence",

@@ -24,27 +24,27 @@ from moed.client.async_client import AsyncClient
 
 from . import anthropic_api, ollama_api, openai_api, ops
 from .config import GatewayConfig
-from .context import Gateway
+from .context import Api, Gateway
 from .errors import ApiError, ErrorKind
 from .metrics import GatewayMetrics
 
 
-def api_of(path: str) -> str:
+def api_of(path: str) -> Api:
     """Which API a path belongs to, for error shapes and metric labels."""
     if path.startswith("/v1/messages"):
-        return "anthropic"
+        return Api.ANTHROPIC
     if path.startswith("/v1/"):
-        return "openai"
+        return Api.OPENAI
     if path.startswith("/api/"):
-        return "ollama"
-    return "ops"
+        return Api.OLLAMA
+    return Api.OPS
 
 
-RENDERERS: dict[str, Callable[[ApiError], Response]] = {
-    "openai": openai_api.error_response,
-    "anthropic": anthropic_api.error_response,
-    "ollama": ollama_api.error_response,
-    "ops": ops.error_response,
+RENDERERS: dict[Api, Callable[[ApiError], Response]] = {
+    Api.OPENAI: openai_api.error_response,
+    Api.ANTHROPIC: anthropic_api.error_response,
+    Api.OLLAMA: ollama_api.error_response,
+    Api.OPS: ops.error_response,
 }
 
 
@@ -93,8 +93,8 @@ class Guard:
             metrics = self.gateway.metrics
             # Label by route, never by whatever path a scanner sends (unbounded cardinality).
             endpoint = path if path in self.known_paths else "other"
-            metrics.requests.labels(api, endpoint, str(status)).inc()
-            metrics.latency.labels(api, endpoint).observe(time.perf_counter() - started)
+            metrics.requests.labels(api.value, endpoint, str(status)).inc()
+            metrics.latency.labels(api.value, endpoint).observe(time.perf_counter() - started)
 
     def _refusal(self, scope: Scope) -> ApiError | None:
         headers = dict(scope["headers"])

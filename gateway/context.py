@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,6 +19,15 @@ from .config import GatewayConfig
 from .errors import ApiError, ErrorKind, from_client_error
 from .generation import GenerationRequest, Stream
 from .metrics import GatewayMetrics
+
+
+class Api(str, enum.Enum):
+    """The API a path belongs to: it picks the error shape and labels the metrics."""
+
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+    OLLAMA = "ollama"
+    OPS = "ops"  # /health, /metrics
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,7 @@ class Gateway:
         return await Stream.start(self.client, req)
 
     async def tokens(
-        self, stream: Stream, api: str, endpoint: str, started: float
+        self, stream: Stream, api: Api, endpoint: str, started: float
     ) -> AsyncIterator[TokenEvent]:
         """A stream's tokens for an HTTP streaming body; counts TTFT, tokens, and cancellations
         (the body is closed early when the client disconnects, which cancels the generation)."""
@@ -63,16 +73,18 @@ class Gateway:
             async for event in stream.tokens():
                 if first and event.text:
                     first = False
-                    self.metrics.ttft.labels(api, endpoint).observe(time.perf_counter() - started)
+                    self.metrics.ttft.labels(api.value, endpoint).observe(
+                        time.perf_counter() - started
+                    )
                 count += len(event.ids)
                 yield event
         finally:
-            self.metrics.tokens.labels(api).inc(count)
+            self.metrics.tokens.labels(api.value).inc(count)
             if stream.outcome is None:
-                self.metrics.cancelled.labels(api).inc()
+                self.metrics.cancelled.labels(api.value).inc()
 
     async def collect(
-        self, request: Request, stream: Stream, api: str, endpoint: str, started: float
+        self, request: Request, stream: Stream, api: Api, endpoint: str, started: float
     ) -> Collected:
         """The whole completion for a non-streamed answer. A client that disconnects first, or a
         generation over the request timeout, cancels it in the daemon."""

@@ -16,11 +16,11 @@ from starlette.routing import Route
 
 from . import fields as f
 from .config import moed_version
-from .context import Gateway
+from .context import Api, Gateway
 from .errors import ApiError, ErrorKind, invalid
 from .generation import Finish, GenerationRequest, Outcome, Stream
 
-API = "ollama"
+API = Api.OLLAMA
 TAG = ":latest"
 FINISH = {
     Finish.TOOL_CALLS: "stop",

@@ -14,11 +14,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import fields as f
-from .context import Gateway
+from .context import Api, Gateway
 from .errors import ApiError, ErrorKind, invalid
 from .generation import Finish, GenerationRequest, Outcome, Stream
 
-API = "openai"
+API = Api.OPENAI
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 FINISH = {
