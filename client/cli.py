@@ -61,11 +61,14 @@ def offline_state(state_dir: Path) -> dict:
             data = json.loads((state_dir / name).read_text())
         except (OSError, ValueError):
             continue
-        out[key] = (
+        if not isinstance(data, dict):
+            continue  # a misshapen file says nothing (the daemon sets it aside at its next start)
+        value = (
             data.get(field)
             if field
             else {k: data.get(k) for k in ("state", "last_action", "updated_at")}
         )
+        out[key] = value if isinstance(value, dict) else None
     return out
 
 

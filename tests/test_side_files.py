@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,26 @@ def test_checkpoint_without_tokenizer_is_refused_at_load(daemon_factory, tiny_mo
     code = d.proc.wait(120)
     assert code == 8, d.log()  # DaemonExit.MODEL_UNUSABLE: the service units do not restart it
     assert "tokenizer" in d.log()
+
+
+def test_moe_status_offline_reads_misshapen_state_without_a_traceback(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "crash.json").write_text("[1, 2, 3]")
+    state_file_path(state).write_text(json.dumps({"last_action": "shed"}))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moed.client.cli",
+            "--socket",
+            str(tmp_path / "none.sock"),
+            "--state-dir",
+            str(state),
+            "status",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr
