@@ -80,6 +80,7 @@ def pull(repo_id: str, revision: str | None = None, on_progress: ProgressFn | No
     a dropped connection within a file resumes with an HTTP Range request (huggingface_hub)."""
     from huggingface_hub import HfApi, hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import (
+        GatedRepoError,
         HfHubHTTPError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -87,6 +88,10 @@ def pull(repo_id: str, revision: str | None = None, on_progress: ProgressFn | No
 
     try:
         info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
+    except GatedRepoError:
+        raise PullError(
+            f"{repo_id!r} is gated: accept its terms on the Hub, then set HF_TOKEN"
+        ) from None
     except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
         raise PullError(f"{repo_id!r} is not on the Hub ({exc.__class__.__name__})") from None
     except (HfHubHTTPError, OSError) as exc:

@@ -139,6 +139,10 @@ def test_pull_of_an_unknown_repo_is_a_typed_error(hub, hf_env):
     out = moe("pull", "nobody/nothing", "--json", env=hf_env)
     assert out.returncode == ExitCode.MODEL_UNAVAILABLE
     assert "not on the Hub" in json_lines(out.stdout)[-1]["message"]
+    hub.gated.add(REPO)
+    out = moe("pull", REPO, "--json", env=hf_env)
+    assert out.returncode == ExitCode.MODEL_UNAVAILABLE
+    assert "gated" in json_lines(out.stdout)[-1]["message"] and "HF_TOKEN" in out.stderr
 
 
 def test_the_daemon_serves_a_pulled_model_by_its_id(hub, hf_env, daemon_factory, tiny_model):
