@@ -144,18 +144,35 @@ def ps(obj, as_json: bool) -> None:
     if as_json:
         json_line({"type": "model", **row})
         return
-    keep = row["keep_alive_s"]
     cols = [
         ("NAME", row["name"] or "-"),
         ("STATE", row["state"] or "-"),
         ("MEMORY", format_bytes(row["rss_bytes"])),
-        ("BUDGET", format_bytes(row["budget_bytes"]) if row["budget_bytes"] else "resident"),
+        ("BUDGET", _budget(row)),
         ("IDLE", format_duration(row["idle_s"])),
-        ("UNLOADS", "never" if keep is None or keep < 0 else f"after {format_duration(keep)}"),
+        ("UNLOADS", _unloads(row)),
     ]
     widths = [max(len(h), len(v)) for h, v in cols]
     click.echo("  ".join(h.ljust(w) for (h, _), w in zip(cols, widths)))
     click.echo("  ".join(v.ljust(w) for (_, v), w in zip(cols, widths)))
+
+
+def _budget(row: dict) -> str:
+    if row["state"] == "idle":
+        return "released"
+    return format_bytes(row["budget_bytes"]) if row["budget_bytes"] else "resident"
+
+
+def _unloads(row: dict) -> str:
+    """When the keep-alive releases the model: like ollama's UNTIL column."""
+    keep = row["keep_alive_s"]
+    if row["state"] == "idle":
+        return "unloaded"
+    if keep is None or keep < 0:
+        return "never"
+    if row["idle_s"] is None:  # a request is running: the clock starts when it ends
+        return f"{format_duration(keep)} after use"
+    return f"in {format_duration(max(0.0, keep - row['idle_s']))}"
 
 
 def ps_row(status: dict) -> dict:

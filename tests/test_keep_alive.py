@@ -107,6 +107,13 @@ def test_keep_alive_zero_unloads_at_once_and_moe_run_json_shows_progress(
     )  # fmt: skip
     row = json.loads(ps.stdout)
     assert row["name"] == tiny_model.name and row["keep_alive_s"] == 0
+    with d.client() as c:
+        wait_for_state(c, "idle")  # keep_alive 0: released again once the run ended
+    table = subprocess.run(
+        [sys.executable, "-m", "moed.client.cli", "--socket", str(d.socket), "ps"],
+        capture_output=True, text=True, timeout=60, env=env,
+    ).stdout  # fmt: skip
+    assert "idle" in table and "released" in table and "unloaded" in table
 
 
 def test_a_bad_keep_alive_is_a_typed_error(daemon):
