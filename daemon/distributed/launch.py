@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moed.daemon.distributed.hostfile import LOOPBACK, GroupSpec, RankHost
-from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.exit_codes import PERMANENT_EXITS, DaemonExit
 
 log = logging.getLogger("moed.distributed")
 
@@ -77,10 +77,6 @@ def ssh_command(host: RankHost, script: str) -> list[str]:
     return ["ssh", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR", host.ssh, script]
 
 
-# A rank that exited with one of these cannot be helped by a restart: rank 0 exits with it too.
-_FINAL_EXITS = frozenset({DaemonExit.CONFIG, DaemonExit.MODEL_NOT_FOUND, DaemonExit.DOES_NOT_FIT})
-
-
 @dataclass(frozen=True)
 class GroupFailure:
     reason: str
@@ -106,7 +102,9 @@ class RankProcess:
         code = self.popen.poll()
         where = f"rank {self.rank} ({self.host.ssh or 'local'})"
         if code is not None:
-            final = code if code in _FINAL_EXITS else DaemonExit.RANK_FAILED
+            # A restart cannot help a rank that exited for good (a config it refuses, a plan that
+            # does not fit): rank 0 exits with the same code, so the service leaves it down.
+            final = code if code in PERMANENT_EXITS else DaemonExit.RANK_FAILED
             return GroupFailure(f"{where} exited with code {code}", final)
         if self.last_beat is None:
             return None  # still starting (imports): only its exit counts

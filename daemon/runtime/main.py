@@ -11,7 +11,7 @@ import zmq
 
 from moed.daemon.config import Config
 from moed.daemon.distributed.spec import pipeline_enabled
-from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.exit_codes import DaemonExit, for_supervisor
 from moed.daemon.model.source import ModelNotFound, resolve_model
 from moed.daemon.runtime.run_log import RotatingLog
 from moed.daemon.transport.server import AlreadyRunning, Server
@@ -92,7 +92,7 @@ def run_daemon(config: Config) -> int:
     if server.group_failure is not None:
         # The engine thread may still sit in a collective with the lost rank: do not wait for it.
         logging.shutdown()
-        os._exit(code)
+        os._exit(for_supervisor(code))
     return code
 
 
