@@ -117,6 +117,9 @@ _mb = format_bytes  # the one byte formatter
 @click.command("pipeline")
 @click.option("--model", default="demo", show_default=True, help="Model folder, HF id or 'demo'.")
 @click.option("--budget", default="25%", show_default=True, help="Expert cache budget per rank.")
+@click.option(
+    "--ranks", type=click.IntRange(min=2), default=2, show_default=True, help="Pipeline ranks."
+)
 @click.option("--max-tokens", default=64, show_default=True, help="Tokens generated per run.")
 @click.option("--runs", default=3, show_default=True, help="Timed runs of each setup.")
 # A prompt the demo model continues for well over 64 tokens (no early end of text).
@@ -126,8 +129,8 @@ _mb = format_bytes  # the one byte formatter
     show_default=True,
     help="The measured prompt.",
 )
-def pipeline(model: str, budget: str, max_tokens: int, runs: int, prompt: str) -> None:
-    """1 process vs 2 local ranks (ring over loopback): tok/s, memory per rank, bytes per token."""
+def pipeline(model: str, budget: str, ranks: int, max_tokens: int, runs: int, prompt: str) -> None:
+    """1 process vs N local ranks (ring over loopback): tok/s, memory per rank, bytes per token."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from moed.daemon.model.source import resolve_model
@@ -138,7 +141,7 @@ def pipeline(model: str, budget: str, max_tokens: int, runs: int, prompt: str) -
         f"model {path}  budget {budget} per rank  {max_tokens} tokens x {runs} runs", err=True
     )
     # Both daemons run at once and the runs alternate, so machine noise hits both sides alike.
-    setups = [Setup(path, 1, budget), Setup(path, 2, budget)]
+    setups = [Setup(path, 1, budget), Setup(path, ranks, budget)]
     try:
         for s in setups:
             s.connect()
@@ -151,7 +154,7 @@ def pipeline(model: str, budget: str, max_tokens: int, runs: int, prompt: str) -
     finally:
         for s in setups:
             s.close()
-    click.echo(f"{'':34}{'1 process':>16}{'2 ranks':>16}{'ratio':>10}")
+    click.echo(f"{'':34}{'1 process':>16}{f'{ranks} ranks':>16}{'ratio':>10}")
     click.echo(
         f"{'decode tok/s (median)':34}{one.decode_tps:16.1f}{two.decode_tps:16.1f}"
         f"{two.decode_tps / one.decode_tps:10.3f}"

@@ -113,6 +113,7 @@ class PipelineLeader:
             "activation_bytes": self.activation_bytes,
             "broadcast_bytes": c.broadcast_bytes,
             "bytes_per_token": per_token,
+            "steps_by_op": dict(c.by_op),
         }
 
     def _drain_released(self) -> tuple[int, ...]:
