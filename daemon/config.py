@@ -56,6 +56,9 @@ class ServeConfig:
     max_pending_per_client: int = 16  # one connection cannot hold every pending slot
     client_send_hwm: int = 1000  # messages queued to one client before it counts as not reading
     progress_deadline_s: float = 60.0  # work to do and no progress this long: `engine_stalled`
+    max_batch: int = 8  # requests decoded together in one batch (continuous batching)
+    prefill_chunk: int = 256  # prompt tokens read per step, between decode steps of the batch
+    batch_window_ms: float = 0.0  # an idle engine waits this long for requests to batch together
     drain_timeout_s: float = 10.0
     telemetry_every: int = 16  # tokens between telemetry messages
     metrics_port: int = 0  # 0: no HTTP metrics endpoint

@@ -10,6 +10,7 @@ from moed.daemon.config import ServeConfig
 from moed.daemon.engine.commands import Cancel, Shed, Submit
 from moed.daemon.engine.core import EngineCore
 from moed.daemon.engine.request import GenerateJob
+from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler
 from moed.daemon.engine.status import DaemonState, EngineStatus
 from moed.protocol import MessageType, ShedLevel, validate_request
 from moed.protocol import messages as wire
@@ -89,29 +90,55 @@ def test_core_tokens_equal_mlx_lm_and_status_is_typed(core, tiny_model):
         core.status.update(not_a_status_field=1)
 
 
-def test_core_round_robin_interleaves_and_cancels_within_a_round(core):
+def token_events(core, who: bytes) -> list[dict]:
+    return [m for i, m, _ in core.sink.events if i == who and m["type"] == "token" and m["ids"]]
+
+
+def test_core_batches_two_clients_and_cancels_within_a_step(core):
     core.handle(Submit(generate_job(b"a", "x", max_tokens=6)))
     core.handle(Submit(generate_job(b"b", "x", max_tokens=6)))
-    core.step()
-    core.step()
-    # Two clients, same id: one token each per round, in admission order.
-    assert [(i, m["index"]) for i, m, _ in core.sink.events if m["type"] == "token"] == [
-        (b"a", 0),
-        (b"b", 0),
-        (b"a", 1),
-        (b"b", 1),
-    ]
+    while not token_events(core, b"a"):
+        core.step()
+    # Both rows joined the same batch: every step gives each its next token.
+    assert core.status.get("running_requests") == 2
+    for _ in range(2):
+        before = (len(token_events(core, b"a")), len(token_events(core, b"b")))
+        core.step()
+        after = (len(token_events(core, b"a")), len(token_events(core, b"b")))
+        assert after == (before[0] + 1, before[1] + 1)
+    sent = len(token_events(core, b"a"))
     core.handle(Cancel((b"a", "x")))
     ends = [(i, m) for i, m, terminal in core.sink.events if terminal]
     assert [(i, m["finish_reason"]) for i, m in ends] == [(b"a", "cancelled")]
     run_until_idle(core)
-    a_ids = [
-        m["ids"] for i, m, _ in core.sink.events if i == b"a" and m["type"] == "token" and m["ids"]
-    ]
-    b_ids = [
-        m["ids"] for i, m, _ in core.sink.events if i == b"b" and m["type"] == "token" and m["ids"]
-    ]
-    assert len(a_ids) == 2 and len(b_ids) == 6  # no token of `a` after its cancel
+    assert len(token_events(core, b"a")) == sent  # no token of `a` after its cancel
+    assert len(token_events(core, b"b")) == 6
+
+
+def test_core_long_prompt_prefills_in_chunks_between_decode_steps(tiny_model, tmp_path):
+    """A prompt of many chunks arrives while a stream decodes: the stream gets a token per chunk."""
+    chunk, prompt_len = 32, 32 * 6
+    serve = ServeConfig(
+        model=str(tiny_model), state_dir=tmp_path, resident=True, prefill_chunk=chunk
+    )
+    core = EngineCore(serve, tiny_model, ListSink(), EngineStatus())
+    assert core.load()
+    core.handle(Submit(generate_job(b"a", 1, max_tokens=100)))
+    while not token_events(core, b"a"):
+        core.step()
+    long_ids = [(7 * i) % 200 + 3 for i in range(prompt_len)]
+    msg = wire.request(MessageType.GENERATE, 2, prompt_ids=long_ids, max_tokens=2)
+    core.handle(Submit(GenerateJob(b"b", msg)))
+    during = 0
+    while not token_events(core, b"b"):
+        before = len(token_events(core, b"a"))
+        core.step()
+        during += len(token_events(core, b"a")) > before
+    # One decode token per step while the prompt is read chunk by chunk (the last token of the
+    # prompt is read in the first decode step of its row, not in a chunk).
+    assert during >= prompt_len // chunk
+    run_until_idle(core)
+    core.close()
 
 
 def test_core_shed_cancel_newest_fails_only_the_newest(core):
@@ -124,3 +151,32 @@ def test_core_shed_cancel_newest_fails_only_the_newest(core):
     assert snap["sheds"] == 1 and snap["last_shed"]["cancelled"] == 2
     run_until_idle(core)
     assert core.sink.of(1)[-1]["type"] == "done"
+
+
+def test_scheduler_admits_clients_in_turn_within_max_batch():
+    sched = FairBatchScheduler(BatchLimits(max_batch=3, kv_tokens=10_000))
+    for n in range(4):  # one client floods first
+        sched.add((b"flood", n), b"flood", 10)
+    sched.add((b"other", 0), b"other", 10)
+    sched.add((b"third", 0), b"third", 10)
+    assert sched.schedule().admit == ((b"flood", 0), (b"other", 0), (b"third", 0))
+    assert sched.schedule().admit == ()  # the batch is full
+    sched.remove((b"other", 0))
+    assert sched.schedule().admit == ((b"flood", 1),)
+    assert sched.running == 3 and len(sched) == 5 and sched.newest() == (b"third", 0)
+
+
+def test_scheduler_keeps_the_batch_kv_within_the_plan():
+    # The batched cache pads rows to the longest: 3 rows of up to 400 tokens need 1200.
+    sched = FairBatchScheduler(BatchLimits(max_batch=8, kv_tokens=1000))
+    sched.add((b"a", 0), b"a", 400)
+    sched.add((b"b", 0), b"b", 400)
+    sched.add((b"c", 0), b"c", 400)
+    assert sched.schedule().admit == ((b"a", 0), (b"b", 0))
+    sched.remove((b"a", 0))
+    assert sched.schedule().admit == ((b"c", 0),)
+    # A request larger than the whole plan still runs alone.
+    sched.remove((b"b", 0))
+    sched.remove((b"c", 0))
+    sched.add((b"d", 0), b"d", 5000)
+    assert sched.schedule().admit == ((b"d", 0),)

@@ -1,7 +1,8 @@
 """The engine core: owns the MLX model and carries out what the scheduler decides, with no socket.
 
-Commands come in through `handle`, work happens in `step`, events leave through an EventSink. The
-daemon runs it on its own thread behind an inbox (engine/loop.py); tests drive it in-process.
+Commands come in through `handle`, work happens in `step` (admit what the scheduler says, then one
+step of the running batch), events leave through an EventSink. The daemon runs it on its own thread
+behind an inbox (engine/loop.py); tests drive it in-process.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import Protocol
 from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.failure import is_group_failure
 from moed.daemon.distributed.spec import pipeline_enabled
+from moed.daemon.engine.batch import DecodeBatch, SequentialBatch, StepOutput
 from moed.daemon.engine.commands import Cancel, EngineCommand, Shed, Stop, Submit
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
-from moed.daemon.engine.scheduler import RoundRobinScheduler, Scheduler
+from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Scheduler
 from moed.daemon.engine.status import DaemonState, EngineStatus, ShedRecord
 from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.model.loader import (
@@ -32,7 +34,7 @@ from moed.daemon.model.loader import (
 from moed.daemon.runtime.crashlog import CrashKind, is_out_of_memory
 from moed.daemon.runtime.faults import Faults
 from moed.daemon.telemetry.delta import cache_state, request_counters
-from moed.daemon.telemetry.trace import finish_request_trace, start_request_trace
+from moed.daemon.telemetry.trace import finish_request_trace, recording_all, start_request_trace
 from moed.protocol import ErrorCode, FinishReason, ProtocolError, ShedLevel
 from moed.protocol import messages as wire
 
@@ -63,12 +65,16 @@ class EngineCore:
         self.model_path = model_path
         self.sink = sink
         self.status = status
-        self.scheduler = scheduler or RoundRobinScheduler()
+        self.scheduler = scheduler or FairBatchScheduler(
+            BatchLimits(serve.max_batch, serve.plan_context_tokens, serve.batch_window_ms / 1000.0)
+        )
         # Records a crash durably before the in-flight requests are failed.
         self.on_crash = on_crash
         # Fails the requests still waiting in the owner's inbox, before `fatal` is published.
         self.reject_queued = reject_queued or (lambda code, message: None)
         self._gens: dict[RequestKey, Generation] = {}
+        self._rows: dict[int, Generation] = {}  # batch row id -> its request
+        self.batch: DecodeBatch | SequentialBatch | None = None
         self.loaded: LoadedModel | None = None
         self.fatal: BaseException | None = None
         self.exit_code: int = DaemonExit.FAILED  # what the process exits with once `fatal` is set
@@ -82,6 +88,15 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         return bool(self._gens)
+
+    def idle_for(self) -> float | None:
+        """How long the owner may block waiting for commands: 0 while the batch has rows, the
+        scheduler's gathering wait while requests wait, None (until a command) when idle."""
+        if self.batch is not None and self.batch.rows:
+            return 0.0
+        if not self._gens:
+            return None
+        return self.scheduler.wake_in(time.monotonic()) or 0.0
 
     # ---- lifecycle -------------------------------------------------------------------------
     def load(self, on_progress: LoadProgress | None = None) -> bool:
@@ -118,6 +133,7 @@ class EngineCore:
         except RuntimeError as exc:  # a rank failed while loading; the group monitor says which
             self._group_failed(exc)
             return False
+        self.batch = self._new_batch()
         self.status.update(
             state=DaemonState.READY,
             model=describe_model(self.loaded),
@@ -129,6 +145,12 @@ class EngineCore:
         self.keep_alive.became_idle()
         log.info("model loaded from %s in %.2fs", self.model_path, time.perf_counter() - t0)
         return True
+
+    def _new_batch(self) -> DecodeBatch | SequentialBatch:
+        eos = getattr(self.loaded.tokenizer, "eos_token_ids", None) or []
+        if self.loaded.pipeline is not None:  # followers mirror one cache per sequence
+            return SequentialBatch(self.loaded.model, eos, self.serve.prefill_chunk)
+        return DecodeBatch(self.loaded.model, eos, self.serve.max_batch, self.serve.prefill_chunk)
 
     def maybe_unload(self) -> None:
         """Release the model and the expert cache once the keep-alive of an idle engine expired."""
@@ -169,6 +191,9 @@ class EngineCore:
         return False
 
     def close(self) -> None:
+        if self.batch is not None:
+            self.batch.close()
+            self.batch = None
         pipeline = self.loaded.pipeline if self.loaded else None
         if pipeline is not None and self.exit_code != DaemonExit.RANK_FAILED:
             try:
@@ -222,24 +247,33 @@ class EngineCore:
 
     # ---- work ------------------------------------------------------------------------------
     def step(self) -> None:
-        """Carry out one round of the scheduler's plan."""
-        for key in self.scheduler.schedule().steps:
-            if self.fatal is not None:
+        """Admit what the scheduler says, then one step of the running batch."""
+        for key in self.scheduler.schedule(time.monotonic()).admit:
+            self._join(self._gens[key])
+        if self.batch is None or not self.batch.rows:
+            return
+        try:
+            if self.faults:
+                self.faults.before_step(self.status.get("tokens_generated"))
+            traced = [g.trace for g in self._rows.values() if g.trace is not None]
+            with recording_all(traced):
+                out = self.batch.step()
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                self._out_of_memory(exc)
                 return
-            if (gen := self._gens.get(key)) is not None:
-                self._step(gen)
+            if self.loaded.pipeline is not None and is_group_failure(exc):
+                self._group_failed(exc)
+                return
+            self._batch_failed(exc)
+            return
+        self._deliver(out)
 
     def _admit(self, job: GenerateJob) -> None:
         if self.loaded is None and not self._reload_for(job):
             return
         try:
-            gen = Generation(
-                job,
-                self.loaded,
-                self.serve,
-                self._stream_snapshot(),
-                on_progress=lambda: self.status.update(last_progress_at=time.time()),
-            )
+            gen = Generation(job, self.loaded, self.serve, self._stream_snapshot())
             gen.trace = start_request_trace(
                 self.loaded,
                 job,
@@ -251,38 +285,53 @@ class EngineCore:
             self.reject(job, exc.code, exc.message)
             return
         except Exception as exc:
-            if is_out_of_memory(exc):  # the prefill ran out of memory
-                self._out_of_memory(exc, also=job)
-                return
             log.exception("request %r could not start", job.request.get("id"))
             self.reject(job, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
             return
         self._gens[job.key] = gen
-        self.scheduler.add(job.key)
+        self.scheduler.add(job.key, gen.client, gen.kv_tokens, time.monotonic())
         self.keep_alive.admitted(job.request.get("keep_alive"))
-        self.status.update(
-            busy=True, active_requests=len(self._gens), keep_alive_s=self.keep_alive.seconds
-        )
+        self.status.update(keep_alive_s=self.keep_alive.seconds)
+        self._publish_counts()
 
-    def _step(self, gen: Generation) -> None:
-        try:
-            if self.faults:
-                self.faults.before_step(self.status.get("tokens_generated"))
-            token, finish = gen.step()
-        except Exception as exc:
-            if is_out_of_memory(exc):
-                self._out_of_memory(exc)
-                return
-            if self.loaded.pipeline is not None and is_group_failure(exc):
-                self._group_failed(exc)
-                return
-            log.exception("generation %r failed", gen.job.request.get("id"))
-            self._finish(gen, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
-            return
-        if finish is not None:
-            self._finish(gen, finish)
-            return
-        out = gen.add_token(token)
+    def _join(self, gen: Generation) -> None:
+        """A request takes its row: its context is queued for prefill in the next steps."""
+        gen.started = time.perf_counter()
+        gen.uid = self.batch.insert(gen.context, gen.max_new_tokens, gen.sampler)
+        self._rows[gen.uid] = gen
+        self._publish_counts()
+        if len(self._rows) > self.status.get("peak_running_requests"):
+            self.status.update(peak_running_requests=len(self._rows))
+
+    def _batch_failed(self, exc: Exception) -> None:
+        """A step raised: the batch state is unknown, so every row fails and a new batch starts."""
+        log.exception("a batch step failed")
+        message = f"{exc.__class__.__name__}: {exc}"
+        for gen in list(self._rows.values()):
+            self._finish(gen, ErrorCode.INTERNAL, message)
+        self.batch.close()
+        self.batch = self._new_batch()
+
+    def _deliver(self, out: StepOutput) -> None:
+        if out.prompts:  # a long prefill yields no token for a while: the watchdog sees progress
+            self.status.update(last_progress_at=time.time())
+        for tok in out.tokens:
+            gen = self._rows.get(tok.uid)
+            if gen is None:  # cancelled while its token was being computed
+                continue
+            if gen.first_token_at is None:
+                gen.first_token_at = time.perf_counter()
+            if tok.finish is FinishReason.STOP:  # end of sequence: the EOS token is not text
+                self._finish(gen, FinishReason.STOP)
+                continue
+            if self._emit_token(gen, tok.token, tok.logprobs):
+                self._finish(gen, FinishReason.STOP)  # a stop sequence matched
+            elif tok.finish is not None:
+                self._finish(gen, tok.finish)
+
+    def _emit_token(self, gen: Generation, token: int, row_logprobs) -> bool:
+        """Send a token (and telemetry when due); True when a stop sequence ended the text."""
+        out = gen.add_token(token, row_logprobs)
         self.sink.emit(
             gen.job.identity,
             wire.token(
@@ -292,13 +341,13 @@ class EngineCore:
         gen.index += 1
         gen.completion += 1
         self.status.token_produced(time.time())
-        if out.stopped:  # a stop sequence matched: the text ends before it
-            self._finish(gen, FinishReason.STOP)
-            return
+        if out.stopped:  # the text ends before the stop; `done` follows at once
+            return True
         if gen.completion % gen.telemetry_every == 0:
             self.sink.emit(
                 gen.job.identity, wire.telemetry(gen.job.request["id"], self._telemetry(gen))
             )
+        return False
 
     def _telemetry(self, gen: Generation, timings: dict | None = None) -> dict:
         self._refresh_ranks()
@@ -312,13 +361,24 @@ class EngineCore:
 
     # ---- endings -----------------------------------------------------------------------------
     def _forget(self, key: RequestKey) -> None:
-        self._gens.pop(key, None)
+        gen = self._gens.pop(key, None)
         self.scheduler.remove(key)
+        if gen is not None and gen.uid is not None:
+            self._rows.pop(gen.uid, None)
+            if self.batch is not None:
+                self.batch.remove(gen.uid)  # a no-op for a row that finished by itself
         # Published before the terminal message, so a client that saw `done` sees the count drop.
-        self.status.update(active_requests=len(self._gens), busy=bool(self._gens))
+        self._publish_counts()
         if not self._gens:
             self.keep_alive.became_idle()
             self.status.update(last_activity_at=time.time())
+
+    def _publish_counts(self) -> None:
+        self.status.update(
+            active_requests=len(self._gens),
+            running_requests=len(self._rows),
+            busy=bool(self._gens),
+        )
 
     def _finish(
         self,

@@ -43,8 +43,13 @@ class Engine:
         self._inbox: queue.Queue[EngineCommand] = queue.Queue()
         self._stop = threading.Event()
         self.core: EngineCore | None = None
-        # Parsed here, on the caller's thread, so a bad spec fails the start as a config error.
+        # Checked here, on the caller's thread, so a bad setting fails the start as a config error.
         self.faults = Faults.parse(serve.debug_faults)
+        for name in ("max_batch", "prefill_chunk"):
+            if getattr(serve, name) < 1:
+                raise ValueError(f"{name} = {getattr(serve, name)!r}: must be an integer >= 1")
+        if not 0 <= serve.batch_window_ms <= 60_000:
+            raise ValueError(f"batch_window_ms = {serve.batch_window_ms!r}: must be 0 to 60000")
         self.thread = threading.Thread(target=self._run, name="moed-engine", daemon=True)
         # Set by the server: record a crash durably before the in-flight requests are failed.
         self.on_crash: Callable[[CrashKind, str], None] | None = None
@@ -95,7 +100,7 @@ class Engine:
             return
         try:
             while not self._stop.is_set() and core.fatal is None:
-                self._drain_inbox(core, block=not core.has_work)
+                self._drain_inbox(core, core.idle_for())
                 if core.fatal is None:
                     core.step()
                     core.maybe_unload()
@@ -107,9 +112,14 @@ class Engine:
             core.engine_failed(exc)
         core.close()
 
-    def _drain_inbox(self, core: EngineCore, block: bool) -> None:
+    def _drain_inbox(self, core: EngineCore, wait_s: float | None) -> None:
+        """Hand every queued command to the core, first waiting up to `wait_s` for one (None: a
+        short poll, so that the stop flag is seen)."""
         try:
-            command = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            if wait_s == 0:
+                command = self._inbox.get_nowait()
+            else:
+                command = self._inbox.get(timeout=0.05 if wait_s is None else min(wait_s, 0.05))
         except queue.Empty:
             return
         while True:

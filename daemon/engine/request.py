@@ -1,10 +1,12 @@
-"""One generation: a request's KV cache, position-keyed sampler, detokenizer and timings."""
+"""One generation: a request's context, position-keyed sampler, stop rule, detokenizer and timings.
+
+Its KV cache is its row of the running batch (engine/batch.py); this object holds the rest.
+"""
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,8 +16,6 @@ from moed.daemon.engine.tool_calls import ToolCalls
 from moed.daemon.model.chat_template import prompt_token_ids
 from moed.daemon.model.limits import limits_for
 from moed.daemon.model.loader import LoadedModel
-from moed.daemon.telemetry.trace import recording
-from moed.protocol import FinishReason
 from moed.protocol.validation import check_context, check_token_ids, resolve_max_tokens
 
 RequestKey = tuple[bytes, Any]  # (client identity, client-chosen request id)
@@ -43,7 +43,7 @@ class Emitted:
 
 
 class Generation:
-    """One request's decoding state: its own KV cache, sampler and detokenizer."""
+    """One request's decoding state outside the model: what to run, how to sample, what went out."""
 
     def __init__(
         self,
@@ -51,12 +51,7 @@ class Generation:
         loaded: LoadedModel,
         serve: ServeConfig,
         stream_snapshot: dict | None,
-        on_progress: Callable[[], None] | None = None,
     ):
-        import mlx.core as mx
-        from mlx_lm.generate import generate_step
-        from mlx_lm.models.cache import make_prompt_cache
-
         from moed.daemon.engine.sampling import SamplingParams, make_position_sampler
 
         req = job.request
@@ -76,11 +71,14 @@ class Generation:
             if asked is not None and asked > max_tokens
             else None
         )
-        context = prompt_ids + resume_ids
+        self.context = prompt_ids + resume_ids  # what the model reads before the first new token
+        self.max_new_tokens = max_tokens - len(resume_ids)
         params = SamplingParams(
             float(req.get("temperature") or 0.0), float(req.get("top_p") or 1.0), req.get("seed")
         )
-        sampler = make_position_sampler(params, len(context), default_seed=random.getrandbits(62))
+        self.sampler = make_position_sampler(
+            params, len(self.context), default_seed=random.getrandbits(62)
+        )
         self.prompt_tokens = len(prompt_ids)
         self.index = len(resume_ids)  # token indices continue after a resume
         self.completion = 0
@@ -88,7 +86,6 @@ class Generation:
         self.stops = StopSequences(req.get("stop") or ())
         self.tool_calls = ToolCalls(loaded.tokenizer, req.get("tools"))
         self.top_logprobs: int | None = req.get("logprobs")  # None: the request wants none
-        self.last_logprobs = None  # the distribution the last token was sampled from
         self.detokenizer = loaded.tokenizer.detokenizer
         for token in resume_ids:  # so that text deltas continue mid-character after a resume
             self.detokenizer.add_token(token)
@@ -96,48 +93,32 @@ class Generation:
             _ = self.detokenizer.last_segment
         self.stream_before = stream_snapshot
         self.trace = None  # a TraceRecorder when the request is traced (set by the engine)
-        self.started = time.perf_counter()
+        self.uid: int | None = None  # its row id in the running batch, once admitted
+        self.started: float | None = None  # when it joined the batch
         self.first_token_at: float | None = None
-        self.steps = generate_step(
-            mx.array(context, dtype=mx.uint32),
-            loaded.model,
-            max_tokens=max_tokens - len(resume_ids),
-            sampler=sampler,
-            prompt_cache=make_prompt_cache(loaded.model),
-            # A long prefill yields no token for a while; report progress so the watchdog waits.
-            prompt_progress_callback=lambda done, total: on_progress() if on_progress else None,
-        )
 
-    def step(self) -> tuple[int | None, FinishReason | None]:
-        """Advance one token; returns (token, None) or (None, finish reason)."""
-        try:
-            if self.trace is None:  # the common case: no context manager per token
-                token, self.last_logprobs = next(self.steps)
-            else:
-                with recording(self.trace):
-                    token, self.last_logprobs = next(self.steps)
-        except StopIteration:
-            return None, FinishReason.LENGTH
-        if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-        if token in self.tokenizer.eos_token_ids:
-            return None, FinishReason.STOP
-        return int(token), None
+    @property
+    def client(self) -> bytes:
+        return self.job.identity
 
-    def add_token(self, token: int) -> Emitted:
+    @property
+    def kv_tokens(self) -> int:
+        """The KV rows this request can grow to (its context and every token it may add)."""
+        return len(self.context) + self.max_new_tokens
+
+    def add_token(self, token: int, logprobs: Any = None) -> Emitted:
         """Detokenize a sampled token: the text to send (tool calls and stop strings cut out),
-        its logprobs if asked, finished tool calls, and whether a stop string matched."""
+        its logprobs if asked, finished tool calls, and whether a stop string matched.
+        `logprobs` is the distribution the token was sampled from (this request's row)."""
         self.detokenizer.add_token(token)
         text, calls = self.tool_calls.feed(self.detokenizer.last_segment)
         text = self.stops.feed(text)
-        logprobs = None
+        entries = None
         if self.top_logprobs is not None:
             from moed.daemon.engine.logprobs import token_logprobs
 
-            logprobs = [
-                token_logprobs(self.last_logprobs, token, self.top_logprobs, self.tokenizer)
-            ]
-        return Emitted(text, logprobs, calls, self.stops.matched is not None)
+            entries = [token_logprobs(logprobs, token, self.top_logprobs, self.tokenizer)]
+        return Emitted(text, entries, calls, self.stops.matched is not None)
 
     def final_text(self) -> Emitted:
         """What is still held back (by the detokenizer, a possible tool call or stop) at the end."""
@@ -151,12 +132,13 @@ class Generation:
 
     def timings(self) -> dict:
         now = time.perf_counter()
+        started = self.started or now
         first = self.first_token_at or now
         decode_s = now - first
         return {
-            "queued_s": self.started - self.job.received_at,
+            "queued_s": started - self.job.received_at,
             "ttft_s": first - self.job.received_at,
-            "prompt_tps": self.prompt_tokens / max(first - self.started, 1e-9),
+            "prompt_tps": self.prompt_tokens / max(first - started, 1e-9),
             "decode_tps": (self.completion - 1) / decode_s
             if self.completion > 1 and decode_s > 0
             else 0.0,

@@ -19,10 +19,15 @@ class SamplingParams:
     seed: int | None = None
 
 
+def greedy(logprobs: mx.array) -> mx.array:
+    """Argmax per row; one shared function, so a batch of greedy requests samples in one call."""
+    return mx.argmax(logprobs, axis=-1)
+
+
 def make_position_sampler(params: SamplingParams, first_position: int, default_seed: int):
-    """A sampler for mlx_lm.generate_step that is called once per position, in order."""
+    """A sampler for one request's rows, called once per position, in order."""
     if params.temperature == 0:
-        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+        return greedy
     seed = params.seed if params.seed is not None else default_seed
     position = first_position
 

@@ -1,11 +1,14 @@
-"""What the engine runs next: the scheduler owns the order of the active requests.
+"""What the engine runs next: which waiting requests join the running batch this step.
 
-The engine core asks `schedule()` for the next round and carries it out; it holds no scheduling
-logic of its own, so a batching scheduler replaces this one without touching the loop.
+The engine core asks `schedule()` at every token boundary and carries the answer out; it holds no
+scheduling logic of its own. The batch itself (engine/batch.py) interleaves prefill chunks with
+decode steps; the scheduler decides admission: how many rows (`max_batch`), whether their KV cache
+fits the memory plan, and in which order clients get a row.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -15,49 +18,125 @@ from moed.daemon.engine.request import RequestKey
 
 @dataclass(frozen=True)
 class Round:
-    """One scheduling round: the requests to advance by one token each, in this order."""
+    """One scheduling decision: the requests that join the running batch now, in this order."""
 
-    steps: tuple[RequestKey, ...]
+    admit: tuple[RequestKey, ...]
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_batch: int  # rows in the running batch (prefilling and decoding)
+    # KV rows the memory plan keeps room for. The batched cache pads every row to the longest,
+    # so a batch of n rows whose longest may reach T tokens holds n * T.
+    kv_tokens: int
+    # An idle engine waits this long after a request arrives for others to start with it (as
+    # one batch of one composition); 0 starts at once.
+    window_s: float = 0.0
 
 
 class Scheduler(Protocol):
-    def add(self, key: RequestKey) -> None:
-        """A request was admitted."""
+    def add(self, key: RequestKey, client: bytes, kv_tokens: int, now: float) -> None:
+        """A request was accepted at `now` (monotonic) and waits for a row."""
 
     def remove(self, key: RequestKey) -> None:
         """A request ended (finished, cancelled or failed); unknown keys are ignored."""
 
-    def schedule(self) -> Round:
-        """The next round of work; empty when nothing is active."""
+    def schedule(self, now: float) -> Round:
+        """The waiting requests that join the batch now (marked running); `now` is monotonic."""
+
+    def wake_in(self, now: float) -> float | None:
+        """Seconds until waiting requests may be admitted with nothing running; None: no wait."""
 
     def newest(self) -> RequestKey | None:
-        """The most recently admitted active request (shed first under memory pressure)."""
+        """The most recently accepted request still held (shed first under memory pressure)."""
+
+    @property
+    def running(self) -> int:
+        """Requests in the running batch."""
 
     def __len__(self) -> int: ...
 
     def __iter__(self) -> Iterator[RequestKey]: ...
 
 
-class RoundRobinScheduler:
-    """Each active request advances one token per round, in admission order."""
+class FairBatchScheduler:
+    """Continuous batching with round-robin admission across clients.
 
-    def __init__(self) -> None:
-        self._order: dict[RequestKey, None] = {}  # insertion-ordered set
+    Each client has a FIFO of waiting requests; free rows go to clients in turn, so one client
+    with many requests cannot starve the others. When the next request in turn does not fit the KV
+    budget, admission stops for this step (a large request waits for rows to drain rather than
+    being overtaken for good); an empty batch always admits, as a lone request always ran.
+    """
 
-    def add(self, key: RequestKey) -> None:
-        self._order[key] = None
+    def __init__(self, limits: BatchLimits) -> None:
+        self.limits = limits
+        self._waiting: dict[bytes, deque[tuple[RequestKey, int]]] = {}
+        self._first_wait: float | None = None  # when the oldest waiting request arrived
+        self._turns: deque[bytes] = deque()  # clients with waiting requests, next turn first
+        self._running: dict[RequestKey, int] = {}  # key -> its KV tokens
+        self._all: dict[RequestKey, bytes] = {}  # every held request, in arrival order
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def add(self, key: RequestKey, client: bytes, kv_tokens: int, now: float = 0.0) -> None:
+        self._all[key] = client
+        if not self._turns:
+            self._first_wait = now
+        if client not in self._waiting:
+            self._waiting[client] = deque()
+            self._turns.append(client)
+        self._waiting[client].append((key, kv_tokens))
 
     def remove(self, key: RequestKey) -> None:
-        self._order.pop(key, None)
+        client = self._all.pop(key, None)
+        if self._running.pop(key, None) is not None or client is None:
+            return
+        queue = self._waiting.get(client)
+        if queue is not None:
+            self._waiting[client] = deque(item for item in queue if item[0] != key)
+            if not self._waiting[client]:
+                self._drop_client(client)
 
-    def schedule(self) -> Round:
-        return Round(tuple(self._order))
+    def wake_in(self, now: float) -> float | None:
+        if self._running or not self._turns or self._first_wait is None:
+            return None
+        return max(0.0, self._first_wait + self.limits.window_s - now)
+
+    def schedule(self, now: float = 0.0) -> Round:
+        admitted: list[RequestKey] = []
+        waiting = sum(len(q) for q in self._waiting.values())
+        if (self.wake_in(now) or 0.0) > 0 and waiting < self.limits.max_batch:
+            return Round(())  # gather the batch a little longer
+        while self._turns and len(self._running) < self.limits.max_batch:
+            client = self._turns[0]
+            key, kv = self._waiting[client][0]
+            if not self._fits(kv):
+                break
+            self._waiting[client].popleft()
+            self._running[key] = kv
+            admitted.append(key)
+            self._turns.rotate(-1)  # this client goes to the back of the line
+            if not self._waiting[client]:
+                self._drop_client(client)
+        return Round(tuple(admitted))
 
     def newest(self) -> RequestKey | None:
-        return next(reversed(self._order), None)
+        return next(reversed(self._all), None)
+
+    def _fits(self, kv_tokens: int) -> bool:
+        if not self._running:
+            return True
+        longest = max(kv_tokens, *self._running.values())
+        return (len(self._running) + 1) * longest <= self.limits.kv_tokens
+
+    def _drop_client(self, client: bytes) -> None:
+        del self._waiting[client]
+        self._turns.remove(client)
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._all)
 
     def __iter__(self) -> Iterator[RequestKey]:
-        return iter(tuple(self._order))
+        return iter(tuple(self._all))

@@ -56,7 +56,9 @@ class StatusRecord:
     last_activity_at: float | None = None
     unloads: int = 0
     # Requests and progress.
-    active_requests: int = 0
+    active_requests: int = 0  # held by the engine: running or waiting for a batch row
+    running_requests: int = 0  # in the running batch (prefilling or decoding)
+    peak_running_requests: int = 0  # the most rows the batch has held since the start
     queued_requests: int = 0
     busy: bool = False
     last_token_at: float | None = None

@@ -59,6 +59,17 @@ class ConfigExit(click.ClickException):
     type=click.Choice([p.value for p in PageCachePolicy]),
     help="Bypass or trust the OS page cache.",
 )
+@click.option("--max-batch", type=int, help="Requests decoded together in one batch (default 8).")
+@click.option(
+    "--prefill-chunk",
+    type=int,
+    help="Prompt tokens read per step between decode steps (default 256).",
+)
+@click.option(
+    "--batch-window-ms",
+    type=float,
+    help="An idle daemon waits this long for more requests to start as one batch (default 0).",
+)
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on 127.0.0.1:PORT.")
 @click.option(
     "--trace-dir",
@@ -99,6 +110,9 @@ def serve(
     prefetch_next,
     cache_policy,
     page_cache,
+    max_batch,
+    prefill_chunk,
+    batch_window_ms,
     metrics_port,
     trace_dir,
     keep_alive,
@@ -128,6 +142,9 @@ def serve(
                 "cache_policy": cache_policy,
                 "state_dir": given.state_dir,
                 "log_dir": given.log_dir,
+                "max_batch": max_batch,
+                "prefill_chunk": prefill_chunk,
+                "batch_window_ms": batch_window_ms,
                 "metrics_port": metrics_port,
                 "trace_dir": trace_dir,
                 "keep_alive": keep_alive,

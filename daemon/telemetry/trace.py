@@ -24,9 +24,11 @@ Classes: `hit` (already in the expert cache), `page_cache` (a read whose pages w
 page cache, checked with mincore just before the read), `ssd` (a read that went to the device),
 `read` (a read whose residency could not be checked).
 
-Passes per request: with mlx-lm's generator the first pass runs the prompt (in chunks), each later
-pass one generated token; a request of P prompt tokens and T completion tokens has P + T token rows
-(one more when the generator computed a token it did not return).
+Passes per request: the engine runs requests as one batch (engine/batch.py), and a request's trace
+holds every forward pass of the batch while the request was in it: prompt chunks (up to
+`prefill_chunk` rows per prompt being read) and decode passes (one row per decoding request), the
+rows of the requests beside it included. A request alone has P + T token rows for P prompt and T
+completion tokens (one more when the generator computed a token it did not return).
 """
 
 from __future__ import annotations
@@ -343,6 +345,43 @@ def recording(recorder: TraceRecorder | None) -> Iterator[None]:
     finally:
         recorder.streamer.observer = None
         recorder.end()
+
+
+class _Fanout:
+    """One streamer observer that feeds every recorder of a batched step."""
+
+    def __init__(self, recorders: list[TraceRecorder]):
+        self.recorders = recorders
+
+    def on_route(self, layer: int, host: np.ndarray) -> None:
+        for r in self.recorders:
+            r.on_route(layer, host)
+
+    def on_load(self, layer: int, pool: Any, hits: list[int], loads: list[tuple[int, int]]) -> None:
+        for r in self.recorders:
+            r.on_load(layer, pool, hits, loads)
+
+
+@contextlib.contextmanager
+def recording_all(recorders: list[TraceRecorder]) -> Iterator[None]:
+    """Attach several recorders (the traced requests of one batched step) to their streamer."""
+    if not recorders:
+        yield
+        return
+    if len(recorders) == 1:
+        with recording(recorders[0]):
+            yield
+        return
+    for r in recorders:
+        r.begin()
+    streamer = recorders[0].streamer
+    streamer.observer = _Fanout(recorders)
+    try:
+        yield
+    finally:
+        streamer.observer = None
+        for r in recorders:
+            r.end()
 
 
 # ---- the engine's side: one recorder per traced request ---------------------------------------

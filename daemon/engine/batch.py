@@ -1,0 +1,162 @@
+"""The running batch: mlx-lm's BatchGenerator behind the few calls the engine core needs.
+
+BatchGenerator already is continuous batching: requests join at token boundaries (a finished
+prompt's row is appended to the decoding batch), leave when they finish (their row is filtered
+out of the batched KV cache), and prompts are read in chunks of `prefill_chunk` tokens, one chunk
+per step after the decode step, so long prompts never freeze the decoding rows. Each row keeps its
+own sampler (called once per position, so position-keyed seeds stay reproducible).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from moed.daemon.engine.sampling import greedy
+from moed.protocol import FinishReason
+
+Sampler = Callable[[mx.array], mx.array]
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    """A row's new token; with `finish` set the row has left the batch (a STOP token is EOS)."""
+
+    uid: int
+    token: int
+    finish: FinishReason | None
+    logprobs: mx.array  # the row's distribution the token was sampled from
+
+
+@dataclass(frozen=True)
+class PromptProgress:
+    """A chunk of a row's prompt was read: `done` of `total` context tokens."""
+
+    uid: int
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    prompts: tuple[PromptProgress, ...]
+    tokens: tuple[TokenOut, ...]
+
+
+class DecodeBatch:
+    """One batched KV cache for every running request: one forward pass per step for all rows."""
+
+    def __init__(
+        self, model, eos_token_ids: Iterable[int], max_batch: int, prefill_chunk: int
+    ) -> None:
+        stop = [[int(t)] for t in eos_token_ids]
+        self._gen = BatchGenerator(
+            model,
+            stop_tokens=stop or None,
+            sampler=greedy,
+            # The scheduler admits at most max_batch rows in all: these limits never bind first.
+            completion_batch_size=max_batch,
+            prefill_batch_size=max_batch,
+            prefill_step_size=prefill_chunk,
+        )
+        self._live: set[int] = set()  # rows inserted and not yet finished or removed
+
+    @property
+    def rows(self) -> int:
+        return len(self._live)
+
+    def insert(self, context: list[int], max_new_tokens: int, sampler: Sampler) -> int:
+        """Queue a request's context for prefill; returns its row id."""
+        (uid,) = self._gen.insert([context], max_tokens=[max_new_tokens], samplers=[sampler])
+        self._live.add(uid)
+        return uid
+
+    def remove(self, uid: int) -> None:
+        """Drop a row (cancelled or failed); a row that already finished is ignored."""
+        if uid in self._live:
+            self._live.discard(uid)
+            self._gen.remove([uid])
+
+    def step(self) -> StepOutput:
+        """One decode step for the decoding rows, then one prefill chunk for the prompting rows."""
+        prompts, generated = self._gen.next()
+        tokens = []
+        for r in generated:
+            finish = _FINISH.get(r.finish_reason) if r.finish_reason else None
+            if finish is not None:
+                self._live.discard(r.uid)
+            tokens.append(TokenOut(r.uid, int(r.token), finish, r.logprobs))
+        progress = tuple(PromptProgress(p.uid, *_progress(p.progress)) for p in prompts)
+        return StepOutput(progress, tuple(tokens))
+
+    def close(self) -> None:
+        self._gen.close()
+
+
+class SequentialBatch:
+    """One mlx-lm `generate_step` per request, stepped in turn (one token each per step).
+
+    For models whose caches cannot merge into one batched cache: a pipeline's rank 0, whose
+    followers mirror one cache per sequence. Prompts are read whole (in `prefill_chunk` pieces)
+    at a request's first step, not interleaved with the others' decode steps.
+    """
+
+    def __init__(self, model, eos_token_ids: Iterable[int], prefill_chunk: int) -> None:
+        self._model = model
+        self._eos = {int(t) for t in eos_token_ids}
+        self._prefill_chunk = prefill_chunk
+        self._uids = itertools.count()
+        self._rows: dict[int, list] = {}  # uid -> [steps iterator, tokens left]
+
+    @property
+    def rows(self) -> int:
+        return len(self._rows)
+
+    def insert(self, context: list[int], max_new_tokens: int, sampler: Sampler) -> int:
+        from mlx_lm.generate import generate_step
+        from mlx_lm.models.cache import make_prompt_cache
+
+        uid = next(self._uids)
+        steps = generate_step(
+            mx.array(context, dtype=mx.uint32),
+            self._model,
+            max_tokens=max_new_tokens,
+            sampler=sampler,
+            prompt_cache=make_prompt_cache(self._model),
+            prefill_step_size=self._prefill_chunk,
+        )
+        self._rows[uid] = [steps, max_new_tokens]
+        return uid
+
+    def remove(self, uid: int) -> None:
+        self._rows.pop(uid, None)
+
+    def step(self) -> StepOutput:
+        tokens = []
+        for uid, row in list(self._rows.items()):
+            token, logprobs = next(row[0])
+            row[1] -= 1
+            finish = None
+            if int(token) in self._eos:
+                finish = FinishReason.STOP
+            elif row[1] <= 0:
+                finish = FinishReason.LENGTH
+            if finish is not None:
+                del self._rows[uid]
+            tokens.append(TokenOut(uid, int(token), finish, logprobs))
+        return StepOutput((), tuple(tokens))
+
+    def close(self) -> None:
+        self._rows.clear()
+
+
+def _progress(progress) -> tuple[int, int]:
+    if isinstance(progress, tuple) and len(progress) == 2:
+        return int(progress[0]), int(progress[1])
+    return 0, 0

@@ -1,0 +1,187 @@
+"""Continuous batching through a real daemon: exact at any budget, cancel, crash and resume within a
+batch, and a long prompt read in chunks between the decode steps of another stream."""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import pytest
+
+from moed.client import DoneEvent, RequestFailed, TokenEvent, TraceEvent
+from moed.daemon.telemetry.trace import parse_trace
+from moed.protocol import ErrorCode
+
+# An idle daemon gathers requests arriving within this window into one batch, so that every run
+# of the same requests has the same batch composition.
+WINDOW_MS = "1500"
+MAX_TOKENS = 12
+
+
+def ids(n: int, salt: int) -> list[int]:
+    return [(salt * 31 + 7 * i) % 200 + 3 for i in range(n)]
+
+
+# Greedy and seeded rows of different prompt lengths (the batch pads them) in one batch.
+REQUESTS = [
+    {"prompt_ids": ids(5, 1)},
+    {"prompt_ids": ids(9, 5)},
+    {"prompt_ids": ids(5, 3), "temperature": 1.0, "top_p": 0.9, "seed": 11},
+    {"prompt_ids": ids(13, 4), "temperature": 0.8, "seed": 5},
+]
+
+
+def run_together(daemon, requests: list[dict], max_tokens: int = MAX_TOKENS, **common):
+    """Send every request from its own client at once; each one's (token ids, end event)."""
+    results: list = [None] * len(requests)
+    ready = threading.Barrier(len(requests))
+
+    def worker(n: int) -> None:
+        got: list[int] = []
+        with daemon.client() as c:
+            c.connect()
+            ready.wait()
+            try:
+                for event in c.generate(max_tokens=max_tokens, **requests[n], **common):
+                    if isinstance(event, TokenEvent):
+                        got += event.ids
+                    elif isinstance(event, DoneEvent):
+                        results[n] = (got, event)
+            except RequestFailed as exc:
+                results[n] = (got, exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def batched_daemon(daemon_factory, model, *extra, env=None):
+    return daemon_factory(
+        model, "--max-batch", "4", "--batch-window-ms", WINDOW_MS, *extra, env=env
+    )
+
+
+def test_streaming_batch_equals_resident_batch_at_any_budget(daemon_factory, tiny_model):
+    resident = batched_daemon(daemon_factory, tiny_model, "--resident")
+    expected = [got for got, _ in run_together(resident, REQUESTS)]
+    with resident.client() as c:
+        assert c.status()["peak_running_requests"] == len(REQUESTS)  # really one batch
+    resident.stop()
+    assert all(len(got) >= 4 for got in expected), expected
+    for budget in ("1", "25%", "100%"):  # "1" byte: the smallest pool, multi-pass reads
+        d = batched_daemon(daemon_factory, tiny_model, "--cache-budget", budget)
+        results = run_together(d, REQUESTS)
+        with d.client() as c:
+            assert c.status()["peak_running_requests"] == len(REQUESTS)
+        assert [got for got, _ in results] == expected, budget
+        if budget == "1":
+            assert all(done.telemetry["experts"]["misses"] > 0 for _, done in results)
+        d.stop()
+
+
+def test_cancel_in_a_batch_ends_only_that_stream(daemon_factory, tiny_model):
+    d = batched_daemon(daemon_factory, tiny_model, "--resident")
+    expected = run_together(d, REQUESTS[:3], max_tokens=40)
+    replies = {}
+
+    def cancel_second(c, event_count: int) -> None:
+        if event_count == 3:
+            replies["cancel"] = c.cancel("victim")
+
+    results: list = [None] * 3
+    ready = threading.Barrier(3)
+
+    def worker(n: int) -> None:
+        got, seen = [], 0
+        with d.client() as c:
+            c.connect()
+            ready.wait()
+            rid = "victim" if n == 1 else f"r{n}"
+            for event in c.generate(max_tokens=40, request_id=rid, **REQUESTS[n]):
+                if isinstance(event, TokenEvent):
+                    got += event.ids
+                    seen += 1
+                    if n == 1:
+                        cancel_second(c, seen)
+                elif isinstance(event, DoneEvent):
+                    results[n] = (got, event)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    got, done = results[1]
+    assert replies["cancel"]["cancelled"] is True and done.finish_reason == "cancelled", (
+        replies,
+        done,
+    )
+    assert done.usage["completion_tokens"] <= replies["cancel"]["tokens_sent"] + 2
+    assert got == expected[1][0][: len(got)]
+    # The other rows of the batch run on, unchanged.
+    assert [results[0][0], results[2][0]] == [expected[0][0], expected[2][0]]
+
+
+def test_a_crash_fails_every_request_of_the_batch_and_each_resumes(
+    daemon_factory, tiny_model, tmp_path
+):
+    clean = batched_daemon(daemon_factory, tiny_model, "--resident")
+    expected = [got for got, _ in run_together(clean, REQUESTS)]
+    clean.stop()
+    # An out-of-memory failure (as MLX raises after a Metal command-buffer failure) mid-batch.
+    crashing = batched_daemon(
+        daemon_factory, tiny_model, "--resident", env={"MOED_DEBUG_FAULTS": "oom_after=10"}
+    )
+    failed = run_together(crashing, REQUESTS)
+    assert [type(err) for _, err in failed] == [RequestFailed] * len(REQUESTS)
+    assert {err.code for _, err in failed} == {ErrorCode.OUT_OF_MEMORY}
+    assert crashing.proc.wait(30) != 0
+    partial = [got for got, _ in failed]
+    assert all(got == want[: len(got)] for got, want in zip(partial, expected))
+    assert sum(map(len, partial)) >= 10
+    again = batched_daemon(daemon_factory, tiny_model, "--resident")
+    resumed = [{**r, "resume_ids": got} for r, got in zip(REQUESTS, partial)]
+    rest = run_together(again, resumed)
+    assert [p + got for p, (got, _) in zip(partial, rest)] == expected
+
+
+@pytest.mark.parametrize("chunk", [256])
+def test_a_long_prompt_is_read_between_decode_steps_of_another_stream(
+    chunk, daemon_factory, tiny_model
+):
+    """While another client's ~1900-token prompt is read, a decoding stream gets a step after every
+    chunk: the long request's router trace (every forward pass the engine ran while it was in the
+    batch) shows a decode pass between each two prompt chunks."""
+    d = daemon_factory(tiny_model, "--cache-budget", "100%", "--prefill-chunk", str(chunk))
+    long_prompt = ids(1900, 9)
+    started, done = threading.Event(), threading.Event()
+
+    def decoder() -> None:
+        with d.client() as c:
+            for event in c.generate(prompt_ids=ids(5, 1), max_tokens=2000, request_id="dec"):
+                if isinstance(event, TokenEvent) and event.index == 4:
+                    started.set()
+                if done.is_set():
+                    c.cancel("dec")
+
+    t = threading.Thread(target=decoder)
+    t.start()
+    assert started.wait(60)
+    trace = bytearray()
+    with d.client() as c:
+        for event in c.generate(prompt_ids=long_prompt, max_tokens=2, trace=True):
+            if isinstance(event, TraceEvent):
+                trace += event.data
+    done.set()
+    t.join(60)
+    rows = [p.n for p in parse_trace(io.BytesIO(bytes(trace))).passes]
+    chunks = [i for i, n in enumerate(rows) if n > 2]  # prompt passes; decode passes have 1-2 rows
+    # The prompt's last token is read by its first decode step, the rest in chunks of `chunk`.
+    assert [rows[i] for i in chunks] == [
+        min(chunk, len(long_prompt) - 1 - k) for k in range(0, len(long_prompt) - 1, chunk)
+    ]
+    # Between two chunks, the other stream decoded: it never waited for the whole prompt.
+    assert all(b - a >= 2 for a, b in zip(chunks, chunks[1:])), rows
