@@ -114,3 +114,48 @@ def test_moe_run_shows_the_load_of_the_daemon_it_starts(tiny_model, tmp_path):
         while socket.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         shutil.rmtree(socket.parent, ignore_errors=True)
+
+
+def test_moed_serve_in_a_terminal_draws_the_model_load(tiny_model, tmp_path):
+    import signal
+    import threading
+
+    from daemon_harness import short_socket_path
+
+    from moed.client.autostart import wait_until_ready
+
+    socket = short_socket_path()
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    env = {**os.environ, "MOED_STATE_DIR": str(tmp_path / "s"), "MOED_LOG_DIR": str(tmp_path / "l")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moed.daemon.cli", "--socket", str(socket), "serve", "--model",
+         str(tiny_model), "--keep-alive", "-1"],
+        stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env,
+    )  # fmt: skip
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def drain() -> None:  # keep reading, or the daemon would block on a full terminal
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        wait_until_ready(socket, proc, 60, tmp_path / "l" / "daemon.log")
+        time.sleep(0.3)  # the bar thread polls every 0.1 s
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        reader.join(timeout=5)
+        os.close(master)
+        shutil.rmtree(socket.parent, ignore_errors=True)
+    drawn = b"".join(chunks).decode(errors="replace")
+    assert "loading: ready" in drawn and "%|" in drawn, drawn[-2000:]

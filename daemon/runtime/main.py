@@ -13,6 +13,7 @@ from moed.daemon.config import Config
 from moed.daemon.distributed.spec import pipeline_enabled
 from moed.daemon.exit_codes import DaemonExit, for_supervisor
 from moed.daemon.model.source import ModelNotFound, resolve_model
+from moed.daemon.runtime.load_progress import show_load_progress
 from moed.daemon.runtime.run_log import RotatingLog
 from moed.daemon.transport.server import AlreadyRunning, Server
 from moed.protocol.paths import UnsafeSocketPath
@@ -80,6 +81,7 @@ def run_daemon(config: Config) -> int:
         serve.socket,
         server.boot_id,
     )
+    show_load_progress(server.status)  # a bar when stderr is a terminal
     code = server.run()
     log.info("moed exiting with code %d", code)
     if group is not None:
