@@ -57,7 +57,8 @@ def _global_params() -> list[click.Option]:
             type=path,
             expose_value=False,
             callback=_remember,
-            help="Daemon ipc socket (default: $MOED_SOCKET or the per-user runtime dir). Global.",
+            help="Daemon ipc socket (default: $MOED_SOCKET or the per-user runtime dir). "
+            "Global: before or after the subcommand.",
         ),
         click.Option(
             ["--state-dir"],
@@ -65,7 +66,7 @@ def _global_params() -> list[click.Option]:
             expose_value=False,
             callback=_remember,
             help="State files: usage profile, crash record, backoff (default: $MOED_STATE_DIR "
-            "or the per-user state dir). Global.",
+            "or the per-user state dir). Global: before or after the subcommand.",
         ),
         click.Option(
             ["--log-dir"],
@@ -73,7 +74,7 @@ def _global_params() -> list[click.Option]:
             expose_value=False,
             callback=_remember,
             help="Where daemon.log and watchdog.log go (default: $MOED_LOG_DIR or the per-user "
-            "log dir). Global.",
+            "log dir). Global: before or after the subcommand.",
         ),
     ]
 
