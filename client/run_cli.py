@@ -118,7 +118,7 @@ def run(
         top_p=top_p,
         seed=seed,
         raw=raw,
-        model=model,
+        model=served_name(model),
         trace=trace_path is not None,
         resume=resume,
         keep_alive=keep_alive,
@@ -166,6 +166,15 @@ DEMO_NOTE = (
     "[moe] demo model: a 14.6 MB MoE trained for minutes on Python's standard library, so the "
     "text looks like Python and makes little sense (MODEL_CARD.md); `moe pull` a real model"
 )
+
+
+def served_name(model: str | None) -> str | None:
+    """The name to check against the served model: a local folder as the absolute path the
+    daemon resolved it to (`./m` and `/abs/m` are the same model); anything else as given."""
+    if model is None:
+        return None
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.is_dir() else model
 
 
 def _note_capped(client: Client, max_tokens: int | None) -> None:

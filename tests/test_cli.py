@@ -169,3 +169,16 @@ def test_status_offline_reports_last_crash_and_watchdog(daemon_factory, tiny_mod
     assert out.returncode == ExitCode.DAEMON_UNAVAILABLE
     body = json.loads(out.stdout.splitlines()[-1])
     assert body["last_crash"]["kind"] == "out_of_memory"
+
+
+def test_run_model_names_the_served_model_in_any_spelling(daemon, tiny_model):
+    """`--model ./folder` from another directory names the same served model: no refusal."""
+    out = subprocess.run(
+        moe_command(daemon.socket, "run", "--raw", "--no-start", "--max-tokens", "2", "--model",
+                    f"./{tiny_model.name}", "def f"),
+        cwd=tiny_model.parent, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    other = moe(daemon.socket, "run", "--raw", "--no-start", "--json", "--model", "demo", "x")
+    assert other.returncode == ExitCode.REQUEST_FAILED
+    assert json.loads(other.stdout.splitlines()[-1])["code"] == "model_not_found"
