@@ -7,7 +7,9 @@ before the subcommand (`moe --socket S run`, `moed --socket S serve`) and, for c
 
 from __future__ import annotations
 
+import enum
 import json
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,3 +111,30 @@ def fail(exit_code: int, message: str, as_json: bool = False, prog: str = "moe",
         json_line({"type": "error", **fields, "message": message})
     click.echo(f"{prog}: {message}", err=True)
     sys.exit(exit_code)
+
+
+class LogLevel(str, enum.Enum):
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+
+
+def log_level_option(command):
+    """`--log-level` for the long-running processes (serve, watchdog, rank, gateway)."""
+    return click.option(
+        "--log-level",
+        default=LogLevel.INFO.value,
+        show_default=True,
+        type=click.Choice([level.value for level in LogLevel], case_sensitive=False),
+        help="Logging threshold.",
+    )(command)
+
+
+def log_to_stderr(level: str, tag: str = "") -> None:
+    """Timestamped log lines on stderr (the service manager or the run log keeps them)."""
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s",
+        stream=sys.stderr,
+    )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from moed.client.cli_common import global_options
+from moed.client.cli_common import global_options, log_level_option, log_to_stderr
 
 from .config import DEFAULT_PORT, ConfigError, build_config
 
@@ -41,7 +41,7 @@ log = logging.getLogger("moed.gateway")
     multiple=True,
     help="A browser origin allowed to call the APIs (repeat; '*' for any), for web chat UIs.",
 )
-@click.option("--log-level", default="INFO", show_default=True, help="Logging level.")
+@log_level_option
 def gateway(
     host: str,
     port: int,
@@ -58,9 +58,7 @@ def gateway(
 
     from .app import build_app
 
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    log_to_stderr(log_level)
     try:
         config = build_config(
             global_options().socket_path,

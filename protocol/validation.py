@@ -246,12 +246,21 @@ def _count_tokens_prompt(msg: dict, limits: Limits | None) -> None:
 
 
 def _prompt_chars(msg: dict, limits: Limits | None) -> None:
-    # A cheap bound before tokenizing: a token is at least one byte of text, rarely 32.
-    prompt = msg.get("prompt")
-    if limits is not None and prompt is not None and len(prompt) > limits.max_prompt_tokens * 32:
+    # A cheap bound before tokenizing (count_tokens tokenizes on the transport thread): a token
+    # is rarely more than 32 characters.
+    if limits is None:
+        return
+    chars = len(msg.get("prompt") or "")
+    if isinstance(msg.get("messages"), list):
+        chars += sum(
+            len(turn.get("content") or "")
+            for turn in msg["messages"]
+            if isinstance(turn, dict) and isinstance(turn.get("content"), str)
+        )
+    if chars > limits.max_prompt_tokens * 32:
         raise ProtocolError(
             ErrorCode.PROMPT_TOO_LONG,
-            f"prompt of {len(prompt)} characters is over {limits.max_prompt_tokens} tokens",
+            f"prompt of {chars} characters is over {limits.max_prompt_tokens} tokens",
         )
 
 
@@ -265,7 +274,7 @@ def _ids_within_context(msg: dict, limits: Limits | None) -> None:
 
 CROSS_CHECKS: dict[MessageType, list[Callable[[dict, Limits | None], None]]] = {
     MessageType.GENERATE: [_one_prompt, _prompt_chars, _ids_within_context],
-    MessageType.COUNT_TOKENS: [_count_tokens_prompt],
+    MessageType.COUNT_TOKENS: [_count_tokens_prompt, _prompt_chars],
 }
 
 

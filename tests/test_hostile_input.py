@@ -80,6 +80,25 @@ def corpus(vocab: int, context: int) -> list[tuple[str, bytes, str]]:
         ),
         ("nested 100 deep", gen("ai", prompt="hi", extra=deep), "bad_frame"),
         ("key not a string", None, "bad_frame"),
+        # Text that could not fit, refused before tokenizing (count_tokens runs on the transport).
+        (
+            "count_tokens huge",
+            {"v": 1, "type": "count_tokens", "id": "aj", "prompt": "x" * (context * 33)},
+            "prompt_too_long",
+        ),
+        (
+            "messages huge",
+            {
+                **gen("ak", messages=[{"role": "user", "content": "x" * (context * 33)}]),
+                "raw": False,
+            },
+            "prompt_too_long",
+        ),
+        (
+            "messages bad role",
+            {**gen("al", messages=[{"role": "god", "content": "x"}]), "raw": False},
+            "invalid_request",
+        ),
     ]
     out = []
     for name, msg, code in frames:

@@ -121,3 +121,43 @@ def test_architecture_without_pipeline_support_is_refused(checkpoint_factory, tm
     assert done.returncode == DaemonExit.CONFIG
     assert "'mixtral' has no pipeline support" in done.stderr
     assert "qwen3_moe" in done.stderr  # it says which architectures can
+
+
+def test_resume_across_a_group_restart_and_a_clean_stop(pipeline):
+    sup = pipeline("--cache-budget", "25%")
+    first = sup.wait_ready()
+    with Client(sup.socket) as c:
+        want = tokens(c, 120, **SEEDED)
+    follower = first["ranks"][1]["pid"]
+    got = []
+    with Client(sup.socket) as c:
+        for event in c.generate(
+            prompt_ids=PROMPT_IDS, max_tokens=120, resume=True, resume_timeout_s=120, **SEEDED
+        ):
+            if isinstance(event, TokenEvent):
+                got += event.ids
+                if len(got) >= 30 and not sup.exits:
+                    os.kill(follower, signal.SIGKILL)
+    assert sup.exits == [DaemonExit.RANK_FAILED]  # the group really restarted mid-stream
+    assert got == want  # and the stream continued where it broke, token for token
+    second = sup.wait_ready(not_boot=first["boot_id"])
+    # A clean stop ends every rank: rank 0 says goodbye through the group, then exits 0.
+    with Client(sup.socket) as c:
+        c.shutdown("test done")
+    sup.finished.wait(30)
+    assert sup.exits == [DaemonExit.RANK_FAILED, DaemonExit.OK]
+    new_follower = second["ranks"][1]["pid"]
+    deadline = time.monotonic() + 10
+    while _alive(new_follower) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(new_follower)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie of an exited child still answers signal 0: look at its state.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"

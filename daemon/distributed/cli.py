@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 
 import click
 
+from moed.client.cli_common import log_level_option, log_to_stderr
+
 
 @click.command(hidden=True)
 @click.option("--spec", "spec_json", required=True, help="What rank 0 decided (JSON).")
 @click.option("--rank", type=int, required=True, help="This process's rank in the group.")
-@click.option(
-    "--log-level", default="INFO", help="Logging threshold: DEBUG, INFO, WARNING or ERROR."
-)
+@log_level_option
 def rank(spec_json: str, rank: int, log_level: str) -> None:
     """Follow rank 0's steps through this rank's layers."""
-    logging.basicConfig(
-        level=log_level.upper(),
-        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    log_to_stderr(log_level, tag=f"rank{rank} ")
     from moed.daemon.distributed.follower import run_follower
     from moed.daemon.distributed.launch import Heartbeat
     from moed.daemon.distributed.spec import RankSpec

@@ -3,13 +3,12 @@ background)."""
 
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
 
 import click
 
-from moed.client.cli_common import global_options
+from moed.client.cli_common import global_options, log_level_option, log_to_stderr
 from moed.daemon.config import ConfigError, PageCachePolicy, load_config
 from moed.daemon.exit_codes import DaemonExit, for_supervisor
 from moed.daemon.experts.policies import DEFAULT_POLICY, policy_names
@@ -94,13 +93,7 @@ class ConfigExit(click.ClickException):
     "--pipeline-split",
     help="Layers per rank: even (default), cost (from the checkpoint), or N,N,... (rank 0 first).",
 )
-@click.option(
-    "--log-level",
-    default="INFO",
-    show_default=True,
-    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-    help="Logging threshold: DEBUG, INFO, WARNING or ERROR.",
-)
+@log_level_option
 def serve(
     model,
     config_file,
@@ -122,11 +115,7 @@ def serve(
     log_level,
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or `moe stop`."""
-    logging.basicConfig(
-        level=log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    log_to_stderr(log_level)
     given = global_options()
     try:
         config = load_config(

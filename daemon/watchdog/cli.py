@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 
 import click
 
-from moed.client.cli_common import global_options
+from moed.client.cli_common import global_options, log_level_option, log_to_stderr
 from moed.daemon.config import ConfigError, load_config
 from moed.daemon.runtime.cli import ConfigExit
 
@@ -38,13 +37,7 @@ from moed.daemon.runtime.cli import ConfigExit
     is_flag=True,
     help="Take one sample, print readings and verdict as JSON, take no action.",
 )
-@click.option(
-    "--log-level",
-    default="INFO",
-    show_default=True,
-    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-    help="Logging threshold: DEBUG, INFO, WARNING or ERROR.",
-)
+@log_level_option
 def watchdog(
     config_file,
     interval,
@@ -58,11 +51,7 @@ def watchdog(
 ) -> None:
     """Guard memory (swap growth, pressure) and progress; escalate shed -> shutdown -> SIGTERM
     -> SIGKILL."""
-    logging.basicConfig(
-        level=log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    log_to_stderr(log_level)
     given = global_options()
     try:
         config = load_config(
