@@ -35,7 +35,8 @@ def analyze_cmd(
 ) -> None:
     """Distinct experts, popularity, reuse and hit rate vs cache size (every registered eviction
     policy, Belady's optimum)."""
-    from moed.daemon.telemetry.analyze import analyze, default_sizes, format_report, write_plots
+    from moed.daemon.telemetry.analyze import analyze, default_sizes, format_report
+    from moed.daemon.telemetry.analyze_plots import write_plots
     from moed.daemon.telemetry.trace import TraceFormatError, read_trace
 
     # Checked before the simulation, and by name, so a broken import inside moed is not reported
