@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from moed.daemon.bench.batch import bench_batch
 from moed.daemon.bench.pipeline import pipeline
 from moed.daemon.bench.policy import policy
 from moed.daemon.bench.prewarm import prewarm
@@ -16,6 +17,7 @@ def bench() -> None:
     """Benchmarks: each prints numbers measured side by side in one run."""
 
 
+bench.add_command(bench_batch)
 bench.add_command(bench_serve)
 bench.add_command(pipeline)
 bench.add_command(policy)

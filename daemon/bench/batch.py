@@ -1,0 +1,250 @@
+"""`moed bench batch`: many clients at once through real daemons and the real client library.
+
+One daemon per side (resident and each cache budget) is up for the whole run; every cell (a side
+and a number of concurrent clients) runs once per round, the order rotating round by round, so
+every column sees the same machine conditions. Reported from the clients' side: total and
+per-client tok/s, the gap between tokens, time to first token, total throughput against one
+client; a long prompt arriving while streams decode; and how often concurrent greedy streams equal
+the same prompt generated alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import click
+
+from moed.client.progress import Progress, progress_mode
+from moed.daemon.bench.batch_clients import (
+    ClientJob,
+    LongPromptResult,
+    long_prompt_effect,
+    run_clients,
+    summarize,
+)
+from moed.daemon.bench.batch_report import (
+    Cell,
+    Solo,
+    long_row,
+    print_clients,
+    print_exactness,
+    print_long,
+)
+
+# One prompt per client (code and prose, the demo model's material); client i sends PROMPTS[i].
+PROMPTS = (
+    "def fibonacci(n):",
+    "import os\nimport sys\n\ndef main():",
+    "class Stack:\n    def __init__(self):",
+    "# Read a CSV file and print the average of each column\n",
+    "The quick brown fox",
+    "def quicksort(items):",
+    "for i in range(10):",
+    "Once upon a time, in a small village,",
+)
+LONG_STREAMS = 3  # streams decoding when the long prompt arrives (the issue's scenario)
+
+
+@dataclass(frozen=True)
+class Side:
+    name: str  # "resident" or a cache budget
+    socket: Path
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        return ("--resident",) if self.name == "resident" else ("--cache-budget", self.name)
+
+
+def _long_ids(n: int, vocab: int) -> tuple[int, ...]:
+    """A deterministic prompt of `n` token ids (special ids below 3 left out)."""
+    return tuple((31 * i + 7) % (vocab - 3) + 3 for i in range(n))
+
+
+def _jobs(clients: int, max_tokens: int) -> list[ClientJob]:
+    return [ClientJob(PROMPTS[i], max_tokens=max_tokens) for i in range(clients)]
+
+
+def _long_jobs(long_ids: tuple[int, ...], max_tokens: int) -> list[ClientJob]:
+    # The streams run long enough to decode through the whole read of the long prompt.
+    streams = [ClientJob(PROMPTS[i], max_tokens=max_tokens) for i in range(LONG_STREAMS)]
+    return streams + [ClientJob(prompt_ids=long_ids, max_tokens=4, start_after=16)]
+
+
+def _start(sides: list[Side], model: str, run_dir: Path, extra: tuple[str, ...]) -> list:
+    from moed.client import DaemonUnavailable
+    from moed.client.autostart import start_daemon, wait_until_ready
+
+    procs = []
+    for side in sides:
+        # Its own state and log dirs: a benchmark leaves no trace in the user's daemon or profile.
+        procs.append(
+            start_daemon(
+                side.socket,
+                model,
+                (
+                    "--state-dir",
+                    str(run_dir / side.name.replace("%", "pct") / "state"),
+                    *side.args,
+                    "--log-level",
+                    "WARNING",
+                    *extra,
+                ),
+                env={"MOED_LOG_DIR": str(run_dir / "logs")},
+            )
+        )
+    for side, proc in zip(sides, procs):
+        try:
+            wait_until_ready(side.socket, proc, 300)
+        except DaemonUnavailable as exc:
+            raise click.ClickException(f"{side.name}: {exc}") from None
+    return procs
+
+
+def _stop(sides: list[Side], procs: list) -> None:
+    from moed.client import Client
+
+    for side, proc in zip(sides, procs):
+        if proc.poll() is None:
+            try:
+                with Client(side.socket, timeout=10.0) as c:
+                    c.shutdown("bench done")
+                proc.wait(30)
+            except Exception:
+                proc.kill()
+                proc.wait(10)
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+@click.command("batch")
+@click.option("--model", default="demo", show_default=True, help="Model folder, HF id or 'demo'.")
+@click.option("--clients", default="1,2,4,8", show_default=True, help="Concurrent clients.")
+@click.option(
+    "--budgets",
+    default="resident,25%,50%",
+    show_default=True,
+    help="Sides: 'resident' and expert-cache budgets, one daemon each.",
+)
+@click.option("--max-tokens", default=128, show_default=True, help="Tokens per client.")
+@click.option("--rounds", default=3, show_default=True, help="Runs of every cell, order rotating.")
+@click.option(
+    "--long-prompt",
+    default=1900,
+    show_default=True,
+    help="Tokens of the prompt that arrives while 3 streams decode (0: skip the scenario).",
+)
+@click.option("--prefill-chunk", type=int, default=None, help="The daemons' prefill chunk.")
+@click.option(
+    "--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write results."
+)
+def bench_batch(
+    model: str,
+    clients: str,
+    budgets: str,
+    max_tokens: int,
+    rounds: int,
+    long_prompt: int,
+    prefill_chunk: int | None,
+    json_out: Path | None,
+) -> None:
+    """1, 2, 4, 8 concurrent clients, resident and streaming: total and per-client tok/s, gaps
+    between tokens, time to first token, a long prompt among decoding streams, exactness."""
+    from moed.client import Client
+    from moed.daemon.model.source import resolve_model
+
+    counts = sorted({int(c) for c in _csv(clients)})
+    if not counts or counts[0] < 1 or counts[-1] > len(PROMPTS):
+        raise click.BadParameter(f"between 1 and {len(PROMPTS)} clients", param_hint="--clients")
+    path = resolve_model(model)
+    run_dir = Path(tempfile.mkdtemp(prefix="moed-bench-", dir="/tmp"))
+    sides = [Side(name, run_dir / f"s{i}.sock") for i, name in enumerate(_csv(budgets))]
+    extra = ("--max-batch", str(max(counts[-1], LONG_STREAMS + 1)))
+    if prefill_chunk:
+        extra += ("--prefill-chunk", str(prefill_chunk))
+    click.echo(
+        f"model {path}  {max_tokens} tokens per client  {rounds} rounds (order rotating)  "
+        f"sides {', '.join(s.name for s in sides)}",
+        err=True,
+    )
+    procs: list = []
+    try:
+        procs = _start(sides, str(path), run_dir, extra)
+        with Client(sides[0].socket, timeout=10.0) as c:
+            welcome = c.connect()
+        vocab = welcome["limits"]["vocab_size"]
+        long_ids = _long_ids(long_prompt, vocab) if long_prompt else ()
+        # The references: each prompt alone (with its top-2 logprobs), on the first side. This
+        # also warms that daemon; the others are warmed by the largest batch, untimed.
+        solo_jobs = [ClientJob(p, max_tokens=max_tokens, logprobs=2) for p in PROMPTS[: counts[-1]]]
+        solos = [Solo.of(run_clients(sides[0].socket, [job])[0]) for job in solo_jobs]
+        for side in sides:
+            run_clients(side.socket, _jobs(counts[-1], 8))
+        cells = {(s.name, n): Cell(s.name, n) for s in sides for n in counts}
+        longs: dict[str, list[LongPromptResult]] = {s.name: [] for s in sides}
+        order: list[tuple[Side, int]] = [(s, n) for s in sides for n in counts]
+        if long_ids:
+            order += [(s, 0) for s in sides]  # 0 clients: the long-prompt scenario
+        with Progress("bench batch: cells", progress_mode(False), total=rounds * len(order)) as bar:
+            done = 0
+            for r in range(rounds):
+                shift = (r * len(order)) // rounds
+                for side, n in order[shift:] + order[:shift]:
+                    if n == 0:
+                        recs = run_clients(side.socket, _long_jobs(long_ids, max_tokens * 2))
+                        longs[side.name].append(long_prompt_effect(recs[:-1], recs[-1]))
+                    else:
+                        recs = run_clients(side.socket, _jobs(n, max_tokens))
+                        cells[(side.name, n)].add(summarize(recs), recs, solos)
+                    done += 1
+                    bar.update(done)
+        _stop(sides, procs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+    rows = []
+    for s in sides:
+        base = cells[(s.name, counts[0])].total_tps if counts[0] == 1 else 0.0
+        rows += [cells[(s.name, n)].row(base) for n in counts]
+    click.echo(
+        f"moed bench batch: {path.name}, {max_tokens} greedy tokens per client, median of "
+        f"{rounds} rounds per cell (cells interleaved, order rotating); gaps and TTFT pooled"
+    )
+    print_clients(rows)
+    long_rows = [long_row(s.name, longs[s.name]) for s in sides if longs[s.name]]
+    if long_rows:
+        print_long(long_rows, long_prompt, LONG_STREAMS)
+    exact = print_exactness(rows, solos)
+    click.echo(f"(machine: {os.cpu_count()} cpus, {sys.platform})")
+    if json_out:
+        json_out.write_text(
+            json.dumps(
+                {
+                    "model": str(path),
+                    "max_tokens": max_tokens,
+                    "rounds": rounds,
+                    "clients": counts,
+                    "sides": [s.name for s in sides],
+                    "cells": rows,
+                    "long_prompt": {
+                        "tokens": long_prompt,
+                        "streams": LONG_STREAMS,
+                        "rows": long_rows,
+                    },
+                    "exactness": exact,
+                    "solo": [asdict(s) for s in solos],
+                    "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
+                },
+                indent=2,
+            )
+        )

@@ -1,0 +1,198 @@
+"""What `moed bench batch` prints and writes: the clients table, the long-prompt table, and the
+exactness of concurrent greedy streams against the same prompts run alone."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import click
+
+from moed.daemon.bench.batch_clients import (
+    CellResult,
+    LongPromptResult,
+    StreamRecord,
+    percentile,
+)
+
+
+@dataclass(frozen=True)
+class Solo:
+    """A prompt generated alone: its tokens and, per token, the top-2 logprob margin (how near a
+    tie the greedy choice was)."""
+
+    tokens: list[int]
+    margins: list[float]
+
+    @classmethod
+    def of(cls, record: StreamRecord) -> Solo:
+        margins = [
+            t[0]["logprob"] - t[1]["logprob"] if len(t) > 1 else float("inf") for t in record.top
+        ]
+        return cls(list(record.tokens), margins)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    prompt: int
+    index: int  # the first token that differs from the solo run
+    solo_margin: float  # the solo run's top-1 minus top-2 logprob at that token (nats)
+
+
+def compare(solo: Solo, tokens: list[int], prompt: int) -> Divergence | None:
+    """None when `tokens` equal the solo run's; else where they first differ."""
+    if tokens == solo.tokens:
+        return None
+    n = next(
+        (i for i, (a, b) in enumerate(zip(tokens, solo.tokens)) if a != b),
+        min(len(tokens), len(solo.tokens)),
+    )
+    margin = solo.margins[n] if n < len(solo.margins) else float("nan")
+    return Divergence(prompt, n, margin)
+
+
+@dataclass
+class Cell:
+    """Every round of one (side, clients) cell."""
+
+    side: str
+    clients: int
+    runs: list[CellResult] = field(default_factory=list)
+    same: int = 0  # streams whose tokens equal the solo run of their prompt
+    streams: int = 0
+    divergences: list[Divergence] = field(default_factory=list)
+
+    def add(self, result: CellResult, records: list[StreamRecord], solos: list[Solo]) -> None:
+        self.runs.append(result)
+        for i, rec in enumerate(records):
+            self.streams += 1
+            diff = compare(solos[i], rec.tokens, i)
+            if diff is None:
+                self.same += 1
+            else:
+                self.divergences.append(diff)
+
+    @property
+    def total_tps(self) -> float:
+        return statistics.median(r.total_tps for r in self.runs)
+
+    def row(self, base_tps: float) -> dict:
+        gaps = [g for r in self.runs for g in r.gaps_ms]
+        ttft = [t for r in self.runs for t in r.ttft_ms]
+        return {
+            "side": self.side,
+            "clients": self.clients,
+            "total_tps": round(self.total_tps, 2),
+            "ratio_vs_1_client": round(self.total_tps / base_tps, 3) if base_tps else None,
+            "per_client_tps": round(statistics.median(r.per_client_tps for r in self.runs), 2),
+            "gap_p50_ms": round(percentile(gaps, 0.5), 3),
+            "gap_p99_ms": round(percentile(gaps, 0.99), 3),
+            "ttft_ms": round(statistics.median(ttft), 3),
+            "tokens_per_run": [r.tokens for r in self.runs],
+            "total_tps_runs": [round(r.total_tps, 2) for r in self.runs],
+            "identical_to_solo": self.same,
+            "streams": self.streams,
+            "divergences": [d.__dict__ for d in self.divergences],
+        }
+
+
+def print_clients(rows: list[dict]) -> None:
+    click.echo(
+        f"{'side':>9}{'clients':>8}{'total tok/s':>13}{'x 1 client':>11}{'per client':>12}"
+        f"{'gap p50':>9}{'gap p99':>9}{'TTFT':>9}{'same as solo':>14}"
+    )
+    for r in rows:
+        click.echo(
+            f"{r['side']:>9}{r['clients']:>8}{r['total_tps']:>13.1f}{r['ratio_vs_1_client']:>11.2f}"
+            f"{r['per_client_tps']:>12.1f}{r['gap_p50_ms']:>7.1f}ms{r['gap_p99_ms']:>7.1f}ms"
+            f"{r['ttft_ms']:>7.1f}ms{r['identical_to_solo']:>9}/{r['streams']:<4}"
+        )
+
+
+def long_row(side: str, runs: list[LongPromptResult]) -> dict:
+    def med(name: str) -> float:
+        return round(statistics.median(getattr(r, name) for r in runs), 3)
+
+    median_gap = med("median_gap_ms")
+    return {
+        "side": side,
+        "median_gap_ms": median_gap,
+        "window_p99_ms": med("window_p99_ms"),
+        "window_max_ms": med("window_max_ms"),
+        "window_gaps": [r.window_gaps for r in runs],
+        "p99_over_median": round(med("window_p99_ms") / median_gap, 2) if median_gap else None,
+        "p99_over_median_runs": [
+            round(r.window_p99_ms / r.median_gap_ms, 2) if r.median_gap_ms else None for r in runs
+        ],
+        "stream_p99_ms": med("stream_p99_ms"),
+        "long_ttft_ms": med("long_ttft_ms"),
+        "covered": all(r.covered for r in runs),
+    }
+
+
+def print_long(rows: list[dict], prompt_tokens: int, streams: int) -> None:
+    click.echo(
+        f"\na {prompt_tokens}-token prompt arriving while {streams} streams decode "
+        "(their gaps between tokens; window: the prompt's send to its first token)"
+    )
+    click.echo(
+        f"{'side':>9}{'median gap':>12}{'p99 in window':>15}{'max in window':>15}"
+        f"{'p99/median':>12}{'whole-run p99':>15}{'prompt TTFT':>13}"
+    )
+    for r in rows:
+        click.echo(
+            f"{r['side']:>9}{r['median_gap_ms']:>10.1f}ms{r['window_p99_ms']:>13.1f}ms"
+            f"{r['window_max_ms']:>13.1f}ms{r['p99_over_median']:>12.2f}"
+            f"{r['stream_p99_ms']:>13.1f}ms{r['long_ttft_ms']:>11.1f}ms"
+            + ("" if r["covered"] else "  (a stream ended before the prompt's first token)")
+        )
+
+
+def print_exactness(rows: list[dict], solos: list[Solo]) -> dict:
+    """How often concurrent greedy streams equal their prompt alone, and where they differ."""
+    concurrent = [r for r in rows if r["clients"] > 1]
+    same = sum(r["identical_to_solo"] for r in concurrent)
+    streams = sum(r["streams"] for r in concurrent)
+    alone = [r for r in rows if r["clients"] == 1]
+    alone_same = sum(r["identical_to_solo"] for r in alone)
+    alone_streams = sum(r["streams"] for r in alone)
+    divs = [d for r in concurrent for d in r["divergences"]]
+    all_margins = [m for s in solos for m in s.margins if m != float("inf")]
+    click.echo(
+        f"\nexactness (greedy): {alone_same}/{alone_streams} single-client streams and "
+        f"{same}/{streams} concurrent streams equal the same prompt generated alone"
+    )
+    by_clients: dict[int, list[int]] = {}
+    for r in concurrent:
+        acc = by_clients.setdefault(r["clients"], [0, 0])
+        acc[0] += r["identical_to_solo"]
+        acc[1] += r["streams"]
+    if by_clients:
+        click.echo(
+            "  by clients: "
+            + ", ".join(f"{n}: {a}/{b}" for n, (a, b) in sorted(by_clients.items()))
+        )
+    summary = {
+        "single_identical": alone_same,
+        "single_streams": alone_streams,
+        "concurrent_identical": same,
+        "concurrent_streams": streams,
+        "solo_margin_median": statistics.median(all_margins) if all_margins else None,
+    }
+    if divs:
+        first = [d["index"] for d in divs]
+        margins = [d["solo_margin"] for d in divs]
+        small = sum(1 for m in all_margins if m <= max(margins))
+        click.echo(
+            f"  differing streams: first differing token at index {min(first)}-{max(first)} "
+            f"(median {statistics.median(first):.0f}); the solo run's top-1 minus top-2 logprob "
+            f"there: median {statistics.median(margins):.2e}, max {max(margins):.2e} nats "
+            f"(over all solo tokens: median {summary['solo_margin_median']:.2f}; "
+            f"{small}/{len(all_margins)} tokens are that close)"
+        )
+        summary.update(
+            first_index_median=statistics.median(first),
+            divergence_margin_median=statistics.median(margins),
+            divergence_margin_max=max(margins),
+        )
+    return summary
