@@ -49,6 +49,7 @@ PROMPTS = (
     "Once upon a time, in a small village,",
 )
 LONG_STREAMS = 3  # streams decoding when the long prompt arrives (the scenario)
+LONG_STREAM_TOKENS = 1500  # their cap: they stop at the long prompt's first token
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,12 @@ def _jobs(clients: int, max_tokens: int) -> list[ClientJob]:
     return [ClientJob(PROMPTS[i], max_tokens=max_tokens) for i in range(clients)]
 
 
-def _long_jobs(long_ids: tuple[int, ...], max_tokens: int) -> list[ClientJob]:
-    # The streams run long enough to decode through the whole read of the long prompt.
-    streams = [ClientJob(PROMPTS[i], max_tokens=max_tokens) for i in range(LONG_STREAMS)]
+def _long_jobs(long_ids: tuple[int, ...]) -> list[ClientJob]:
+    # The streams decode through the whole read of the long prompt, then stop.
+    streams = [
+        ClientJob(PROMPTS[i], max_tokens=LONG_STREAM_TOKENS, until_late_token=True)
+        for i in range(LONG_STREAMS)
+    ]
     return streams + [ClientJob(prompt_ids=long_ids, max_tokens=4, start_after=16)]
 
 
@@ -198,7 +202,7 @@ def bench_batch(
                 shift = (r * len(order)) // rounds
                 for side, n in order[shift:] + order[:shift]:
                     if n == 0:
-                        recs = run_clients(side.socket, _long_jobs(long_ids, max_tokens * 2))
+                        recs = run_clients(side.socket, _long_jobs(long_ids))
                         longs[side.name].append(long_prompt_effect(recs[:-1], recs[-1]))
                     else:
                         recs = run_clients(side.socket, _jobs(n, max_tokens))

@@ -38,6 +38,7 @@ class ClientJob:
     max_tokens: int = 128
     start_after: int = 0  # wait until the first stream has this many tokens (0: at once)
     logprobs: int | None = None  # ask for the top alternatives of every token (solo references)
+    until_late_token: bool = False  # stop (cancel) once a late job received its first token
 
 
 def run_clients(socket: Path, jobs: list[ClientJob]) -> list[StreamRecord]:
@@ -49,6 +50,7 @@ def run_clients(socket: Path, jobs: list[ClientJob]) -> list[StreamRecord]:
     # Set once the first stream has `start_after` tokens (or ended): late jobs start then.
     threshold = max(job.start_after for job in jobs)
     late_go = threading.Event()
+    late_token = threading.Event()
     errors: list[BaseException] = []
 
     def worker(n: int) -> None:
@@ -75,12 +77,18 @@ def run_clients(socket: Path, jobs: list[ClientJob]) -> list[StreamRecord]:
                             rec.top.extend(entry["top"] for entry in event.logprobs)
                         if n == 0 and len(rec.tokens) >= threshold:
                             late_go.set()
+                        if job.start_after:
+                            late_token.set()
+                        elif job.until_late_token and late_token.is_set():
+                            break  # leaving the stream cancels the request
         except BaseException as exc:  # reported by the caller, after every thread ended
             errors.append(exc)
             ready.abort()  # the others must not wait for this one at the barrier
         finally:
             if n == 0:
                 late_go.set()
+            if job.start_after:
+                late_token.set()
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in range(len(jobs))]
     for t in threads:

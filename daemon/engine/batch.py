@@ -10,6 +10,7 @@ own sampler (called once per position, so position-keyed seeds stay reproducible
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -22,6 +23,13 @@ from moed.protocol import FinishReason
 Sampler = Callable[[mx.array], mx.array]
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+# While rows decode, a prompt chunk is sized from measured times to cost about this many decode
+# steps, so the decoding streams' gap between tokens stays near (1 + CHUNK_STEPS) x its median
+# whatever the machine (a 256-token chunk costs ~2 decode steps on a GPU, ~50 on a 2-core CPU).
+CHUNK_STEPS = 2.0
+MIN_CHUNK = 4  # a long prompt still moves when a chunk's fixed cost alone exceeds the target
+_EMA = 0.3  # weight of the newest decode step in the running mean
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,34 @@ class StepOutput:
     tokens: tuple[TokenOut, ...]
 
 
+class ChunkSizer:
+    """The prefill chunk of the next step: `prefill_chunk` when no row decodes (a request alone
+    reads its prompt as before); beside decoding rows, a size steered each step (proportionally,
+    so a chunk's fixed cost and its per-token cost both count) towards a chunk that costs
+    CHUNK_STEPS decode steps."""
+
+    def __init__(self, max_chunk: int) -> None:
+        self.max_chunk = max_chunk
+        self.size = min(MIN_CHUNK, max_chunk)  # beside decoding rows
+        self.decode_s: float | None = None  # running mean of a decode-only step
+
+    def chunk(self, decoding: bool) -> int:
+        return self.size if decoding else self.max_chunk
+
+    def measured(self, step_s: float, decoded: bool, prompt_tokens: int) -> None:
+        if not decoded:
+            return
+        if not prompt_tokens:
+            self.decode_s = (
+                step_s if self.decode_s is None else ((1 - _EMA) * self.decode_s + _EMA * step_s)
+            )
+        elif self.decode_s is not None and prompt_tokens >= self.size:
+            cost = max(step_s - self.decode_s, 1e-6)
+            # Halve or double at most per step: one noisy step never swings it far.
+            scale = min(2.0, max(0.5, CHUNK_STEPS * self.decode_s / cost))
+            self.size = max(MIN_CHUNK, min(self.max_chunk, round(self.size * scale)))
+
+
 class DecodeBatch:
     """One batched KV cache for every running request: one forward pass per step for all rows."""
 
@@ -66,6 +102,9 @@ class DecodeBatch:
             prefill_step_size=prefill_chunk,
         )
         self._live: set[int] = set()  # rows inserted and not yet finished or removed
+        self._decoding: set[int] = set()  # ... of them past their prompt
+        self._read: dict[int, int] = {}  # prompt tokens read so far, per prompting row
+        self._sizer = ChunkSizer(prefill_chunk)
 
     @property
     def rows(self) -> int:
@@ -80,19 +119,37 @@ class DecodeBatch:
     def remove(self, uid: int) -> None:
         """Drop a row (cancelled or failed); a row that already finished is ignored."""
         if uid in self._live:
-            self._live.discard(uid)
+            self._forget(uid)
             self._gen.remove([uid])
+
+    def _forget(self, uid: int) -> None:
+        self._live.discard(uid)
+        self._decoding.discard(uid)
+        self._read.pop(uid, None)
 
     def step(self) -> StepOutput:
         """One decode step for the decoding rows, then one prefill chunk for the prompting rows."""
+        # BatchGenerator reads its prefill_step_size at every step.
+        self._gen.prefill_step_size = self._sizer.chunk(bool(self._decoding))
+        t0 = time.perf_counter()
         prompts, generated = self._gen.next()
+        step_s = time.perf_counter() - t0
         tokens = []
         for r in generated:
             finish = _FINISH.get(r.finish_reason) if r.finish_reason else None
             if finish is not None:
-                self._live.discard(r.uid)
+                self._forget(r.uid)
+            else:
+                self._decoding.add(r.uid)
             tokens.append(TokenOut(r.uid, int(r.token), finish, r.logprobs))
         progress = tuple(PromptProgress(p.uid, *_progress(p.progress)) for p in prompts)
+        read = 0
+        for p in progress:
+            read += max(0, p.done - self._read.get(p.uid, 0))
+            self._read[p.uid] = p.done
+            if p.done >= p.total:
+                self._read.pop(p.uid, None)
+        self._sizer.measured(step_s, bool(generated), read)
         return StepOutput(progress, tuple(tokens))
 
     def close(self) -> None:
