@@ -3,8 +3,10 @@
 It computes the same function with the same MLX calls (same sort rule, gather_mm / gather_qmm
 with the same dtypes, group size, bits and mode, same bias handling), only on the layer's slot
 pools with expert ids remapped to slots. When a call needs more distinct experts than the layer
-has slots, it runs several passes with identical shapes and keeps each row from the pass that
-held its expert (`mx.where` selects, it does not add), so results stay bit-identical.
+has slots (a batch's union, or a prompt chunk), it runs several passes: a decode step computes
+each (token, expert) row once, in the pass that holds its expert, and puts the rows back in
+order; a sorted prompt chunk runs every pass with identical shapes and keeps each row from the
+pass that held its expert (`mx.where` selects, it does not add). Results stay bit-identical.
 """
 
 from __future__ import annotations
@@ -137,6 +139,28 @@ class StreamingSwitch(nn.Module):
             out = y
         return out
 
+    def _rows_by_pass(self, x, indices, host: np.ndarray, passes) -> mx.array:
+        """Each pass computes only the (token, expert) rows of its own experts, so a batch whose
+        distinct experts span several passes costs one expert computation per row, not one per
+        pass; the rows are put back in order by a permutation (no arithmetic), and each row is the
+        same matrix-vector product as in one pass."""
+        streamer, layer = self._streamer, self._layer
+        flat = host.reshape(-1)
+        rows = mx.broadcast_to(x, (*indices.shape, 1, x.shape[-1])).reshape(-1, 1, x.shape[-1])
+        parts, picked = [], []
+        for experts in passes:
+            table, pools = streamer.load(layer, experts)
+            sel = np.flatnonzero(np.isin(flat, experts))
+            slots = table[flat[sel]]
+            y = self._experts(rows[mx.array(sel)], mx.array(slots), False, pools)
+            # Not evaluated here: the streamer fences it before any slot it reads is reused.
+            streamer.defer(layer, y, np.unique(slots))
+            parts.append(y)
+            picked.append(sel)
+        order = mx.array(np.argsort(np.concatenate(picked)))
+        y = mx.concatenate(parts)[order]
+        return y.reshape(*indices.shape, *y.shape[-2:])
+
     def _overlapped(self, x, indices, host: np.ndarray, experts: np.ndarray) -> mx.array:
         """Rows whose expert is resident are computed while the missing experts are read, then
         the rest; each (token, expert) row is the same matrix-vector product either way, and the
@@ -181,6 +205,8 @@ class StreamingSwitch(nn.Module):
 
         if not do_sort and len(passes) == 1 and streamer.overlap.active:
             out = self._overlapped(x, indices, host, passes[0])
+        elif not do_sort and len(passes) > 1:
+            out = self._rows_by_pass(x, indices, host, passes)
         else:
             out = self._in_passes(x, idx, host, passes, do_sort)
 
