@@ -280,3 +280,38 @@ def test_transformed_expert_tensors_are_refused_clearly(checkpoint_factory, tmp_
     model, _ = load_model(path, lazy=True)
     with pytest.raises(CheckpointError, match="mlx_lm.convert"):
         install_streaming(model, path, StreamingConfig(cache_budget="50%", memory_bytes=MEMORY))
+
+
+@pytest.mark.parametrize(
+    "arch,bits", [("qwen3_moe", None), ("qwen3_moe", 4), ("gpt_oss", 4), ("deepseek_v3", None)]
+)
+def test_a_batch_needing_more_experts_than_slots_is_exact(checkpoint_factory, arch, bits):
+    """Decode steps of a 6-row batch need the union of the rows' experts per layer, more than a
+    small budget's slots: the multi-pass path serves them (each row computed in the pass that
+    holds its expert) with tokens identical to the resident batch."""
+    from moed.daemon.engine.batch import DecodeBatch
+    from moed.daemon.engine.sampling import greedy
+
+    path = checkpoint_factory(arch, bits=bits)
+
+    def batch_tokens(model) -> list[list[int]]:
+        # One-token prompts: every forward pass is a decode step of the whole batch.
+        batch = DecodeBatch(model, [], max_batch=6, prefill_chunk=256)
+        rows = {batch.insert([17 + 29 * i], 8, greedy): [] for i in range(6)}
+        while batch.rows:
+            for tok in batch.step().tokens:
+                rows[tok.uid].append(tok.token)
+        batch.close()
+        return list(rows.values())
+
+    resident, _ = load_model(path)
+    want = batch_tokens(resident)
+    del resident
+    for budget in (1, "25%"):
+        model, streamer = streaming(path, budget)
+        try:
+            assert batch_tokens(model) == want, budget
+            snap = streamer.snapshot()
+        finally:
+            streamer.close()
+        assert snap["passes"] > 0, budget  # the union did not fit one pass
