@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(BIN)/moed bench serve --max-tokens 200 --runs 9
 	$(BIN)/moed bench stream
 	$(BIN)/moed bench prewarm --runs 5
+	$(BIN)/moed bench batch --rounds 5
 
 clean:
 	rm -rf $(VENV) build *.egg-info
