@@ -10,6 +10,7 @@ queues run empty), by a worker, instead of one `posix_fadvise` per read on the c
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -22,8 +23,13 @@ from moed.daemon.experts.store import ExpertStore, ReadJob, drop_cached
 DEFAULT_WORKERS = 8
 
 
-def default_workers() -> int:
-    return DEFAULT_WORKERS
+def default_workers(bypass_page_cache: bool = True) -> int:
+    """Reads that go to the SSD want queue depth; reads the page cache answers are memory copies,
+    CPU-bound, so more workers than cores only contend (on 2 cores, 8 workers made a 4-row batch's
+    reads at 25% take 2-3x longer than 2 workers: `moed bench batch`, BENCHMARKS.md)."""
+    if bypass_page_cache:
+        return DEFAULT_WORKERS
+    return max(1, min(DEFAULT_WORKERS, os.cpu_count() or 1))
 
 
 @dataclass
@@ -36,7 +42,7 @@ class ReadResult:
 class ReadPool:
     def __init__(self, store: ExpertStore, workers: int = 0):
         self.store = store
-        self.workers = workers if workers > 0 else default_workers()
+        self.workers = workers if workers > 0 else default_workers(store.bypass)
         self._cv = threading.Condition()
         self._demand: collections.deque[tuple[Future, ReadJob]] = collections.deque()
         self._speculative: collections.deque[tuple[Future, ReadJob]] = collections.deque()
