@@ -69,6 +69,7 @@ def test_bench_stream_tiny(tmp_path):
     assert result.exit_code == 0, result.output
     text = result.output
     assert "raw parallel pread" in text and "time per decode token" in text
+    assert "samples between decode tokens" in text  # raw sampled among the tokens, too
     assert "read path sweep" in text and "best:" in text and "syncs/tok" in text
     assert "reproduces" in text
     data = json.loads(out.read_text())

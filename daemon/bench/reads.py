@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ from moed.daemon.experts.store import ExpertStore, ReadJob, _split, drop_page_ca
 
 SWEEP_WORKERS = (2, 4, 8, 16)
 SWEEP_CHUNKS = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+SWEEP_ROUNDS = 3
 
 
 def _random_experts(index: CheckpointIndex, seed: int) -> list[list]:
@@ -119,18 +121,24 @@ def burst_bandwidth(
     return done / waited / 1e6 if waited else 0.0
 
 
-def sweep(model_path: Path, burst: int, sample_bytes: int, seed: int = 0) -> dict:
-    """Burst read bandwidth for every (workers, chunk) of the sweep grid."""
-    return {
-        (w, c): burst_bandwidth(model_path, w, c, burst, sample_bytes, seed + i)
-        for i, (w, c) in enumerate((w, c) for w in SWEEP_WORKERS for c in SWEEP_CHUNKS)
-    }
+def sweep(
+    model_path: Path, burst: int, sample_bytes: int, seed: int = 0, rounds: int = SWEEP_ROUNDS
+) -> dict:
+    """Burst read bandwidth for every (workers, chunk) of the sweep grid: the median of `rounds`
+    rounds, each over the whole grid, so a drift of the machine hits every cell alike."""
+    cells = [(w, c) for w in SWEEP_WORKERS for c in SWEEP_CHUNKS]
+    samples: dict[tuple[int, int], list[float]] = {cell: [] for cell in cells}
+    for r in range(rounds):
+        for i, (w, c) in enumerate(cells):
+            seed_i = seed + r * len(cells) + i
+            samples[(w, c)].append(burst_bandwidth(model_path, w, c, burst, sample_bytes, seed_i))
+    return {cell: statistics.median(v) for cell, v in samples.items()}
 
 
 def sweep_report(results: dict, raw_mb_s: float, burst: int) -> str:
     lines = [
         f"read path sweep: {burst} random experts per burst (a decode step's misses), page cache "
-        f"dropped; MB/s (x raw {raw_mb_s:.0f} MB/s)",
+        f"dropped; MB/s, median of {SWEEP_ROUNDS} rounds over the grid (x raw {raw_mb_s:.0f} MB/s)",
         f"{'workers':>8}  " + "  ".join(f"{f'{c >> 10} KiB chunks':>20}" for c in SWEEP_CHUNKS),
     ]
     best = max(results, key=results.get)

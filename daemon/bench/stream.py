@@ -27,6 +27,10 @@ from moed.daemon.bench.reads import raw_pread_bandwidth, sweep, sweep_report
 from moed.daemon.bench.stream_report import RunResult, report
 
 SWEEP_BURST = 2  # experts per burst in the read sweep: a layer's misses in a decode step at 25%
+# Raw pread is also sampled between decode rounds: on a shared machine (or a VM whose disk sits in
+# the host's cache) the device's bandwidth drifts, and only samples taken among the tokens see the
+# conditions the streaming reads saw.
+RAW_EVERY = 4  # decode rounds between two raw samples
 PROMPT_TOKENS = 8  # short prompts: a prefill chunk fits the smallest budget in one pass
 
 
@@ -196,8 +200,16 @@ def load_streaming(
 
 
 def measure(
-    contenders: list[Contender], files: list[Path], warm_prompt, prompt, warmup: int, tokens: int
+    contenders: list[Contender],
+    files: list[Path],
+    warm_prompt,
+    prompt,
+    warmup: int,
+    tokens: int,
+    between=None,
 ) -> None:
+    """Warm up, then decode every contender one token at a time in turn; `between(i)` runs every
+    RAW_EVERY rounds, outside every contender's timing."""
     from moed.daemon.experts.store import drop_page_cache
 
     drop_page_cache(files)
@@ -209,11 +221,14 @@ def measure(
     # A bar on a terminal only (outside each contender's own timing); stdout keeps the report.
     total = tokens * len(contenders)
     with Progress("bench stream: decode", progress_mode(False), total=total) as bar:
-        done = 0
+        done = rounds = 0
         while active:
             done += len(active)
             active = [c for c in active if c.step()]
             bar.update(min(done, total))
+            rounds += 1
+            if between is not None and active and rounds % RAW_EVERY == 0:
+                between(rounds // RAW_EVERY)
 
 
 @click.command("stream")
@@ -363,7 +378,7 @@ def stream(
         swept = None
         if sweep_reads:
             click.echo("read path sweep ...", err=True)
-            swept = sweep(path, SWEEP_BURST, raw_sample_mb * 10**6 // 4, seed)
+            swept = sweep(path, SWEEP_BURST, raw_sample_mb * 10**6 // 8, seed)
         click.echo("loading the resident model and one streaming model per budget ...", err=True)
         contenders = [load_resident(path)]
         try:
@@ -382,7 +397,13 @@ def stream(
                 f"{', '.join(c.name for c in contenders)} ...",
                 err=True,
             )
-            measure(contenders, files, warm_prompt, prompt, warmup, tokens)
+            mid_sample = max(1, raw_sample_mb * 10**6 // 8)
+            raw_mid: list[float] = []
+
+            def sample_raw(i: int) -> None:
+                raw_mid.append(raw_pread_bandwidth(path, workers, mid_sample, seed + 2 + i)["mb_s"])
+
+            measure(contenders, files, warm_prompt, prompt, warmup, tokens, sample_raw)
             resident, *runs = [c.result() for c in contenders]
         finally:
             for c in contenders:
@@ -391,10 +412,15 @@ def stream(
         click.echo("raw parallel pread again ...", err=True)
         raw_after = raw_pread_bandwidth(path, workers, raw_sample_mb * 10**6, seed + 1)
         raw = dict(raw_after)
-        raw["mb_s"] = (raw_before["mb_s"] + raw_after["mb_s"]) / 2
+        # The reference: the median of the samples taken among the tokens (before and after
+        # when the decode was too short for any).
+        raw["mb_s"] = (
+            float(np.median(raw_mid)) if raw_mid else (raw_before["mb_s"] + raw_after["mb_s"]) / 2
+        )
         raw["bytes"] = raw_before["bytes"] + raw_after["bytes"]
         raw["reads"] = raw_before["reads"] + raw_after["reads"]
         raw["before_mb_s"], raw["after_mb_s"] = raw_before["mb_s"], raw_after["mb_s"]
+        raw["between_mb_s"] = raw_mid
 
         expert_bytes = runs[0].expert_bytes if runs else 0
         meta = {

@@ -35,6 +35,21 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else "-"
 
 
+def _raw_line(raw: dict) -> str:
+    before, after = raw.get("before_mb_s", raw["mb_s"]), raw.get("after_mb_s", raw["mb_s"])
+    mid = raw.get("between_mb_s") or []
+    where = (
+        f"median of {len(mid)} samples between decode tokens, {min(mid):.0f}-{max(mid):.0f}; "
+        if mid
+        else "mean of before and after; "
+    )
+    return (
+        f"raw parallel pread, page cache dropped: {raw['mb_s']:.0f} MB/s ({where}"
+        f"{before:.0f} before and {after:.0f} after the runs, "
+        f"{raw['bytes'] / 1e6:.0f} MB in {raw['reads']} expert-tensor reads)"
+    )
+
+
 def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) -> str:
     lines = [
         f"moed bench stream: {meta['layers']} MoE layers x {meta['experts']} experts "
@@ -44,10 +59,7 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
         f"experts {meta['experts_bytes'] / 1e9:.2f} GB",
         f"decode {meta['tokens']} tokens after a {meta['warmup']}-token warm-up; "
         f"{raw['workers']} read workers; page cache: {meta['page_cache']}",
-        f"raw parallel pread, page cache dropped: {raw['mb_s']:.0f} MB/s "
-        f"(mean of {raw.get('before_mb_s', raw['mb_s']):.0f} before and "
-        f"{raw.get('after_mb_s', raw['mb_s']):.0f} after the runs; "
-        f"{raw['bytes'] / 1e6:.0f} MB in {raw['reads']} expert-tensor reads)",
+        _raw_line(raw),
         "",
         f"{'budget':>8} {'slots':>5} {'tok/s':>7} {'x res':>6} {'same':>5} "
         f"{'hit%':>6} {'belady%':>8} {'hit/opt':>7} "
