@@ -27,8 +27,9 @@ _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 # While rows decode, a prompt chunk is sized from measured times to cost about this many decode
 # steps, so the decoding streams' gap between tokens stays near (1 + CHUNK_STEPS) x its median
 # whatever the machine (a 256-token chunk costs ~2 decode steps on a GPU, ~50 on a 2-core CPU).
-CHUNK_STEPS = 2.0
-MIN_CHUNK = 4  # a long prompt still moves when a chunk's fixed cost alone exceeds the target
+# A chunk is a forward pass of its own (BatchGenerator), so even 2 tokens cost about one step.
+CHUNK_STEPS = 1.5
+MIN_CHUNK = 2  # a long prompt still moves when a chunk's fixed cost alone exceeds the target
 _EMA = 0.3  # weight of the newest decode step in the running mean
 
 
