@@ -140,6 +140,7 @@ class LongPromptResult:
     """Decoding streams while another client's long prompt is read (send to its first token)."""
 
     median_gap_ms: float  # the decoding streams' gaps outside the reading window
+    window_p50_ms: float  # their gaps that overlap the window: a step that also read a chunk
     window_p99_ms: float  # their gaps that overlap the window (p99 ~ the largest)
     window_max_ms: float
     window_gaps: int
@@ -157,6 +158,7 @@ def long_prompt_effect(streams: list[StreamRecord], long: StreamRecord) -> LongP
     every = inside + outside
     return LongPromptResult(
         median_gap_ms=statistics.median(outside),
+        window_p50_ms=percentile(inside, 0.5),
         window_p99_ms=percentile(inside, 0.99),
         window_max_ms=max(inside, default=0.0),
         window_gaps=len(inside),
