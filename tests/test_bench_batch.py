@@ -55,6 +55,9 @@ def test_bench_batch_json_and_table(tiny_model, tmp_path):
     exact = report["exactness"]
     assert exact["single_identical"] == exact["single_streams"] == 2
     assert exact["concurrent_streams"] == 4
+    drift = exact["logprob_drift"]
+    assert set(drift) == {"resident", "25%"}
+    assert all(d["tokens"] > 0 and d["max_abs"] >= 0 for d in drift.values())
 
     # The human table: one line per cell, then the long-prompt and exactness summaries.
     lines = out.stdout.splitlines()

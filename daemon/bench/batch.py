@@ -31,6 +31,7 @@ from moed.daemon.bench.batch_clients import (
 from moed.daemon.bench.batch_report import (
     Cell,
     Solo,
+    logprob_drift,
     long_row,
     print_clients,
     print_exactness,
@@ -209,6 +210,12 @@ def bench_batch(
                         cells[(side.name, n)].add(summarize(recs), recs, solos)
                     done += 1
                     bar.update(done)
+        # Untimed: every side's largest batch again, asking for logprobs, to see whether a
+        # batch changes any row's numbers at all (not only its argmax).
+        drift = {}
+        for side in sides:
+            jobs = [ClientJob(p, max_tokens=max_tokens, logprobs=2) for p in PROMPTS[: counts[-1]]]
+            drift[side.name] = logprob_drift(solos, run_clients(side.socket, jobs))
         _stop(sides, procs)
     finally:
         for proc in procs:
@@ -229,6 +236,11 @@ def bench_batch(
     if long_rows:
         print_long(long_rows, long_prompt, LONG_STREAMS)
     exact = print_exactness(rows, solos)
+    exact["logprob_drift"] = {name: {"max_abs": w, "tokens": n} for name, (w, n) in drift.items()}
+    click.echo(
+        f"  greedy-token logprobs, {counts[-1]} concurrent streams vs alone (untimed run): max "
+        + ", ".join(f"{name} {w:.1e} over {n} tokens" for name, (w, n) in drift.items())
+    )
     click.echo(f"(machine: {os.cpu_count()} cpus, {sys.platform})")
     if json_out:
         json_out.write_text(

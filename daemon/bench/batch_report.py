@@ -23,13 +23,27 @@ class Solo:
 
     tokens: list[int]
     margins: list[float]
+    logprobs: list[float]  # the top-1 (greedy) token's logprob, per token
 
     @classmethod
     def of(cls, record: StreamRecord) -> Solo:
         margins = [
             t[0]["logprob"] - t[1]["logprob"] if len(t) > 1 else float("inf") for t in record.top
         ]
-        return cls(list(record.tokens), margins)
+        return cls(list(record.tokens), margins, [t[0]["logprob"] for t in record.top])
+
+
+def logprob_drift(solos: list[Solo], records: list[StreamRecord]) -> tuple[float, int]:
+    """The largest |logprob difference| of the greedy token between concurrent streams (asked
+    with logprobs) and the same prompts alone, over their common prefix; and tokens compared."""
+    worst, compared = 0.0, 0
+    for solo, rec in zip(solos, records):
+        for n, (a, b) in enumerate(zip(solo.tokens, rec.tokens)):
+            if a != b or n >= len(rec.top) or n >= len(solo.logprobs):
+                break
+            worst = max(worst, abs(rec.top[n][0]["logprob"] - solo.logprobs[n]))
+            compared += 1
+    return worst, compared
 
 
 @dataclass(frozen=True)
