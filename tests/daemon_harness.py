@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moed.client import Client, DaemonUnavailable
+from moed.client import Client, DaemonUnavailable, DoneEvent, RequestFailed, TokenEvent
 from moed.client.autostart import wait_until_ready
 
 
@@ -157,6 +157,34 @@ def start_daemon(
     return daemon
 
 
+def run_together(daemon, requests: list[dict], max_tokens: int = 12, **common) -> list:
+    """Send every request from its own client at once (`daemon.client()`); each one's (token ids,
+    end event or RequestFailed). A request's own `max_tokens` wins over the common one."""
+    results: list = [None] * len(requests)
+    ready = threading.Barrier(len(requests))
+
+    def worker(n: int) -> None:
+        got: list[int] = []
+        with daemon.client() as c:
+            c.connect()
+            ready.wait()
+            try:
+                for event in c.generate(**{"max_tokens": max_tokens, **requests[n], **common}):
+                    if isinstance(event, TokenEvent):
+                        got += event.ids
+                    elif isinstance(event, DoneEvent):
+                        results[n] = (got, event)
+            except RequestFailed as exc:
+                results[n] = (got, exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
 class Supervisor:
     """Runs `moed serve` and restarts it like KeepAlive: again after a crash, not after exit 0."""
 
@@ -227,6 +255,9 @@ class Supervisor:
         raise TimeoutError(
             f"no ready daemon in {timeout_s}s; exits {self.exits}\n{self.log_text()}"
         )
+
+    def client(self, **kwargs) -> Client:
+        return Client(self.socket, **kwargs)
 
     def log_text(self) -> str:
         return "\n".join(

@@ -7,6 +7,7 @@ import io
 import threading
 
 import pytest
+from daemon_harness import run_together
 
 from moed.client import DoneEvent, RequestFailed, TokenEvent, TraceEvent
 from moed.daemon.telemetry.trace import parse_trace
@@ -15,7 +16,6 @@ from moed.protocol import ErrorCode
 # An idle daemon gathers requests arriving within this window into one batch, so that every run
 # of the same requests has the same batch composition.
 WINDOW_MS = "1500"
-MAX_TOKENS = 12
 
 
 def ids(n: int, salt: int) -> list[int]:
@@ -29,33 +29,6 @@ REQUESTS = [
     {"prompt_ids": ids(5, 3), "temperature": 1.0, "top_p": 0.9, "seed": 11},
     {"prompt_ids": ids(13, 4), "temperature": 0.8, "seed": 5},
 ]
-
-
-def run_together(daemon, requests: list[dict], max_tokens: int = MAX_TOKENS, **common):
-    """Send every request from its own client at once; each one's (token ids, end event)."""
-    results: list = [None] * len(requests)
-    ready = threading.Barrier(len(requests))
-
-    def worker(n: int) -> None:
-        got: list[int] = []
-        with daemon.client() as c:
-            c.connect()
-            ready.wait()
-            try:
-                for event in c.generate(max_tokens=max_tokens, **requests[n], **common):
-                    if isinstance(event, TokenEvent):
-                        got += event.ids
-                    elif isinstance(event, DoneEvent):
-                        results[n] = (got, event)
-            except RequestFailed as exc:
-                results[n] = (got, exc)
-
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return results
 
 
 def batched_daemon(daemon_factory, model, *extra, env=None):

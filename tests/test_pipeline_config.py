@@ -74,16 +74,27 @@ def test_layer_costs_from_the_checkpoint(checkpoint_factory):
 def test_step_header_round_trip():
     import numpy as np
 
-    decode = Step(StepOp.FORWARD, 3, (5,), (1, 2), np.array([[4, 8, 15]], dtype=np.int32))
+    from moed.daemon.distributed.protocol import with_body
+
+    # A decode step: the batch's cache ops and its B tokens ride in the header.
+    ops = (4, 9, 2, 0, 2)  # FILTER list 9 to rows 0 and 2
+    decode = Step(StepOp.FORWARD, 3, (5,), ops, np.array([[4], [8], [15]], dtype=np.int32))
     header, payload = decode.encode()
     step, follow = decode_header(header)
     assert payload is None and follow == 0
-    assert (step.op, step.seq, step.handles, step.released) == (StepOp.FORWARD, 3, (5,), (1, 2))
-    assert step.tokens.tolist() == [[4, 8, 15]]
-    prefill = Step(StepOp.FORWARD, 4, (5,), (), np.arange(600, dtype=np.int32).reshape(1, 600))
+    assert (step.op, step.seq, step.handles, step.ops) == (StepOp.FORWARD, 3, (5,), ops)
+    assert step.tokens.tolist() == [[4], [8], [15]]
+    # A prefill chunk: ops then tokens follow the header in one more collective.
+    prefill = Step(StepOp.FORWARD, 4, (5,), ops, np.arange(600, dtype=np.int32).reshape(2, 300))
     header, payload = prefill.encode()
     step, follow = decode_header(header)
-    assert follow == 600 and payload.tolist() == list(range(600))
+    assert follow == 605 and payload.tolist() == [*ops, *range(600)]
+    step = with_body(step, payload, len(step.ops), step.tokens.shape)
+    assert step.ops == ops and step.tokens.tolist() == prefill.tokens.tolist()
+    # Ops alone (a status step after rows left) need no tokens.
+    header, payload = Step(StepOp.STATUS, 5, (), (1, 7)).encode()
+    step, follow = decode_header(header)
+    assert (step.op, step.ops, step.tokens, follow) == (StepOp.STATUS, (1, 7), None, 0)
 
 
 def test_architecture_without_pipeline_support_is_refused(checkpoint_factory):

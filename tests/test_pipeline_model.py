@@ -67,6 +67,7 @@ def resident_tokens(checkpoint_factory):
                     pipeline_worker.generate(model, p, pipeline_worker.SEEDED)
                     for p in pipeline_worker.PROMPTS
                 ],
+                "batched": pipeline_worker.batched(model),
             }
             del model
             mx.clear_cache()
@@ -83,6 +84,9 @@ def test_two_ranks_match_the_resident_model(checkpoint_factory, resident_tokens,
     want = resident_tokens(arch)
     assert got["greedy"] == want["greedy"]
     assert got["seeded"] == want["seeded"]
+    # A continuous batch (rows joining, leaving, finishing apart) is the single-process batch.
+    assert got["batched"] == want["batched"]
+    assert len(got["batched"]["removed"]) < 30 and len(got["batched"]["joined"]) == 8
 
     ranks = got["status"]
     assert [r["rank"] for r in ranks] == [0, 1]

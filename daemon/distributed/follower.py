@@ -6,6 +6,7 @@ import logging
 
 import mlx.core as mx
 
+from moed.daemon.distributed.cache_ops import MirroredCaches
 from moed.daemon.distributed.protocol import ProtocolMismatch, StepChannel, StepOp
 from moed.daemon.distributed.rank_model import RankModel
 from moed.daemon.distributed.rank_status import rank_status
@@ -17,20 +18,15 @@ def follow(rank: RankModel, channel: StepChannel) -> int:
     """Run every step rank 0 broadcasts; returns the number of steps run."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    caches: dict[int, list] = {}
+    caches = MirroredCaches(lambda: make_prompt_cache(rank.model))
     while True:
         step = channel.receive()
-        for handle in step.released:
-            caches.pop(handle, None)
+        caches.apply(step.ops)  # rank 0's batch changes since the last step, in its order
         if step.op is StepOp.FORWARD:
             if len(step.handles) != 1:
                 raise ProtocolMismatch(f"a forward names {len(step.handles)} caches, not one")
-            handle = step.handles[0]
-            cache = caches.get(handle)
-            if cache is None:
-                cache = caches[handle] = make_prompt_cache(rank.model)
             # The PipelineMixin module alone: the last norm, no lm_head (rank 0 samples).
-            out = rank.pipeline(mx.array(step.tokens), cache=cache)
+            out = rank.pipeline(mx.array(step.tokens), cache=caches.get(step.handles[0]))
             mx.eval(out)
         elif step.op is StepOp.STATUS:
             channel.gather_json(rank_status(rank, {"steps": channel.counters.steps}))

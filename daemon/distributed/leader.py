@@ -1,24 +1,23 @@
 """Rank 0's side of the pipeline: the model mlx-lm and the engine see.
 
 `PipelineLeader` stands in for the mlx-lm model on rank 0. Each forward first broadcasts the step
-(the tokens and the cache they run on) so that every other rank runs the same forward through its
-own layers; mlx-lm's PipelineMixin then carries the activations (send/recv, a final all_gather).
-Caches are `MirroredCache`s: a handle names the followers' twin, and dropping rank 0's cache
-(garbage collection) tells the followers, with the next step, to drop theirs.
+(the tokens and the cache list they run on) so that every other rank runs the same forward through
+its own layers; mlx-lm's PipelineMixin then carries the activations (send/recv, a final
+all_gather). Cache lists end with a `CacheHandle` (cache_ops.py): whatever mlx-lm's
+BatchGenerator does to a batch's caches (merge, extend, pad, copy, filter, drop) reaches the
+followers with the next step, so one batched decode step is one forward through the ranks.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
-import weakref
-from collections import deque
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from moed.daemon.distributed.cache_ops import CacheHandle, OpLog
 from moed.daemon.distributed.protocol import Step, StepChannel, StepOp
 from moed.daemon.distributed.rank_model import RankModel
 from moed.daemon.distributed.rank_status import rank_status
@@ -39,19 +38,12 @@ class GatherFence(nn.Module):
         return self.norm(h)
 
 
-class MirroredCache(list):
-    """Rank 0's per-layer caches of one sequence; followers keep theirs under `handle`."""
-
-    handle: int
-
-
 class PipelineLeader:
     def __init__(self, rank: RankModel, channel: StepChannel):
         self.rank = rank
         self.model = rank.model
         self.channel = channel
-        self._handles = itertools.count(1)
-        self._released: deque[int] = deque()  # filled by finalizers, on whatever thread runs GC
+        self._ops = OpLog()
         self._lock = threading.Lock()  # one step at a time (status may come from another thread)
         text = rank.config.get("text_config", rank.config)
         self._hidden = int(text.get("hidden_size", 0))
@@ -64,24 +56,22 @@ class PipelineLeader:
     def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
         if kwargs.get("input_embeddings") is not None:
             raise ValueError("a pipeline runs token inputs only (no input embeddings)")
-        if not isinstance(cache, MirroredCache):
-            raise ValueError("a pipeline forward needs a cache made by make_cache()")
+        if not cache or not isinstance(cache[-1], CacheHandle) or not cache[-1].handle:
+            raise ValueError("a pipeline forward needs a cache list made by make_cache()")
         tokens = np.array(inputs, dtype=np.int32)  # waits for the sampled token: steps stay ordered
         tokens = tokens.reshape(1, -1) if tokens.ndim == 1 else tokens
         with self._lock:
             self.channel.send(
-                Step(StepOp.FORWARD, 0, (cache.handle,), self._drain_released(), tokens)
+                Step(StepOp.FORWARD, 0, (cache[-1].handle,), self._ops.drain(), tokens)
             )
             self._count_activations(tokens.size)
-            return self.model(inputs, cache=cache)
+            return self.model(inputs, cache=cache[:-1])
 
-    def make_cache(self) -> MirroredCache:
+    def make_cache(self) -> list:
+        """This rank's layer caches and, last, the handle of the followers' twin list."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        cache = MirroredCache(make_prompt_cache(self.model))
-        cache.handle = next(self._handles)
-        weakref.finalize(cache, self._released.append, cache.handle)
-        return cache
+        return [*make_prompt_cache(self.model), self._ops.new_handle()]
 
     def __getattr__(self, name: str) -> Any:  # layers, args, parameters(), ... of the real model
         return getattr(self.model, name)
@@ -90,15 +80,13 @@ class PipelineLeader:
     def status(self) -> list[dict]:
         """Every rank's status, rank 0 first."""
         with self._lock:
-            self.channel.send(Step(StepOp.STATUS, 0, released=self._drain_released()))
+            self.channel.send(Step(StepOp.STATUS, 0, ops=self._ops.drain()))
             return self.channel.gather_json(rank_status(self.rank, self.link()))
 
     def shed(self, fraction: float) -> None:
         """Ask every follower to shrink its expert cache (rank 0 sheds its own)."""
         with self._lock:
-            self.channel.send(
-                Step(StepOp.SHED, 0, released=self._drain_released(), arg=int(fraction * 1000))
-            )
+            self.channel.send(Step(StepOp.SHED, 0, ops=self._ops.drain(), arg=int(fraction * 1000)))
 
     def shutdown(self) -> None:
         with self._lock:
@@ -115,12 +103,6 @@ class PipelineLeader:
             "bytes_per_token": per_token,
             "steps_by_op": dict(c.by_op),
         }
-
-    def _drain_released(self) -> tuple[int, ...]:
-        out = []
-        while self._released and len(out) < 64:  # the rest go with the next step
-            out.append(self._released.popleft())
-        return tuple(out)
 
     def _count_activations(self, n_tokens: int) -> None:
         """PipelineMixin moves each token's hidden state once per hop (send/recv) and then

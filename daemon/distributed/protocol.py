@@ -2,10 +2,11 @@
 
 Every rank runs the same collectives in the same order. Rank 0 decides what runs next and
 broadcasts it; the others follow. A broadcast is an `all_sum` where only rank 0 contributes: a
-fixed-size int32 header (the op, the caches it runs on, the caches rank 0 has dropped, the token
-block's shape), followed by the tokens in the same header when they fit (every decode step) or in
-one more `all_sum` when they do not (prefill chunks). A step runs a (B, L) block of tokens through
-each rank's layers, so a batched decode step is one broadcast of B tokens with B cache handles.
+fixed-size int32 header (the op, the cache list it runs on, the token block's shape), followed by
+the body (rank 0's cache operations since the last step, then the tokens) in the same header when
+it fits (a decode step) or in one more `all_sum` when it does not (prefill chunks, batch changes).
+A step runs a (B, L) block of tokens through each rank's layers on one batched cache, so a batched
+decode step is one broadcast of B tokens.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import mlx.core as mx
 import numpy as np
 
 HEADER_INTS = 64  # 256 bytes: a decode step of up to ~50 sequences fits in one collective
-_FIXED = 6  # op, seq, n_handles, n_released, batch, length
+_FIXED = 6  # op, seq, n_handles, n_ops, batch, length
 
 
 class StepOp(enum.IntEnum):
-    FORWARD = 1  # run tokens through the layers with these caches
+    FORWARD = 1  # run a (B, L) token block through the layers on one cache list
     STATUS = 2  # every rank contributes its status (all_gather)
     SHED = 3  # shrink every rank's expert cache (the watchdog asked rank 0)
     SHUTDOWN = 4  # leave the follower loop
@@ -36,34 +37,33 @@ class ProtocolMismatch(RuntimeError):
 class Step:
     op: StepOp
     seq: int  # step number: every rank checks it, so a lost step cannot go unnoticed
-    handles: tuple[int, ...] = ()  # the caches a FORWARD runs on (one per sequence in the batch)
-    released: tuple[int, ...] = ()  # caches rank 0 has dropped: the followers drop theirs
+    handles: tuple[int, ...] = ()  # the cache list a FORWARD runs on (one batch: B rows)
+    ops: tuple[int, ...] = ()  # rank 0's cache operations, applied before the step (cache_ops.py)
     tokens: np.ndarray | None = None  # (B, L) int32 for FORWARD
     arg: int = 0  # SHED: the fraction kept, in per mille
 
     def encode(self) -> tuple[np.ndarray, np.ndarray | None]:
         b, length = self.tokens.shape if self.tokens is not None else (0, 0)
-        head = [int(self.op), self.seq, len(self.handles), len(self.released), b, length]
-        head += [*self.handles, *self.released]
+        head = [int(self.op), self.seq, len(self.handles), len(self.ops), b, length]
+        head += [*self.handles]
         if self.op is StepOp.SHED:
             head.append(self.arg)
         if len(head) > HEADER_INTS:
             raise ValueError(f"a step names {len(head)} ints; the header holds {HEADER_INTS}")
         header = np.zeros(HEADER_INTS, dtype=np.int32)
         header[: len(head)] = head
-        payload = None
+        body = np.array(self.ops, dtype=np.int32)
         if self.tokens is not None:
-            flat = self.tokens.astype(np.int32).reshape(-1)
-            if len(head) + flat.size <= HEADER_INTS:
-                header[len(head) : len(head) + flat.size] = flat
-            else:
-                payload = flat
-        return header, payload
+            body = np.concatenate([body, self.tokens.astype(np.int32).reshape(-1)])
+        if len(head) + body.size <= HEADER_INTS:
+            header[len(head) : len(head) + body.size] = body
+            return header, None
+        return header, body
 
 
 def decode_header(header: np.ndarray) -> tuple[Step, int]:
-    """The step (tokens still missing if they travel separately) and how many tokens follow."""
-    op, seq, n_handles, n_released, b, length = (int(v) for v in header[:_FIXED])
+    """The step (its body still missing if it travels separately) and how many ints follow."""
+    op, seq, n_handles, n_ops, b, length = (int(v) for v in header[:_FIXED])
     try:
         step_op = StepOp(op)
     except ValueError:
@@ -73,19 +73,22 @@ def decode_header(header: np.ndarray) -> tuple[Step, int]:
     at = _FIXED
     handles = tuple(int(v) for v in header[at : at + n_handles])
     at += n_handles
-    released = tuple(int(v) for v in header[at : at + n_released])
-    at += n_released
     arg = 0
     if step_op is StepOp.SHED:
         arg, at = int(header[at]), at + 1
-    tokens = None
-    n = b * length
-    if n and at + n <= HEADER_INTS:
-        tokens = header[at : at + n].astype(np.int32).reshape(b, length)
-        n = 0
-    elif n:
-        tokens = np.zeros((b, length), dtype=np.int32)  # filled from the payload
-    return Step(step_op, seq, handles, released, tokens, arg), n
+    step = Step(step_op, seq, handles, (), None, arg)
+    n = n_ops + b * length
+    if at + n <= HEADER_INTS:
+        return with_body(step, header[at : at + n], n_ops, (b, length)), 0
+    # Placeholders of the right sizes: `with_body` fills them from the payload.
+    return Step(step_op, seq, handles, (0,) * n_ops, np.zeros((b, length), np.int32), arg), n
+
+
+def with_body(step: Step, body: np.ndarray, n_ops: int, shape: tuple[int, int]) -> Step:
+    """`step` with its ops and tokens read from `body` (ops first)."""
+    tokens = body[n_ops:].astype(np.int32).reshape(shape) if shape[0] * shape[1] else None
+    ops = tuple(int(v) for v in body[:n_ops])
+    return Step(step.op, step.seq, step.handles, ops, tokens, step.arg)
 
 
 @dataclass
@@ -118,7 +121,7 @@ class StepChannel:
     def send(self, step: Step) -> None:
         """Rank 0: broadcast `step` (its seq is assigned here)."""
         self.seq += 1
-        step = Step(step.op, self.seq, step.handles, step.released, step.tokens, step.arg)
+        step = Step(step.op, self.seq, step.handles, step.ops, step.tokens, step.arg)
         header, payload = step.encode()
         self._broadcast(header, HEADER_INTS, np.int32)
         if payload is not None:
@@ -133,10 +136,9 @@ class StepChannel:
         if step.seq != self.seq:
             raise ProtocolMismatch(f"rank {self.rank} expected step {self.seq}, got {step.seq}")
         if follow:
-            flat = self._broadcast(None, follow, np.int32)
-            step = Step(
-                step.op, step.seq, step.handles, step.released, flat.reshape(step.tokens.shape)
-            )
+            body = self._broadcast(None, follow, np.int32)
+            shape = step.tokens.shape if step.tokens is not None else (0, 0)
+            step = with_body(step, body, len(step.ops), shape)
         self._count(step.op)
         return step
 

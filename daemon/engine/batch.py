@@ -9,7 +9,6 @@ own sampler (called once per position, so position-keyed seeds stay reproducible
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -155,63 +154,6 @@ class DecodeBatch:
 
     def close(self) -> None:
         self._gen.close()
-
-
-class SequentialBatch:
-    """One mlx-lm `generate_step` per request, stepped in turn (one token each per step).
-
-    For models whose caches cannot merge into one batched cache: a pipeline's rank 0, whose
-    followers mirror one cache per sequence. Prompts are read whole (in `prefill_chunk` pieces)
-    at a request's first step, not interleaved with the others' decode steps.
-    """
-
-    def __init__(self, model, eos_token_ids: Iterable[int], prefill_chunk: int) -> None:
-        self._model = model
-        self._eos = {int(t) for t in eos_token_ids}
-        self._prefill_chunk = prefill_chunk
-        self._uids = itertools.count()
-        self._rows: dict[int, list] = {}  # uid -> [steps iterator, tokens left]
-
-    @property
-    def rows(self) -> int:
-        return len(self._rows)
-
-    def insert(self, context: list[int], max_new_tokens: int, sampler: Sampler) -> int:
-        from mlx_lm.generate import generate_step
-        from mlx_lm.models.cache import make_prompt_cache
-
-        uid = next(self._uids)
-        steps = generate_step(
-            mx.array(context, dtype=mx.uint32),
-            self._model,
-            max_tokens=max_new_tokens,
-            sampler=sampler,
-            prompt_cache=make_prompt_cache(self._model),
-            prefill_step_size=self._prefill_chunk,
-        )
-        self._rows[uid] = [steps, max_new_tokens]
-        return uid
-
-    def remove(self, uid: int) -> None:
-        self._rows.pop(uid, None)
-
-    def step(self) -> StepOutput:
-        tokens = []
-        for uid, row in list(self._rows.items()):
-            token, logprobs = next(row[0])
-            row[1] -= 1
-            finish = None
-            if int(token) in self._eos:
-                finish = FinishReason.STOP
-            elif row[1] <= 0:
-                finish = FinishReason.LENGTH
-            if finish is not None:
-                del self._rows[uid]
-            tokens.append(TokenOut(uid, int(token), finish, logprobs))
-        return StepOutput((), tuple(tokens))
-
-    def close(self) -> None:
-        self._rows.clear()
 
 
 def _progress(progress) -> tuple[int, int]:

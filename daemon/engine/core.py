@@ -16,7 +16,7 @@ from typing import Protocol
 from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.failure import is_group_failure
 from moed.daemon.distributed.spec import pipeline_enabled
-from moed.daemon.engine.batch import DecodeBatch, SequentialBatch, StepOutput
+from moed.daemon.engine.batch import DecodeBatch, StepOutput
 from moed.daemon.engine.commands import Cancel, EngineCommand, Shed, Stop, Submit
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
@@ -74,7 +74,7 @@ class EngineCore:
         self.reject_queued = reject_queued or (lambda code, message: None)
         self._gens: dict[RequestKey, Generation] = {}
         self._rows: dict[int, Generation] = {}  # batch row id -> its request
-        self.batch: DecodeBatch | SequentialBatch | None = None
+        self.batch: DecodeBatch | None = None
         self.loaded: LoadedModel | None = None
         self.fatal: BaseException | None = None
         self.exit_code: int = DaemonExit.FAILED  # what the process exits with once `fatal` is set
@@ -146,10 +146,9 @@ class EngineCore:
         log.info("model loaded from %s in %.2fs", self.model_path, time.perf_counter() - t0)
         return True
 
-    def _new_batch(self) -> DecodeBatch | SequentialBatch:
+    def _new_batch(self) -> DecodeBatch:
+        # A pipeline's leader mirrors every batch-cache change to the other ranks (cache_ops.py).
         eos = getattr(self.loaded.tokenizer, "eos_token_ids", None) or []
-        if self.loaded.pipeline is not None:  # followers mirror one cache per sequence
-            return SequentialBatch(self.loaded.model, eos, self.serve.prefill_chunk)
         return DecodeBatch(self.loaded.model, eos, self.serve.max_batch, self.serve.prefill_chunk)
 
     def maybe_unload(self) -> None:

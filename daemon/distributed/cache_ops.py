@@ -1,0 +1,176 @@
+"""Batched KV caches kept in lockstep across ranks: rank 0 records, the followers replay.
+
+mlx-lm's BatchGenerator builds, merges, extends, pads, copies and filters its batched caches by
+calling the same method on every per-layer cache of a list. Rank 0's lists end with one extra
+element, a `CacheHandle`, that takes part in every such call: it turns each call into one op in
+an ordered log, and the next step carries the log to the followers, which apply the same calls to
+their own layers' caches. Every rank then holds the same batch layout (rows, left padding), so a
+batched step is one forward through the ranks and exactly the single-process computation.
+Models never see the handle: the leader strips it before the forward (and zip stops at the last
+layer anyway).
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import itertools
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from moed.daemon.distributed.protocol import ProtocolMismatch
+
+_NONE = -1  # an absent optional list in PREPARE
+
+
+class CacheOp(enum.IntEnum):
+    RELEASE = 1  # handle: rank 0 dropped this cache list
+    MERGE = 2  # new, n, handles...: a batch of the n sequences' caches (rows in that order)
+    EXTEND = 3  # a, b: append b's rows to a (in place)
+    FILTER = 4  # handle, n, rows...: keep these rows (in place)
+    PREPARE = 5  # handle, then left_padding, lengths, right_padding: each n, values... or -1
+    FINALIZE = 6  # handle: apply the padding PREPARE announced
+    COPY = 7  # new, old: a deep copy
+
+
+class OpLog:
+    """Rank 0's ordered cache operations since the last step (appended from any thread: a
+    RELEASE comes from a finalizer, always after the ops that used the cache)."""
+
+    def __init__(self) -> None:
+        self._ops: deque[list[int]] = deque()
+        self._handles = itertools.count(1)
+
+    def new_handle(self) -> CacheHandle:
+        handle = CacheHandle(next(self._handles), self)
+        weakref.finalize(handle, self.record, CacheOp.RELEASE, handle.handle)
+        return handle
+
+    def record(self, op: CacheOp, *args: int) -> None:
+        self._ops.append([int(op), *(int(a) for a in args)])
+
+    def drain(self) -> tuple[int, ...]:
+        out: list[int] = []
+        while self._ops:
+            out += self._ops.popleft()
+        return tuple(out)
+
+
+class CacheHandle:
+    """The last element of rank 0's cache lists: names the followers' twin of the list."""
+
+    def __init__(self, handle: int, log: OpLog | None):
+        self.handle = handle  # 0: a detached copy (extract) that no follower holds
+        self._log = log
+
+    def _record(self, op: CacheOp, *args: int) -> None:
+        if self._log is None:
+            raise ValueError("this cache was extracted from a pipeline batch and has no twin")
+        self._log.record(op, *args)
+
+    @classmethod
+    def merge(cls, handles: list[CacheHandle]) -> CacheHandle:
+        merged = handles[0]._log.new_handle()
+        merged._record(CacheOp.MERGE, merged.handle, len(handles), *(h.handle for h in handles))
+        return merged
+
+    def extend(self, other: CacheHandle) -> None:
+        self._record(CacheOp.EXTEND, self.handle, other.handle)
+
+    def filter(self, batch_indices) -> None:
+        rows = [int(i) for i in batch_indices]
+        self._record(CacheOp.FILTER, self.handle, len(rows), *rows)
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        args: list[int] = [self.handle]
+        for values in (left_padding, lengths, right_padding):
+            if values is None:
+                args.append(_NONE)
+            else:
+                values = [int(v) for v in values]
+                args += [len(values), *values]
+        self._record(CacheOp.PREPARE, *args)
+
+    def finalize(self) -> None:
+        self._record(CacheOp.FINALIZE, self.handle)
+
+    def extract(self, idx: int) -> CacheHandle:
+        return CacheHandle(0, None)  # a finished row's cache: rank 0 hands it out, nobody runs it
+
+    def __deepcopy__(self, memo) -> CacheHandle:
+        twin = self._log.new_handle()
+        twin._record(CacheOp.COPY, twin.handle, self.handle)
+        return twin
+
+    # The rest of the cache interface that list-wide code touches.
+    @property
+    def state(self) -> list:
+        return []
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def empty(self) -> bool:
+        return True
+
+    def size(self) -> int:
+        return 0
+
+
+class MirroredCaches:
+    """A follower's cache lists by handle, changed only by rank 0's ops."""
+
+    def __init__(self, make_cache: Callable[[], list]):
+        self._make = make_cache
+        self._lists: dict[int, list] = {}
+
+    def __len__(self) -> int:
+        return len(self._lists)
+
+    def get(self, handle: int) -> list:
+        """The list under `handle`; a fresh one the first time (rank 0 made it without a step)."""
+        found = self._lists.get(handle)
+        if found is None:
+            found = self._lists[handle] = self._make()
+        return found
+
+    def apply(self, ops: tuple[int, ...]) -> None:
+        it = iter(ops)
+        for code in it:
+            try:
+                op = CacheOp(code)
+            except ValueError:
+                raise ProtocolMismatch(f"unknown cache op {code} (different versions?)") from None
+            if op is CacheOp.RELEASE:
+                self._lists.pop(next(it), None)
+            elif op is CacheOp.MERGE:
+                new, n = next(it), next(it)
+                parts = [self.get(next(it)) for _ in range(n)]
+                self._lists[new] = [layer[0].merge(list(layer)) for layer in zip(*parts)]
+            elif op is CacheOp.EXTEND:
+                a, b = self.get(next(it)), self.get(next(it))
+                for ca, cb in zip(a, b):
+                    ca.extend(cb)
+            elif op is CacheOp.FILTER:
+                caches, n = self.get(next(it)), next(it)
+                rows = [next(it) for _ in range(n)]
+                for c in caches:
+                    c.filter(rows)
+            elif op is CacheOp.PREPARE:
+                caches = self.get(next(it))
+                left, lengths, right = (_optional(it) for _ in range(3))
+                for c in caches:
+                    c.prepare(left_padding=left, lengths=lengths, right_padding=right)
+            elif op is CacheOp.FINALIZE:
+                for c in self.get(next(it)):
+                    c.finalize()
+            elif op is CacheOp.COPY:
+                new, old = next(it), next(it)
+                self._lists[new] = copy.deepcopy(self.get(old))
+
+
+def _optional(it: Iterator[int]) -> list[int] | None:
+    n = next(it)
+    return None if n == _NONE else [next(it) for _ in range(n)]
