@@ -43,9 +43,11 @@ def generate(model, prompt: list[int], params: SamplingParams) -> list[int]:
 
 def batched(model) -> dict[str, list[int]]:
     """A continuous batch through `model`: rows of different lengths prefill together, one joins
-    mid-batch (its long prompt read in chunks between decode steps), one is removed, the others
-    finish at different steps."""
-    batch = DecodeBatch(model, eos_token_ids=[], max_batch=4, prefill_chunk=64)
+    mid-batch (its prompt read in chunks between decode steps), one is removed, the others finish
+    at different steps."""
+    # Chunks of 2 (the smallest): beside decoding rows a chunk is sized from measured step
+    # times, so any larger limit would let two runs read a prompt in different pieces.
+    batch = DecodeBatch(model, eos_token_ids=[], max_batch=4, prefill_chunk=2)
     names: dict[int, str] = {}
     out: dict[str, list[int]] = {}
 

@@ -1,5 +1,7 @@
 """`moed bench pipeline`: one process against a 2-rank pipeline on this machine, both streaming
-the same model at the same per-rank budget, through real daemons, measured side by side."""
+the same model at the same per-rank budget, through real daemons, measured side by side: one
+client at a time, then several clients at once (one batch, one forward through the ranks per
+step)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from pathlib import Path
 
 import click
 
+from moed.daemon.bench.batch import PROMPTS
+from moed.daemon.bench.batch_clients import ClientJob, run_clients, summarize
 from moed.daemon.bench.serve import time_through_daemon
 from moed.protocol.units import format_bytes
 
@@ -22,6 +26,8 @@ class SetupResult:
     tokens: list[int]
     memory: list[dict]  # per rank: rss, resident weights, expert slots
     link: dict | None  # bytes moved between ranks over the timed runs
+    batch_tps: float | None  # concurrent clients: every client's tokens / wall time (median)
+    batch_tokens: list[list[int]]  # each client's tokens in the first concurrent run
 
 
 def _rank_memory(status: dict) -> list[dict]:
@@ -61,13 +67,15 @@ class Setup:
         self.tmp = Path(tempfile.mkdtemp(prefix="moed-bench-", dir="/tmp"))
         self.socket = self.tmp / "s.sock"
         args = ["--state-dir", str(self.tmp / "state"), "--cache-budget", budget]
-        args += ["--log-level", "WARNING"]
+        # Concurrent clients sent together start as one batch, on both sides alike.
+        args += ["--log-level", "WARNING", "--batch-window-ms", "300"]
         if ranks > 1:
             args += ["--pipeline", str(ranks)]
         env = {"MOED_LOG_DIR": str(self.tmp / "logs")}
         self.daemon = start_daemon(self.socket, str(path), tuple(args), env=env)
         self.client = None
         self.timed: list = []
+        self.batched: list = []  # StreamRecord lists, one per concurrent run
 
     def connect(self) -> None:
         from moed.client import Client, DaemonUnavailable
@@ -108,6 +116,10 @@ class Setup:
             self.timed[0].tokens,
             _rank_memory(status),
             link,
+            statistics.median(summarize(r).total_tps for r in self.batched)
+            if self.batched
+            else None,
+            [rec.tokens for rec in self.batched[0]] if self.batched else [],
         )
 
 
@@ -122,6 +134,13 @@ _mb = format_bytes  # the one byte formatter
 )
 @click.option("--max-tokens", default=64, show_default=True, help="Tokens generated per run.")
 @click.option("--runs", default=3, show_default=True, help="Timed runs of each setup.")
+@click.option(
+    "--clients",
+    type=click.IntRange(min=0, max=len(PROMPTS)),
+    default=3,
+    show_default=True,
+    help="Concurrent clients of the batched runs (0: none).",
+)
 # A prompt the demo model continues for well over 64 tokens (no early end of text).
 @click.option(
     "--prompt",
@@ -129,8 +148,11 @@ _mb = format_bytes  # the one byte formatter
     show_default=True,
     help="The measured prompt.",
 )
-def pipeline(model: str, budget: str, ranks: int, max_tokens: int, runs: int, prompt: str) -> None:
-    """1 process vs N local ranks (ring over loopback): tok/s, memory per rank, bytes per token."""
+def pipeline(
+    model: str, budget: str, ranks: int, max_tokens: int, runs: int, clients: int, prompt: str
+) -> None:
+    """1 process vs N local ranks (ring over loopback): tok/s of one client and of concurrent
+    clients, memory per rank, bytes per token."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from moed.daemon.model.source import resolve_model
@@ -147,9 +169,12 @@ def pipeline(model: str, budget: str, ranks: int, max_tokens: int, runs: int, pr
             s.connect()
             time_through_daemon(s.client, prompt_ids, 8)  # warm graph caches and the expert cache
         before = [_link(s.client.status()) for s in setups]
+        jobs = [ClientJob(PROMPTS[i], max_tokens=max_tokens) for i in range(clients)]
         for _ in range(runs):
             for s in setups:
                 s.timed.append(time_through_daemon(s.client, prompt_ids, max_tokens))
+                if jobs:
+                    s.batched.append(run_clients(s.socket, jobs))
         one, two = (s.result(b) for s, b in zip(setups, before))
     finally:
         for s in setups:
@@ -159,6 +184,11 @@ def pipeline(model: str, budget: str, ranks: int, max_tokens: int, runs: int, pr
         f"{'decode tok/s (median)':34}{one.decode_tps:16.1f}{two.decode_tps:16.1f}"
         f"{two.decode_tps / one.decode_tps:10.3f}"
     )
+    if one.batch_tps is not None:
+        click.echo(
+            f"{f'{clients} clients: total tok/s (median)':34}{one.batch_tps:16.1f}"
+            f"{two.batch_tps:16.1f}{two.batch_tps / one.batch_tps:10.3f}"
+        )
     for what in ("weights", "experts", "rss"):
         per_rank = [m[what] for m in two.memory]
         label = {"weights": "resident weights", "experts": "expert cache", "rss": "process RSS"}
@@ -174,3 +204,6 @@ def pipeline(model: str, budget: str, ranks: int, max_tokens: int, runs: int, pr
             f"(activations + step broadcasts, {two.link['steps']} steps)"
         )
     click.echo(f"tokens per run: {len(one.tokens)}   identical tokens: {one.tokens == two.tokens}")
+    if clients:
+        same = one.batch_tokens == two.batch_tokens
+        click.echo(f"{clients} clients in one batch: identical tokens per client: {same}")
