@@ -125,6 +125,12 @@ def _stop(sides: list[Side], procs: list) -> None:
                 proc.wait(10)
 
 
+def _show_logs(run_dir: Path) -> None:
+    for log in sorted(run_dir.rglob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()[-20:]
+        click.echo(f"--- {log.relative_to(run_dir)} (last lines)\n" + "\n".join(lines), err=True)
+
+
 def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
@@ -217,6 +223,9 @@ def bench_batch(
             jobs = [ClientJob(p, max_tokens=max_tokens, logprobs=2) for p in PROMPTS[: counts[-1]]]
             drift[side.name] = logprob_drift(solos, run_clients(side.socket, jobs))
         _stop(sides, procs)
+    except BaseException:
+        _show_logs(run_dir)  # the run directory goes away with the daemons' logs
+        raise
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 # Telemetry messages at most once per stream: the client side stays cheap (2-core machines).
 QUIET_TELEMETRY = 1 << 30
+STALL_LIMIT_S = 60.0
 
 
 @dataclass
@@ -56,7 +57,9 @@ def run_clients(socket: Path, jobs: list[ClientJob]) -> list[StreamRecord]:
     def worker(n: int) -> None:
         job, rec = jobs[n], records[n]
         try:
-            with Client(socket, timeout=600.0) as c:
+            # A stall is measured (the gap p99 and max), not taken for a dead daemon: on a busy
+            # shared machine a daemon can go quiet longer than the client's usual 1.5 s.
+            with Client(socket, timeout=600.0, dead_after_s=STALL_LIMIT_S) as c:
                 c.connect()
                 ready.wait()
                 if job.start_after:
@@ -83,6 +86,7 @@ def run_clients(socket: Path, jobs: list[ClientJob]) -> list[StreamRecord]:
                             break  # leaving the stream cancels the request
         except BaseException as exc:  # reported by the caller, after every thread ended
             errors.append(exc)
+            exc.add_note(f"client {n} of {len(jobs)}, {len(rec.tokens)} tokens received")
             ready.abort()  # the others must not wait for this one at the barrier
         finally:
             if n == 0:
