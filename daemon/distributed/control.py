@@ -54,6 +54,7 @@ class RankControl:
         self.boot_id = uuid.uuid4().hex
         self.started_at = time.time()
         self._stop = threading.Event()
+        self._leaving: str | None = None  # a shutdown's reason: leave once its reply is out
         self.context = zmq.Context.instance()
         self._thread = threading.Thread(target=self._run, name="rank-control", daemon=True)
 
@@ -86,6 +87,11 @@ class RankControl:
                     identity, *body = self.router.recv_multipart()
                     if len(body) == 1:
                         self.router.send_multipart([identity, encode(self._answer(body[0]))])
+                    if self._leaving is not None:
+                        # Leaving ends the process at once: give the IO thread the reply first.
+                        time.sleep(0.1)
+                        reason, self._leaving = self._leaving, None
+                        self._leave(reason)
         finally:
             self.router.close(linger=0)
 
@@ -125,7 +131,7 @@ class RankControl:
             log.warning("rank %d shed its expert cache (%d bytes)", self.rank, released)
             return wire.result(req_id, accepted=True, level=level.value, released_bytes=released)
         if kind is MessageType.SHUTDOWN:
-            self._leave(msg.get("reason") or "shutdown requested")
+            self._leaving = msg.get("reason") or "shutdown requested"
             return wire.result(req_id, accepted=True)
         raise ProtocolError(
             ErrorCode.INVALID_REQUEST,
