@@ -119,7 +119,7 @@ def print_clients(rows: list[dict]) -> None:
         click.echo(
             f"{r['side']:>9}{r['clients']:>8}{r['total_tps']:>13.1f}{r['ratio_vs_1_client']:>11.2f}"
             f"{r['per_client_tps']:>12.1f}{r['gap_p50_ms']:>7.1f}ms{r['gap_p99_ms']:>7.1f}ms"
-            f"{r['ttft_ms']:>7.1f}ms{r['identical_to_solo']:>9}/{r['streams']:<4}"
+            f"{r['ttft_ms']:>7.1f}ms{r['identical_to_solo']:>9}/{r['streams']}"
         )
 
 
