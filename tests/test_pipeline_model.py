@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pipeline_worker  # noqa: E402
 
 WORKER = Path(__file__).parent / "pipeline_worker.py"
-ARCHS = ["qwen3_moe", "deepseek_v3"]
+# qwen3_5_moe mixes linear-attention layers (ArraysCache rows) with full attention (KV rows).
+ARCHS = ["qwen3_moe", "deepseek_v3", "qwen3_5_moe"]
 
 
 def run_group(path: Path, budget: str) -> dict:
