@@ -185,6 +185,8 @@ def bench_batch(
         f"sides {', '.join(s.name for s in sides)}",
         err=True,
     )
+    # Other tenants of the machine show in every column: the load average says how many.
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     procs: list = []
     try:
         procs = _start(sides, str(path), run_dir, extra)
@@ -250,7 +252,15 @@ def bench_batch(
         f"  greedy-token logprobs, {counts[-1]} concurrent streams vs alone (untimed run): max "
         + ", ".join(f"{name} {w:.1e} over {n} tokens" for name, (w, n) in drift.items())
     )
-    click.echo(f"(machine: {os.cpu_count()} cpus, {sys.platform})")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    click.echo(
+        f"(machine: {os.cpu_count()} cpus, {sys.platform}"
+        + (
+            f", load average {load_before:.1f} at the start, {load:.1f} at the end)"
+            if load
+            else ")"
+        )
+    )
     if json_out:
         json_out.write_text(
             json.dumps(
@@ -268,7 +278,11 @@ def bench_batch(
                     },
                     "exactness": exact,
                     "solo": [asdict(s) for s in solos],
-                    "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
+                    "machine": {
+                        "cpus": os.cpu_count(),
+                        "platform": sys.platform,
+                        "load_average": [load_before, load],
+                    },
                 },
                 indent=2,
             )
