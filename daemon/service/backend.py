@@ -319,7 +319,9 @@ class SystemdBackend(ServiceBackend):
         # daemon.log has all of the daemon's story (start and exit records, every log line); the
         # other processes log to the journal only.
         others = [role.unit for role in self.ctx.roles if role is not Role.DAEMON]
-        commands = [tail_command([self.ctx.log_path(Role.DAEMON)], lines, follow)]
+        commands = []
+        if Role.DAEMON in self.ctx.roles:
+            commands.append(tail_command([self.ctx.log_path(Role.DAEMON)], lines, follow))
         if others:
             commands.append(systemd.journal(others, lines, follow))
         return commands

@@ -75,6 +75,7 @@ class _Session:
         serve_overrides: dict[str, Any] | None = None,
         factory: Callable | None = None,
         gateway_port: int | None = None,
+        watchdog_only: bool | None = None,
     ):
         self.manager = ServiceManager(platform) if platform else ServiceManager.of_host()
         environ = dict(os.environ)
@@ -90,7 +91,14 @@ class _Session:
             raise ConfigExit(exc) from None
         if gateway_port is None and self.layout.unit_path(Role.GATEWAY).exists():
             gateway_port = GATEWAY_PORT  # installed earlier: manage it with the others
-        self.ctx: ServiceContext = make_context(self.layout, self.config, gateway_port=gateway_port)
+        if watchdog_only is None:  # installed earlier on a pipeline's other host: no daemon unit
+            watchdog_only = (
+                self.layout.unit_path(Role.WATCHDOG).exists()
+                and not self.layout.unit_path(Role.DAEMON).exists()
+            )
+        self.ctx: ServiceContext = make_context(
+            self.layout, self.config, gateway_port=gateway_port, daemon=not watchdog_only
+        )
         self.ex = Executor(dry_run=dry_run, echo=click.echo)
         self.backend: ServiceBackend = (factory or BACKENDS[self.manager])(self.ctx, self.ex)
 
@@ -120,7 +128,9 @@ def _common(fn):
     return fn
 
 
-def _session(platform, config_file, dry_run, serve_overrides=None, gateway_port=None) -> _Session:
+def _session(
+    platform, config_file, dry_run, serve_overrides=None, gateway_port=None, watchdog_only=None
+) -> _Session:
     obj = click.get_current_context().find_object(dict) or {}
     given = global_options()
     overrides = {
@@ -130,7 +140,13 @@ def _session(platform, config_file, dry_run, serve_overrides=None, gateway_port=
         **(serve_overrides or {}),
     }
     return _Session(
-        platform, config_file, dry_run, overrides, obj.get("backend_factory"), gateway_port
+        platform,
+        config_file,
+        dry_run,
+        overrides,
+        obj.get("backend_factory"),
+        gateway_port,
+        watchdog_only,
     )
 
 
@@ -176,15 +192,34 @@ def service() -> None:
     default=None,
     help="Serve over the hosts of an mlx.launch hostfile (rank 0 reaches the others by ssh).",
 )
+@click.option(
+    "--watchdog-only",
+    is_flag=True,
+    help="Only the watchdog: for a pipeline's other hosts, where it guards this host's rank.",
+)
 def install(
-    dry_run, platform, config_file, model, cache_budget, gateway, gateway_port, pipeline, hostfile
+    dry_run,
+    platform,
+    config_file,
+    model,
+    cache_budget,
+    gateway,
+    gateway_port,
+    pipeline,
+    hostfile,
+    watchdog_only,
 ):
     """Write the config (first time only) and the service definitions; load and start the daemon
-    and its watchdog (and the HTTP gateway with --gateway)."""
+    and its watchdog (and the HTTP gateway with --gateway; only the watchdog with
+    --watchdog-only)."""
     given = {"model": model, "cache_budget": cache_budget, "pipeline": pipeline}
+    if watchdog_only and (gateway or hostfile or any(v is not None for v in given.values())):
+        raise click.UsageError("--watchdog-only installs no daemon: it takes no serve options")
     if hostfile is not None:
         given["hostfile"] = str(Path(hostfile).expanduser().resolve())
-    s = _session(platform, config_file, dry_run, given, gateway_port if gateway else None)
+    s = _session(
+        platform, config_file, dry_run, given, gateway_port if gateway else None, watchdog_only
+    )
     socket = global_options().socket
     if s.layout.config_file.exists() and any(v is not None for v in (*given.values(), socket)):
         click.echo(

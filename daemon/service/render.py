@@ -142,11 +142,13 @@ class ServiceContext:
     python: Path  # the interpreter of the installed environment, absolute
     uid: int
     gateway_port: int | None = None  # the HTTP gateway runs too, on this loopback port
+    daemon: bool = True  # False on a pipeline's other hosts: the watchdog guards the rank there
 
     @property
     def roles(self) -> tuple[Role, ...]:
         """The processes of this installation, in start order."""
-        return START_ORDER + ((Role.GATEWAY,) if self.gateway_port else ())
+        roles = START_ORDER if self.daemon else (Role.WATCHDOG,)
+        return roles + ((Role.GATEWAY,) if self.gateway_port else ())
 
     @property
     def stop_order(self) -> tuple[Role, ...]:
@@ -171,10 +173,12 @@ def make_context(
     python: str | Path | None = None,
     uid: int | None = None,
     gateway_port: int | None = None,
+    daemon: bool = True,
 ) -> ServiceContext:
     # Keep a venv's bin/python symlink as it is: resolving it would escape the venv.
     py = Path(python or sys.executable).absolute()
-    return ServiceContext(layout, config, py, os.getuid() if uid is None else uid, gateway_port)
+    uid = os.getuid() if uid is None else uid
+    return ServiceContext(layout, config, py, uid, gateway_port, daemon)
 
 
 def program_arguments(ctx: ServiceContext, role: Role) -> list[str]:
