@@ -125,6 +125,36 @@ def _stop(sides: list[Side], procs: list) -> None:
                 proc.wait(10)
 
 
+def _rounds(
+    sides: list[Side],
+    counts: list[int],
+    max_tokens: int,
+    rounds: int,
+    long_ids: tuple[int, ...],
+    solos: list[Solo],
+) -> tuple[dict[tuple[str, int], Cell], dict[str, list[LongPromptResult]]]:
+    """Every cell once per round, the order rotating by a fraction of the cells each round."""
+    cells = {(s.name, n): Cell(s.name, n) for s in sides for n in counts}
+    longs: dict[str, list[LongPromptResult]] = {s.name: [] for s in sides}
+    order: list[tuple[Side, int]] = [(s, n) for s in sides for n in counts]
+    if long_ids:
+        order += [(s, 0) for s in sides]  # 0 clients: the long-prompt scenario
+    with Progress("bench batch: cells", progress_mode(False), total=rounds * len(order)) as bar:
+        done = 0
+        for r in range(rounds):
+            shift = (r * len(order)) // rounds
+            for side, n in order[shift:] + order[:shift]:
+                if n == 0:
+                    recs = run_clients(side.socket, _long_jobs(long_ids))
+                    longs[side.name].append(long_prompt_effect(recs[:-1], recs[-1]))
+                else:
+                    recs = run_clients(side.socket, _jobs(n, max_tokens))
+                    cells[(side.name, n)].add(summarize(recs), recs, solos)
+                done += 1
+                bar.update(done)
+    return cells, longs
+
+
 def _show_logs(run_dir: Path) -> None:
     for log in sorted(run_dir.rglob("*.log")):
         lines = log.read_text(errors="replace").splitlines()[-20:]
@@ -192,32 +222,21 @@ def bench_batch(
         procs = _start(sides, str(path), run_dir, extra)
         with Client(sides[0].socket, timeout=10.0) as c:
             welcome = c.connect()
-        vocab = welcome["limits"]["vocab_size"]
-        long_ids = _long_ids(long_prompt, vocab) if long_prompt else ()
+        limits = welcome["limits"]
+        if limits.get("context_tokens") and long_prompt + 4 > limits["context_tokens"]:
+            raise click.BadParameter(
+                f"{long_prompt} tokens leave no room in the model's context "
+                f"({limits['context_tokens']})",
+                param_hint="--long-prompt",
+            )
+        long_ids = _long_ids(long_prompt, limits["vocab_size"]) if long_prompt else ()
         # The references: each prompt alone (with its top-2 logprobs), on the first side. This
         # also warms that daemon; the others are warmed by the largest batch, untimed.
         solo_jobs = [ClientJob(p, max_tokens=max_tokens, logprobs=2) for p in PROMPTS[: counts[-1]]]
         solos = [Solo.of(run_clients(sides[0].socket, [job])[0]) for job in solo_jobs]
         for side in sides:
             run_clients(side.socket, _jobs(counts[-1], 8))
-        cells = {(s.name, n): Cell(s.name, n) for s in sides for n in counts}
-        longs: dict[str, list[LongPromptResult]] = {s.name: [] for s in sides}
-        order: list[tuple[Side, int]] = [(s, n) for s in sides for n in counts]
-        if long_ids:
-            order += [(s, 0) for s in sides]  # 0 clients: the long-prompt scenario
-        with Progress("bench batch: cells", progress_mode(False), total=rounds * len(order)) as bar:
-            done = 0
-            for r in range(rounds):
-                shift = (r * len(order)) // rounds
-                for side, n in order[shift:] + order[:shift]:
-                    if n == 0:
-                        recs = run_clients(side.socket, _long_jobs(long_ids))
-                        longs[side.name].append(long_prompt_effect(recs[:-1], recs[-1]))
-                    else:
-                        recs = run_clients(side.socket, _jobs(n, max_tokens))
-                        cells[(side.name, n)].add(summarize(recs), recs, solos)
-                    done += 1
-                    bar.update(done)
+        cells, longs = _rounds(sides, counts, max_tokens, rounds, long_ids, solos)
         # Untimed: every side's largest batch again, asking for logprobs, to see whether a
         # batch changes any row's numbers at all (not only its argmax).
         drift = {}
@@ -225,6 +244,8 @@ def bench_batch(
             jobs = [ClientJob(p, max_tokens=max_tokens, logprobs=2) for p in PROMPTS[: counts[-1]]]
             drift[side.name] = logprob_drift(solos, run_clients(side.socket, jobs))
         _stop(sides, procs)
+    except click.ClickException:
+        raise
     except BaseException:
         _show_logs(run_dir)  # the run directory goes away with the daemons' logs
         raise

@@ -117,10 +117,15 @@ def print_clients(rows: list[dict]) -> None:
     )
     for r in rows:
         click.echo(
-            f"{r['side']:>9}{r['clients']:>8}{r['total_tps']:>13.1f}{r['ratio_vs_1_client']:>11.2f}"
+            f"{r['side']:>9}{r['clients']:>8}{r['total_tps']:>13.1f}{_ratio(r):>11}"
             f"{r['per_client_tps']:>12.1f}{r['gap_p50_ms']:>7.1f}ms{r['gap_p99_ms']:>7.1f}ms"
             f"{r['ttft_ms']:>7.1f}ms{r['identical_to_solo']:>9}/{r['streams']}"
         )
+
+
+def _ratio(row: dict) -> str:
+    ratio = row["ratio_vs_1_client"]
+    return "-" if ratio is None else f"{ratio:.2f}"
 
 
 def long_row(side: str, runs: list[LongPromptResult]) -> dict:
