@@ -97,6 +97,8 @@ def test_pipeline_batch_equals_the_resident_batch(supervisor, model_path, reside
     decoded = sum(len(got) for got in resident_batch)
     assert link["steps_by_op"]["forward"] < decoded
     assert all(r["experts"]["reads"] > 0 for r in status["ranks"])
+    # Every row's caches are gone on every rank once the requests ended (no twin left behind).
+    assert [r["cache_lists"] for r in status["ranks"]] == [0, 0]
 
 
 def together(sup, requests: list[dict], on_token) -> list:

@@ -41,11 +41,17 @@ class OpLog:
     def __init__(self) -> None:
         self._ops: deque[list[int]] = deque()
         self._handles = itertools.count(1)
+        self.live = 0  # cache lists made and not yet dropped (the followers hold as many)
 
     def new_handle(self) -> CacheHandle:
         handle = CacheHandle(next(self._handles), self)
-        weakref.finalize(handle, self.record, CacheOp.RELEASE, handle.handle)
+        self.live += 1
+        weakref.finalize(handle, self._release, handle.handle)
         return handle
+
+    def _release(self, handle: int) -> None:
+        self.live -= 1
+        self.record(CacheOp.RELEASE, handle)
 
     def record(self, op: CacheOp, *args: int) -> None:
         self._ops.append([int(op), *(int(a) for a in args)])

@@ -29,7 +29,7 @@ def follow(rank: RankModel, channel: StepChannel) -> int:
             out = rank.pipeline(mx.array(step.tokens), cache=caches.get(step.handles[0]))
             mx.eval(out)
         elif step.op is StepOp.STATUS:
-            channel.gather_json(rank_status(rank, {"steps": channel.counters.steps}))
+            channel.gather_json(rank_status(rank, {"steps": channel.counters.steps}, len(caches)))
         elif step.op is StepOp.SHED:
             if rank.streamer is not None:
                 rank.streamer.shed(step.arg / 1000.0)

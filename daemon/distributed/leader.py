@@ -81,7 +81,7 @@ class PipelineLeader:
         """Every rank's status, rank 0 first."""
         with self._lock:
             self.channel.send(Step(StepOp.STATUS, 0, ops=self._ops.drain()))
-            return self.channel.gather_json(rank_status(self.rank, self.link()))
+            return self.channel.gather_json(rank_status(self.rank, self.link(), self._ops.live))
 
     def shed(self, fraction: float) -> None:
         """Ask every follower to shrink its expert cache (rank 0 sheds its own)."""

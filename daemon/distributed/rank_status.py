@@ -22,7 +22,9 @@ _STREAM_KEYS = (
 )
 
 
-def rank_status(rank: RankModel, link: dict) -> dict:
+def rank_status(rank: RankModel, link: dict, cache_lists: int | None = None) -> dict:
+    """`cache_lists`: the batch cache lists this rank holds (rank 0's live, a follower's twins);
+    0 once every request has ended."""
     import mlx.core as mx
     import psutil
 
@@ -38,6 +40,8 @@ def rank_status(rank: RankModel, link: dict) -> dict:
         "mlx_peak_bytes": mx.get_peak_memory(),
         "link": link,
     }
+    if cache_lists is not None:
+        out["cache_lists"] = cache_lists
     if rank.streamer is not None:
         snap = rank.streamer.snapshot()
         out["experts"] = {k: snap[k] for k in _STREAM_KEYS if k in snap}
