@@ -51,6 +51,7 @@ PROMPTS = (
 )
 LONG_STREAMS = 3  # streams decoding when the long prompt arrives (the scenario)
 LONG_STREAM_TOKENS = 1500  # their cap: they stop at the long prompt's first token
+LONG_AFTER = 48  # tokens of the first stream before the long prompt is sent (the baseline)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def _long_jobs(long_ids: tuple[int, ...]) -> list[ClientJob]:
         ClientJob(PROMPTS[i], max_tokens=LONG_STREAM_TOKENS, until_late_token=True)
         for i in range(LONG_STREAMS)
     ]
-    return streams + [ClientJob(prompt_ids=long_ids, max_tokens=4, start_after=16)]
+    return streams + [ClientJob(prompt_ids=long_ids, max_tokens=4, start_after=LONG_AFTER)]
 
 
 def _start(sides: list[Side], model: str, run_dir: Path, extra: tuple[str, ...]) -> list:

@@ -144,6 +144,9 @@ class LongPromptResult:
     """Decoding streams while another client's long prompt is read (send to its first token)."""
 
     median_gap_ms: float  # the decoding streams' gaps outside the reading window
+    # Their time per token before the prompt arrived (median over streams): unlike the median gap
+    # it holds when a busy machine delivers tokens in pairs (a gap near 0, then a double one).
+    base_gap_ms: float
     window_p50_ms: float  # their gaps that overlap the window: a step that also read a chunk
     window_p99_ms: float  # their gaps that overlap the window (p99 ~ the largest)
     window_max_ms: float
@@ -162,6 +165,7 @@ def long_prompt_effect(streams: list[StreamRecord], long: StreamRecord) -> LongP
     every = inside + outside
     return LongPromptResult(
         median_gap_ms=statistics.median(outside),
+        base_gap_ms=statistics.median(_time_per_token(r.stamps, begin) for r in streams),
         window_p50_ms=percentile(inside, 0.5),
         window_p99_ms=percentile(inside, 0.99),
         window_max_ms=max(inside, default=0.0),
@@ -170,3 +174,10 @@ def long_prompt_effect(streams: list[StreamRecord], long: StreamRecord) -> LongP
         long_ttft_ms=(end - begin) * 1000,
         covered=all(r.stamps[-1] > end for r in streams),
     )
+
+
+def _time_per_token(stamps: list[float], before: float) -> float:
+    early = [t for t in stamps if t <= before]
+    if len(early) < 2:
+        return 0.0
+    return (early[-1] - early[0]) / (len(early) - 1) * 1000
