@@ -6,7 +6,8 @@ import json
 
 from click.testing import CliRunner
 
-from moed.daemon.bench.stream import simulate, stream
+from moed.daemon.bench.stream import stream
+from moed.daemon.telemetry.analyze import simulate_layers as simulate
 
 
 def test_belady_on_a_known_trace():

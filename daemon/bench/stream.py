@@ -25,6 +25,7 @@ from moed.client.progress import Progress, progress_mode
 from moed.daemon.bench.bench_model import _same_config, bench_config, write_bench_model
 from moed.daemon.bench.reads import raw_pread_bandwidth, sweep, sweep_report
 from moed.daemon.bench.stream_report import RunResult, report
+from moed.daemon.telemetry.analyze import simulate_layers
 
 SWEEP_BURST = 2  # experts per burst in the read sweep: a layer's misses in a decode step at 25%
 # Raw pread is also sampled between decode rounds: on a shared machine (or a VM whose disk sits in
@@ -32,33 +33,6 @@ SWEEP_BURST = 2  # experts per burst in the read sweep: a layer's misses in a de
 # conditions the streaming reads saw.
 RAW_EVERY = 4  # decode rounds between two raw samples
 PROMPT_TOKENS = 8  # short prompts: a prefill chunk fits the smallest budget in one pass
-
-
-# -- routing-trace analysis ------------------------------------------------------------------
-
-
-def simulate(trace: list[list[set[int]]], slots: int, policy: str) -> tuple[int, int]:
-    """(hits, misses) of one layer-by-layer trace [call][layer] -> experts, counted as the
-    streamer counts them (each distinct expert of a call once), for a registered policy (with
-    its default parameters) or "belady". The simulators are `moed trace analyze`'s, so both
-    commands judge a cache the same way."""
-    from moed.daemon.experts.policies import make_policy
-    from moed.daemon.telemetry.analyze import BELADY, simulate_belady
-    from moed.daemon.telemetry.analyze import simulate as replay
-
-    hits = misses = 0
-    layers = len(trace[0]) if trace else 0
-    for layer in range(layers):
-        calls = [np.array(sorted(call[layer]), dtype=np.int64) for call in trace]
-        experts = 1 + max((max(c) for call in trace for c in call if c), default=0)
-        h, m = (
-            simulate_belady(calls, slots)
-            if policy == BELADY
-            else replay(calls, slots, make_policy(policy, experts, slots))
-        )
-        hits += h
-        misses += m
-    return hits, misses
 
 
 def _prompt(seed: int, vocab: int) -> list[int]:
@@ -148,8 +122,8 @@ class Contender:
         if self.simulate:
             trace = [[set(layer.tolist()) for layer in call] for call in self.streamer.trace]
             res.policy = self.streamer.cfg.cache_policy
-            res.policy_sim = simulate(trace, res.slots, res.policy)
-            res.belady = simulate(trace, res.slots, "belady")
+            res.policy_sim = simulate_layers(trace, res.slots, res.policy)
+            res.belady = simulate_layers(trace, res.slots, "belady")
         return res
 
     def close(self) -> None:

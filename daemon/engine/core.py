@@ -34,7 +34,8 @@ from moed.daemon.model.loader import (
 from moed.daemon.runtime.crashlog import CrashKind, is_out_of_memory
 from moed.daemon.runtime.faults import Faults
 from moed.daemon.telemetry.delta import cache_state, request_counters
-from moed.daemon.telemetry.trace import finish_request_trace, recording_all, start_request_trace
+from moed.daemon.telemetry.request_trace import finish_request_trace, start_request_trace
+from moed.daemon.telemetry.trace import recording_all
 from moed.protocol import ErrorCode, FinishReason, ProtocolError, ShedLevel
 from moed.protocol import messages as wire
 

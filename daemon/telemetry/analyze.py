@@ -91,6 +91,26 @@ def simulate_belady(calls: Calls, slots: int) -> tuple[int, int]:
     return simulate(calls, slots, BeladyPolicy(calls))
 
 
+def simulate_layers(trace: list[list[set[int]]], slots: int, policy: str) -> tuple[int, int]:
+    """(hits, misses) of one layer-by-layer trace [call][layer] -> experts, counted as the
+    streamer counts them (each distinct expert of a call once), for a registered policy (with
+    its default parameters) or "belady". The simulators are `moed trace analyze`'s, so both
+    commands judge a cache the same way."""
+    hits = misses = 0
+    layers = len(trace[0]) if trace else 0
+    for layer in range(layers):
+        calls = [np.array(sorted(call[layer]), dtype=np.int64) for call in trace]
+        experts = 1 + max((max(c) for call in trace for c in call if c), default=0)
+        h, m = (
+            simulate_belady(calls, slots)
+            if policy == BELADY
+            else simulate(calls, slots, make_policy(policy, experts, slots))
+        )
+        hits += h
+        misses += m
+    return hits, misses
+
+
 def trace_policy(name: str | None) -> tuple[str, str]:
     """(label, registry name) of the daemon's policy named in a trace header; LRU when unknown."""
     if name in POLICIES:
