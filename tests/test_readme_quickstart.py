@@ -58,7 +58,9 @@ def test_readme_quick_start_in_a_new_shell(tmp_path):
         "PATH": f"{Path(sys.base_prefix) / 'bin'}:/usr/local/bin:/usr/bin:/bin",
         "LANG": "C.UTF-8",
         "DEMO_DIR": str(short / "demo"),  # make run's own socket, private to this test
-        "MOED_SOCKET": str(short / "s.sock"),  # where `moe run` starts its daemon
+        # Where `moe run` starts its daemon: a directory of its own, since the daemon refuses a
+        # socket directory it finds open to others (make run made `short` as a plain parent).
+        "MOED_SOCKET": str(short / "run" / "s.sock"),
         **{k: v for k, v in os.environ.items() if k.startswith(("MOED_STATE", "MOED_LOG", "PIP_"))},
         "MOED_CONFIG": str(tmp_path / "none.toml"),
     }
@@ -75,7 +77,7 @@ def test_readme_quick_start_in_a_new_shell(tmp_path):
         assert out.returncode == 0, text[-4000:]
     finally:
         moe = clone / ".venv" / "bin" / "moe"
-        if moe.exists() and (short / "s.sock").exists():
+        if moe.exists() and (short / "run" / "s.sock").exists():
             subprocess.run([str(moe), "stop"], env=env, capture_output=True, timeout=60)
         shutil.rmtree(short, ignore_errors=True)
     assert "[moe] 120 tokens" in text  # make run streamed the demo with its telemetry line
