@@ -2,8 +2,8 @@
 
 The HTTP gateway serves many requests at once over one connection, so the daemon sees them side by
 side and can batch them. A reader task routes every reply to its request's queue by id; a heartbeat
-task pings while streams are open, so a dead or restarted daemon fails the open streams within
-about two seconds (DaemonUnavailable / DaemonRestarted), never as a hang. The next call reconnects.
+task pings while streams are open, so a dead, frozen (3 s of silence) or restarted daemon fails
+the open streams (DaemonUnavailable / DaemonRestarted), never as a hang. The next call reconnects.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class AsyncClient:
         *,
         timeout: float = 10.0,
         heartbeat_s: float = 0.5,
-        dead_after_s: float = 1.5,
+        dead_after_s: float = 3.0,
         name: str = "moed.async_client",
     ):
         self.socket_path = Path(socket_path) if socket_path else default_socket_path()

@@ -1,8 +1,9 @@
 """The synchronous client: handshake, streamed generations, control calls, heartbeats.
 
 One DEALER socket; replies are matched to requests by id, so a `cancel` can be sent while a stream
-is being read. While waiting, the client pings: a dead daemon surfaces as DaemonUnavailable and a
-restarted one (new boot_id) as DaemonRestarted, both within about two seconds, never as a hang.
+is being read. While waiting, the client pings: a dead daemon surfaces as DaemonUnavailable (at
+once when its process exits, after 3 s of silence when it freezes) and a restarted one (new
+boot_id) as DaemonRestarted; never as a hang.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Client:
         *,
         timeout: float = 10.0,
         heartbeat_s: float = 0.5,
-        dead_after_s: float = 1.5,
+        dead_after_s: float = 3.0,
         name: str = "moed.client",
     ):
         self.socket_path = Path(socket_path) if socket_path else default_socket_path()
