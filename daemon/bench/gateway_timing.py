@@ -54,6 +54,17 @@ def cpu_seconds(pid: int) -> float:
     return times.user + times.system
 
 
+def thread_cpu_seconds(pid: int, tid: int) -> float:
+    """User + system CPU time of one thread of a process (the daemon's transport runs on its main
+    thread, tid == pid, beside the engine's)."""
+    import psutil
+
+    for thread in psutil.Process(pid).threads():
+        if thread.id == tid:
+            return thread.user_time + thread.system_time
+    return 0.0
+
+
 def openai_client(url: str):
     try:
         import openai

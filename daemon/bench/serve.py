@@ -25,6 +25,7 @@ class RunTiming:
     decode_tps: float
     tokens: list[int]
     text: str = ""
+    cpu_s: float = 0.0  # CPU time of the reading thread (the client library's share)
 
 
 def _decode_tps(stamps: list[float]) -> float:
@@ -54,6 +55,7 @@ def time_in_process(model, tokenizer, prompt_ids: list[int], max_tokens: int) ->
 def time_through_daemon(client, prompt_ids: list[int], max_tokens: int) -> RunTiming:
     from moed.client import TokenEvent
 
+    cpu0 = time.thread_time()
     t0 = time.perf_counter()
     stamps, tokens, parts = [], [], []
     for event in client.generate(
@@ -64,7 +66,8 @@ def time_through_daemon(client, prompt_ids: list[int], max_tokens: int) -> RunTi
             if event.ids:
                 stamps.append(time.perf_counter())
                 tokens.extend(event.ids)
-    return RunTiming(stamps[0] - t0, _decode_tps(stamps), tokens, "".join(parts))
+    cpu = time.thread_time() - cpu0
+    return RunTiming(stamps[0] - t0, _decode_tps(stamps), tokens, "".join(parts), cpu)
 
 
 @click.command("serve")
@@ -85,6 +88,7 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
         cpu_seconds,
         openai_client,
         start_gateway,
+        thread_cpu_seconds,
         time_through_gateway,
     )
     from moed.daemon.model.source import resolve_model
@@ -124,6 +128,7 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
                 lambda: http.append(time_through_gateway(oai, served, prompt_ids, max_tokens)),
             ]
             gateway_cpu = -cpu_seconds(gateway.pid)
+            transport_cpu = -thread_cpu_seconds(daemon.pid, daemon.pid)
             for i in range(runs):
                 # Rotate the order run by run: no side always follows the same one (MLX's
                 # threads in this process may still spin for a moment after an in-process run).
@@ -131,6 +136,7 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
                     sides[(i + k) % len(sides)]()
                 bar.update(i + 1)
             gateway_cpu += cpu_seconds(gateway.pid)
+            transport_cpu += thread_cpu_seconds(daemon.pid, daemon.pid)
         same = all(r.tokens == local[0].tokens for r in local + remote)
         same_text = all(h.text == remote[0].text for h in http)
         gateway.terminate()
@@ -164,9 +170,14 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
         f"{h_ttft * 1000:18.2f}ms{(h_ttft - l_ttft) * 1000:+14.2f}ms"
     )
     gateway_tokens = sum(h.tokens for h in http)
+    # Every token of both remote sides crosses the daemon's transport thread.
+    hop_tokens = max(gateway_tokens + sum(len(r.tokens) for r in remote), 1)
+    client_tokens = max(sum(len(r.tokens) for r in remote), 1)
     click.echo(
-        f"gateway process CPU per token: {gateway_cpu / max(gateway_tokens, 1) * 1e6:.0f} us "
-        f"({gateway_tokens} tokens streamed through it)"
+        f"CPU per token: gateway process {gateway_cpu / max(gateway_tokens, 1) * 1e6:.0f} us "
+        f"({gateway_tokens} tokens streamed through it), daemon transport thread "
+        f"{transport_cpu / hop_tokens * 1e6:.0f} us, client library "
+        f"{sum(r.cpu_s for r in remote) / client_tokens * 1e6:.0f} us"
     )
     click.echo(
         f"identical tokens: {same}   gateway text identical: {same_text}   "
