@@ -57,7 +57,9 @@ def test_streaming_batch_equals_resident_batch_at_any_budget(daemon_factory, tin
 
 def test_cancel_in_a_batch_ends_only_that_stream(daemon_factory, tiny_model):
     d = batched_daemon(daemon_factory, tiny_model, "--resident")
-    expected = run_together(d, REQUESTS[:3], max_tokens=40)
+    # The victim runs long, so the cancel lands while it still generates (40 tokens took 60 ms).
+    victim = {**REQUESTS[1], "max_tokens": 1000}
+    expected = run_together(d, [REQUESTS[0], victim, REQUESTS[2]], max_tokens=40)
     replies = {}
 
     def cancel_second(c, event_count: int) -> None:
@@ -73,7 +75,8 @@ def test_cancel_in_a_batch_ends_only_that_stream(daemon_factory, tiny_model):
             c.connect()
             ready.wait()
             rid = "victim" if n == 1 else f"r{n}"
-            for event in c.generate(max_tokens=40, request_id=rid, **REQUESTS[n]):
+            request = victim if n == 1 else REQUESTS[n]
+            for event in c.generate(**{"max_tokens": 40, **request}, request_id=rid):
                 if isinstance(event, TokenEvent):
                     got += event.ids
                     seen += 1
