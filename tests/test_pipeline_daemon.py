@@ -112,6 +112,21 @@ def test_a_lost_rank_fails_requests_and_the_group_restarts(pipeline, how):
         assert len(tokens(c, 8)) == 8
 
 
+def test_a_failed_step_restarts_the_group(pipeline):
+    # A step that raises on rank 0 leaves the followers inside its collectives: only a restart of
+    # the whole group gets the ranks back in step, and the request gets the retryable error.
+    sup = pipeline("--cache-budget", "25%", env={"MOED_DEBUG_FAULTS": "step_error_after=20"})
+    first = sup.wait_ready()
+    with Client(sup.socket) as c:
+        with pytest.raises(RequestFailed) as err:
+            for _ in c.generate(prompt_ids=PROMPT_IDS, max_tokens=4000):
+                pass
+    assert err.value.code == ErrorCode.RANK_FAILED and err.value.retryable
+    assert "a pipeline step failed" in str(err.value)
+    sup.wait_ready(not_boot=first["boot_id"])
+    assert sup.exits[0] == DaemonExit.RANK_FAILED
+
+
 def test_architecture_without_pipeline_support_is_refused(checkpoint_factory, tmp_path):
     socket = short_socket_path()
     cmd = serve_command(

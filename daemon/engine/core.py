@@ -262,7 +262,9 @@ class EngineCore:
             if is_out_of_memory(exc):
                 self._out_of_memory(exc)
                 return
-            if self.loaded.pipeline is not None and is_group_failure(exc):
+            if self.loaded.pipeline is not None:
+                # Any failed step, not only a lost peer: the other ranks may still be inside this
+                # step's collectives, so no new batch can start in step with them.
                 self._group_failed(exc)
                 return
             self._batch_failed(exc)
@@ -432,7 +434,8 @@ class EngineCore:
 
     def _group_failed(self, exc: BaseException) -> None:
         """A collective lost its peer: every request fails retryably and the group restarts."""
-        message = f"a pipeline rank failed ({exc}); the daemon restarts the group"
+        what = "a pipeline rank failed" if is_group_failure(exc) else "a pipeline step failed"
+        message = f"{what} ({exc}); the daemon restarts the group"
         log.error("%s", message)
         self._record_crash(CrashKind.RANK_FAILED, message)
         self.status.update(state=DaemonState.FAILED, error=message)

@@ -4,7 +4,8 @@ A comma-separated list of `<fault>_after=<N>`: once this process has produced N 
 engine step
 - `oom_after`: raises the error MLX >= 0.32 raises after a Metal command-buffer failure,
 - `abort_after`: aborts the process (SIGABRT, what older MLX does on a Metal OOM),
-- `hang_after`: blocks the engine thread for good (the transport still answers pings).
+- `hang_after`: blocks the engine thread for good (the transport still answers pings),
+- `step_error_after`: raises an ordinary error (a bug in a step, not a memory failure).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Fault(str, enum.Enum):
     OOM = "oom"
     ABORT = "abort"
     HANG = "hang"
+    STEP_ERROR = "step_error"
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class Faults:
             if not name.endswith("_after") or not value.strip().isdigit():
                 raise ValueError(
                     f"debug_faults: cannot parse {item!r} "
-                    "(use oom_after=N, abort_after=N, hang_after=N)"
+                    "(use oom_after=N, abort_after=N, hang_after=N, step_error_after=N)"
                 )
             try:
                 fault = Fault(name[: -len("_after")])
@@ -65,3 +67,5 @@ class Faults:
                 os.abort()
             if fault is Fault.HANG:
                 threading.Event().wait()
+            if fault is Fault.STEP_ERROR:
+                raise RuntimeError("debug fault: a step failed")
