@@ -1,9 +1,11 @@
 """The asyncio client: one DEALER connection shared by many concurrent generations.
 
 The HTTP gateway serves many requests at once over one connection, so the daemon sees them side by
-side and can batch them. A reader task routes every reply to its request's queue by id; a heartbeat
-task pings while streams are open, so a dead, frozen (3 s of silence) or restarted daemon fails
-the open streams (DaemonUnavailable / DaemonRestarted), never as a hang. The next call reconnects.
+side and can batch them. A reader callback on the socket's file descriptor routes every reply to
+its request's inbox by id (zmq.asyncio's future and poller round per frame was about a third of
+the gateway's CPU per token); a heartbeat task pings while streams are open, so a dead, frozen
+(3 s of silence) or restarted daemon fails the open streams (DaemonUnavailable /
+DaemonRestarted), never as a hang. The next call reconnects.
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
-from moed.protocol import MessageType, decode, encode
+from moed.protocol import MessageType, ProtocolError, decode, encode
 from moed.protocol import messages as wire
 from moed.protocol.paths import UnsafeSocketPath, check_socket, default_socket_path
 
@@ -32,6 +33,9 @@ from .errors import (
     RequestFailed,
 )
 from .events import DoneEvent, Event, event_from_message
+from .inbox import Inbox, merge_tokens
+
+_POLLIN = int(zmq.POLLIN)  # a plain int: the flag enum's operators cost microseconds per frame
 
 
 class AsyncClient:
@@ -51,8 +55,11 @@ class AsyncClient:
         self.name = name
         self.welcome: dict | None = None
         self.boot_id: str | None = None
-        self._socket: zmq.asyncio.Socket | None = None
-        self._routes: dict[Any, asyncio.Queue] = {}  # request id -> its reader's queue
+        self._socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_scheduled = False
+        self._routes: dict[Any, Inbox] = {}  # request id -> its reader's inbox
         self._tasks: list[asyncio.Task] = []
         self._connecting: asyncio.Lock | None = None
         self._last_heard = 0.0
@@ -75,19 +82,18 @@ class AsyncClient:
                 check_socket(self.socket_path)
             except UnsafeSocketPath as exc:
                 raise InsecureSocket(str(exc)) from None
-            sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+            sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
             # The daemon's death drops the ipc connection at once: watch for it, not for pings.
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(f"ipc://{self.socket_path}")
-            self._socket = sock
+            self._socket, self._monitor = sock, monitor
+            self._loop = asyncio.get_running_loop()
+            self._loop.add_reader(sock.FD, self._read_ready)
+            self._loop.add_reader(monitor.FD, self._disconnect_ready, sock, monitor)
             self._last_heard = time.monotonic()
-            self._tasks = [
-                asyncio.create_task(self._read_loop(sock)),
-                asyncio.create_task(self._heartbeat_loop(sock)),
-                asyncio.create_task(self._watch_disconnect(monitor)),
-            ]
+            self._tasks = [asyncio.create_task(self._heartbeat_loop())]
             try:
                 msg = await self._call_raw(MessageType.HELLO, client=self.name)
             except BaseException:
@@ -106,9 +112,13 @@ class AsyncClient:
             task.cancel()
         self._tasks = []
         if self._socket is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._socket.FD)
+                self._loop.remove_reader(self._monitor.FD)
             self._socket.disable_monitor()
+            self._monitor.close(linger=0)
             self._socket.close(linger=0)
-            self._socket = None
+            self._socket = self._monitor = None
         self.welcome = None
         failure = error or DaemonUnavailable(f"the connection to {self.socket_path} was closed")
         for queue in self._routes.values():
@@ -164,9 +174,15 @@ class AsyncClient:
         return _unwrap(msg)
 
     # ---- generation --------------------------------------------------------------------------
-    async def generate(self, request_id: Any = None, **fields: Any) -> AsyncIterator[Event]:
+    async def generate(
+        self, request_id: Any = None, *, coalesce: bool = False, **fields: Any
+    ) -> AsyncIterator[Event]:
         """Stream one generation's events (`fields` are `generate`'s wire fields); ends after a
-        DoneEvent or raises. Leaving the loop early cancels the request in the daemon."""
+        DoneEvent or raises. Leaving the loop early cancels the request in the daemon.
+
+        With `coalesce`, token messages already waiting when the caller asks for the next event
+        come as one TokenEvent (several `ids`, their texts joined): a reader that fell behind
+        catches up in one step (the gateway writes them as one HTTP chunk)."""
         await self.connect()
         request_id = request_id if request_id is not None else self._next_id("gen")
         queue = self._open(request_id)
@@ -174,7 +190,10 @@ class AsyncClient:
         try:
             self._send(wire.request(MessageType.GENERATE, request_id, **fields))
             while True:
-                event = event_from_message(_unwrap(await queue.get()))
+                msg = _unwrap(await queue.get())
+                if coalesce and msg.get("type") == MessageType.TOKEN.value:
+                    msg = merge_tokens(msg, queue.take_tokens())
+                event = event_from_message(msg)
                 if isinstance(event, DoneEvent):
                     ended = True
                     yield event
@@ -196,16 +215,21 @@ class AsyncClient:
     def _next_id(self, kind: str) -> str:
         return f"{self._prefix}-{kind}-{next(self._ids)}"
 
-    def _open(self, request_id: Any) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue()
-        self._routes[request_id] = queue
-        return queue
+    def _open(self, request_id: Any) -> Inbox:
+        inbox = Inbox()
+        self._routes[request_id] = inbox
+        return inbox
 
     def _send(self, msg: dict) -> None:
         if self._socket is None:
             raise DaemonUnavailable(f"not connected to the daemon at {self.socket_path}")
         # A DEALER with room in its pipe never blocks: send without awaiting, in order.
         self._socket.send(encode(msg), zmq.NOBLOCK)
+        # A send can consume the edge that would have woken the reader (ZMQ_FD is
+        # edge-triggered): look for replies once more on the next loop turn.
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._read_ready)
 
     def _check_boot(self, boot_id: str | None) -> None:
         if boot_id and self.boot_id and boot_id != self.boot_id:
@@ -214,32 +238,48 @@ class AsyncClient:
             self._drop(error)
             raise error
 
-    async def _read_loop(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frame = await sock.recv()
+    def _read_ready(self) -> None:
+        """Route every reply waiting on the socket to its request's inbox (ZMQ_FD only says that
+        something changed: read until the socket says no message is left)."""
+        self._drain_scheduled = False
+        sock = self._socket
+        if sock is None:
+            return
+        routes = self._routes
+        while sock.get(zmq.EVENTS) & _POLLIN:
+            frame = sock.recv(zmq.NOBLOCK)
             self._last_heard = time.monotonic()
-            msg = decode(frame)
+            try:
+                msg = decode(frame)
+            except ProtocolError:
+                continue  # not ours to answer; the replies behind it still get through
             if not isinstance(msg, dict):
                 continue
-            queue = self._routes.get(msg.get("id"))
-            if queue is not None:
-                queue.put_nowait(msg)
+            inbox = routes.get(msg.get("id"))
+            if inbox is not None:
+                inbox.put_nowait(msg)
             # Anything else is late: a heartbeat's answer, an abandoned stream, a timed-out call.
 
-    async def _watch_disconnect(self, monitor: zmq.asyncio.Socket) -> None:
-        try:
-            await monitor.recv_multipart()
-            await asyncio.sleep(0.05)  # let the reader take what the daemon sent before it went
-            self._drop(
-                DaemonUnavailable(
-                    f"the connection to the daemon at {self.socket_path} dropped "
-                    "(it exited or crashed)"
-                )
-            )
-        finally:
-            monitor.close(linger=0)
+    def _disconnect_ready(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+        if self._socket is not sock or not monitor.get(zmq.EVENTS) & _POLLIN:
+            return
+        monitor.recv_multipart(zmq.NOBLOCK)
+        self._loop.remove_reader(monitor.FD)
+        self._read_ready()  # what the daemon sent before it went is delivered first
+        # A moment for frames still in flight, then the open streams fail.
+        self._loop.call_later(0.05, self._disconnected, sock)
 
-    async def _heartbeat_loop(self, sock: zmq.asyncio.Socket) -> None:
+    def _disconnected(self, sock: zmq.Socket) -> None:
+        if self._socket is not sock:
+            return  # already dropped (and maybe reconnected)
+        self._read_ready()
+        self._drop(
+            DaemonUnavailable(
+                f"the connection to the daemon at {self.socket_path} dropped (it exited or crashed)"
+            )
+        )
+
+    async def _heartbeat_loop(self) -> None:
         """While requests are open, ping after `heartbeat_s` of silence; fail them after
         `dead_after_s`; a ping answered by a new boot_id means the daemon restarted."""
         while True:

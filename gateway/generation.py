@@ -108,7 +108,8 @@ class Stream:
 
     @classmethod
     async def start(cls, client: AsyncClient, req: GenerationRequest) -> Stream:
-        stream = cls(client.generate(**req.wire_fields()))
+        # Tokens that queued up while the HTTP side was busy come as one event (one chunk).
+        stream = cls(client.generate(coalesce=True, **req.wire_fields()))
         try:
             stream._pending.append(await anext(stream._events))
         except ClientError as exc:
