@@ -19,17 +19,13 @@ from moed.daemon.distributed.spec import pipeline_enabled
 from moed.daemon.engine.batch import DecodeBatch, StepOutput
 from moed.daemon.engine.commands import Cancel, EngineCommand, Shed, Stop, Submit
 from moed.daemon.engine.idle import KeepAlive
+from moed.daemon.engine.lifecycle import ModelLifecycle
 from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
 from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Scheduler
 from moed.daemon.engine.status import DaemonState, EngineStatus, ShedRecord
 from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.model.loader import (
-    CheckpointUnusable,
     LoadedModel,
-    LoadProgress,
-    MemoryPlanRefused,
-    describe_model,
-    load_model,
 )
 from moed.daemon.runtime.crashlog import CrashKind, is_out_of_memory
 from moed.daemon.runtime.faults import Faults
@@ -41,14 +37,18 @@ from moed.protocol import messages as wire
 
 log = logging.getLogger("moed.engine")
 
-RANKS_REFRESH_S = 1.0
+_EXIT_FOR = {
+    CrashKind.ENGINE_FAILED: DaemonExit.FAILED,
+    CrashKind.OUT_OF_MEMORY: DaemonExit.OUT_OF_MEMORY,
+    CrashKind.RANK_FAILED: DaemonExit.RANK_FAILED,
+}
 
 
 class EventSink(Protocol):
     def emit(self, identity: bytes, msg: dict, terminal: bool = False) -> None: ...
 
 
-class EngineCore:
+class EngineCore(ModelLifecycle):
     """Admits, steps, cancels and finishes generations; one thread calls every method."""
 
     def __init__(
@@ -99,116 +99,6 @@ class EngineCore:
             return None
         return self.scheduler.wake_in(time.monotonic()) or 0.0
 
-    # ---- lifecycle -------------------------------------------------------------------------
-    def load(self, on_progress: LoadProgress | None = None) -> bool:
-        """Load the model; False (with `fatal` set and status `failed`) when it cannot load."""
-        t0 = time.perf_counter()
-        mode = "resident" if self.serve.resident else f"streaming, budget {self.serve.cache_budget}"
-        log.info("loading %s (%s)", self.model_path, mode)
-        self.status.update(state=DaemonState.LOADING)
-
-        def progress(stage: str, done: float, total: float, unit: str) -> None:
-            # A load step is progress: the watchdog's wedge rule sees a reload move.
-            self.status.update(
-                load={"stage": stage, "done": done, "total": total, "unit": unit},
-                last_progress_at=time.time(),
-            )
-            if on_progress is not None:
-                on_progress(stage, done, total, unit)
-
-        try:
-            self.loaded = load_model(self.serve, self.model_path, progress)
-        except BaseException as exc:  # a model that cannot load is fatal for the daemon
-            log.exception("model load failed")
-            self._record_crash(CrashKind.LOAD_FAILED, f"{exc.__class__.__name__}: {exc}")
-            if isinstance(exc, MemoryPlanRefused):
-                self.exit_code = DaemonExit.DOES_NOT_FIT
-            elif isinstance(exc, CheckpointUnusable):
-                self.exit_code = DaemonExit.MODEL_UNUSABLE
-            self.status.update(state=DaemonState.FAILED, error=f"{exc.__class__.__name__}: {exc}")
-            self.reject_queued(ErrorCode.INTERNAL, f"model failed to load: {exc}")
-            self.fatal = exc
-            return False
-        try:
-            self._refresh_ranks(force=True)  # before READY: a ready pipeline lists its ranks
-        except RuntimeError as exc:  # a rank failed while loading; the group monitor says which
-            self._group_failed(exc)
-            return False
-        self.batch = self._new_batch()
-        self.status.update(
-            state=DaemonState.READY,
-            model=describe_model(self.loaded),
-            load_s=round(time.perf_counter() - t0, 3),
-            streaming=self._stream_snapshot(),
-            memory_plan=self.loaded.streamer.plan.describe() if self.loaded.streamer else None,
-            last_activity_at=time.time(),
-        )
-        self.keep_alive.became_idle()
-        log.info("model loaded from %s in %.2fs", self.model_path, time.perf_counter() - t0)
-        return True
-
-    def _new_batch(self) -> DecodeBatch:
-        # A pipeline's leader mirrors every batch-cache change to the other ranks (cache_ops.py).
-        eos = getattr(self.loaded.tokenizer, "eos_token_ids", None) or []
-        return DecodeBatch(self.loaded.model, eos, self.serve.max_batch, self.serve.prefill_chunk)
-
-    def maybe_unload(self) -> None:
-        """Release the model and the expert cache once the keep-alive of an idle engine expired."""
-        if self.loaded is not None and not self._gens and self.keep_alive.due():
-            log.info(
-                "idle for %.0fs: releasing the model and the expert cache",
-                self.keep_alive.current_s,
-            )
-            self.unload()
-
-    def unload(self) -> None:
-        """Release the model and the expert cache (state `idle`); the next request reloads them."""
-        import gc
-
-        import mlx.core as mx
-
-        self.close()  # saves the usage profile (the reload warms from it), closes the streamer
-        self.loaded = None
-        self.keep_alive.idle_since = None
-        gc.collect()  # the model graph holds reference cycles
-        mx.clear_cache()  # hand MLX's freed buffers back to the system
-        self.status.update(state=DaemonState.IDLE, streaming=None)
-        self.status.add(unloads=1)
-
-    def _reload_for(self, job: GenerateJob) -> bool:
-        """Load again for a request that arrived while idle; it sees `progress` messages."""
-        req_id = job.request["id"]
-
-        def progress(stage: str, done: float, total: float, unit: str) -> None:
-            self.sink.emit(job.identity, wire.progress(req_id, stage, done, total, unit))
-
-        self.status.update(busy=True)  # a request waits on this load: the watchdog watches it
-        loaded = self.load(progress)
-        self.status.update(busy=bool(self._gens))
-        if loaded:
-            return True
-        self.reject(job, ErrorCode.INTERNAL, f"the model failed to load again: {self.fatal}")
-        return False
-
-    def close(self) -> None:
-        if self.batch is not None:
-            self.batch.close()
-            self.batch = None
-        pipeline = self.loaded.pipeline if self.loaded else None
-        if pipeline is not None and self.exit_code != DaemonExit.RANK_FAILED:
-            try:
-                pipeline.shutdown()  # the other ranks leave their loops and exit
-            except RuntimeError:
-                log.warning("the pipeline group was already broken at shutdown")
-        streamer = self.loaded.streamer if self.loaded else None
-        if streamer is None:
-            return
-        try:
-            streamer.save_profile()
-        except OSError:
-            log.exception("could not save the expert-usage profile")
-        streamer.close()
-
     def finish_all(self, code: ErrorCode, message: str) -> None:
         """End every active request with `code` (the drain at shutdown)."""
         for gen in list(self._gens.values()):
@@ -217,17 +107,9 @@ class EngineCore:
     def engine_failed(self, exc: Exception) -> None:
         """A bug outside a step: fail everyone and let the daemon exit, never hang silently."""
         log.exception("the engine failed")
-        self._record_crash(CrashKind.ENGINE_FAILED, f"{exc.__class__.__name__}: {exc}")
-        self.status.update(state=DaemonState.FAILED, error=f"{exc.__class__.__name__}: {exc}")
+        what = f"{exc.__class__.__name__}: {exc}"
         message = f"the engine failed ({exc.__class__.__name__}); the daemon restarts"
-        for gen in list(self._gens.values()):
-            try:
-                self._finish(gen, ErrorCode.INTERNAL, message)
-            except Exception:
-                self._forget(gen.job.key)
-        self.reject_queued(ErrorCode.INTERNAL, message)
-        self.exit_code = DaemonExit.FAILED
-        self.fatal = exc  # last: the transport flushes the errors, then exits non-zero
+        self._fail_process(exc, CrashKind.ENGINE_FAILED, what, ErrorCode.INTERNAL, message)
 
     # ---- commands --------------------------------------------------------------------------
     def handle(self, command: EngineCommand) -> None:
@@ -418,42 +300,38 @@ class EngineCore:
         self.sink.emit(gen.job.identity, msg, terminal=True)
 
     def _out_of_memory(self, exc: BaseException, also: GenerateJob | None = None) -> None:
-        """A Metal command-buffer failure: record it, fail every request, and let the process exit
-        non-zero so that launchd restarts it (with a smaller cache budget)."""
+        """A Metal command-buffer failure: the process exits non-zero so that launchd restarts it
+        (with a smaller cache budget)."""
         log.critical("out of memory: %s", exc)
-        self._record_crash(CrashKind.OUT_OF_MEMORY, f"{exc.__class__.__name__}: {exc}")
         message = f"the daemon ran out of memory ({exc}); it restarts with a smaller expert cache"
-        self.status.update(state=DaemonState.FAILED, error=f"out of memory: {exc}")
         if also is not None:
             self.reject(also, ErrorCode.OUT_OF_MEMORY, message)
-        for gen in list(self._gens.values()):
-            self._finish(gen, ErrorCode.OUT_OF_MEMORY, message)
-        self.reject_queued(ErrorCode.OUT_OF_MEMORY, message)
-        self.exit_code = DaemonExit.OUT_OF_MEMORY
-        self.fatal = exc  # last: the transport exits once it sees this, after flushing the errors
+        what = f"{exc.__class__.__name__}: {exc}"
+        self._fail_process(exc, CrashKind.OUT_OF_MEMORY, what, ErrorCode.OUT_OF_MEMORY, message)
 
     def _group_failed(self, exc: BaseException) -> None:
-        """A collective lost its peer: every request fails retryably and the group restarts."""
+        """A collective lost its peer (or a step failed mid-collective): every request fails
+        retryably and the group restarts."""
         what = "a pipeline rank failed" if is_group_failure(exc) else "a pipeline step failed"
         message = f"{what} ({exc}); the daemon restarts the group"
         log.error("%s", message)
-        self._record_crash(CrashKind.RANK_FAILED, message)
-        self.status.update(state=DaemonState.FAILED, error=message)
-        for gen in list(self._gens.values()):
-            self._finish(gen, ErrorCode.RANK_FAILED, message)
-        self.reject_queued(ErrorCode.RANK_FAILED, message)
-        self.exit_code = DaemonExit.RANK_FAILED
-        self.fatal = exc
+        self._fail_process(exc, CrashKind.RANK_FAILED, message, ErrorCode.RANK_FAILED, message)
 
-    def _refresh_ranks(self, force: bool = False) -> None:
-        """Every rank's status into `status.ranks` (collectives: on the engine thread only, and
-        at most once a second)."""
-        pipeline = self.loaded.pipeline if self.loaded else None
-        now = time.monotonic()
-        if pipeline is None or (not force and now - self._ranks_at < RANKS_REFRESH_S):
-            return
-        self._ranks_at = now
-        self.status.update(ranks=pipeline.status())
+    def _fail_process(
+        self, exc: BaseException, kind: CrashKind, what: str, code: ErrorCode, message: str
+    ) -> None:
+        """Record the crash, fail every request with `code`, and publish `fatal` (last: the
+        transport flushes the errors, then exits with the kind's code)."""
+        self._record_crash(kind, what)
+        self.status.update(state=DaemonState.FAILED, error=what)
+        for gen in list(self._gens.values()):
+            try:
+                self._finish(gen, code, message)
+            except Exception:  # a generation broken by the failure still must leave
+                self._forget(gen.job.key)
+        self.reject_queued(code, message)
+        self.exit_code = _EXIT_FOR[kind]
+        self.fatal = exc
 
     def _record_crash(self, kind: CrashKind, message: str) -> None:
         if self.on_crash is None:
@@ -485,8 +363,3 @@ class EngineCore:
             )
         self.status.add(sheds=1)
         self.status.update(last_shed=ShedRecord(level.value, time.time(), released, cancelled))
-
-    def _stream_snapshot(self) -> dict | None:
-        if self.loaded is None or self.loaded.streamer is None:
-            return None
-        return self.loaded.streamer.snapshot()

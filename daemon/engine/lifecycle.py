@@ -1,0 +1,155 @@
+"""The engine core's model lifecycle: load (with progress), the running batch it serves, idle
+unload and reload on demand, close; and the status that comes from the loaded model (streaming
+snapshot, the pipeline ranks). A mixin of EngineCore, split out to keep one concern per module."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from moed.daemon.engine.batch import DecodeBatch
+from moed.daemon.engine.request import GenerateJob
+from moed.daemon.engine.status import DaemonState
+from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.model.loader import (
+    CheckpointUnusable,
+    LoadProgress,
+    MemoryPlanRefused,
+    describe_model,
+    load_model,
+)
+from moed.daemon.runtime.crashlog import CrashKind
+from moed.protocol import ErrorCode
+from moed.protocol import messages as wire
+
+log = logging.getLogger("moed.engine")
+
+RANKS_REFRESH_S = 1.0
+
+
+class ModelLifecycle:
+    """Load, unload, reload and close the model of an EngineCore (whose __init__ sets the state)."""
+
+    def load(self, on_progress: LoadProgress | None = None) -> bool:
+        """Load the model; False (with `fatal` set and status `failed`) when it cannot load."""
+        t0 = time.perf_counter()
+        mode = "resident" if self.serve.resident else f"streaming, budget {self.serve.cache_budget}"
+        log.info("loading %s (%s)", self.model_path, mode)
+        self.status.update(state=DaemonState.LOADING)
+
+        def progress(stage: str, done: float, total: float, unit: str) -> None:
+            # A load step is progress: the watchdog's wedge rule sees a reload move.
+            self.status.update(
+                load={"stage": stage, "done": done, "total": total, "unit": unit},
+                last_progress_at=time.time(),
+            )
+            if on_progress is not None:
+                on_progress(stage, done, total, unit)
+
+        try:
+            self.loaded = load_model(self.serve, self.model_path, progress)
+        except BaseException as exc:  # a model that cannot load is fatal for the daemon
+            log.exception("model load failed")
+            self._record_crash(CrashKind.LOAD_FAILED, f"{exc.__class__.__name__}: {exc}")
+            if isinstance(exc, MemoryPlanRefused):
+                self.exit_code = DaemonExit.DOES_NOT_FIT
+            elif isinstance(exc, CheckpointUnusable):
+                self.exit_code = DaemonExit.MODEL_UNUSABLE
+            self.status.update(state=DaemonState.FAILED, error=f"{exc.__class__.__name__}: {exc}")
+            self.reject_queued(ErrorCode.INTERNAL, f"model failed to load: {exc}")
+            self.fatal = exc
+            return False
+        try:
+            self._refresh_ranks(force=True)  # before READY: a ready pipeline lists its ranks
+        except RuntimeError as exc:  # a rank failed while loading; the group monitor says which
+            self._group_failed(exc)
+            return False
+        self.batch = self._new_batch()
+        self.status.update(
+            state=DaemonState.READY,
+            model=describe_model(self.loaded),
+            load_s=round(time.perf_counter() - t0, 3),
+            streaming=self._stream_snapshot(),
+            memory_plan=self.loaded.streamer.plan.describe() if self.loaded.streamer else None,
+            last_activity_at=time.time(),
+        )
+        self.keep_alive.became_idle()
+        log.info("model loaded from %s in %.2fs", self.model_path, time.perf_counter() - t0)
+        return True
+
+    def _new_batch(self) -> DecodeBatch:
+        # A pipeline's leader mirrors every batch-cache change to the other ranks (cache_ops.py).
+        eos = getattr(self.loaded.tokenizer, "eos_token_ids", None) or []
+        return DecodeBatch(self.loaded.model, eos, self.serve.max_batch, self.serve.prefill_chunk)
+
+    def maybe_unload(self) -> None:
+        """Release the model and the expert cache once the keep-alive of an idle engine expired."""
+        if self.loaded is not None and not self._gens and self.keep_alive.due():
+            log.info(
+                "idle for %.0fs: releasing the model and the expert cache",
+                self.keep_alive.current_s,
+            )
+            self.unload()
+
+    def unload(self) -> None:
+        """Release the model and the expert cache (state `idle`); the next request reloads them."""
+        import gc
+
+        import mlx.core as mx
+
+        self.close()  # saves the usage profile (the reload warms from it), closes the streamer
+        self.loaded = None
+        self.keep_alive.idle_since = None
+        gc.collect()  # the model graph holds reference cycles
+        mx.clear_cache()  # hand MLX's freed buffers back to the system
+        self.status.update(state=DaemonState.IDLE, streaming=None)
+        self.status.add(unloads=1)
+
+    def _reload_for(self, job: GenerateJob) -> bool:
+        """Load again for a request that arrived while idle; it sees `progress` messages."""
+        req_id = job.request["id"]
+
+        def progress(stage: str, done: float, total: float, unit: str) -> None:
+            self.sink.emit(job.identity, wire.progress(req_id, stage, done, total, unit))
+
+        self.status.update(busy=True)  # a request waits on this load: the watchdog watches it
+        loaded = self.load(progress)
+        self.status.update(busy=bool(self._gens))
+        if loaded:
+            return True
+        self.reject(job, ErrorCode.INTERNAL, f"the model failed to load again: {self.fatal}")
+        return False
+
+    def close(self) -> None:
+        if self.batch is not None:
+            self.batch.close()
+            self.batch = None
+        pipeline = self.loaded.pipeline if self.loaded else None
+        if pipeline is not None and self.exit_code != DaemonExit.RANK_FAILED:
+            try:
+                pipeline.shutdown()  # the other ranks leave their loops and exit
+            except RuntimeError:
+                log.warning("the pipeline group was already broken at shutdown")
+        streamer = self.loaded.streamer if self.loaded else None
+        if streamer is None:
+            return
+        try:
+            streamer.save_profile()
+        except OSError:
+            log.exception("could not save the expert-usage profile")
+        streamer.close()
+
+    def _refresh_ranks(self, force: bool = False) -> None:
+        """Every rank's status into `status.ranks` (collectives: on the engine thread only, and
+        at most once a second)."""
+        pipeline = self.loaded.pipeline if self.loaded else None
+        now = time.monotonic()
+        if pipeline is None or (not force and now - self._ranks_at < RANKS_REFRESH_S):
+            return
+        self._ranks_at = now
+        self.status.update(ranks=pipeline.status())
+
+    def _stream_snapshot(self) -> dict | None:
+        if self.loaded is None or self.loaded.streamer is None:
+            return None
+        return self.loaded.streamer.snapshot()
