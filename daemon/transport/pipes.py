@@ -8,8 +8,10 @@ from moed.protocol import MessageType, decode, encode
 from moed.protocol import messages as wire
 
 EVENTS_ENDPOINT = "inproc://moed-events"
+# The first byte of an event's meta frame (the rest is the msgpack request id).
 TERMINAL_FLAG = b"T"
 TOKEN_FLAG = b"t"  # counted by the transport, so a cancel can say how many tokens had gone out
+OTHER_FLAG = b"e"
 
 
 class ZmqEventSink:
@@ -22,9 +24,10 @@ class ZmqEventSink:
         self.socket.connect(EVENTS_ENDPOINT)
 
     def emit(self, identity: bytes, msg: dict, terminal: bool = False) -> None:
-        flag = TERMINAL_FLAG if terminal else TOKEN_FLAG if msg["type"] == "token" else b""
-        # The request id rides in its own small frame, so the transport never decodes a message.
-        self.socket.send_multipart([identity, encode(msg), flag, encode(msg["id"])])
+        flag = TERMINAL_FLAG if terminal else TOKEN_FLAG if msg["type"] == "token" else OTHER_FLAG
+        # The flag and the request id ride in one small frame, so the transport never decodes a
+        # message (and takes three frames per event, not four: it runs once per token).
+        self.socket.send_multipart([identity, encode(msg), flag + encode(msg["id"])])
 
 
 def probe_live_daemon(endpoint: str, context: zmq.Context, timeout_s: float = 0.5) -> dict | None:

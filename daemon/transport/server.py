@@ -60,6 +60,7 @@ from moed.protocol.paths import endpoint_for, ensure_private_dir
 # requests cannot starve other clients' streams.
 RECEIVE_BATCH = 64
 PROGRESS_CHECK_S = 0.25
+_POLLIN = int(zmq.POLLIN)  # a plain int: the flag enum's operators cost microseconds per event
 
 log = logging.getLogger("moed.server")
 
@@ -380,13 +381,13 @@ class Server:
     # ---- outbound ----------------------------------------------------------------------------
     def _forward_events(self) -> None:
         ended = False
-        while True:
-            try:
-                identity, frame, flag, id_frame = self.events.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        events = self.events
+        # Asking the socket is cheaper than the zmq.Again exception a blocking-free recv raises.
+        while events.get(zmq.EVENTS) & _POLLIN:
+            identity, frame, meta = events.recv_multipart(zmq.NOBLOCK)
+            flag = meta[:1]
             terminal = flag == TERMINAL_FLAG
-            key = (identity, decode(id_frame))
+            key = (identity, decode(meta[1:]))
             out = self._streams.outgoing(key, frame, flag == TOKEN_FLAG, terminal)
             ended = ended or terminal
             if out is not None:
