@@ -33,6 +33,7 @@ from .errors import DaemonRestarted, DaemonUnavailable, InsecureSocket, RequestF
 from .events import DoneEvent, Event, TokenEvent, event_from_message
 
 log = logging.getLogger("moed.client")
+_POLLIN = int(zmq.POLLIN)
 
 
 class Client:
@@ -363,9 +364,11 @@ class Client:
             if heartbeat and ping_id is None and now - last_heard > self.heartbeat_s:
                 ping_id = self._next_id("hb")
                 self._send(wire.request(MessageType.PING, ping_id))
-            try:  # while tokens stream, a frame is usually waiting: skip the poll syscall
+            # A frame already waiting skips the poll; asking is cheaper than a zmq.Again raised
+            # by a recv that finds nothing (most tokens are awaited: the daemon is the slow side).
+            if self._socket.get(zmq.EVENTS) & _POLLIN:
                 frame = self._socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
+            else:
                 wait = (
                     self.heartbeat_s
                     if deadline is None
