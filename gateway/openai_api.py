@@ -245,9 +245,24 @@ def _tool_call_list(calls: list[dict], first_index: int | None = None) -> list[d
     return out
 
 
+_COMPACT = (",", ":")
+
+
 def sse(data: dict | str) -> bytes:
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    text = data if isinstance(data, str) else json.dumps(data, separators=_COMPACT)
     return f"data: {text}\n\n".encode()
+
+
+class ChunkFrame:
+    """`sse({**envelope, "choices": [entry], **usage_null})` with the constant parts encoded once:
+    per token only the choice entry is encoded (the same bytes as encoding the whole object)."""
+
+    def __init__(self, envelope: dict, include_usage: bool):
+        self._head = "data: " + json.dumps(envelope, separators=_COMPACT)[:-1] + ',"choices":['
+        self._tail = ('],"usage":null}' if include_usage else "]}") + "\n\n"
+
+    def __call__(self, entry: dict) -> bytes:
+        return (self._head + json.dumps(entry, separators=_COMPACT) + self._tail).encode()
 
 
 @dataclass
@@ -299,21 +314,18 @@ async def _sse_body(
     opening: dict | None,
 ) -> AsyncIterator[bytes]:
     envelope, stream = call.envelope, call.stream
-    usage_null = {"usage": None} if call.include_usage else {}
+    frame = ChunkFrame(envelope, call.include_usage)
     if opening is not None:
-        yield sse({**envelope, "choices": [opening], **usage_null})
+        yield frame(opening)
     try:
         async for event in call.gateway.tokens(stream, API, call.endpoint, call.started):
             if event.text or event.logprobs or event.tool_calls:
-                entry = chunk(event.text, event.logprobs, None, event.tool_calls)
-                yield sse({**envelope, "choices": [entry], **usage_null})
+                yield frame(chunk(event.text, event.logprobs, None, event.tool_calls))
     except ApiError as err:  # the stream has started: the error travels in it
         yield sse(error_body(err))
         return
     outcome = stream.outcome
-    yield sse(
-        {**envelope, "choices": [chunk("", None, FINISH[outcome.finish], None)], **usage_null}
-    )
+    yield frame(chunk("", None, FINISH[outcome.finish], None))
     if call.include_usage:
         yield sse({**envelope, "choices": [], "usage": _usage(outcome)})
     yield sse("[DONE]")

@@ -185,3 +185,14 @@ def test_gateway_imports_no_mlx():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_streamed_chunk_is_the_same_bytes_as_the_whole_object_encoded():
+    from moed.gateway.openai_api import ChunkFrame, sse
+
+    envelope = {"id": "cmpl-1", "created": 5, "model": 'm\u00e9"x', "object": "text_completion"}
+    entry = {"index": 0, "text": 'h\u00e9\n"\u2028', "logprobs": None, "finish_reason": None}
+    for include_usage in (True, False):
+        usage_null = {"usage": None} if include_usage else {}
+        expected = sse({**envelope, "choices": [entry], **usage_null})
+        assert ChunkFrame(envelope, include_usage)(entry) == expected
