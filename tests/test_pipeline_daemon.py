@@ -139,7 +139,8 @@ def test_architecture_without_pipeline_support_is_refused(checkpoint_factory, tm
 
 
 def test_resume_across_a_group_restart_and_a_clean_stop(pipeline):
-    sup = pipeline("--cache-budget", "25%")
+    # 1500 tokens outrun a client on a loaded machine: a send queue that never calls it slow.
+    sup = pipeline("--cache-budget", "25%", env={"MOED_CLIENT_SEND_HWM": "100000"})
     first = sup.wait_ready()
     with Client(sup.socket) as c:
         # Long enough that the kill lands while the daemon still generates.
