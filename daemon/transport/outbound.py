@@ -20,7 +20,7 @@ log = logging.getLogger("moed.server")
 
 OWED_TTL_S = 30.0  # how long a slow client's terminal errors wait for it to read again
 _GONE = (errno.EHOSTUNREACH, zmq.EHOSTUNREACH)
-_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
+_MORE, _NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
 
 
 class Outbound:
@@ -43,7 +43,7 @@ class Outbound:
                 self.router.send_multipart([identity, *envelope, frame], zmq.NOBLOCK)
             else:  # the per-token path: two sends, without send_multipart's list and loop
                 self.router.send(identity, _MORE)
-                self.router.send(frame, zmq.NOBLOCK)
+                self.router.send(frame, _NOBLOCK)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EAGAIN:
                 log.warning("client %s stopped reading; cancelling its streams", identity.hex())

@@ -40,6 +40,7 @@ from moed.daemon.transport.pipes import (
     TOKEN_FLAG,
     ZmqEventSink,
     probe_live_daemon,
+    unpack_event,
 )
 from moed.daemon.transport.progress import ProgressMonitor
 from moed.daemon.transport.streams import RequestKey, StreamTable
@@ -60,7 +61,8 @@ from moed.protocol.paths import endpoint_for, ensure_private_dir
 # requests cannot starve other clients' streams.
 RECEIVE_BATCH = 64
 PROGRESS_CHECK_S = 0.25
-_POLLIN = int(zmq.POLLIN)  # a plain int: the flag enum's operators cost microseconds per event
+# Plain ints: pyzmq turns enum arguments into their values on every call (once per token here).
+_POLLIN, _EVENTS, _NOBLOCK = int(zmq.POLLIN), int(zmq.EVENTS), int(zmq.NOBLOCK)
 
 log = logging.getLogger("moed.server")
 
@@ -383,11 +385,10 @@ class Server:
         ended = False
         events = self.events
         # Asking the socket is cheaper than the zmq.Again exception a blocking-free recv raises.
-        while events.get(zmq.EVENTS) & _POLLIN:
-            identity, frame, meta = events.recv_multipart(zmq.NOBLOCK)
-            flag = meta[:1]
+        while events.get(_EVENTS) & _POLLIN:
+            flag, identity, id_bytes, frame = unpack_event(events.recv(_NOBLOCK))
             terminal = flag == TERMINAL_FLAG
-            key = (identity, decode(meta[1:]))
+            key = (identity, decode(id_bytes))
             out = self._streams.outgoing(key, frame, flag == TOKEN_FLAG, terminal)
             ended = ended or terminal
             if out is not None:
