@@ -28,7 +28,7 @@ class RunTiming:
     cpu_s: float = 0.0  # CPU time of the reading thread (the client library's share)
 
 
-def _decode_tps(stamps: list[float]) -> float:
+def decode_tps(stamps: list[float]) -> float:
     return (
         (len(stamps) - 1) / (stamps[-1] - stamps[0])
         if len(stamps) > 1 and stamps[-1] > stamps[0]
@@ -49,7 +49,7 @@ def time_in_process(model, tokenizer, prompt_ids: list[int], max_tokens: int) ->
             break
         stamps.append(time.perf_counter())
         tokens.append(int(response.token))
-    return RunTiming(stamps[0] - t0, _decode_tps(stamps), tokens)
+    return RunTiming(stamps[0] - t0, decode_tps(stamps), tokens)
 
 
 def time_through_daemon(client, prompt_ids: list[int], max_tokens: int) -> RunTiming:
@@ -67,7 +67,7 @@ def time_through_daemon(client, prompt_ids: list[int], max_tokens: int) -> RunTi
                 stamps.append(time.perf_counter())
                 tokens.extend(event.ids)
     cpu = time.thread_time() - cpu0
-    return RunTiming(stamps[0] - t0, _decode_tps(stamps), tokens, "".join(parts), cpu)
+    return RunTiming(stamps[0] - t0, decode_tps(stamps), tokens, "".join(parts), cpu)
 
 
 @click.command("serve")
@@ -77,7 +77,13 @@ def time_through_daemon(client, prompt_ids: list[int], max_tokens: int) -> RunTi
 @click.option(
     "--prompt", default="def fibonacci(n):", show_default=True, help="The measured prompt."
 )
-def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
+@click.option(
+    "--engine-core",
+    is_flag=True,
+    help="Also time the daemon's engine core in this process, with no socket (a second copy of "
+    "the model: for small models): the engine's share of the gap, apart from the hops'.",
+)
+def bench_serve(model: str, max_tokens: int, runs: int, prompt: str, engine_core: bool) -> None:
     """Daemon + client and gateway + openai SDK vs in-process mlx-lm: decode tok/s ratios and
     extra time to first token."""
     from mlx_lm import load
@@ -119,7 +125,13 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
         time_in_process(mlx_model, tokenizer, prompt_ids, 8)
         time_through_daemon(client, prompt_ids, 8)
         time_through_gateway(oai, served, prompt_ids, 8)
-        local, remote, http = [], [], []
+        local, remote, http, cores = [], [], [], []
+        core = None
+        if engine_core:
+            from moed.daemon.bench.engine_timing import InProcessCore
+
+            core = InProcessCore(path, sock_dir / "core-state")
+            core.time(prompt_ids, 8)
         # A bar on a terminal only: the report on stdout stays clean for BENCHMARKS.md.
         with Progress("bench serve: runs", progress_mode(False), total=runs) as bar:
             sides = [
@@ -127,6 +139,8 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
                 lambda: remote.append(time_through_daemon(client, prompt_ids, max_tokens)),
                 lambda: http.append(time_through_gateway(oai, served, prompt_ids, max_tokens)),
             ]
+            if core is not None:
+                sides.append(lambda: cores.append(core.time(prompt_ids, max_tokens)))
             gateway_cpu = -cpu_seconds(gateway.pid)
             transport_cpu = -thread_cpu_seconds(daemon.pid, daemon.pid)
             for i in range(runs):
@@ -137,7 +151,9 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
                 bar.update(i + 1)
             gateway_cpu += cpu_seconds(gateway.pid)
             transport_cpu += thread_cpu_seconds(daemon.pid, daemon.pid)
-        same = all(r.tokens == local[0].tokens for r in local + remote)
+        if core is not None:
+            core.close()
+        same = all(r.tokens == local[0].tokens for r in local + remote + cores)
         same_text = all(h.text == remote[0].text for h in http)
         gateway.terminate()
         gateway.wait(15)
@@ -179,6 +195,13 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str) -> None:
         f"{transport_cpu / hop_tokens * 1e6:.0f} us, client library "
         f"{sum(r.cpu_s for r in remote) / client_tokens * 1e6:.0f} us"
     )
+    if cores:
+        c_tps = statistics.median(r.decode_tps for r in cores)
+        c_ttft = statistics.median(r.ttft_s for r in cores)
+        click.echo(
+            f"engine core in this process (no socket): decode {c_tps:.1f} tok/s, "
+            f"ratio {c_tps / l_tps:.3f}, time to first token {(c_ttft - l_ttft) * 1000:+.2f}ms"
+        )
     click.echo(
         f"identical tokens: {same}   gateway text identical: {same_text}   "
         f"(machine: {os.cpu_count()} cpus, {sys.platform})"
