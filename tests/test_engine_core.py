@@ -40,7 +40,7 @@ def generate_job(identity: bytes, req_id, **fields) -> GenerateJob:
     return GenerateJob(identity, msg)
 
 
-def reference_tokens(model_path, max_tokens: int) -> list[int]:
+def reference_tokens(model_path, max_tokens: int, ids: list[int] = PROMPT_IDS) -> list[int]:
     """Plain mlx-lm greedy decoding of the same ids, the ground truth."""
     import mlx.core as mx
     from mlx_lm import load
@@ -48,7 +48,7 @@ def reference_tokens(model_path, max_tokens: int) -> list[int]:
 
     model, tokenizer = load(str(model_path))
     out = []
-    for token, _ in generate_step(mx.array(PROMPT_IDS), model, max_tokens=max_tokens):
+    for token, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens):
         if token in tokenizer.eos_token_ids:
             break
         out.append(int(token))
@@ -88,6 +88,34 @@ def test_core_tokens_equal_mlx_lm_and_status_is_typed(core, tiny_model):
     assert snap["tokens_generated"] == len(core.sink.tokens(1)) and snap["requests_served"] == 1
     with pytest.raises(AttributeError):
         core.status.update(not_a_status_field=1)
+
+
+def test_rows_of_unequal_length_decode_as_alone_masked_only_while_padded(tiny_model, tmp_path):
+    """Two prompts of unequal length decode as one batch (the shorter row is left-padded: each
+    step is masked); once the short one ends, the other decodes unpadded, with no mask. Each gets
+    the tokens it gets alone."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from moed.daemon.engine.decode_mask import UnpaddedBatchKVCache
+
+    serve = ServeConfig(model=str(tiny_model), state_dir=tmp_path, resident=True)
+    core = EngineCore(serve, tiny_model, ListSink(), EngineStatus())
+    assert core.load()
+    long_ids = [(11 * i) % 200 + 3 for i in range(17)]
+    core.handle(Submit(generate_job(b"a", 1, max_tokens=6)))
+    msg = wire.request(MessageType.GENERATE, 2, prompt_ids=long_ids, max_tokens=24)
+    validate_request(msg)
+    core.handle(Submit(GenerateJob(b"b", msg)))
+    kinds = set()
+    while core.has_work:
+        core.step()
+        layers = core.batch._gen._generation_batch.prompt_cache
+        kinds.add((core.status.get("running_requests"), type(layers[0]) if layers else None))
+    core.close()
+    assert (2, BatchKVCache) in kinds  # both rows, one padded: masked
+    assert (1, UnpaddedBatchKVCache) in kinds  # alone: no mask
+    assert core.sink.tokens(1) == reference_tokens(tiny_model, 6)
+    assert core.sink.tokens(2) == reference_tokens(tiny_model, 24, long_ids)
 
 
 def token_events(core, who: bytes) -> list[dict]:

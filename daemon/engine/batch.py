@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from moed.daemon.engine.decode_mask import fit_masks
 from moed.daemon.engine.sampling import greedy
 from moed.protocol import FinishReason
 
@@ -105,6 +106,7 @@ class DecodeBatch:
         self._decoding: set[int] = set()  # ... of them past their prompt
         self._read: dict[int, int] = {}  # prompt tokens read so far, per prompting row
         self._sizer = ChunkSizer(prefill_chunk)
+        self._rows_seen: tuple[int, ...] = ()  # the decoding rows the masks were fitted to
 
     @property
     def rows(self) -> int:
@@ -121,6 +123,7 @@ class DecodeBatch:
         if uid in self._live:
             self._forget(uid)
             self._gen.remove([uid])
+            self._fit_masks()
 
     def _forget(self, uid: int) -> None:
         self._live.discard(uid)
@@ -150,7 +153,15 @@ class DecodeBatch:
             if p.done >= p.total:
                 self._read.pop(p.uid, None)
         self._sizer.measured(step_s, bool(generated), read)
+        self._fit_masks()
         return StepOutput(progress, tuple(tokens))
+
+    def _fit_masks(self) -> None:
+        # mlx-lm 0.32's decoding batch (the version is pinned): its rows and per-layer caches.
+        decoding = self._gen._generation_batch
+        if tuple(decoding.uids) != self._rows_seen:
+            self._rows_seen = tuple(decoding.uids)
+            fit_masks(decoding.prompt_cache)
 
     def close(self) -> None:
         self._gen.close()
