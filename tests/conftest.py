@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -36,6 +37,9 @@ def _private_moed_dirs(tmp_path_factory):
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+    # The short socket folders under /tmp (daemon_harness.short_socket_path) go with the session.
+    for folder in Path("/tmp").glob(f"moedt-{os.getpid()}-*"):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # --- tiny MoE checkpoints -------------------------------------------------------------------
