@@ -157,9 +157,12 @@ def start_daemon(
     return daemon
 
 
-def run_together(daemon, requests: list[dict], max_tokens: int = 12, **common) -> list:
+def run_together(
+    daemon, requests: list[dict], max_tokens: int = 12, on_token=None, **common
+) -> list:
     """Send every request from its own client at once (`daemon.client()`); each one's (token ids,
-    end event or RequestFailed). A request's own `max_tokens` wins over the common one."""
+    end event or RequestFailed). A request's own `max_tokens` wins over the common one;
+    `on_token(n, client, tokens so far)` runs on each of request n's tokens."""
     results: list = [None] * len(requests)
     ready = threading.Barrier(len(requests))
 
@@ -172,6 +175,8 @@ def run_together(daemon, requests: list[dict], max_tokens: int = 12, **common) -
                 for event in c.generate(**{"max_tokens": max_tokens, **requests[n], **common}):
                     if isinstance(event, TokenEvent):
                         got += event.ids
+                        if on_token is not None:
+                            on_token(n, c, got)
                     elif isinstance(event, DoneEvent):
                         results[n] = (got, event)
             except RequestFailed as exc:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -102,31 +101,10 @@ def test_pipeline_batch_equals_the_resident_batch(supervisor, model_path, reside
 
 
 def together(sup, requests: list[dict], on_token) -> list:
-    """Like run_together; `on_token(n, client, tokens so far)` runs on each of row n's tokens."""
-    results: list = [None] * len(requests)
-    ready = threading.Barrier(len(requests))
-
-    def worker(n: int) -> None:
-        got: list[int] = []
-        with sup.client() as c:
-            c.connect()
-            ready.wait()
-            try:
-                for event in c.generate(request_id=f"r{n}", **requests[n]):
-                    if isinstance(event, TokenEvent):
-                        got += event.ids
-                        on_token(n, c, got)
-                    elif isinstance(event, DoneEvent):
-                        results[n] = (got, event.finish_reason)
-            except RequestFailed as exc:
-                results[n] = (got, exc)
-
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return results
+    """run_together with request ids r0, r1, ... and each row's (tokens, finish reason or error)."""
+    named = [{"request_id": f"r{n}", **r} for n, r in enumerate(requests)]
+    results = run_together(sup, named, on_token=on_token)
+    return [(got, end.finish_reason if isinstance(end, DoneEvent) else end) for got, end in results]
 
 
 def test_cancel_and_a_lost_rank_in_a_pipeline_batch(supervisor, model_path, resident_batch):
