@@ -199,3 +199,80 @@ def test_demand_reads_go_first_and_speculative_ones_cancel(checkpoint_factory):
         reader.close()
         store.close()
         streamer.close()
+
+
+def _expected_slots(pool, experts):
+    out = {}
+    for t in pool.tensors:
+        with safe_open(str(t.loc.file), framework="numpy") as st:
+            full = st.get_tensor(t.loc.name)
+        out[t.key] = {e: full[e].tobytes() for e in experts}
+    return out
+
+
+def _read_and_compare(store, pool, experts, workers=3):
+    reader = ReadPool(store, workers=workers)
+    try:
+        _hits, loads = pool.admit(experts)
+        jobs = store.jobs_for(pool, loads)
+        reader.read(jobs)
+        want = _expected_slots(pool, experts)
+        for t in pool.tensors:
+            for e in experts:
+                assert bytes(pool.slot_view(t, int(pool.slot_of[e]))) == want[t.key][e], (t, e)
+        return jobs
+    finally:
+        reader.close()
+
+
+def test_direct_reads_fill_slots_exactly_from_unaligned_offsets(checkpoint_factory):
+    """Bypassing the page cache on Linux reads with O_DIRECT through an aligned bounce buffer:
+    expert slices start anywhere in the file, runs of experts coalesce into one job with several
+    slots, and the file's last expert ends at its end (the aligned read comes back short)."""
+    path = checkpoint_factory("qwen3_moe", bits=4)
+    model, _ = load_model(path, lazy=True)
+    streamer = install_streaming(
+        model, path, StreamingConfig(cache_budget="100%", memory_bytes=MEMORY)
+    )
+    store = ExpertStore(streamer.index.files, bypass_page_cache=True, split_bytes=4096)
+    try:
+        if not store.direct:
+            pytest.skip("this file system refuses O_DIRECT (the buffered path is tested above)")
+        assert not store.drop_after_read  # nothing enters the page cache: nothing to drop
+        pool = streamer.pools[-1]
+        last = pool.num_experts - 1
+        ends = {
+            t.loc.file.stat().st_size - (t.loc.offset + (last + 1) * t.loc.expert_stride)
+            for t in pool.tensors
+        }
+        assert 0 in ends  # the file's last bytes are among the reads
+        jobs = _read_and_compare(store, pool, [0, 1, 2, 4, last])
+        assert any(j.offset % 4096 for j in jobs) and any(len(j.buffers) > 1 for j in jobs)
+    finally:
+        store.close()
+        streamer.close()
+
+
+def test_refused_direct_read_falls_back_to_the_page_cache(checkpoint_factory, monkeypatch):
+    """A device that wants a larger alignment refuses the O_DIRECT read with EINVAL (the real
+    kernel's refusal: the alignment is forced to 1 byte here); that file is then read through the
+    page cache and dropped after each burst, with the same bytes."""
+    import moed.daemon.experts.store as store_mod
+
+    path = checkpoint_factory("qwen3_moe", bits=4)
+    model, _ = load_model(path, lazy=True)
+    streamer = install_streaming(
+        model, path, StreamingConfig(cache_budget="100%", memory_bytes=MEMORY)
+    )
+    monkeypatch.setattr(store_mod, "DIRECT_ALIGN", 1)
+    store = ExpertStore(streamer.index.files, bypass_page_cache=True)
+    try:
+        if not store.direct:
+            pytest.skip("this file system refuses O_DIRECT (the buffered path is tested above)")
+        jobs = _read_and_compare(store, streamer.pools[0], [3, 5])
+        if any(j.offset % 512 and j.fd in store.direct for j in jobs):
+            pytest.skip("this file system accepts unaligned O_DIRECT reads (tmpfs does)")
+        assert not store.direct and store.drop_after_read
+    finally:
+        store.close()
+        streamer.close()

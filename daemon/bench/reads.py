@@ -4,6 +4,7 @@ worker counts and chunk sizes in bursts the size of a decode step's misses."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
 import statistics
@@ -15,7 +16,13 @@ from pathlib import Path
 from moed.daemon.experts.memory_plan import _EXPERT_TENSOR
 from moed.daemon.experts.prefetch import ReadPool
 from moed.daemon.experts.safetensors_index import CheckpointIndex
-from moed.daemon.experts.store import ExpertStore, ReadJob, _split, drop_page_cache
+from moed.daemon.experts.store import (
+    DIRECT_ALIGN,
+    ExpertStore,
+    ReadJob,
+    _split,
+    drop_page_cache,
+)
 
 SWEEP_WORKERS = (2, 4, 8, 16)
 SWEEP_CHUNKS = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
@@ -37,25 +44,53 @@ def _random_experts(index: CheckpointIndex, seed: int) -> list[list]:
 
 
 def raw_pread_bandwidth(model_path: Path, workers: int, sample_bytes: int, seed: int = 0) -> dict:
-    """Parallel pread of expert-sized slices (every tensor of randomly chosen experts) with the
-    page cache dropped beforehand: the bandwidth the device gives (no per-read page-cache advice:
-    the pages left cached are dropped at the next measurement)."""
+    """What the device gives: parallel pread of expert-sized slices (every tensor of randomly
+    chosen experts) with the page cache dropped, through the page cache and with O_DIRECT (where
+    the file system has it), the two in an order alternating by seed; the better one is the
+    reference (the store reads with O_DIRECT on Linux when it bypasses the cache). The two read
+    different experts: a VM's host may cache its disk image, and a second read of the same bytes
+    came back up to 30% faster here."""
+    ways = [False, True] if seed % 2 else [True, False]
+    results = {
+        direct: _raw_pread(model_path, workers, sample_bytes, seed + 7919 * direct, direct)
+        for direct in ways
+    }
+    best = max((r for r in results.values() if r), key=lambda r: r["mb_s"])
+    out = dict(best)
+    out["buffered_mb_s"] = results[False]["mb_s"]
+    out["direct_mb_s"] = results[True]["mb_s"] if results[True] else None
+    return out
+
+
+def _raw_pread(model_path: Path, workers: int, sample_bytes: int, seed: int, direct: bool):
+    """One raw measurement; None when O_DIRECT is asked for and refused. O_DIRECT reads the
+    aligned span around each slice into page-aligned buffers and counts the span's bytes."""
     index = CheckpointIndex(model_path)
+    align = DIRECT_ALIGN if direct else 1
     jobs, total = [], 0
     for expert in _random_experts(index, seed):
         for loc, e in expert:
             off, n = loc.expert_range(e)
-            jobs.append((loc.file, off, n))
+            start = off - off % align
+            span = -(-(off + n) // align) * align - start
+            jobs.append((loc.file, start, span))
             total += n
         if total >= sample_bytes:
             break
 
     drop_page_cache(index.files)
-    fds = {f: os.open(f, os.O_RDONLY) for f in index.files}
+    flags = os.O_RDONLY | (os.O_DIRECT if direct and hasattr(os, "O_DIRECT") else 0)
+    if direct and flags == os.O_RDONLY:
+        return None
+    try:
+        fds = {f: os.open(f, flags) for f in index.files}
+    except OSError:
+        return None
     for fd in fds.values():
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    bufs = [bytearray(max(n for _, _, n in jobs)) for _ in range(workers)]
+    size = max(n for _, _, n in jobs)
+    bufs = [mmap.mmap(-1, size) for _ in range(workers)]  # page aligned, as O_DIRECT wants
     local = threading.local()
     counter = iter(range(workers))
     lock = threading.Lock()
@@ -72,6 +107,8 @@ def raw_pread_bandwidth(model_path: Path, workers: int, sample_bytes: int, seed:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             done = sum(pool.map(read, jobs))
         wall = time.perf_counter() - t0
+    except OSError:
+        return None  # the device wants a larger alignment than a page
     finally:
         for fd in fds.values():
             os.close(fd)

@@ -44,7 +44,8 @@ def _raw_line(raw: dict) -> str:
         else "mean of before and after; "
     )
     return (
-        f"raw parallel pread, page cache dropped: {raw['mb_s']:.0f} MB/s ({where}"
+        f"raw parallel pread, page cache dropped (the better of buffered and O_DIRECT reads): "
+        f"{raw['mb_s']:.0f} MB/s ({where}"
         f"{before:.0f} before and {after:.0f} after the runs, "
         f"{raw['bytes'] / 1e6:.0f} MB in {raw['reads']} expert-tensor reads)"
     )

@@ -3,8 +3,9 @@
 Workers only call `os.preadv` into slot memory (the GIL is released during the read); every MLX
 call stays on the engine thread. A speculative job still queued can be cancelled when the layer
 it was meant for turns out not to need it; one already running is waited for (it writes a slot).
-When the page cache is bypassed on Linux, the pages just read are dropped once per burst (when the
-queues run empty), by a worker, instead of one `posix_fadvise` per read on the critical path.
+When the page cache is bypassed on Linux and the file system refuses O_DIRECT, the pages just read
+are dropped once per burst (when the queues run empty), by a worker, instead of one
+`posix_fadvise` per read on the critical path.
 """
 
 from __future__ import annotations

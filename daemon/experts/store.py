@@ -3,12 +3,22 @@ the page-cache policy.
 
 Consecutive expert ids of one stacked tensor are adjacent on disk, so a run of missing experts
 becomes one `preadv` with one iovec per destination slot (slots need not be adjacent in memory).
+
+Bypassing the page cache: macOS sets F_NOCACHE on the file. Linux reads with O_DIRECT into an
+aligned per-thread bounce buffer and copies the wanted bytes into the slots (expert slices start at
+unaligned offsets); a small read that skips the page cache returns about twice as fast there
+(BENCHMARKS.md). Where the file system refuses O_DIRECT, reads go through the page cache and the
+read pool drops what a burst read.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
+import mmap
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +32,11 @@ MAX_JOB_BYTES = 8 * 1024 * 1024  # split long runs so several workers share them
 # cutting big slices into chunks lets every worker take a share of one expert. The size comes from
 # `moed bench stream --sweep` (BENCHMARKS.md).
 SPLIT_BYTES = 1024 * 1024
+# O_DIRECT wants file offset, length and buffer aligned to the device's logical block (512 B or
+# 4 KiB); a page covers both. A device that wants more refuses the read and we fall back.
+DIRECT_ALIGN = 4096
+
+log = logging.getLogger("moed.experts")
 
 
 @dataclass
@@ -71,6 +86,19 @@ def drop_page_cache(files) -> bool:
     return True
 
 
+def open_direct(path: Path) -> int | None:
+    """An O_DIRECT descriptor for reads that skip the page cache (Linux), or None where the OS or
+    the file system has none."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag or sys.platform == "darwin":
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        log.info("no O_DIRECT for %s (%s): reads drop the page cache after each burst", path, exc)
+        return None
+
+
 def drop_cached(fd: int, offset: int, length: int) -> None:
     """Ask the kernel to drop clean cached pages of a range we just read (Linux; macOS uses
     F_NOCACHE)."""
@@ -82,12 +110,22 @@ class ExpertStore:
     def __init__(self, files: list[Path], bypass_page_cache: bool, split_bytes: int | None = None):
         self.bypass = bypass_page_cache
         self.split_bytes = SPLIT_BYTES if split_bytes is None else split_bytes
-        # Linux drops what was read once per burst (the read pool does it when idle); macOS needs
-        # nothing after the read: F_NOCACHE already kept the pages out.
-        self.drop_after_read = bypass_page_cache and sys.platform != "darwin"
         self.fds: dict[Path, int] = {
             Path(f): open_for_reads(Path(f), bypass_page_cache) for f in files
         }
+        # Buffered fd -> its O_DIRECT twin (Linux, page cache bypassed).
+        self.direct: dict[int, int] = {}
+        if bypass_page_cache:
+            for path, fd in self.fds.items():
+                if (dfd := open_direct(path)) is not None:
+                    self.direct[fd] = dfd
+        self._bounce = threading.local()
+
+    @property
+    def drop_after_read(self) -> bool:
+        """Linux without O_DIRECT drops what was read once per burst (the read pool does it when
+        idle); O_DIRECT and macOS's F_NOCACHE keep the pages out in the first place."""
+        return self.bypass and sys.platform != "darwin" and len(self.direct) < len(self.fds)
 
     def jobs_for(self, pool: LayerPool, loads: list[tuple[int, int]]) -> list[ReadJob]:
         """Read jobs that fill `loads` [(expert, slot)] of `pool`, adjacent experts coalesced."""
@@ -117,6 +155,18 @@ class ExpertStore:
 
     def run(self, job: ReadJob) -> int:
         """Do one job (on a worker thread). Returns bytes read."""
+        dfd = self.direct.get(job.fd)
+        if dfd is not None:
+            try:
+                return self._run_direct(dfd, job)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                # The device wants a larger alignment (or the file system changed its mind).
+                log.warning(
+                    "O_DIRECT read refused (%s); this file is read through the page cache", exc
+                )
+                self.direct.pop(job.fd, None)
         done = 0
         buffers = job.buffers
         while buffers:
@@ -127,13 +177,43 @@ class ExpertStore:
             buffers = _advance(buffers, n)
         return done
 
+    def _run_direct(self, dfd: int, job: ReadJob) -> int:
+        """Read the aligned file range around the job into this thread's bounce buffer, then copy
+        each slot's bytes out of it."""
+        start = job.offset - job.offset % DIRECT_ALIGN
+        end = job.offset + job.nbytes
+        span = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN - start
+        bounce = self._bounce_view(span)
+        got = 0
+        while got < end - start:
+            n = os.preadv(dfd, [bounce[got:span]], start + got)
+            if n <= 0:
+                raise OSError(f"short read at offset {start + got} (checkpoint truncated?)")
+            got += n
+        pos = job.offset - start
+        for buf in job.buffers:
+            buf[:] = bounce[pos : pos + len(buf)]
+            pos += len(buf)
+        return job.nbytes
+
+    def _bounce_view(self, nbytes: int) -> memoryview:
+        """This thread's page-aligned buffer of at least nbytes (mmap memory is page aligned)."""
+        local = self._bounce
+        if getattr(local, "size", 0) < nbytes:
+            size = max(nbytes, self.split_bytes + 2 * DIRECT_ALIGN)
+            local.map = mmap.mmap(-1, size)
+            local.view = memoryview(local.map)
+            local.size = size
+        return local.view
+
     def close(self) -> None:
-        for fd in self.fds.values():
+        for fd in [*self.fds.values(), *self.direct.values()]:
             try:
                 os.close(fd)
             except OSError:
                 pass
         self.fds.clear()
+        self.direct.clear()
 
 
 def _split(job: ReadJob, limit: int) -> list[ReadJob]:
