@@ -24,7 +24,7 @@ import numpy as np
 from moed.client.progress import Progress, progress_mode
 from moed.daemon.bench.bench_model import _same_config, bench_config, write_bench_model
 from moed.daemon.bench.reads import raw_pread_bandwidth, sweep, sweep_report
-from moed.daemon.bench.stream_report import RunResult, report
+from moed.daemon.bench.stream_report import RunResult, paired_speed, report
 from moed.daemon.telemetry.analyze import simulate_layers
 
 SWEEP_BURST = 2  # experts per burst in the read sweep: a layer's misses in a decode step at 25%
@@ -182,8 +182,9 @@ def measure(
     tokens: int,
     between=None,
 ) -> None:
-    """Warm up, then decode every contender one token at a time in turn; `between(i)` runs every
-    RAW_EVERY rounds, outside every contender's timing."""
+    """Warm up, then decode every contender one token at a time in turn (a round: one token each,
+    in an order rotating by round); `between(i)` runs every RAW_EVERY rounds, outside every
+    contender's timing."""
     from moed.daemon.experts.store import drop_page_cache
 
     drop_page_cache(files)
@@ -198,7 +199,11 @@ def measure(
         done = rounds = 0
         while active:
             done += len(active)
-            active = [c for c in active if c.step()]
+            # The order rotates round by round, so no contender always runs right after another.
+            turn = rounds % len(active)
+            order = active[turn:] + active[:turn]
+            stepped = {id(c) for c in order if c.step()}
+            active = [c for c in active if id(c) in stepped]
             bar.update(min(done, total))
             rounds += 1
             if between is not None and active and rounds % RAW_EVERY == 0:
@@ -423,7 +428,9 @@ def stream(
                         "meta": meta,
                         "raw": raw,
                         "resident": asdict(resident),
-                        "runs": [asdict(r) for r in runs],
+                        "runs": [
+                            {**asdict(r), "x_resident": paired_speed(r, resident)} for r in runs
+                        ],
                     },
                     indent=2,
                     default=list,
