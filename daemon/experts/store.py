@@ -197,7 +197,9 @@ class ExpertStore:
         return job.nbytes
 
     def _bounce_view(self, nbytes: int) -> memoryview:
-        """This thread's page-aligned buffer of at least nbytes (mmap memory is page aligned)."""
+        """This thread's page-aligned buffer of at least nbytes (mmap memory is page aligned).
+        One chunk plus two pages per read worker: about 8 MB in all, within the memory plan's
+        working memory (at least 32 MB)."""
         local = self._bounce
         if getattr(local, "size", 0) < nbytes:
             size = max(nbytes, self.split_bytes + 2 * DIRECT_ALIGN)
