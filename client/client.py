@@ -82,9 +82,13 @@ class Client:
         self._poller = zmq.Poller()  # built once: the wait for the next token is the hot path
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
-        request_id = self._next_id("hello")
-        self._send(wire.request(MessageType.HELLO, request_id, client=self.name))
-        msg = self._recv_for(request_id, time.monotonic() + self.timeout, heartbeat=False)
+        try:  # a handshake that fails must not leave its two sockets open (the context has 1023)
+            request_id = self._next_id("hello")
+            self._send(wire.request(MessageType.HELLO, request_id, client=self.name))
+            msg = self._recv_for(request_id, time.monotonic() + self.timeout, heartbeat=False)
+        except BaseException:
+            self.close()
+            raise
         if msg.get("type") == MessageType.ERROR.value:
             self.close()
             raise RequestFailed.from_message(msg)

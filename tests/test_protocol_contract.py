@@ -156,3 +156,34 @@ def test_a_dead_daemon_is_daemon_unavailable_on_the_client(daemon):
                 pass
     assert info.value.code is ErrorCode.DAEMON_UNAVAILABLE and info.value.retryable
     assert time.monotonic() - t0 < 10
+
+
+def test_a_failed_handshake_leaves_no_socket_open():
+    """A socket file nobody answers on (a daemon killed mid-start): every connect times out with
+    DaemonUnavailable and closes its zmq sockets. They used to stay open, and a process that
+    polls a starting daemon (moe run, the tests) ran out of the zmq context's 1023 sockets."""
+    import os
+    import shutil
+    import socket as pysocket
+
+    from daemon_harness import short_socket_path
+
+    from moed.client import Client
+
+    path = short_socket_path()
+    path.parent.mkdir(mode=0o700)
+    try:
+        stale = pysocket.socket(pysocket.AF_UNIX)
+        stale.bind(str(path))
+        stale.close()  # the file stays; nothing listens behind it
+        failed = []  # kept alive, so only close() can release their sockets
+        zmq.Context.instance().socket(zmq.DEALER).close()  # the context's own files exist first
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(10):
+            client = Client(path, timeout=0.05)
+            with pytest.raises(DaemonUnavailable):
+                client.connect()
+            failed.append(client)
+        assert len(os.listdir("/proc/self/fd")) - before < 5
+    finally:
+        shutil.rmtree(path.parent, ignore_errors=True)
