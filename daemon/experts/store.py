@@ -115,10 +115,12 @@ class ExpertStore:
         }
         # Buffered fd -> its O_DIRECT twin (Linux, page cache bypassed).
         self.direct: dict[int, int] = {}
+        self._direct_fds: list[int] = []  # all opened: close() closes them even after a fallback
         if bypass_page_cache:
             for path, fd in self.fds.items():
                 if (dfd := open_direct(path)) is not None:
                     self.direct[fd] = dfd
+                    self._direct_fds.append(dfd)
         self._bounce = threading.local()
 
     @property
@@ -209,13 +211,14 @@ class ExpertStore:
         return local.view
 
     def close(self) -> None:
-        for fd in [*self.fds.values(), *self.direct.values()]:
+        for fd in [*self.fds.values(), *self._direct_fds]:
             try:
                 os.close(fd)
             except OSError:
                 pass
         self.fds.clear()
         self.direct.clear()
+        self._direct_fds.clear()
 
 
 def _split(job: ReadJob, limit: int) -> list[ReadJob]:
