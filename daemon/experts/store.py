@@ -94,8 +94,7 @@ def open_direct(path: Path) -> int | None:
         return None
     try:
         return os.open(path, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        log.info("no O_DIRECT for %s (%s): reads drop the page cache after each burst", path, exc)
+    except OSError:
         return None
 
 
@@ -121,6 +120,13 @@ class ExpertStore:
                 if (dfd := open_direct(path)) is not None:
                     self.direct[fd] = dfd
                     self._direct_fds.append(dfd)
+            if sys.platform != "darwin" and len(self.direct) < len(self.fds):
+                log.info(
+                    "no O_DIRECT for %d of %d checkpoint files: their pages are dropped after "
+                    "each burst of reads",
+                    len(self.fds) - len(self.direct),
+                    len(self.fds),
+                )
         self._bounce = threading.local()
 
     @property
