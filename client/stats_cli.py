@@ -52,7 +52,7 @@ def format_stats(s: dict) -> str:
             f"resident {_bytes(ex.get('resident_bytes'))} of "
             f"{_bytes(ex.get('experts_bytes'))} experts  "
             f"({min(slots) if slots else '-'} of {ex.get('num_experts')} slots/layer, "
-            f"{'page cache bypassed' if ex.get('page_cache_bypass') else 'page cache trusted'})",
+            f"{_page_cache(ex)})",
             f"hit rate     {_pct(ex.get('hit_rate'))} overall  "
             f"{_pct(ex.get('recent_hit_rate'))} recent  "
             f"({ex.get('hits')} hits, {ex.get('misses')} misses)",
@@ -144,3 +144,9 @@ def metrics(obj) -> None:
     except RequestFailed as exc:
         _fail(ExitCode.REQUEST_FAILED, str(exc))
     click.echo(text, nl=False)
+
+
+def _page_cache(ex: dict) -> str:
+    if not ex.get("page_cache_bypass"):
+        return "page cache trusted"
+    return "page cache bypassed, O_DIRECT" if ex.get("direct_io") else "page cache bypassed"

@@ -18,7 +18,7 @@ from moed.daemon.experts.cache import LayerPool, PooledTensor, _alloc
 from moed.daemon.experts.policies import LRUPolicy
 from moed.daemon.experts.prefetch import ReadPool
 from moed.daemon.experts.safetensors_index import TensorLoc
-from moed.daemon.experts.store import ExpertStore, _advance, resolve_page_cache
+from moed.daemon.experts.store import ExpertStore, _advance, open_direct, resolve_page_cache
 
 MEMORY = 8 << 30
 
@@ -104,7 +104,13 @@ def test_page_cache_modes_give_identical_tokens(checkpoint_factory, policy):
     )
     mx.eval(model.parameters())
     try:
-        assert streamer.snapshot()["page_cache_bypass"] is (policy is PageCachePolicy.BYPASS)
+        snap = streamer.snapshot()
+        assert snap["page_cache_bypass"] is (policy is PageCachePolicy.BYPASS)
+        # O_DIRECT wherever the file system has it, and only when bypassing.
+        fd = open_direct(streamer.index.files[0])
+        if fd is not None:
+            os.close(fd)
+        assert snap["direct_io"] is (policy is PageCachePolicy.BYPASS and fd is not None)
         assert tokens(model) == want
     finally:
         streamer.close()

@@ -305,6 +305,7 @@ class ExpertStreamer:
                 "cached_experts": sum(p.slots - p.free_slots for p in self.pools),
                 "prefetch_workers": self.reader.workers,
                 "page_cache_bypass": self.bypass_page_cache,
+                "direct_io": bool(self.store.direct),
                 **self.spec.snapshot(),
                 "overlap_reads_active": self.overlap.active,
                 "overlap_net_ms_per_step": self.overlap.net_ms,

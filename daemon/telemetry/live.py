@@ -49,6 +49,7 @@ def expert_stats(snap: dict | None) -> dict | None:
         "slots_per_layer": snap.get("slots_per_layer"),
         "cached_experts": snap.get("cached_experts"),
         "page_cache_bypass": snap.get("page_cache_bypass"),
+        "direct_io": snap.get("direct_io"),
         "prefetch_workers": snap.get("prefetch_workers"),
         "hits": hits,
         "misses": misses,
