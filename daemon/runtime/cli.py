@@ -56,7 +56,8 @@ class ConfigExit(click.ClickException):
 @click.option(
     "--page-cache",
     type=click.Choice([p.value for p in PageCachePolicy]),
-    help="Bypass or trust the OS page cache.",
+    help="Bypass or trust the OS page cache for expert reads (auto: bypass once the experts "
+    "exceed half of memory; bypassed reads use F_NOCACHE on macOS, O_DIRECT on Linux).",
 )
 @click.option("--max-batch", type=int, help="Requests decoded together in one batch (default 8).")
 @click.option(
