@@ -86,12 +86,11 @@ class Client:
             request_id = self._next_id("hello")
             self._send(wire.request(MessageType.HELLO, request_id, client=self.name))
             msg = self._recv_for(request_id, time.monotonic() + self.timeout, heartbeat=False)
+            if msg.get("type") == MessageType.ERROR.value:
+                raise RequestFailed.from_message(msg)
         except BaseException:
             self.close()
             raise
-        if msg.get("type") == MessageType.ERROR.value:
-            self.close()
-            raise RequestFailed.from_message(msg)
         self.welcome = msg
         self.boot_id = msg.get("boot_id")
         return msg

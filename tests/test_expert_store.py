@@ -60,12 +60,7 @@ def test_adjacent_misses_coalesce_into_one_preadv(checkpoint_factory):
             pool.tensors
         )
         streamer.reader.read(jobs)
-        # The slots now hold exactly the experts' bytes from the file.
-        for t in pool.tensors:
-            with safe_open(str(t.loc.file), framework="numpy") as st:
-                full = st.get_tensor(t.loc.name)
-            for e in (2, 3, 5, 6, 7):
-                assert bytes(pool.slot_view(t, int(pool.slot_of[e]))) == full[e].tobytes()
+        _assert_slots_hold(pool, [2, 3, 5, 6, 7])  # exactly the experts' bytes from the file
     finally:
         streamer.close()
 
@@ -207,13 +202,13 @@ def test_demand_reads_go_first_and_speculative_ones_cancel(checkpoint_factory):
         streamer.close()
 
 
-def _expected_slots(pool, experts):
-    out = {}
+def _assert_slots_hold(pool, experts):
+    """Each expert's slot holds exactly its bytes from the checkpoint (read with safetensors)."""
     for t in pool.tensors:
         with safe_open(str(t.loc.file), framework="numpy") as st:
             full = st.get_tensor(t.loc.name)
-        out[t.key] = {e: full[e].tobytes() for e in experts}
-    return out
+        for e in experts:
+            assert bytes(pool.slot_view(t, int(pool.slot_of[e]))) == full[e].tobytes(), (t, e)
 
 
 def _read_and_compare(store, pool, experts, workers=3):
@@ -222,10 +217,7 @@ def _read_and_compare(store, pool, experts, workers=3):
         _hits, loads = pool.admit(experts)
         jobs = store.jobs_for(pool, loads)
         reader.read(jobs)
-        want = _expected_slots(pool, experts)
-        for t in pool.tensors:
-            for e in experts:
-                assert bytes(pool.slot_view(t, int(pool.slot_of[e]))) == want[t.key][e], (t, e)
+        _assert_slots_hold(pool, experts)
         return jobs
     finally:
         reader.close()

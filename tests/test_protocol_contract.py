@@ -1,18 +1,22 @@
 """The protocol contract of PROTOCOL.md, point by point, against a real daemon over raw sockets:
 cancel ordering, capped max_tokens with a notice, max_tokens counting resumed tokens, defaults,
-model names, client disconnects, a client-side daemon_unavailable."""
+model names, client disconnects, a client-side daemon_unavailable, a failed handshake that closes
+its sockets."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import socket as pysocket
 import time
 
 import msgpack
 import pytest
 import zmq
-from daemon_harness import start_daemon
+from daemon_harness import short_socket_path, start_daemon
 
-from moed.client import DaemonUnavailable, RequestFailed, TokenEvent
+from moed.client import Client, DaemonUnavailable, RequestFailed, TokenEvent
 from moed.protocol import ErrorCode
 
 LIMIT = 40  # the daemon's max_tokens_limit in this module
@@ -162,14 +166,6 @@ def test_a_failed_handshake_leaves_no_socket_open():
     """A socket file nobody answers on (a daemon killed mid-start): every connect times out with
     DaemonUnavailable and closes its zmq sockets. They used to stay open, and a process that
     polls a starting daemon (moe run, the tests) ran out of the zmq context's 1023 sockets."""
-    import os
-    import shutil
-    import socket as pysocket
-
-    from daemon_harness import short_socket_path
-
-    from moed.client import Client
-
     path = short_socket_path()
     path.parent.mkdir(mode=0o700)
     try:

@@ -17,11 +17,13 @@ from moed.daemon.experts.memory_plan import _EXPERT_TENSOR
 from moed.daemon.experts.prefetch import ReadPool
 from moed.daemon.experts.safetensors_index import CheckpointIndex
 from moed.daemon.experts.store import (
-    DIRECT_ALIGN,
     ExpertStore,
     ReadJob,
     _split,
+    aligned_span,
     drop_page_cache,
+    open_direct,
+    open_for_reads,
 )
 
 SWEEP_WORKERS = (2, 4, 8, 16)
@@ -57,8 +59,9 @@ def raw_pread_bandwidth(model_path: Path, workers: int, sample_bytes: int, seed:
     }
     best = max((r for r in results.values() if r), key=lambda r: r["mb_s"])
     out = dict(best)
-    out["buffered_mb_s"] = results[False]["mb_s"]
-    out["direct_mb_s"] = results[True]["mb_s"] if results[True] else None
+    out["buffered_mb_s"], out["direct_mb_s"] = (
+        results[d]["mb_s"] if results[d] else None for d in (False, True)
+    )
     return out
 
 
@@ -66,29 +69,23 @@ def _raw_pread(model_path: Path, workers: int, sample_bytes: int, seed: int, dir
     """One raw measurement; None when O_DIRECT is asked for and refused. O_DIRECT reads the
     aligned span around each slice into page-aligned buffers and counts the span's bytes."""
     index = CheckpointIndex(model_path)
-    align = DIRECT_ALIGN if direct else 1
     jobs, total = [], 0
     for expert in _random_experts(index, seed):
         for loc, e in expert:
             off, n = loc.expert_range(e)
-            start = off - off % align
-            span = -(-(off + n) // align) * align - start
-            jobs.append((loc.file, start, span))
+            jobs.append((loc.file, *(aligned_span(off, n) if direct else (off, n))))
             total += n
         if total >= sample_bytes:
             break
 
     drop_page_cache(index.files)
-    flags = os.O_RDONLY | (os.O_DIRECT if direct and hasattr(os, "O_DIRECT") else 0)
-    if direct and flags == os.O_RDONLY:
+    # The store's own ways to open: random-access advice (F_NOCACHE on macOS), or O_DIRECT.
+    fds = {f: open_direct(f) if direct else open_for_reads(f, True) for f in index.files}
+    if None in fds.values():
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
         return None
-    try:
-        fds = {f: os.open(f, flags) for f in index.files}
-    except OSError:
-        return None
-    for fd in fds.values():
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     size = max(n for _, _, n in jobs)
     bufs = [mmap.mmap(-1, size) for _ in range(workers)]  # page aligned, as O_DIRECT wants
     local = threading.local()
@@ -108,6 +105,8 @@ def _raw_pread(model_path: Path, workers: int, sample_bytes: int, seed: int, dir
             done = sum(pool.map(read, jobs))
         wall = time.perf_counter() - t0
     except OSError:
+        if not direct:
+            raise
         return None  # the device wants a larger alignment than a page
     finally:
         for fd in fds.values():

@@ -102,7 +102,7 @@ class ReadPool:
     def _done(self, job: ReadJob) -> None:
         with self._cv:
             self._busy -= 1
-            if self.store.bypass and self.store.drop_after_read:
+            if self.store.drop_after_read:
                 start, end = self._to_drop.get(job.fd, (job.offset, job.offset))
                 self._to_drop[job.fd] = (min(start, job.offset), max(end, job.offset + job.nbytes))
             if not self._busy:

@@ -86,6 +86,14 @@ def drop_page_cache(files) -> bool:
     return True
 
 
+def aligned_span(offset: int, nbytes: int, align: int | None = None) -> tuple[int, int]:
+    """(start, length) of the smallest `align`-aligned file range that holds [offset, offset +
+    nbytes): what an O_DIRECT read of that range must ask for."""
+    align = DIRECT_ALIGN if align is None else align
+    start = offset - offset % align
+    return start, -(-(offset + nbytes) // align) * align - start
+
+
 def open_direct(path: Path) -> int | None:
     """An O_DIRECT descriptor for reads that skip the page cache (Linux), or None where the OS or
     the file system has none."""
@@ -114,19 +122,19 @@ class ExpertStore:
         }
         # Buffered fd -> its O_DIRECT twin (Linux, page cache bypassed).
         self.direct: dict[int, int] = {}
-        self._direct_fds: list[int] = []  # all opened: close() closes them even after a fallback
         if bypass_page_cache:
             for path, fd in self.fds.items():
                 if (dfd := open_direct(path)) is not None:
                     self.direct[fd] = dfd
-                    self._direct_fds.append(dfd)
-            if sys.platform != "darwin" and len(self.direct) < len(self.fds):
-                log.info(
-                    "no O_DIRECT for %d of %d checkpoint files: their pages are dropped after "
-                    "each burst of reads",
-                    len(self.fds) - len(self.direct),
-                    len(self.fds),
-                )
+        # A refused file leaves `direct`; close() still closes its descriptor.
+        self._direct_fds = list(self.direct.values())
+        if self.drop_after_read:
+            log.info(
+                "no O_DIRECT for %d of %d checkpoint files: their pages are dropped after each "
+                "burst of reads",
+                len(self.fds) - len(self.direct),
+                len(self.fds),
+            )
         self._bounce = threading.local()
 
     @property
@@ -188,12 +196,10 @@ class ExpertStore:
     def _run_direct(self, dfd: int, job: ReadJob) -> int:
         """Read the aligned file range around the job into this thread's bounce buffer, then copy
         each slot's bytes out of it."""
-        start = job.offset - job.offset % DIRECT_ALIGN
-        end = job.offset + job.nbytes
-        span = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN - start
+        start, span = aligned_span(job.offset, job.nbytes)
         bounce = self._bounce_view(span)
-        got = 0
-        while got < end - start:
+        got, want = 0, job.offset + job.nbytes - start
+        while got < want:  # the aligned span may run past the end of the file: short there
             n = os.preadv(dfd, [bounce[got:span]], start + got)
             if n <= 0:
                 raise OSError(f"short read at offset {start + got} (checkpoint truncated?)")
