@@ -166,11 +166,12 @@ def load_streaming(
     mx.eval(model.parameters())
     if preload_all:
         streamer.preload([list(range(n)) for n in streamer.layout.num_experts])
-    streamer.trace = []
+    simulate = not (preload_all or speculative)
+    # The simulations replay the routing trace, which needs the choices on the host: a traced
+    # run never routes on the device, so the preloaded run (no simulation) goes untraced.
+    streamer.trace = [] if simulate else None
     name = budget + ("+pre" if preload_all else "") + ("+spec" if speculative else "")
-    return Contender(
-        name, model, streamer, preloaded=preload_all, simulate=not (preload_all or speculative)
-    )
+    return Contender(name, model, streamer, preloaded=preload_all, simulate=simulate)
 
 
 def measure(

@@ -108,6 +108,31 @@ class LayerPool(SlotTable):
         n = tensor.slot_bytes
         return self.views[tensor.key][slot * n : (slot + 1) * n]
 
+    @property
+    def whole(self) -> bool:
+        """Every expert of the layer has a slot and is loaded (no read of it can be pending once
+        the caller has collected its loads)."""
+        return self.slots == self.num_experts and self.free_slots == 0
+
+    def sort_by_expert(self) -> None:
+        """Put a whole pool in expert order (slot e holds expert e), so the router's indices are
+        slot indices. New arrays: a graph not yet evaluated keeps reading the old ones."""
+        order = self.slot_of.copy()  # new slot e <- old slot slot_of[e]
+        if (order == np.arange(self.num_experts)).all():
+            return
+        old_arrays, old_views = self.arrays, self.views
+        self._allocate(self.slots)
+        for t in self.tensors:
+            src = np.frombuffer(old_views[t.key], np.uint8).reshape(self.slots, t.slot_bytes)
+            dst = np.frombuffer(self.views[t.key], np.uint8).reshape(self.slots, t.slot_bytes)
+            np.take(src, order, axis=0, out=dst)
+            del src, dst  # no numpy view may outlive the memoryviews released below
+        for v in old_views.values():
+            v.release()
+        del old_arrays, old_views
+        self.slot_of[:] = np.arange(self.num_experts)
+        self.expert_in[:] = np.arange(self.num_experts)
+
     def resize(self, new_slots: int) -> int:
         """Shrink (or grow) the pools, keeping the most valuable residents. Returns bytes
         released."""

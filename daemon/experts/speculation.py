@@ -111,6 +111,10 @@ class Speculator:
         s.counters.prefetched += len(loads)
         self._step_guessed += len(loads)
 
+    def inflight(self, layer: int) -> bool:
+        """Speculative reads into `layer` are queued or running."""
+        return layer in self._inflight
+
     def settle(self, layer: int, needed: set[int]) -> tuple[set[int], list[Future], list]:
         """Before `layer` loads `needed`: speculative reads it needs move to the front of the
         queue; the others are cancelled (or waited for, when already running) and their experts

@@ -17,6 +17,7 @@ from moed.daemon.experts import profile as profile_mod
 from moed.daemon.experts.cache import LayerPool
 from moed.daemon.experts.counters import Counters, LayerCounters
 from moed.daemon.experts.discover import SwitchInfo
+from moed.daemon.experts.held import DeviceTally
 from moed.daemon.experts.memory_plan import ExpertLayout, MemoryPlan, _memory_override, make_plan
 from moed.daemon.experts.policies import DEFAULT_POLICY, make_policy
 from moed.daemon.experts.prefetch import ReadPool
@@ -101,7 +102,11 @@ class ExpertStreamer:
         self.store = ExpertStore(index.files, self.bypass_page_cache)
         self.reader = ReadPool(self.store, cfg.prefetch_workers)
         self.counters = Counters(layers=[LayerCounters() for _ in switches])
-        self.usage = [np.zeros(s.num_experts, dtype=np.int64) for s in switches]
+        self.usage = [np.zeros(s.num_experts, dtype=np.int64) for s in switches]  # host-routed
+        # Layers whose every expert is held route on the device (held.py); their usage is here.
+        self._held = [False] * len(switches)
+        self.tally = DeviceTally([s.num_experts for s in switches])
+        self._step_tally: mx.array | None = None  # evaluated with the step's first MoE layer
         self.routers = [s.router for s in switches]
         self.spec = Speculator(self, cfg.prefetch_next)
         # Computing resident experts' rows while the misses are read (streaming_switch.py).
@@ -121,32 +126,63 @@ class ExpertStreamer:
 
     # -- called by StreamingSwitch on the engine thread -------------------------------------
 
+    def begin_call(self, layer: int, indices: mx.array) -> None:
+        """Every layer call starts here; the first MoE layer's starts a forward step: count it,
+        apply a pending shed, feed the tuner, and tally the previous step's held layers."""
+        self._engine_thread = threading.get_ident()
+        if layer != 0:
+            return
+        c = self.counters
+        c.steps += 1
+        if self._pending_slots is not None:
+            self._apply_shed()
+        k = indices.shape[-1] if indices.ndim else 1
+        rows = indices.size // max(1, k)
+        self._begin_step(decode=rows <= 8)
+        c.tokens += rows
+        self._step_tally = self.tally.flush()
+
+    def on_device(self, layer: int) -> bool:
+        """Whether this call of `layer` routes on the device: every expert of it is held, and no
+        router trace or request recorder needs the choices on the host."""
+        if not self._held[layer]:
+            pool = self.pools[layer]
+            if not pool.whole or self.spec.inflight(layer):
+                return False
+            pool.sort_by_expert()  # the router's indices become slot indices
+            self._held[layer] = True
+            log.debug("MoE layer %d holds every expert: routed on the device", layer)
+        return self.trace is None and self.observer is None
+
+    def route_on_device(self, layer: int, indices: mx.array) -> mx.array | None:
+        """A held layer's call: its bookkeeping without the host. Returns an array the layer's
+        output must depend on (the previous step's usage tally), or None."""
+        self.tally.record(layer, indices)
+        c = self.counters
+        c.layer_calls += 1
+        c.device_routed += 1
+        dep, self._step_tally = self._step_tally, None
+        return dep
+
     def route(self, layer: int, indices: mx.array, x: mx.array | None = None) -> np.ndarray:
         """Read the router's choices back to the host (the known cost centre, timed)."""
-        self._engine_thread = threading.get_ident()
         c = self.counters
+        tally, self._step_tally = self._step_tally, None
         predicted = self.spec.predict(layer, indices, x)
         t0 = time.perf_counter()
         # The one host sync of the layer also finishes every pending layer output (usually
         # ancestors of these indices anyway), so their slots are free to be overwritten after it.
-        extra = [predicted] if predicted is not None else []
+        extra = [a for a in (predicted, tally) if a is not None]
         mx.eval(indices, *extra, *self._pending_outputs)
         self._pending_done()
         c.host_syncs += 1
         t1 = time.perf_counter()
-        if layer == 0:
-            c.steps += 1
-            if self._pending_slots is not None:
-                self._apply_shed()
+        if tally is not None:
+            self._fold_tally(evaluated=True)
         host = np.array(indices)
         self.spec.predicted(layer, predicted)
         flat = host.reshape(-1)
-        if layer == 0:
-            k = host.shape[-1] if host.ndim else 1
-            self._begin_step(decode=flat.size <= 8 * k)
         self.usage[layer] += np.bincount(flat, minlength=self.usage[layer].shape[0])
-        if layer == 0:
-            c.tokens += flat.size // max(1, host.shape[-1]) if host.ndim else 1
         if self.trace is not None:
             if layer == 0:
                 self.trace.append([])
@@ -159,6 +195,12 @@ class ExpertStreamer:
             self.observer.on_route(layer, host)
         return host
 
+    def _fold_tally(self, evaluated: bool = False) -> None:
+        """Held layers' hits into the host counters (no host sync: see DeviceTally.fold)."""
+        _usage, hits = self.tally.fold(evaluated)
+        for lc, h in zip(self.counters.layers, hits.tolist()):
+            lc.device_hits = h
+
     def _begin_step(self, decode: bool) -> None:
         """A forward step starts: the previous decode step's cost goes to the tuner."""
         now = self.counters.layer_s
@@ -166,6 +208,9 @@ class ExpertStreamer:
             self.tuner.on_step(now - self._step_layer_s)
         self._step_layer_s = now if decode else None
         self.spec.end_step()
+
+    def pools_of(self, layer: int) -> dict[str, mx.array]:
+        return self.pools[layer].arrays
 
     def plan_passes(self, layer: int, host: np.ndarray) -> list[np.ndarray]:
         passes = self.pools[layer].plan_passes(np.unique(host))
@@ -290,6 +335,8 @@ class ExpertStreamer:
         return sum(p.pool_bytes for p in self.pools)
 
     def snapshot(self) -> dict:
+        if threading.get_ident() == self._engine_thread:  # no MLX call from other threads
+            self._fold_tally()
         snap = self.counters.snapshot()
         snap.update(
             {
@@ -355,9 +402,16 @@ class ExpertStreamer:
         if target is None:
             return
         released = sum(p.resize(min(p.slots, target)) for p in self.pools)
+        self._held = [False] * len(self.pools)  # re-checked (and re-sorted) at their next call
         self.budget_bytes = self.resident_bytes
         mx.clear_cache()  # hand the freed pool buffers back to the OS
         log.info("expert cache shed to %d slots per layer (%d bytes released)", target, released)
+
+    def usage_counts(self) -> list[np.ndarray]:
+        """Per layer and expert, the token rows routed to it (host- and device-routed calls).
+        On the engine thread: it evaluates the held layers' pending tally."""
+        device, _hits = self.tally.settle()
+        return [u + device[l, : u.shape[0]] for l, u in enumerate(self.usage)]
 
     @property
     def profile_path(self) -> Path | None:
@@ -371,7 +425,8 @@ class ExpertStreamer:
         if path is None:
             return None
         saved = profile_mod.load_profile(path, self.layout.num_experts)
-        profile_mod.save_profile(path, self.model_path, profile_mod.merge(saved, self.usage))
+        usage = self.usage_counts()
+        profile_mod.save_profile(path, self.model_path, profile_mod.merge(saved, usage))
         return path
 
     def warm(self) -> int:

@@ -44,6 +44,14 @@ class LayerCache(Protocol):
     counters: object
     overlap: object  # a tuning.Switch: whether to compute resident rows during the reads
 
+    def begin_call(self, layer: int, indices: mx.array) -> None: ...
+
+    def on_device(self, layer: int) -> bool: ...
+
+    def route_on_device(self, layer: int, indices: mx.array) -> mx.array | None: ...
+
+    def pools_of(self, layer: int) -> dict[str, mx.array]: ...
+
     def route(self, layer: int, indices: mx.array, x: mx.array | None = None) -> np.ndarray: ...
 
     def plan_passes(self, layer: int, host: np.ndarray) -> list[np.ndarray]: ...
@@ -189,9 +197,32 @@ class StreamingSwitch(nn.Module):
         streamer.defer(layer, y, np.unique(table[flat]))
         return y
 
+    def _on_device(self, x, indices, dep: mx.array | None) -> mx.array:
+        """Every expert is held and slot e holds expert e (held.py): mlx-lm's own SwitchGLU call
+        on the pool, with the router's indices as they are on the device."""
+        pools = self._streamer.pools_of(self._layer)
+        x = mx.expand_dims(x, (-2, -3))
+        indices = mx.stop_gradient(indices)
+        do_sort = indices.size >= 64
+        idx, inv_order = indices, None
+        if do_sort:
+            x, idx, inv_order = gather_sort(x, indices)
+        out = self._experts(x, idx, do_sort, pools)
+        if do_sort:
+            out = scatter_unsort(out, inv_order, indices.shape)
+        out = out.squeeze(-2)
+        if dep is not None:  # the step's usage tally is computed with the step, not apart
+            (out,) = mx.depends([out], [dep])
+        return out
+
     def __call__(self, x, indices) -> mx.array:
         t0 = time.perf_counter()
         streamer, layer = self._streamer, self._layer
+        streamer.begin_call(layer, indices)
+        if streamer.on_device(layer):
+            out = self._on_device(x, indices, streamer.route_on_device(layer, indices))
+            streamer.counters.layer_s += time.perf_counter() - t0
+            return out
         host = streamer.route(layer, indices, x)
         passes = streamer.plan_passes(layer, host)
 
