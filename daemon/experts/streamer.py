@@ -140,7 +140,7 @@ class ExpertStreamer:
         rows = indices.size // max(1, k)
         self._begin_step(decode=rows <= 8)
         c.tokens += rows
-        self._step_tally = self.tally.flush()
+        self._step_tally = self.tally.step()
 
     def on_device(self, layer: int) -> bool:
         """Whether this call of `layer` routes on the device: every expert of it is held, and no
@@ -149,7 +149,7 @@ class ExpertStreamer:
             pool = self.pools[layer]
             if not pool.whole or self.spec.inflight(layer):
                 return False
-            pool.sort_by_expert()  # the router's indices become slot indices
+            pool.hold()  # device arrays in expert order: the router's indices are slots
             self._held[layer] = True
             log.debug("MoE layer %d holds every expert: routed on the device", layer)
         return self.trace is None and self.observer is None
