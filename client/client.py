@@ -233,6 +233,7 @@ class Client:
                             event.timings,
                             event.telemetry,
                             event.stop_sequence,
+                            event.lossy,
                         )
                     yield event
                 return

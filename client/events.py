@@ -33,6 +33,8 @@ class DoneEvent:
     timings: dict[str, Any]
     telemetry: dict[str, Any] = field(default_factory=dict)
     stop_sequence: str | None = None  # the stop string that ended the text (finish_reason "stop")
+    # K-reduction was on (lossy): {active_experts, native_experts, lossy}; None: native routing.
+    lossy: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ def event_from_message(msg: dict) -> Event | None:
             msg.get("timings") or {},
             msg.get("telemetry") or {},
             msg.get("stop_sequence"),
+            msg.get("lossy"),
         )
     if kind == MessageType.ERROR.value:
         raise RequestFailed.from_message(msg)

@@ -297,4 +297,8 @@ def summary_line(done: DoneEvent) -> str:
         parts.append(f"read {format_bytes(experts.get('bytes_read', 0))}")
         if "stall_s" in experts:
             parts.append(f"stall {experts['stall_s'] * 1000:.0f} ms")
+    if done.lossy:
+        parts.append(
+            f"LOSSY: {done.lossy['active_experts']} of {done.lossy['native_experts']} experts a token"
+        )
     return "[moe] " + " · ".join(parts)

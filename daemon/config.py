@@ -45,6 +45,8 @@ class ServeConfig:
     page_cache: PageCachePolicy = PageCachePolicy.AUTO
     prefetch_next: bool = False  # read the next layer's likely experts during this layer's compute
     cache_policy: str = DEFAULT_POLICY  # expert eviction policy, a name in experts/policies
+    # Lossy, opt-in: each token uses its K best experts instead of the model's top-k; 0: native.
+    max_active_experts: int = 0
     memory_limit_bytes: int = (
         0  # what the memory plan may use; 0: the machine's (RAM, cgroup, Metal working set)
     )
@@ -81,6 +83,11 @@ class ServeConfig:
             raise ConfigError(
                 f"setting 'cache_policy': {self.cache_policy!r} is not a cache policy "
                 f"(allowed: {', '.join(policy_names())})"
+            )
+        if self.max_active_experts < 0:
+            raise ConfigError(
+                f"setting 'max_active_experts': {self.max_active_experts} is not allowed; "
+                "allowed: 0 (the model's own top-k) or an integer from 1 to the model's top-k"
             )
         try:
             parse_keep_alive(self.keep_alive)

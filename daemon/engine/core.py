@@ -297,6 +297,9 @@ class EngineCore(ModelLifecycle):
         )
         if gen.notice:
             msg["notice"] = gen.notice
+        routing = self.loaded.routing if self.loaded is not None else None
+        if routing is not None and routing.lossy:  # K-reduction: the client must know
+            msg["lossy"] = routing.describe()
         self.sink.emit(gen.job.identity, msg, terminal=True)
 
     def _out_of_memory(self, exc: BaseException, also: GenerateJob | None = None) -> None:

@@ -11,6 +11,7 @@ from moed.daemon.engine.batch import DecodeBatch
 from moed.daemon.engine.request import GenerateJob
 from moed.daemon.engine.status import DaemonState
 from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.experts.active_experts import ActiveExpertsError
 from moed.daemon.model.loader import (
     CheckpointUnusable,
     LoadProgress,
@@ -55,6 +56,8 @@ class ModelLifecycle:
                 self.exit_code = DaemonExit.DOES_NOT_FIT
             elif isinstance(exc, CheckpointUnusable):
                 self.exit_code = DaemonExit.MODEL_UNUSABLE
+            elif isinstance(exc, ActiveExpertsError):  # a setting the model cannot take
+                self.exit_code = DaemonExit.CONFIG
             self.status.update(state=DaemonState.FAILED, error=f"{exc.__class__.__name__}: {exc}")
             self.reject_queued(ErrorCode.INTERNAL, f"model failed to load: {exc}")
             self.fatal = exc

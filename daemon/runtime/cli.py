@@ -59,6 +59,12 @@ class ConfigExit(click.ClickException):
     help="Bypass or trust the OS page cache for expert reads (auto: bypass once the experts "
     "exceed half of memory; bypassed reads use F_NOCACHE on macOS, O_DIRECT on Linux).",
 )
+@click.option(
+    "--max-active-experts",
+    type=int,
+    help="Lossy, opt-in: each token uses its K best experts instead of the model's top-k (fewer "
+    "bytes read per token; every response says so). 0: the model's own routing (default).",
+)
 @click.option("--max-batch", type=int, help="Requests decoded together in one batch (default 8).")
 @click.option(
     "--prefill-chunk",
@@ -104,6 +110,7 @@ def serve(
     prefetch_next,
     cache_policy,
     page_cache,
+    max_active_experts,
     max_batch,
     prefill_chunk,
     batch_window_ms,
@@ -130,6 +137,7 @@ def serve(
                 "page_cache": page_cache,
                 "prefetch_next": prefetch_next,
                 "cache_policy": cache_policy,
+                "max_active_experts": max_active_experts,
                 "state_dir": given.state_dir,
                 "log_dir": given.log_dir,
                 "max_batch": max_batch,
