@@ -54,7 +54,7 @@ class PendingLoad:
     loads: list[tuple[int, int]]
     demand: list
     spec_loads: list
-    spec_futures: list
+    spec_batches: list
 
 
 class ExpertStreamer:
@@ -212,8 +212,9 @@ class ExpertStreamer:
     def pools_of(self, layer: int) -> dict[str, mx.array]:
         return self.pools[layer].arrays
 
-    def plan_passes(self, layer: int, host: np.ndarray) -> list[np.ndarray]:
-        passes = self.pools[layer].plan_passes(np.unique(host))
+    def plan_passes(self, layer: int, needed: np.ndarray) -> list[np.ndarray]:
+        """`needed`: the call's distinct experts, ascending (np.unique of its indices)."""
+        passes = self.pools[layer].plan_passes(needed)
         self.counters.passes += len(passes) - 1
         return passes
 
@@ -225,7 +226,7 @@ class ExpertStreamer:
     def begin_load(self, layer: int, experts: np.ndarray) -> PendingLoad:
         """Admit `experts` and queue the reads of the missing ones without waiting for them."""
         pool = self.pools[layer]
-        kept, spec_futures, spec_loads = self.spec.settle(layer, set(experts.tolist()))
+        kept, spec_batches, spec_loads = self.spec.settle(layer, set(experts.tolist()))
         hits, loads = self._admit(pool, experts)
         self.counters.prefetch_hits += len(kept)
         lc = self.counters.layers[layer]
@@ -235,17 +236,17 @@ class ExpertStreamer:
             self.observer.on_load(layer, pool, hits, loads)
         if loads:
             self._fence(layer, loads)
-        demand = self.reader.submit(self.store.jobs_for(pool, loads)) if loads else []
+        demand = [self.reader.submit(self.store.jobs_for(pool, loads))] if loads else []
         self.spec.issue(layer + 1)  # queued behind every demand read
-        ready = np.array([e for e in hits if e not in kept], dtype=np.int64)
-        return PendingLoad(pool, experts, ready, loads, demand, spec_loads, spec_futures)
+        ready = np.array([e for e in hits if e not in kept] if kept else hits, dtype=np.int64)
+        return PendingLoad(pool, experts, ready, loads, demand, spec_loads, spec_batches)
 
     def finish_load(self, p: PendingLoad) -> np.ndarray:
         """Wait for a `begin_load`'s reads; returns the expert -> slot table."""
         if p.demand:
             self._collect(p.pool, p.loads, p.demand)
-        if p.spec_futures:
-            self._collect_speculative(p.pool, p.experts, p.spec_loads, p.spec_futures)
+        if p.spec_batches:
+            self._collect_speculative(p.pool, p.experts, p.spec_loads, p.spec_batches)
         return self.table(p.pool, p.experts)
 
     @staticmethod
@@ -258,7 +259,7 @@ class ExpertStreamer:
         """`out` reads `slots_read` of `layer`'s pools and is not evaluated yet: it will be at the
         next router read-back, or earlier if one of those slots is about to be overwritten."""
         self._pending_outputs.append(out)
-        self._pending_reads[layer].update(slots_read.tolist())
+        self._pending_reads[layer].update(slots_read.tolist())  # a set: repeats are fine
 
     def _fence(self, layer: int, loads: list[tuple[int, int]]) -> None:
         """Evaluate the pending outputs before `loads` overwrite a slot one of them reads."""
@@ -282,27 +283,27 @@ class ExpertStreamer:
         for reads in self._pending_reads:
             reads.clear()
 
-    def _collect(self, pool: LayerPool, loads: list[tuple[int, int]], futures: list) -> None:
+    def _collect(self, pool: LayerPool, loads: list[tuple[int, int]], batches: list) -> None:
         try:
-            res = self.reader.wait(futures)
+            res = self.reader.wait(batches)
         except BaseException:
             pool.forget(loads)
             raise
-        self._count_reads(res, len(futures))
+        self._count_reads(res)
 
-    def _collect_speculative(self, pool: LayerPool, experts, loads, futures: list) -> None:
+    def _collect_speculative(self, pool: LayerPool, experts, loads, batches: list) -> None:
         """Wait for the speculative reads this call needs; a failed one is read again on demand
         (and reports its error then)."""
         try:
-            res = self.reader.wait(futures)
+            res = self.reader.wait(batches)
         except OSError as exc:
             log.warning("prefetch read failed, reading on demand: %s", exc)
             pool.forget(loads)
             _hits, again = self._admit(pool, experts)  # the whole pass stays protected
             self._fence(pool.layer, again)
-            self._collect(pool, again, self.reader.submit(self.store.jobs_for(pool, again)))
+            self._collect(pool, again, [self.reader.submit(self.store.jobs_for(pool, again))])
             return
-        self._count_reads(res, len(futures), prefetch=True)
+        self._count_reads(res, prefetch=True)
 
     def _admit(self, pool: LayerPool, experts) -> tuple[list[int], list[tuple[int, int]]]:
         free_before = pool.free_slots
@@ -312,11 +313,11 @@ class ExpertStreamer:
         )  # loads beyond free slots evicted
         return hits, loads
 
-    def _count_reads(self, res, jobs: int, prefetch: bool = False) -> None:
+    def _count_reads(self, res, prefetch: bool = False) -> None:
         """Account reads the engine waited for (demand misses, or speculative reads it caught up
         with)."""
         c = self.counters
-        c.reads += jobs
+        c.reads += res.jobs
         c.read_s += res.read_s
         c.stall_s += res.wall_s
         if prefetch:
