@@ -27,7 +27,13 @@ def k_lines(rows: list[tuple[RunResult, int, float]], native: RunResult | None, 
     base = native.counters["bytes_read"] / max(1, native.decode_tokens) if native else 0.0
     for run, k, agree in rows:
         per_tok = run.counters["bytes_read"] / max(1, run.decode_tokens)
-        fewer = f", {base / per_tok:.2f}x fewer bytes than top-{top_k}" if base and per_tok else ""
+        fewer = ""
+        if base and per_tok:  # another routing can also miss more at the same budget
+            fewer = (
+                f", {base / per_tok:.2f}x fewer bytes than top-{top_k}"
+                if per_tok <= base
+                else f", {per_tok / base:.2f}x more bytes than top-{top_k} (more misses)"
+            )
         lines.append(
             f"  K={k}: {per_tok / 1e6:.2f} MB/token{fewer}; tokens equal to native routing "
             f"{100 * agree:.1f}% (teacher-forced over {len(run.tokens)} tokens), "
