@@ -18,6 +18,7 @@ from moed.daemon.distributed.failure import is_group_failure
 from moed.daemon.distributed.spec import pipeline_enabled
 from moed.daemon.engine.batch import DecodeBatch, StepOutput
 from moed.daemon.engine.commands import Cancel, EngineCommand, Shed, Stop, Submit
+from moed.daemon.engine.heartbeat import StepHeartbeat
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.lifecycle import ModelLifecycle
 from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
@@ -81,6 +82,7 @@ class EngineCore(ModelLifecycle):
         self.exit_code: int = DaemonExit.FAILED  # what the process exits with once `fatal` is set
         # Off unless debug_faults says otherwise; a bad spec is a configuration error at the edge.
         self.faults = faults if faults is not None else Faults.parse(serve.debug_faults)
+        self.heartbeat = StepHeartbeat(status, self.faults)  # progress inside a step
         # A pipeline's other ranks hold their layers for the group's life: only one process unloads.
         self.keep_alive = KeepAlive(None if pipeline_enabled(serve) else serve.keep_alive_s)
         self.status.update(keep_alive_s=self.keep_alive.seconds)

@@ -11,6 +11,7 @@ from moed.daemon.engine.batch import DecodeBatch
 from moed.daemon.engine.request import GenerateJob
 from moed.daemon.engine.status import DaemonState
 from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.model.layer_progress import watch_layers
 from moed.daemon.model.loader import (
     CheckpointUnusable,
     LoadProgress,
@@ -64,6 +65,7 @@ class ModelLifecycle:
         except RuntimeError as exc:  # a rank failed while loading; the group monitor says which
             self._group_failed(exc)
             return False
+        self._watch_progress()
         self.batch = self._new_batch()
         self.status.update(
             state=DaemonState.READY,
@@ -76,6 +78,16 @@ class ModelLifecycle:
         self.keep_alive.became_idle()
         log.info("model loaded from %s in %.2fs", self.model_path, time.perf_counter() - t0)
         return True
+
+    def _watch_progress(self) -> None:
+        """Every layer of a prompt chunk and every expert read is progress (engine/heartbeat.py).
+        A pipeline's leader runs the other ranks' layers through collectives: its chunks are
+        watched per step, as before."""
+        if self.loaded.pipeline is not None:
+            return
+        watch_layers(self.loaded.model, self.heartbeat.layer_done)
+        if self.loaded.streamer is not None:
+            self.loaded.streamer.on_progress = self.heartbeat.beat
 
     def _new_batch(self) -> DecodeBatch:
         # A pipeline's leader mirrors every batch-cache change to the other ranks (cache_ops.py).

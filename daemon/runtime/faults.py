@@ -6,6 +6,12 @@ engine step
 - `abort_after`: aborts the process (SIGABRT, what older MLX does on a Metal OOM),
 - `hang_after`: blocks the engine thread for good (the transport still answers pings),
 - `step_error_after`: raises an ordinary error (a bug in a step, not a memory failure).
+
+Two more act inside a prompt chunk's forward pass, layer by layer (engine/heartbeat.py calls them):
+- `layer_delay_ms=<N>`: each decoder layer of a prompt chunk takes N ms longer (a slow, moving
+  chunk: a model whose chunk outlasts the progress deadline),
+- `layer_hang_after=<N>`: after N layers of prompt chunks, the engine thread blocks for good inside
+  a layer (a wedge in the middle of a step).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import enum
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger("moed.faults")
@@ -29,36 +36,56 @@ class Fault(str, enum.Enum):
     ABORT = "abort"
     HANG = "hang"
     STEP_ERROR = "step_error"
+    LAYER_HANG = "layer_hang"  # counted in prompt-chunk layers, not tokens
+
+
+_LAYER_FAULTS = frozenset({Fault.LAYER_HANG})
 
 
 @dataclass(frozen=True)
 class Faults:
     after: dict[Fault, int]
+    layer_delay_s: float = 0.0
 
     @classmethod
     def parse(cls, spec: str) -> Faults:
         after: dict[Fault, int] = {}
+        layer_delay_s = 0.0
         for item in filter(None, (part.strip() for part in (spec or "").split(","))):
             name, _, value = item.partition("=")
-            if not name.endswith("_after") or not value.strip().isdigit():
+            if not value.strip().isdigit() or not (
+                name.endswith("_after") or name == "layer_delay_ms"
+            ):
                 raise ValueError(
-                    f"debug_faults: cannot parse {item!r} "
-                    "(use oom_after=N, abort_after=N, hang_after=N, step_error_after=N)"
+                    f"debug_faults: cannot parse {item!r} (use oom_after=N, abort_after=N, "
+                    "hang_after=N, step_error_after=N, layer_hang_after=N, layer_delay_ms=N)"
                 )
+            if name == "layer_delay_ms":
+                layer_delay_s = int(value) / 1000.0
+                continue
             try:
                 fault = Fault(name[: -len("_after")])
             except ValueError:
                 raise ValueError(f"debug_faults: unknown fault {name!r}") from None
             after[fault] = int(value)
-        return cls(after)
+        return cls(after, layer_delay_s)
 
     def __bool__(self) -> bool:
-        return bool(self.after)
+        return bool(self.after) or self.layer_delay_s > 0
+
+    def in_layer(self, layers_so_far: int) -> None:
+        """Called on the engine thread after each decoder layer of a prompt chunk."""
+        if self.layer_delay_s > 0:
+            time.sleep(self.layer_delay_s)
+        n = self.after.get(Fault.LAYER_HANG)
+        if n is not None and layers_so_far >= n:
+            log.warning("debug fault layer_hang after %d prompt layers", n)
+            threading.Event().wait()
 
     def before_step(self, tokens_so_far: int) -> None:
         """Called on the engine thread before each decoding step."""
         for fault, n in self.after.items():
-            if tokens_so_far < n:
+            if tokens_so_far < n or fault in _LAYER_FAULTS:
                 continue
             log.warning("debug fault %s after %d tokens", fault.value, n)
             if fault is Fault.OOM:
