@@ -1,7 +1,8 @@
 """Clients see a long prompt move: a `progress` message (stage `reading the prompt`, unit
 `tokens`) when the daemon takes the request and after every chunk, before the first token; the
 sync and asyncio clients yield them as ProgressEvent, and `moe run --json` shows them for a
-prompt of several chunks."""
+prompt of several chunks. A prompt read alone takes chunks as large as the memory plan allows
+(here its KV room, set small, binds them; the configured `prefill_chunk` is smaller still)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from moed.client import DoneEvent, ProgressEvent, TokenEvent
 from moed.client.async_client import AsyncClient
 from moed.protocol.messages import PROMPT_STAGE
 
-CHUNK = 4
+CHUNK = 4  # --prefill-chunk
+PLAN_TOKENS = 16  # plan_context_tokens: the lone prompt's chunk (the tiny model's activations
+# per token are small, so the KV room the plan keeps binds first)
 PROMPT = "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)"
 
 
@@ -30,6 +33,7 @@ def chunked(tmp_path_factory, tiny_model):
         "--resident",
         "--prefill-chunk",
         str(CHUNK),
+        env={"MOED_PLAN_CONTEXT_TOKENS": str(PLAN_TOKENS)},
     )
     yield d
     d.stop()
@@ -42,10 +46,12 @@ def _check_prompt_progress(events: list) -> None:
     total = events[-1].usage["prompt_tokens"]
     assert all(e.unit == "tokens" and e.total == total for e in reading)
     done = [e.done for e in reading]
-    # From 0 when the daemon took it, up by at most a chunk each time, to the whole prompt.
+    # From 0 when the daemon took it, up by a chunk each time, to the whole prompt; alone, every
+    # chunk but the last is the plan's size, not prefill_chunk's.
     assert done[0] == 0 and done == sorted(done) and done[-1] == total
-    assert all(0 < b - a <= CHUNK for a, b in zip(done, done[1:]))
-    assert len(done) >= total // CHUNK
+    steps = [b - a for a, b in zip(done, done[1:])]
+    assert total > PLAN_TOKENS and all(0 < n <= PLAN_TOKENS for n in steps)
+    assert steps[0] == PLAN_TOKENS > CHUNK
 
 
 def test_the_sync_client_sees_every_chunk(chunked):

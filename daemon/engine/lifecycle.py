@@ -8,6 +8,7 @@ import logging
 import time
 
 from moed.daemon.engine.batch import DecodeBatch
+from moed.daemon.engine.chunk_budget import ChunkBudget, chunk_budget
 from moed.daemon.engine.request import GenerateJob
 from moed.daemon.engine.status import DaemonState
 from moed.daemon.exit_codes import DaemonExit
@@ -92,7 +93,13 @@ class ModelLifecycle:
     def _new_batch(self) -> DecodeBatch:
         # A pipeline's leader mirrors every batch-cache change to the other ranks (cache_ops.py).
         eos = getattr(self.loaded.tokenizer, "eos_token_ids", None) or []
-        return DecodeBatch(self.loaded.model, eos, self.serve.max_batch, self.serve.prefill_chunk)
+        return DecodeBatch(
+            self.loaded.model,
+            eos,
+            self.serve.max_batch,
+            self.serve.prefill_chunk,
+            lone_chunk_budget(self.loaded, self.serve),
+        )
 
     def maybe_unload(self) -> None:
         """Release the model and the expert cache once the keep-alive of an idle engine expired."""
@@ -165,3 +172,24 @@ class ModelLifecycle:
         if self.loaded is None or self.loaded.streamer is None:
             return None
         return self.loaded.streamer.snapshot()
+
+
+def lone_chunk_budget(loaded, serve) -> ChunkBudget | None:
+    """A lone prompt's chunk bound from the memory plan: its working memory (the streamer's, or
+    the same default estimate from the resident weights) and its KV room. A pipeline's leader
+    keeps `prefill_chunk`: its ranks hold the activations."""
+    if loaded.pipeline is not None:
+        return None
+    from mlx.utils import tree_flatten
+
+    from moed.daemon.experts.memory_plan import default_working_bytes
+
+    if loaded.streamer is not None:
+        working = loaded.streamer.plan.working_bytes
+    else:
+        weights = sum(a.nbytes for _, a in tree_flatten(loaded.model.parameters()))
+        working = default_working_bytes(weights)
+    dtype_bytes = 4 if loaded.config.get("torch_dtype") == "float32" else 2
+    return chunk_budget(
+        loaded.config, working, serve.plan_context_tokens, serve.prefill_chunk, dtype_bytes
+    )
