@@ -167,6 +167,7 @@ class Client:
         keep_alive: str | float | None = None,
         resume_ids: list[int] | None = None,
         trace: bool = False,
+        progress: bool = False,
         messages: list[dict] | None = None,
         tools: list[dict] | None = None,
         stop: list[str] | None = None,
@@ -195,6 +196,7 @@ class Client:
             telemetry_every=telemetry_every,
             keep_alive=keep_alive,
             trace=trace,
+            progress=progress,
             messages=messages,
             tools=tools,
             stop=stop,
@@ -291,6 +293,7 @@ class Client:
             **fields,
             "raw": fields.get("raw") or None,
             "trace": fields.get("trace") or None,
+            "progress": fields.get("progress") or None,
         }
         self._send(
             wire.request(

@@ -121,6 +121,7 @@ def run(
         raw=raw,
         model=served_name(model),
         trace=trace_path is not None,
+        progress=True,  # a long prompt shows a bar while it is read
         resume=resume,
         keep_alive=keep_alive,
     )

@@ -60,6 +60,7 @@ class GenerationRequest:
             "logprobs": self.logprobs,
             "model": self.model,
             "keep_alive": self.keep_alive,
+            "progress": True,  # a long prompt's chunks: keep-alives before the first token
             # Per-request telemetry is for moe's live view; the gateway reports its own metrics.
             "telemetry_every": 1 << 30,
         }

@@ -1,8 +1,9 @@
-"""Clients see a long prompt move: a `progress` message (stage `reading the prompt`, unit
-`tokens`) when the daemon takes the request and after every chunk, before the first token; the
-sync and asyncio clients yield them as ProgressEvent, and `moe run --json` shows them for a
-prompt of several chunks. A prompt read alone takes chunks as large as the memory plan allows
-(here its KV room, set small, binds them; the configured `prefill_chunk` is smaller still)."""
+"""Clients see a long prompt move: with `progress: true`, a `progress` message (stage
+`reading the prompt`, unit `tokens`) when the daemon takes the request and after every chunk,
+before the first token; the sync and asyncio clients yield them as ProgressEvent, and `moe run
+--json` shows them for a prompt of several chunks. A prompt read alone takes chunks as large as
+the memory plan allows (here its KV room, set small, binds them; the configured `prefill_chunk`
+is smaller still). Without `progress`, no such message."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def _check_prompt_progress(events: list) -> None:
 
 def test_the_sync_client_sees_every_chunk(chunked):
     with chunked.client() as c:
-        events = list(c.generate(PROMPT, max_tokens=3, raw=True))
+        events = list(c.generate(PROMPT, max_tokens=3, raw=True, progress=True))
     assert isinstance(events[-1], DoneEvent)
     _check_prompt_progress(events)
 
@@ -64,7 +65,9 @@ def test_the_sync_client_sees_every_chunk(chunked):
 def test_the_async_client_sees_every_chunk(chunked):
     async def run() -> list:
         async with AsyncClient(chunked.socket) as c:
-            return [e async for e in c.generate(prompt=PROMPT, max_tokens=3, raw=True)]
+            return [
+                e async for e in c.generate(prompt=PROMPT, max_tokens=3, raw=True, progress=True)
+            ]
 
     _check_prompt_progress(asyncio.run(run()))
 
@@ -81,3 +84,10 @@ def test_moe_run_json_shows_a_long_prompt_being_read(chunked):
     assert reading and reading[-1]["final"] and reading[-1]["done"] == reading[-1]["total"]
     assert all(x["unit"] == "tokens" for x in reading)
     assert [x["type"] for x in lines].index("token") > lines.index(reading[-1])
+
+
+def test_no_progress_messages_unless_asked(chunked):
+    with chunked.client() as c:
+        events = list(c.generate(PROMPT, max_tokens=2, raw=True))
+    assert isinstance(events[0], TokenEvent)
+    assert not any(isinstance(e, ProgressEvent) for e in events)

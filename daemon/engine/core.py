@@ -176,8 +176,10 @@ class EngineCore(ModelLifecycle):
             return
         self._gens[job.key] = gen
         self.scheduler.add(job.key, gen.client, gen.kv_tokens, time.monotonic())
-        # At once, before a batch row is free: a client waiting for its first byte gets it.
-        self.sink.emit(job.identity, wire.prompt_progress(job.request["id"], 0, len(gen.context)))
+        if job.request.get("progress"):  # at once, before a batch row is free: a first byte
+            self.sink.emit(
+                job.identity, wire.prompt_progress(job.request["id"], 0, len(gen.context))
+            )
         self.keep_alive.admitted(job.request.get("keep_alive"))
         self.status.update(keep_alive_s=self.keep_alive.seconds)
         self._publish_counts()
@@ -204,7 +206,7 @@ class EngineCore(ModelLifecycle):
         if out.prompts:  # a long prefill yields no token for a while: the watchdog sees progress
             self.status.update(last_progress_at=time.time())
         for chunk in out.prompts:  # clients see a long prompt move, chunk by chunk
-            if (gen := self._rows.get(chunk.uid)) is not None:
+            if (gen := self._rows.get(chunk.uid)) is not None and gen.job.request.get("progress"):
                 req_id = gen.job.request["id"]
                 self.sink.emit(
                     gen.job.identity, wire.prompt_progress(req_id, chunk.done, chunk.total)
