@@ -6,6 +6,7 @@ waiting. Real daemon (its prompt layers slowed), real gateway, plain HTTP."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -78,3 +79,18 @@ def test_anthropic_stream_sends_pings_while_the_prompt_is_read(slow_stack, tiny_
     # The opening ping, then as for OpenAI.
     assert before.count("event: ping") >= 4, before
     assert after[-1].startswith("data:") and "message_stop" in after[-1]
+
+
+def test_a_client_leaving_during_the_keepalives_cancels_the_generation(slow_stack):
+    daemon, gateway = slow_stack
+    # Uncancelled, it would decode to the end of the model's context.
+    body = {"messages": MESSAGES, "max_tokens": 100000, "stream": True}
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line == ": keep-alive":
+                break  # the client goes away before the first token
+    with daemon.client() as c:
+        while c.status()["active_requests"]:  # the gateway's cancel reaches the daemon
+            time.sleep(0.1)
+    metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    assert 'moed_gateway_cancelled_generations_total{api="openai"} 1.0' in metrics

@@ -107,3 +107,22 @@ def test_the_async_client_notices_a_frozen_daemon(daemon_factory, tiny_model, cp
                 [e async for e in c.generate(prompt=PROMPT, max_tokens=3, raw=True)]
 
     _frozen_during(d, lambda: asyncio.run(generate()))
+
+
+def test_the_gateway_answers_through_a_step_holding_the_gil(
+    daemon_factory, tiny_model, cpu_hog, tmp_path
+):
+    """The issue's symptom: the gateway took a busy daemon for dead after 3 s of silence and
+    answered 503; now the request is answered."""
+    import httpx
+    from gateway_harness import start_gateway
+
+    d = _starved_daemon(daemon_factory, tiny_model)
+    gateway = start_gateway(tmp_path / "g", d.socket)
+    try:
+        body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3}
+        r = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        gateway.stop()
