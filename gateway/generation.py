@@ -162,6 +162,8 @@ class Stream:
         if self._pending:
             return self._pending.pop()
         if self._next is None:
+            if timeout is None:  # after the first token: no task per token on the hot path
+                return await anext(self._events)
             self._next = asyncio.ensure_future(anext(self._events))
         done, _ = await asyncio.wait({self._next}, timeout=timeout)
         if not done:
