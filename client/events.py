@@ -47,12 +47,13 @@ class TraceEvent:
 
 @dataclass(frozen=True)
 class ProgressEvent:
-    """The daemon is loading the model for this request (after an idle unload): how far along."""
+    """How far the daemon is with this request before its first token: loading the model (after an
+    idle unload), or reading the prompt (stage `reading the prompt`, unit `tokens`, per chunk)."""
 
     stage: str
     done: float
     total: float | None
-    unit: str  # "bytes" or "steps"
+    unit: str  # "bytes", "steps" or "tokens"
 
 
 Event = TokenEvent | TelemetryEvent | TraceEvent | ProgressEvent | DoneEvent

@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from moed.protocol.messages import PROMPT_STAGE
 from moed.protocol.units import format_bytes
 
 from .cli_common import fail, global_options
@@ -120,11 +121,13 @@ def run(
         raw=raw,
         model=served_name(model),
         trace=trace_path is not None,
+        progress=True,  # a long prompt shows a bar while it is read
         resume=resume,
         keep_alive=keep_alive,
     )
     trace_out = TraceFile(trace_path) if trace_path else None
     loading = StagedProgress("loading", progress_mode(as_json))  # after an idle unload
+    reading = StagedProgress("prompt", progress_mode(as_json))  # a long prompt, chunk by chunk
     try:
         for event in events:
             if isinstance(event, TraceEvent):
@@ -132,9 +135,13 @@ def run(
                     trace_out.write(event)
                 continue
             if isinstance(event, ProgressEvent):
-                loading.update(event.stage, event.done, event.total, event.unit)
+                bar = reading if event.stage == PROMPT_STAGE else loading
+                # A prompt of one chunk gets no bar: only one with chunks still to read.
+                if bar is loading or bar.stage or 0 < event.done < (event.total or 0):
+                    bar.update(event.stage, event.done, event.total, event.unit)
                 continue
             loading.close()
+            reading.close()
             _print_event(event, as_json)
     except KeyboardInterrupt:
         try:

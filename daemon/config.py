@@ -297,7 +297,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "metrics_port": (lambda v: 0 <= v <= 65535, "a TCP port in [1, 65535], or 0 for none"),
     "debug_faults": (
         _faults_syntax,
-        "empty, or oom_after=N, abort_after=N, hang_after=N, step_error_after=N",
+        "empty, or oom_after=N, abort_after=N, hang_after=N, step_error_after=N, "
+        "layer_hang_after=N, layer_delay_ms=N, layer_gil_ms=N",
     ),
     "restart_budget": (lambda v: v >= 0, "an integer >= 0 (0: never stop restarting)"),
     "restart_window_s": (lambda v: v > 0, "a number of seconds > 0"),

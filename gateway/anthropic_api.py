@@ -15,7 +15,7 @@ from starlette.routing import Route
 from . import fields as f
 from .context import Api, Gateway
 from .errors import ApiError, ErrorKind, invalid
-from .generation import Finish, GenerationRequest, Stream
+from .generation import KEEPALIVE_S, Finish, GenerationRequest, Stream, Waiting
 
 API = Api.ANTHROPIC
 STOP_REASON = {
@@ -227,7 +227,10 @@ async def _sse_body(
         yield frame
     yield _event("ping", {"type": "ping"})
     try:
-        async for event in gateway.tokens(stream, API, "/v1/messages", started):
+        async for event in gateway.tokens(stream, API, "/v1/messages", started, KEEPALIVE_S):
+            if event is Waiting.WAITING:  # Anthropic's own keep-alive event
+                yield _event("ping", {"type": "ping"})
+                continue
             if event.text:
                 for frame in blocks.text(event.text):
                     yield frame

@@ -17,7 +17,7 @@ from moed.client.async_client import AsyncClient
 
 from .config import GatewayConfig
 from .errors import ApiError, ErrorKind, from_client_error
-from .generation import GenerationRequest, Stream
+from .generation import GenerationRequest, Stream, Waiting
 from .metrics import GatewayMetrics
 
 
@@ -63,14 +63,23 @@ class Gateway:
         return await Stream.start(self.client, req)
 
     async def tokens(
-        self, stream: Stream, api: Api, endpoint: str, started: float
-    ) -> AsyncIterator[TokenEvent]:
+        self,
+        stream: Stream,
+        api: Api,
+        endpoint: str,
+        started: float,
+        keepalive_s: float | None = None,
+    ) -> AsyncIterator[TokenEvent | Waiting]:
         """A stream's tokens for an HTTP streaming body; counts TTFT, tokens, and cancellations
-        (the body is closed early when the client disconnects, which cancels the generation)."""
+        (the body is closed early when the client disconnects, which cancels the generation).
+        With `keepalive_s`, Waiting.WAITING marks where a keep-alive is due (generation.py)."""
         first = True
         count = 0
         try:
-            async for event in stream.tokens():
+            async for event in stream.tokens(keepalive_s):
+                if event is Waiting.WAITING:
+                    yield event
+                    continue
                 if first and event.text:
                     first = False
                     self.metrics.ttft.labels(api.value, endpoint).observe(

@@ -6,11 +6,13 @@ own wire format; only this module talks `generate` to the daemon.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from moed.client import ClientError, DoneEvent, Event, TokenEvent
+from moed.client import ClientError, DoneEvent, Event, ProgressEvent, TokenEvent
 from moed.client.async_client import AsyncClient
 
 from .errors import from_client_error
@@ -58,6 +60,7 @@ class GenerationRequest:
             "logprobs": self.logprobs,
             "model": self.model,
             "keep_alive": self.keep_alive,
+            "progress": True,  # a long prompt's chunks: keep-alives before the first token
             # Per-request telemetry is for moe's live view; the gateway reports its own metrics.
             "telemetry_every": 1 << 30,
         }
@@ -95,6 +98,18 @@ class Outcome:
         )
 
 
+# Before the first token, a streamed answer sends a keep-alive (an SSE comment, an Anthropic
+# `ping`) after each prompt chunk and after this long without one: a client with a first-byte or
+# read timeout keeps waiting while a long prompt is read.
+KEEPALIVE_S = 5.0
+
+
+class Waiting(enum.Enum):
+    """No token yet: the daemon is still reading the prompt (a keep-alive is due)."""
+
+    WAITING = "waiting"
+
+
 class Stream:
     """A started generation. Its first event is awaited before the HTTP response starts, so an
     error the daemon answers at once (too long, overloaded) becomes a status code, not a broken
@@ -103,6 +118,7 @@ class Stream:
     def __init__(self, events: AsyncIterator[Event]):
         self._events = events
         self._pending: list[Event] = []
+        self._next: asyncio.Future | None = None  # the event being awaited across keep-alives
         self.outcome: Outcome | None = None
         self.tool_calls = 0  # calls the model made so far
 
@@ -116,12 +132,19 @@ class Stream:
             raise from_client_error(exc) from None
         return stream
 
-    async def tokens(self) -> AsyncIterator[TokenEvent]:
-        """The token events; sets `outcome` at the end. Daemon errors raise ApiError."""
+    async def tokens(self, keepalive_s: float | None = None) -> AsyncIterator[TokenEvent | Waiting]:
+        """The token events; sets `outcome` at the end. Daemon errors raise ApiError. With
+        `keepalive_s`, until the first token: Waiting.WAITING after each prompt chunk and after
+        `keepalive_s` without an event."""
+        waiting = keepalive_s is not None
         try:
             while True:
-                event = self._pending.pop() if self._pending else await anext(self._events)
+                event = await self._next_event(keepalive_s if waiting else None)
+                if waiting and (event is None or isinstance(event, ProgressEvent)):
+                    yield Waiting.WAITING
+                    continue
                 if isinstance(event, TokenEvent):
+                    waiting = False
                     self.tool_calls += len(event.tool_calls or ())
                     yield event
                 elif isinstance(event, DoneEvent):
@@ -134,6 +157,25 @@ class Stream:
         finally:
             await self.close()
 
+    async def _next_event(self, timeout: float | None) -> Event | None:
+        """The next event, or None when `timeout` passed first (the event is still awaited)."""
+        if self._pending:
+            return self._pending.pop()
+        if self._next is None:
+            if timeout is None:  # after the first token: no task per token on the hot path
+                return await anext(self._events)
+            self._next = asyncio.ensure_future(anext(self._events))
+        done, _ = await asyncio.wait({self._next}, timeout=timeout)
+        if not done:
+            return None
+        ready, self._next = self._next, None
+        return ready.result()
+
     async def close(self) -> None:
         """Stop reading; a generation still running is cancelled in the daemon."""
+        if self._next is not None:  # its generator's cleanup sends the daemon a cancel
+            self._next.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, ClientError):
+                await self._next
+            self._next = None
         await self._events.aclose()

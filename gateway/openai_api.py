@@ -16,7 +16,7 @@ from starlette.routing import Route
 from . import fields as f
 from .context import Api, Gateway
 from .errors import ApiError, ErrorKind, invalid
-from .generation import Finish, GenerationRequest, Outcome, Stream
+from .generation import KEEPALIVE_S, Finish, GenerationRequest, Outcome, Stream, Waiting
 
 API = Api.OPENAI
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -318,8 +318,11 @@ async def _sse_body(
     if opening is not None:
         yield frame(opening)
     try:
-        async for event in call.gateway.tokens(stream, API, call.endpoint, call.started):
-            if event.text or event.logprobs or event.tool_calls:
+        events = call.gateway.tokens(stream, API, call.endpoint, call.started, KEEPALIVE_S)
+        async for event in events:
+            if event is Waiting.WAITING:  # an SSE comment: every client ignores it
+                yield b": keep-alive\n\n"
+            elif event.text or event.logprobs or event.tool_calls:
                 yield frame(chunk(event.text, event.logprobs, None, event.tool_calls))
     except ApiError as err:  # the stream has started: the error travels in it
         yield sse(error_body(err))

@@ -114,6 +114,16 @@ def progress(request_id: Any, stage: str, done: float, total: float | None, unit
     }
 
 
+# The `progress` stage of a prompt being read (after every chunk, from 0 when the request joins the
+# batch): a long prompt visibly moves before its first token.
+PROMPT_STAGE = "reading the prompt"
+
+
+def prompt_progress(request_id: Any, done: int, total: int) -> dict:
+    """How many of the prompt's tokens (its context: prompt and resumed tokens) were read."""
+    return progress(request_id, PROMPT_STAGE, done, total, "tokens")
+
+
 def telemetry(request_id: Any, data: dict) -> dict:
     return {**_base(MessageType.TELEMETRY, request_id), "data": data}
 

@@ -205,6 +205,7 @@ GENERATE_FIELDS: dict[str, Rule] = {
     "raw": Bool(),
     "model": Str(),
     "trace": Bool(),
+    "progress": Bool(),  # `progress` messages while the prompt is read
     "telemetry_every": Int(lo=1, hi=2**31 - 1),
     "messages": AnyList(),  # chat turns; the daemon applies the model's chat template
     "tools": AnyList(),  # function specs for the chat template

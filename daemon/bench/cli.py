@@ -8,6 +8,7 @@ from moed.daemon.bench.batch import bench_batch
 from moed.daemon.bench.pipeline import pipeline
 from moed.daemon.bench.policy import policy
 from moed.daemon.bench.prewarm import prewarm
+from moed.daemon.bench.prompt import prompt_bench
 from moed.daemon.bench.serve import bench_serve
 from moed.daemon.bench.stream import stream
 
@@ -22,4 +23,5 @@ bench.add_command(bench_serve)
 bench.add_command(pipeline)
 bench.add_command(policy)
 bench.add_command(prewarm)
+bench.add_command(prompt_bench)
 bench.add_command(stream)

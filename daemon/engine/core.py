@@ -18,6 +18,7 @@ from moed.daemon.distributed.failure import is_group_failure
 from moed.daemon.distributed.spec import pipeline_enabled
 from moed.daemon.engine.batch import DecodeBatch, StepOutput
 from moed.daemon.engine.commands import Cancel, EngineCommand, Shed, Stop, Submit
+from moed.daemon.engine.heartbeat import StepHeartbeat
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.lifecycle import ModelLifecycle
 from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
@@ -81,6 +82,7 @@ class EngineCore(ModelLifecycle):
         self.exit_code: int = DaemonExit.FAILED  # what the process exits with once `fatal` is set
         # Off unless debug_faults says otherwise; a bad spec is a configuration error at the edge.
         self.faults = faults if faults is not None else Faults.parse(serve.debug_faults)
+        self.heartbeat = StepHeartbeat(status, self.faults)  # progress inside a step
         # A pipeline's other ranks hold their layers for the group's life: only one process unloads.
         self.keep_alive = KeepAlive(None if pipeline_enabled(serve) else serve.keep_alive_s)
         self.status.update(keep_alive_s=self.keep_alive.seconds)
@@ -174,6 +176,10 @@ class EngineCore(ModelLifecycle):
             return
         self._gens[job.key] = gen
         self.scheduler.add(job.key, gen.client, gen.kv_tokens, time.monotonic())
+        if job.request.get("progress"):  # at once, before a batch row is free: a first byte
+            self.sink.emit(
+                job.identity, wire.prompt_progress(job.request["id"], 0, len(gen.context))
+            )
         self.keep_alive.admitted(job.request.get("keep_alive"))
         self.status.update(keep_alive_s=self.keep_alive.seconds)
         self._publish_counts()
@@ -199,6 +205,12 @@ class EngineCore(ModelLifecycle):
     def _deliver(self, out: StepOutput) -> None:
         if out.prompts:  # a long prefill yields no token for a while: the watchdog sees progress
             self.status.update(last_progress_at=time.time())
+        for chunk in out.prompts:  # clients see a long prompt move, chunk by chunk
+            if (gen := self._rows.get(chunk.uid)) is not None and gen.job.request.get("progress"):
+                req_id = gen.job.request["id"]
+                self.sink.emit(
+                    gen.job.identity, wire.prompt_progress(req_id, chunk.done, chunk.total)
+                )
         for tok in out.tokens:
             gen = self._rows.get(tok.uid)
             if gen is None:  # cancelled while its token was being computed

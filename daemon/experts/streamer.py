@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,10 @@ from moed.daemon.experts.store import ExpertStore, resolve_page_cache
 from moed.daemon.experts.tuning import StepTuner, Switch
 
 log = logging.getLogger(__name__)
+
+
+def _no_progress() -> None:
+    """The default progress hook: nobody watches (benches, tests in-process)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,9 @@ class ExpertStreamer:
         self.trace: list[list[np.ndarray]] | None = None  # set to [] to record routing (bench)
         # A router-trace recorder (moed.daemon.telemetry.trace), attached around one request's step.
         self.observer = None
+        # Called on the engine thread when a layer routed or its reads landed: progress inside a
+        # step, for the engine's progress deadline (engine/heartbeat.py).
+        self.on_progress: Callable[[], None] = _no_progress
 
     # -- called by StreamingSwitch on the engine thread -------------------------------------
 
@@ -193,6 +201,7 @@ class ExpertStreamer:
         c.router_copy_s += time.perf_counter() - t1
         if self.observer is not None:
             self.observer.on_route(layer, host)
+        self.on_progress()
         return host
 
     def _fold_tally(self, evaluated: bool = False) -> None:
@@ -317,6 +326,7 @@ class ExpertStreamer:
         """Account reads the engine waited for (demand misses, or speculative reads it caught up
         with)."""
         c = self.counters
+        self.on_progress()
         c.reads += res.jobs
         c.read_s += res.read_s
         c.stall_s += res.wall_s
