@@ -135,27 +135,51 @@ def input_messages(body: dict) -> tuple[dict, ...]:
     return turns.result(instructions)
 
 
+# Tools OpenAI runs on its own servers: the model is not offered them, as nothing here runs them.
+HOSTED_TOOLS = frozenset(
+    {
+        "web_search",
+        "web_search_preview",
+        "file_search",
+        "code_interpreter",
+        "image_generation",
+        "mcp",
+        "computer_use_preview",
+    }
+)
+
+
+def _function_spec(tool: dict, where: str) -> dict:
+    spec = {
+        "name": f.required(tool, "name", str, prefix=f"{where}."),
+        "description": f.get(tool, "description", str, ""),
+        "parameters": f.get(tool, "parameters", dict) or {},
+    }
+    return {"type": "function", "function": spec}
+
+
 def _tools(body: dict) -> tuple[dict, ...] | None:
-    """Function tools as the chat templates take them. A hosted tool is refused (it would never
-    run); `tool_choice: none` tells the template nothing about tools."""
+    """Function tools as the chat templates take them (a namespace's functions among them);
+    `tool_choice: none` tells the template nothing about tools. A tool the model would call in a
+    form nothing here parses (custom grammar tools) is refused."""
     tools = f.get(body, "tools", list) or []
     if not tools or body.get("tool_choice") == "none":
         return None
     specs = []
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
+        if kind == "function":
+            specs.append(_function_spec(tool, f"tools[{i}]"))
+        elif kind == "namespace":  # Codex groups tools; the functions keep their own names
+            for j, inner in enumerate(f.get(tool, "tools", list, prefix=f"tools[{i}].") or []):
+                if isinstance(inner, dict) and inner.get("type") == "function":
+                    specs.append(_function_spec(inner, f"tools[{i}].tools[{j}]"))
+        elif kind not in HOSTED_TOOLS:
             raise invalid(
                 f"tools[{i}]: tool type {kind!r} is not supported here (function tools only)",
                 "tools",
             )
-        spec = {
-            "name": f.required(tool, "name", str, prefix=f"tools[{i}]."),
-            "description": f.get(tool, "description", str, ""),
-            "parameters": f.get(tool, "parameters", dict) or {},
-        }
-        specs.append({"type": "function", "function": spec})
-    return tuple(specs)
+    return tuple(specs) or None
 
 
 def parse_response_request(body: dict) -> GenerationRequest:

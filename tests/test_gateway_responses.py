@@ -108,13 +108,26 @@ def test_items_with_instructions_and_function_calls_render_as_the_chat_turns(oai
     assert done.output_text == expected
 
 
-def test_stored_state_and_hosted_tools_are_refused_not_ignored(oai, model_name):
+def test_stored_state_and_custom_tools_are_refused_not_ignored(oai, model_name):
     with pytest.raises(openai.BadRequestError) as stateful:
         oai.responses.create(model=model_name, input="hi", previous_response_id="resp_1")
     assert "stateless" in stateful.value.message
-    with pytest.raises(openai.BadRequestError) as hosted:
-        oai.responses.create(model=model_name, input="hi", tools=[{"type": "web_search"}])
-    assert "function tools only" in hosted.value.message
+    with pytest.raises(openai.BadRequestError) as custom:
+        oai.responses.create(
+            model=model_name, input="hi", tools=[{"type": "custom", "name": "apply_patch"}]
+        )
+    assert "function tools only" in custom.value.message
+    # A hosted tool (Codex offers web_search) is left out: the prompt is the one without it.
+    plain = oai.responses.create(model=model_name, input="hi", max_output_tokens=4, temperature=0)
+    hosted = oai.responses.create(
+        model=model_name,
+        input="hi",
+        tools=[{"type": "web_search"}],
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert hosted.output_text == plain.output_text
+    assert hosted.usage.input_tokens == plain.usage.input_tokens
     with pytest.raises(openai.BadRequestError) as too_long:
         oai.responses.create(model=model_name, input="hi " * 600, max_output_tokens=4)
     assert too_long.value.code == "context_length_exceeded"
