@@ -103,12 +103,15 @@ def _run(args: list, tmp: Path, env: dict) -> subprocess.CompletedProcess:
     )
 
 
-def _tokens_served(gateway) -> float:
+def _answered(gateway, endpoint: str) -> float:
+    """How many requests to `endpoint` the gateway answered 200, from its own /metrics."""
     text = httpx.get(f"{gateway.url}/metrics").text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("moed_gateway_completion_tokens_total{")
+        if line.startswith("moed_gateway_requests_total{")
+        and f'endpoint="{endpoint}"' in line
+        and 'status="200"' in line
     )
 
 
@@ -130,12 +133,14 @@ def test_claude_code_finishes_a_turn(agent_stack, tmp_path):
         "CLAUDE_CODE_MAX_RETRIES": "0",
     }
     args = [claude, "-p", "say hi", "--output-format", "json", "--tools", ""]
+    before = _answered(gateway, "/v1/messages")
     done = _run([*args, "--system-prompt", "Answer briefly."], tmp_path, env)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["is_error"] is False and result["subtype"] == "success", result
     assert isinstance(result["result"], str)
     assert result["usage"]["input_tokens"] > 0  # message_start carried the prompt's tokens
+    assert _answered(gateway, "/v1/messages") > before
 
 
 def test_claude_code_full_request_is_read_and_counted(agent_stack, gateway_stack):
@@ -202,11 +207,13 @@ def test_codex_exec_finishes_a_turn(agent_stack, tmp_path):
     env = {"CODEX_HOME": str(tmp_path / "codex"), "MOED_KEY": "unused"}
     (tmp_path / "codex").mkdir()
     args = [codex, "exec", "--json", "--skip-git-repo-check", *flags, "-m", model, "say hi"]
+    before = _answered(gateway, "/v1/responses")
     done = _run(args, tmp_path, env)
     assert done.returncode == 0, done.stdout + done.stderr
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     kinds = [e.get("type") for e in events]
     assert "turn.completed" in kinds and "turn.failed" not in kinds, kinds
+    assert _answered(gateway, "/v1/responses") > before
 
 
 def test_llm_finishes_a_turn(agent_stack, tmp_path):
@@ -259,7 +266,7 @@ def test_aider_finishes_a_turn(agent_stack, tmp_path):
     """aider through Ollama's API, where it reads the model's context window from /api/show."""
     aider = _client(CLIENTS / "py-aider-chat/bin/aider")
     _, gateway, model = agent_stack
-    before = _tokens_served(gateway)
+    before = _answered(gateway, "/api/chat")
     args = [
         aider,
         "--model",
@@ -280,4 +287,34 @@ def test_aider_finishes_a_turn(agent_stack, tmp_path):
     done = _run(args, tmp_path, env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Tokens:" in done.stdout, done.stdout  # aider's report of a finished exchange
-    assert _tokens_served(gateway) > before
+    assert _answered(gateway, "/api/chat") > before
+
+
+def test_opencode_finishes_a_turn(agent_stack, tmp_path):
+    """`opencode run` with the gateway as an OpenAI-compatible provider (the AI SDK's
+    @ai-sdk/openai-compatible, which OpenCode installs from npm on first use); its build agent's
+    prompt is swapped for a short one and its tools switched off, as for Claude Code."""
+    opencode = _client(NPM_BIN / "opencode")
+    _, gateway, model = agent_stack
+    config = {
+        "$schema": "https://opencode.ai/config.json",
+        "autoupdate": False,
+        "share": "disabled",
+        "provider": {
+            "moed": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "moed",
+                "options": {"baseURL": f"{gateway.url}/v1", "apiKey": "unused"},
+                "models": {model: {"name": model, "limit": {"context": CONTEXT, "output": 4096}}},
+            }
+        },
+        "model": f"moed/{model}",
+        "agent": {"build": {"prompt": "Answer briefly.", "tools": {"*": False}}},
+    }
+    (tmp_path / "opencode.json").write_text(json.dumps(config))
+    env = {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "true"}
+    before = _answered(gateway, "/v1/chat/completions")
+    done = _run([opencode, "run", "--print-logs", "say hi"], tmp_path, env)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert "error" not in done.stdout.lower(), done.stdout
+    assert _answered(gateway, "/v1/chat/completions") > before
