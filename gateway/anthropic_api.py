@@ -135,7 +135,12 @@ def _messages(body: dict) -> tuple[dict, ...]:
     raw = f.get(body, "messages", list)
     if not raw:
         raise invalid("'messages' must be a non-empty array")
-    system = [_blocks_text(body["system"], "system")] if body.get("system") else []
+    given = body.get("system") or []
+    if not isinstance(given, str | list):
+        raise invalid("'system' must be a string or a list of text blocks")
+    # Each system block is a paragraph of its own, as a system entry is.
+    blocks = [given] if isinstance(given, str) else [[b] for b in given]
+    system = [_blocks_text(b, "system") for b in blocks]
     turns = []
     for i, msg in enumerate(raw):
         where = f"messages[{i}]"
