@@ -52,7 +52,7 @@ class ServeConfig:
     )
     plan_context_tokens: int = 8192  # the KV cache the memory plan keeps room for
     max_prompt_tokens: int = 32768
-    max_tokens_limit: int = 8192
+    max_tokens_limit: int = 0  # largest max_tokens; 0: the model's context (8192 if unknown)
     default_max_tokens: int = 256
     max_pending: int = 64
     max_pending_per_client: int = 16  # one connection cannot hold every pending slot
@@ -286,7 +286,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "memory_limit_bytes": (lambda v: v >= 0, "an integer >= 0 (0: the machine's)"),
     "plan_context_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "max_prompt_tokens": (lambda v: v >= 1, "an integer >= 1"),
-    "max_tokens_limit": (lambda v: v >= 1, "an integer >= 1"),
+    "max_tokens_limit": (lambda v: v >= 0, "an integer >= 0 (0: the model's context)"),
     "default_max_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "max_pending": (lambda v: v >= 1, "an integer >= 1"),
     "max_pending_per_client": (lambda v: v >= 1, "an integer >= 1"),

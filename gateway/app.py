@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moed.client.async_client import AsyncClient
 
-from . import anthropic_api, ollama_api, openai_api, ops
+from . import anthropic_api, ollama_api, openai_api, ops, responses_api
 from .config import GatewayConfig
 from .context import Api, Gateway
 from .errors import ApiError, ErrorKind
@@ -136,7 +136,13 @@ def build_app(config: GatewayConfig, client: AsyncClient | None = None) -> ASGIA
         client or AsyncClient(config.socket, timeout=config.daemon_timeout_s, name="moed-gateway"),
         GatewayMetrics(),
     )
-    routes = [*openai_api.ROUTES, *anthropic_api.ROUTES, *ollama_api.ROUTES, *ops.ROUTES]
+    routes = [
+        *openai_api.ROUTES,
+        *responses_api.ROUTES,
+        *anthropic_api.ROUTES,
+        *ollama_api.ROUTES,
+        *ops.ROUTES,
+    ]
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)

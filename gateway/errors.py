@@ -43,7 +43,7 @@ _KIND_OF_CODE = {
     ErrorCode.UNKNOWN_TYPE: ErrorKind.INTERNAL,
     ErrorCode.UNSUPPORTED_VERSION: ErrorKind.INTERNAL,
     ErrorCode.FRAME_TOO_LARGE: ErrorKind.TOO_LARGE,
-    ErrorCode.PROMPT_TOO_LONG: ErrorKind.TOO_LARGE,
+    ErrorCode.PROMPT_TOO_LONG: ErrorKind.INVALID_REQUEST,  # every API answers it 400
     ErrorCode.MODEL_NOT_FOUND: ErrorKind.NOT_FOUND,
     ErrorCode.DUPLICATE_ID: ErrorKind.INTERNAL,
     ErrorCode.UNKNOWN_REQUEST: ErrorKind.INVALID_REQUEST,

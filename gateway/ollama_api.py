@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -19,6 +20,7 @@ from .config import moed_version
 from .context import Api, Gateway
 from .errors import ApiError, ErrorKind, invalid
 from .generation import Finish, GenerationRequest, Outcome, Stream
+from .token_budget import check_budget, daemon_limits
 
 API = Api.OLLAMA
 TAG = ":latest"
@@ -54,7 +56,7 @@ def _options(body: dict) -> dict:
     if top_p is not None and not 0 < top_p <= 1:
         raise invalid("'options.top_p' must be in (0, 1]")
     return {
-        # -1 (forever) and -2 (fill the context) leave the daemon's own limit in force.
+        # -1 (forever) and -2 (fill the context) run to the end of the context (see _run).
         "max_tokens": num_predict if num_predict and num_predict > 0 else None,
         "temperature": f.at_least(f.get(options, "temperature", float, prefix=p), 0, "temperature"),
         "top_p": top_p,
@@ -195,6 +197,13 @@ async def _run(request: Request, endpoint: str, parse, piece) -> Response:
                 "done_reason": "load",
             }
         )
+    num_predict = (f.get(body, "options", dict) or {}).get("num_predict")
+    if req.max_tokens is not None:  # over the context: a 400 saying so, never a shorter answer
+        await check_budget(gateway.client, req)
+    elif isinstance(num_predict, int) and num_predict < 0:
+        budget = await check_budget(gateway.client, req)
+        if budget.context_tokens is not None:
+            req = dataclasses.replace(req, max_tokens=budget.context_tokens - budget.prompt_tokens)
     stream = await gateway.start(req)
     if f.get(body, "stream", bool, True):
         return StreamingResponse(
@@ -293,6 +302,8 @@ async def show(request: Request) -> Response:
         raise ApiError(ErrorKind.NOT_FOUND, f"model '{name}' not found")
     entry = _describe(model)
     capabilities = ["completion"] + (["tools"] if model.get("tool_calling") else [])
+    arch = model.get("model_type") or "moed"
+    context = (await daemon_limits(gateway.client)).get("context_tokens")
     return JSONResponse(
         {
             "modelfile": "",
@@ -303,6 +314,8 @@ async def show(request: Request) -> Response:
                 "general.architecture": model.get("model_type"),
                 "general.block_count": model.get("num_layers"),
                 "moed.streaming": model.get("streaming"),
+                # Where ollama clients (LiteLLM, aider, Open WebUI) read the context window.
+                **({f"{arch}.context_length": context} if context is not None else {}),
             },
             "capabilities": capabilities,
             "modified_at": entry["modified_at"],

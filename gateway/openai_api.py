@@ -13,10 +13,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from moed.protocol import ErrorCode
+
 from . import fields as f
 from .context import Api, Gateway
 from .errors import ApiError, ErrorKind, invalid
 from .generation import KEEPALIVE_S, Finish, GenerationRequest, Outcome, Stream, Waiting
+from .token_budget import BudgetError, Overrun, check_budget, daemon_limits
 
 API = Api.OPENAI
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -38,16 +41,40 @@ _ERROR_TYPE = {
     ErrorKind.INTERNAL: "server_error",
     ErrorKind.CLIENT_CLOSED: "client_closed",
 }
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
+def _budget_message(err: BudgetError) -> str:
+    """OpenAI's own wording of a request over the context or the completion limit."""
+    if err.overrun is Overrun.MAX_TOKENS:
+        return (
+            f"max_tokens is too large: {err.max_tokens}. This model supports at most "
+            f"{err.limit} completion tokens, whereas you provided {err.max_tokens}."
+        )
+    if err.overrun is Overrun.CONTEXT:
+        total = err.prompt_tokens + err.max_tokens
+        return (
+            f"This model's maximum context length is {err.limit} tokens. However, you requested "
+            f"{total} tokens ({err.prompt_tokens} in the messages, {err.max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion."
+        )
+    return (
+        f"This model's maximum context length is {err.limit} tokens. However, your messages "
+        f"resulted in {err.prompt_tokens} tokens. Please reduce the length of the messages."
+    )
+
+
 def error_body(err: ApiError) -> dict:
+    message = _budget_message(err) if isinstance(err, BudgetError) else err.message
+    # The daemon's own prompt_too_long (a prompt sent without max_tokens) under OpenAI's code.
+    code = CONTEXT_LENGTH_EXCEEDED if err.code == ErrorCode.PROMPT_TOO_LONG.value else err.code
     return {
         "error": {
-            "message": err.message,
+            "message": message,
             "type": _ERROR_TYPE[err.kind],
             "param": err.param,
-            "code": err.code,
+            "code": code,
         }
     }
 
@@ -299,6 +326,8 @@ async def _start(
     streaming = f.get(body, "stream", bool, False)
     include_usage = _include_usage(body)
     model = (await gateway.model()).get("name")
+    if req.max_tokens is not None:  # over the context: OpenAI's 400, not a shorter completion
+        await check_budget(gateway.client, req)
     stream = await gateway.start(req)
     envelope = {
         "id": f"{id_prefix}-{uuid.uuid4().hex}",
@@ -393,19 +422,29 @@ async def completions(request: Request) -> Response:
     return JSONResponse({**envelope, "choices": [choice], "usage": _usage(outcome)})
 
 
+async def _model_entry(gateway: Gateway) -> dict:
+    """The served model, with its context under the names clients look for (OpenRouter and
+    llama-server `context_length`, vLLM `max_model_len`, LM Studio `max_context_length`)."""
+    name = (await gateway.model()).get("name")
+    limits = await daemon_limits(gateway.client)
+    context = limits.get("context_tokens")
+    entry = {"id": name, "object": "model", "created": 0, "owned_by": "moed"}
+    if context is not None:
+        entry.update(context_length=context, max_model_len=context, max_context_length=context)
+    entry["max_completion_tokens"] = limits.get("max_tokens")
+    return entry
+
+
 async def models(request: Request) -> Response:
-    gateway: Gateway = request.app.state.gateway
-    model = await gateway.model()
-    entry = {"id": model.get("name"), "object": "model", "created": 0, "owned_by": "moed"}
+    entry = await _model_entry(request.app.state.gateway)
     return JSONResponse({"object": "list", "data": [entry]})
 
 
 async def model(request: Request) -> Response:
-    gateway: Gateway = request.app.state.gateway
-    served = (await gateway.model()).get("name")
-    if request.path_params["name"] != served:
+    entry = await _model_entry(request.app.state.gateway)
+    if request.path_params["name"] != entry["id"]:
         raise ApiError(ErrorKind.NOT_FOUND, f"model {request.path_params['name']!r} not found")
-    return JSONResponse({"id": served, "object": "model", "created": 0, "owned_by": "moed"})
+    return JSONResponse(entry)
 
 
 ROUTES = [
