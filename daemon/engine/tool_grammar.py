@@ -35,11 +35,31 @@ def _function(tool: dict) -> dict:
 
 def _params(fn: dict) -> dict:
     params = fn.get("parameters")
-    return params if isinstance(params, dict) and params else {"type": "object"}
+    return _closed(params) if isinstance(params, dict) and params else {"type": "object"}
+
+
+def _closed(schema):
+    """Objects admit only their declared properties unless the schema says otherwise (as
+    OpenAI's strict function calling): a forced call cannot grow keys without end."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _lark_string(text: str) -> str:
     return json.dumps(text)  # a Lark string literal has JSON's escapes
+
+
+def _marker(tokenizer: Any, text: str) -> str:
+    """A call marker in the grammar: by token id when it is one token (Qwen's `<tool_call>` is an
+    added token, which llguidance matches as that token, never as its spelling), else its text."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return f"<[{ids[0]}]>" if len(ids) == 1 else _lark_string(text)
 
 
 def _json_rule(schema: dict) -> str:
@@ -62,7 +82,8 @@ def tool_call_grammar(tokenizer: Any, tools: list[dict], many: bool) -> str:
         )
     if not tools:
         raise ProtocolError(ErrorCode.INVALID_SCHEMA, "tool_choice names no tool in 'tools'")
-    start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+    start = _marker(tokenizer, tokenizer.tool_call_start)
+    end = _marker(tokenizer, tokenizer.tool_call_end)
     rules = [f"start: call{'+' if many else ''}"]
     fns = [_function(t) for t in tools]
     if fmt is CallFormat.JSON:
@@ -76,7 +97,7 @@ def tool_call_grammar(tokenizer: Any, tools: list[dict], many: bool) -> str:
             for fn in fns
         ]
         schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-        rules.append(f"call: {_lark_string(start)} body {_lark_string(end)}")
+        rules.append(f"call: {start} body {end}")
         rules.append(f"body: {_json_rule(schema)}")
     else:
         names = []
@@ -84,8 +105,8 @@ def tool_call_grammar(tokenizer: Any, tools: list[dict], many: bool) -> str:
             names.append(f"fn{i}")
             rules.extend(_xml_function(i, fn))
         rules.append(
-            f"call: {_lark_string(start + chr(10) + '<function=')} ({' | '.join(names)}) "
-            f"{_lark_string('</function>' + chr(10) + end)}"
+            f"call: {start} {_lark_string(chr(10) + '<function=')} ({' | '.join(names)}) "
+            f"{_lark_string('</function>' + chr(10))} {end}"
         )
     return LLMatcher.grammar_from_lark("\n".join(rules))
 
@@ -104,11 +125,22 @@ def _xml_function(i: int, fn: dict) -> list[str]:
             f"{rule}: {open_tag} {value} {_lark_string(chr(10) + '</parameter>' + chr(10))}"
         )
         if isinstance(schema, dict) and schema.get("type") == "string":
-            # Raw text up to the closing tag, as the parser reads it back.
-            rules.append(f"{value}: /[^<\\n]*/")
+            rules.append(f"{value}: {_raw_string(schema)}")
         else:
             rules.append(f"{value}: {_json_rule(schema if isinstance(schema, dict) else {})}")
         items.append(rule if key in required else f"{rule}?")
     name = _lark_string(f"{fn.get('name')}>\n")
     rules.insert(0, f"fn{i}: {name} {' '.join(items)}")
     return rules
+
+
+def _raw_string(schema: dict) -> str:
+    """A string parameter as the XML format writes it: raw text on one line (the parser takes it
+    up to the closing tag as it is), within the schema's enum or length bounds."""
+    if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
+        return " | ".join(_lark_string(v) for v in schema["enum"])
+    lo, hi = schema.get("minLength"), schema.get("maxLength")
+    if isinstance(lo, int) or isinstance(hi, int):
+        count = f"{{{lo if isinstance(lo, int) else 0},{hi if isinstance(hi, int) else ''}}}"
+        return f"/[^<\\n]{count}/"
+    return "/[^<\\n]*/"
