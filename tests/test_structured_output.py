@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 from daemon_harness import run_together
 
@@ -137,3 +138,60 @@ def test_a_schema_that_cannot_compile_is_a_typed_error(daemon_factory, tiny_mode
         assert refused.value.code == ErrorCode.INVALID_REQUEST
         text, ids, finish = answer_text(d, chat("still serving"))
         assert ids and finish in ("stop", "length")
+
+
+# ---- through the gateway: each API's own control ---------------------------------------------
+@pytest.fixture(scope="module")
+def stack(gateway_stack):
+    daemon, gateway = gateway_stack
+    with daemon.client() as c:
+        return gateway, c.welcome["model"]["name"]
+
+
+def test_openai_response_format_json_schema_with_the_sdk(stack):
+    import openai
+
+    gateway, model = stack
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused")
+    fmt = {"type": "json_schema", "json_schema": {"name": "user", "schema": SCHEMA, "strict": True}}
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 4}):
+        reply = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "a user"}],
+            response_format=fmt,
+            max_tokens=MAX_TOKENS,
+            **sampling,
+        )
+        assert reply.choices[0].finish_reason == "stop"
+        assert valid(json.loads(reply.choices[0].message.content))
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "a user"}],
+        response_format=fmt,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+    )
+    assert valid(json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices)))
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], response_format=bad
+        )
+    assert "frob" in str(refused.value)
+
+
+def test_ollama_format_schema_and_json(stack):
+    gateway, model = stack
+    url = f"{gateway.url}/api/chat"
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "a user"}],
+        "stream": False,
+        "options": {"num_predict": MAX_TOKENS, "seed": 2, "temperature": 0.8},
+    }
+    reply = httpx.post(url, json={**body, "format": SCHEMA}, timeout=60).json()
+    assert reply["done_reason"] == "stop" and valid(json.loads(reply["message"]["content"]))
+    anything = httpx.post(url, json={**body, "format": "json"}, timeout=60).json()
+    assert anything["message"]["content"].startswith("{")
+    refused = httpx.post(url, json={**body, "format": "yaml"}, timeout=60)
+    assert refused.status_code == 400 and "format" in refused.json()["error"]
