@@ -28,6 +28,7 @@ log = logging.getLogger("moed.engine")
 JSON_OPTIONS = {"whitespace_flexible": False, "coerce_one_of": True}
 ANY_OBJECT = {"type": "object"}
 
+_BITS = mx.arange(32, dtype=mx.uint32)  # bit i of a mask word is token 32 * word + i
 _LL_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -123,8 +124,10 @@ class GrammarConstraint:
             log.warning("the grammar refused a sampled token %d: %s", token, self.failed)
 
     def _allowed(self, width: int) -> mx.array:
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")
+        # The packed words go to MLX as they are (vocab/32 of them) and expand there, in the
+        # step's graph: no per-token host loop over a 150k vocabulary.
+        words = mx.array(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32))
+        allowed = ((words[:, None] >> _BITS) & 1).reshape(-1).astype(mx.bool_)
         if allowed.size < width:  # ids past the tokenizer (a padded embedding) are never allowed
-            allowed = np.concatenate([allowed, np.zeros(width - allowed.size, dtype=np.uint8)])
-        return mx.array(allowed[:width].astype(np.bool_))
+            allowed = mx.concatenate([allowed, mx.zeros((width - allowed.size,), dtype=mx.bool_)])
+        return allowed[:width]
