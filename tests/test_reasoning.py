@@ -263,3 +263,16 @@ def test_anthropic_thinking_blocks(agent_stack, two_channel):
         for m in (history, plain)
     ]
     assert tokens[0]["usage"]["input_tokens"] > tokens[1]["usage"]["input_tokens"]
+
+
+def test_a_resumed_stream_continues_in_its_channel(agent_stack, two_channel):
+    daemon, _, tok = agent_stack
+    prompt, direct = two_channel
+    messages = [{"role": "user", "content": prompt}]
+    end = tok.think_end_tokens[0]
+    cut = direct.ids.index(end) + 2  # resumed in the answer, after the end marker
+    with daemon.client() as c:
+        rest = stream(c, messages=messages, max_tokens=MAX_TOKENS, resume_ids=direct.ids[:cut])
+    assert rest.ids == direct.ids[cut:]
+    assert rest.parts and rest.parts[0][0] == "answer"
+    assert direct.text("answer").endswith(rest.text("answer"))

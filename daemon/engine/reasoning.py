@@ -56,6 +56,11 @@ class ReasoningSplit:
                 Channel.ANSWER if self.channel is Channel.REASONING else Channel.REASONING
             )
 
+    def replay(self, text: str) -> None:
+        """Text a resumed stream had sent already: it moves the channel, nothing is sent again."""
+        self.feed(text)
+        self._buffer = ""
+
     def flush(self) -> list[Segment]:
         """At the end: text held back as a possible marker is its channel's text after all."""
         held, self._buffer = self._buffer, ""

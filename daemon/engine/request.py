@@ -104,8 +104,8 @@ class Generation:
         self.detokenizer = loaded.tokenizer.detokenizer
         for token in resume_ids:  # so that text deltas continue mid-character after a resume
             self.detokenizer.add_token(token)
-        if resume_ids:
-            _ = self.detokenizer.last_segment
+        if resume_ids:  # the channel continues where the resumed tokens left it
+            self.reasoning.replay(self.detokenizer.last_segment)
         self.stream_before = stream_snapshot
         self.trace = None  # a TraceRecorder when the request is traced (set by the engine)
         self.uid: int | None = None  # its row id in the running batch, once admitted
