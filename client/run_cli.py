@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from moed.protocol import Channel
 from moed.protocol.units import format_bytes
 
 from .cli_common import fail, global_options
@@ -253,12 +254,20 @@ def _print_event(event, as_json: bool) -> None:
         if as_json:
             click.echo(
                 json.dumps(
-                    {"type": "token", "index": event.index, "ids": event.ids, "text": event.text}
+                    {
+                        "type": "token",
+                        "index": event.index,
+                        "ids": event.ids,
+                        "text": event.text,
+                        "channel": event.channel,
+                    }
                 )
             )
         else:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+            # A model's reasoning goes to stderr: stdout holds the answer alone.
+            out = sys.stderr if event.channel == Channel.REASONING.value else sys.stdout
+            out.write(event.text)
+            out.flush()
     elif isinstance(event, TelemetryEvent):
         if as_json:
             click.echo(json.dumps({"type": "telemetry", **event.data}))

@@ -276,3 +276,14 @@ def test_a_resumed_stream_continues_in_its_channel(agent_stack, two_channel):
     assert rest.ids == direct.ids[cut:]
     assert rest.parts and rest.parts[0][0] == "answer"
     assert direct.text("answer").endswith(rest.text("answer"))
+
+
+def test_moe_run_writes_the_reasoning_to_stderr(agent_stack, two_channel):
+    from daemon_harness import moe
+
+    daemon, _, _ = agent_stack
+    prompt, direct = two_channel
+    out = moe(daemon.socket, "run", prompt, "--max-tokens", str(MAX_TOKENS))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.rstrip("\n") == direct.text("answer").rstrip("\n")
+    assert direct.text("reasoning") in out.stderr
