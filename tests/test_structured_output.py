@@ -195,3 +195,25 @@ def test_ollama_format_schema_and_json(stack):
     assert anything["message"]["content"].startswith("{")
     refused = httpx.post(url, json={**body, "format": "yaml"}, timeout=60)
     assert refused.status_code == 400 and "format" in refused.json()["error"]
+
+
+def test_a_failed_matcher_ends_the_answer_instead_of_freeing_it(tmp_path):
+    import mlx.core as mx
+    from fixtures.tokenizer import write_tokenizer
+    from mlx_lm.utils import load_tokenizer
+
+    from moed.daemon.engine.grammar import GrammarConstraint, grammar_for
+
+    write_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    tok = load_tokenizer(tmp_path)
+    mask = GrammarConstraint(tok, grammar_for({"format": {"type": "json"}}, tok), False, [])
+    width = len(tok)
+    first = mask(mx.array([1]), mx.zeros((1, width)))
+    allowed = [i for i in range(width) if first[0, i].item() > -1e30]
+    assert allowed and all(tok.decode([i]).startswith("{") for i in allowed)
+    refused = next(i for i in range(width) if i not in allowed and i not in tok.eos_token_ids)
+    # A token outside the mask (as if sampled anyway): from then on only the end of sequence.
+    after = mask(mx.array([1, refused]), mx.zeros((1, width)))
+    assert mask.failed
+    assert [i for i in range(width) if after[0, i].item() > -1e30] == sorted(tok.eos_token_ids)

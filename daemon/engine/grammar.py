@@ -96,6 +96,7 @@ class GrammarConstraint:
         # The grammar holds the answer: with the reasoning open, it waits for the think end.
         self.waiting = reasoning
         self._think_end = tuple(getattr(tokenizer, "think_end_tokens", None) or ())
+        self._eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._recent: list[int] = []
         self._first = True
         for token in resumed:
@@ -109,9 +110,13 @@ class GrammarConstraint:
         if not self._first:  # the token sampled at the previous call ends the context
             self._advance(int(context[-1].item()))
         self._first = False
-        if self.waiting or self.matcher.is_error():
+        if self.waiting:
             return logits
-        allowed = self._allowed(logits.shape[-1])
+        # A matcher that failed (it never should: it chose the mask) ends the answer, never lets
+        # it run on unconstrained.
+        allowed = (
+            self._eos_only(logits.shape[-1]) if self.failed else self._allowed(logits.shape[-1])
+        )
         return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
     def _advance(self, token: int) -> None:
@@ -121,7 +126,14 @@ class GrammarConstraint:
                 self.waiting = False
             return
         if not self.matcher.is_stopped() and not self.matcher.consume_token(token):
-            log.warning("the grammar refused a sampled token %d: %s", token, self.failed)
+            log.warning(
+                "the grammar refused sampled token %d; the answer ends: %.300s", token, self.failed
+            )
+
+    def _eos_only(self, width: int) -> mx.array:
+        allowed = np.zeros(width, dtype=np.bool_)
+        allowed[[t for t in self._eos if t < width]] = True
+        return mx.array(allowed)
 
     def _allowed(self, width: int) -> mx.array:
         # The packed words go to MLX as they are (vocab/32 of them) and expand there, in the
