@@ -287,3 +287,27 @@ def test_moe_run_writes_the_reasoning_to_stderr(agent_stack, two_channel):
     assert out.returncode == 0, out.stderr
     assert out.stdout.rstrip("\n") == direct.text("answer").rstrip("\n")
     assert direct.text("reasoning") in out.stderr
+
+
+def test_a_schema_holds_the_answer_after_the_reasoning(agent_stack, two_channel):
+    daemon, _, tok = agent_stack
+    prompt, direct = two_channel
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    with daemon.client() as c:
+        got = stream(
+            c,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=MAX_TOKENS + 40,
+            format={"type": "json_schema", "schema": schema},
+        )
+    # The mask waits while the reasoning is open (greedy: the same reasoning), then holds the
+    # answer.
+    assert got.text("reasoning") == channels_of(detokenized(tok, direct.ids))[0][1]
+    value = json.loads(got.text("answer"))
+    assert set(value) == {"city"} and len(value["city"]) <= 8
+    assert got.done.finish_reason == "stop"
