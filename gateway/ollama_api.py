@@ -315,6 +315,7 @@ async def show(request: Request) -> Response:
         raise ApiError(ErrorKind.NOT_FOUND, f"model '{name}' not found")
     entry = _describe(model)
     capabilities = ["completion"] + (["tools"] if model.get("tool_calling") else [])
+    capabilities += ["thinking"] if model.get("thinking") else []  # `think` switches it
     return JSONResponse(
         {
             "modelfile": "",

@@ -311,3 +311,9 @@ def test_a_schema_holds_the_answer_after_the_reasoning(agent_stack, two_channel)
     value = json.loads(got.text("answer"))
     assert set(value) == {"city"} and len(value["city"]) <= 8
     assert got.done.finish_reason == "stop"
+
+
+def test_ollama_show_lists_thinking_and_tools(agent_stack):
+    _, gateway, _ = agent_stack
+    shown = httpx.post(f"{gateway.url}/api/show", json={"model": gateway.model}, timeout=30)
+    assert {"thinking", "tools"} <= set(shown.json()["capabilities"])
