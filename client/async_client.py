@@ -197,7 +197,7 @@ class AsyncClient:
             while True:
                 msg = _unwrap(await queue.get())
                 if coalesce and msg.get("type") == MessageType.TOKEN.value:
-                    msg = merge_tokens(msg, queue.take_tokens())
+                    msg = merge_tokens(msg, queue.take_tokens(msg.get("channel")))
                 event = event_from_message(msg)
                 if isinstance(event, DoneEvent):
                     ended = True

@@ -172,6 +172,10 @@ class Client:
         tools: list[dict] | None = None,
         stop: list[str] | None = None,
         logprobs: int | None = None,
+        format: dict | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
+        chat_template_kwargs: dict | None = None,
         resume: bool = False,
         resume_timeout_s: float = 60.0,
         max_resumes: int = 5,
@@ -201,6 +205,10 @@ class Client:
             tools=tools,
             stop=stop,
             logprobs=logprobs,
+            format=format,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+            chat_template_kwargs=chat_template_kwargs,
         )
         if not resume:
             yield from self._generate_once(request_id, resume_ids, fields)

@@ -19,6 +19,8 @@ class TokenEvent:
     logprobs: list[dict] | None = None
     # Tool calls the model finished with this token: {id, name, arguments (a map)}.
     tool_calls: list[dict] | None = None
+    # Which part of the turn the text is: "answer", or "reasoning" (between the think markers).
+    channel: str = "answer"
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ def event_from_message(msg: dict) -> Event | None:
             msg["text"],
             msg.get("logprobs"),
             msg.get("tool_calls"),
+            msg.get("channel") or "answer",
         )
     if kind == MessageType.TELEMETRY.value:
         return TelemetryEvent(msg.get("data") or {})

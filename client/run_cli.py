@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from moed.protocol import Channel
 from moed.protocol.messages import PROMPT_STAGE
 from moed.protocol.units import format_bytes
 
@@ -260,12 +261,20 @@ def _print_event(event, as_json: bool) -> None:
         if as_json:
             click.echo(
                 json.dumps(
-                    {"type": "token", "index": event.index, "ids": event.ids, "text": event.text}
+                    {
+                        "type": "token",
+                        "index": event.index,
+                        "ids": event.ids,
+                        "text": event.text,
+                        "channel": event.channel,
+                    }
                 )
             )
         else:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+            # A model's reasoning goes to stderr: stdout holds the answer alone.
+            out = sys.stderr if event.channel == Channel.REASONING.value else sys.stdout
+            out.write(event.text)
+            out.flush()
     elif isinstance(event, TelemetryEvent):
         if as_json:
             click.echo(json.dumps({"type": "telemetry", **event.data}))
@@ -305,7 +314,8 @@ def summary_line(done: DoneEvent) -> str:
         if "stall_s" in experts:
             parts.append(f"stall {experts['stall_s'] * 1000:.0f} ms")
     if done.lossy:
+        lossy = done.lossy
         parts.append(
-            f"LOSSY: {done.lossy['active_experts']} of {done.lossy['native_experts']} experts a token"
+            f"LOSSY: {lossy['active_experts']} of {lossy['native_experts']} experts a token"
         )
     return "[moe] " + " · ".join(parts)

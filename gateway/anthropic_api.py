@@ -12,8 +12,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from . import agent_fields as agent
 from . import fields as f
-from .context import Api, Gateway
+from .context import REASONING, Api, Gateway
 from .errors import ApiError, ErrorKind, invalid
 from .generation import KEEPALIVE_S, Finish, GenerationRequest, Outcome, Stream, Waiting
 from .token_budget import BudgetError, Overrun, check_budget
@@ -101,6 +102,8 @@ def _turns(msg: dict, where: str) -> list[dict]:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             texts.append(f.required(block, "text", str, prefix=f"{at}."))
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            thoughts.append(f.get(block, "thinking", str, "", prefix=f"{at}."))
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_call(block))
         elif kind == "thinking" and role == "assistant":
@@ -122,7 +125,7 @@ def _turns(msg: dict, where: str) -> list[dict]:
         turn = {"role": role, "content": "".join(texts)}
         if calls:
             turn["tool_calls"] = calls
-        if thoughts:
+        if any(thoughts):  # the template renders reasoning carried back from its own field
             turn["reasoning_content"] = "".join(thoughts)
         turns.append(turn)
     return turns
@@ -208,9 +211,13 @@ def parse_messages(body: dict) -> GenerationRequest:
     top_p = f.get(body, "top_p", float)
     if top_p is not None and not 0 < top_p <= 1:
         raise invalid("'top_p' must be in (0, 1]")
+    tool_choice, parallel = agent.anthropic_tool_choice(body)
     return GenerationRequest(
         messages=_messages(body),
         tools=_tools(body),
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel,
+        chat_template_kwargs=agent.anthropic_thinking(body),
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -230,13 +237,31 @@ class _Blocks:
     def __init__(self) -> None:
         self.index = 0
         self.text_open = False
+        self.thinking_open = False
+        self.opened = False  # any block so far
+
+    def thinking(self, text: str) -> list[bytes]:
+        """Reasoning goes to an open thinking block (a text block open before is closed)."""
+        out = []
+        if not self.thinking_open:
+            out += self.close()
+            out.append(_block_start(self.index, {"type": "thinking", "thinking": ""}))
+            self.thinking_open = self.opened = True
+        delta = {"type": "thinking_delta", "thinking": text}
+        out.append(
+            _event(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": self.index, "delta": delta},
+            )
+        )
+        return out
 
     def text(self, text: str) -> list[bytes]:
-        out = []
+        out = self._close_thinking()
         if not self.text_open:
             block = {"type": "text", "text": ""}
             out.append(_block_start(self.index, block))
-            self.text_open = True
+            self.text_open = self.opened = True
         delta = {"type": "text_delta", "text": text}
         out.append(
             _event(
@@ -248,6 +273,7 @@ class _Blocks:
 
     def tool_call(self, call: dict) -> list[bytes]:
         out = self.close()
+        self.opened = True
         block = {"type": "tool_use", "id": call["id"], "name": call["name"], "input": {}}
         delta = {"type": "input_json_delta", "partial_json": json.dumps(call["arguments"])}
         out += [
@@ -261,9 +287,24 @@ class _Blocks:
         self.index += 1
         return out
 
+    def _close_thinking(self) -> list[bytes]:
+        if not self.thinking_open:
+            return []
+        self.thinking_open = False
+        self.index += 1
+        # A local model signs nothing: an empty signature, which clients send back as it is.
+        delta = {"type": "signature_delta", "signature": ""}
+        return [
+            _event(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": self.index - 1, "delta": delta},
+            ),
+            _event("content_block_stop", {"type": "content_block_stop", "index": self.index - 1}),
+        ]
+
     def close(self) -> list[bytes]:
         if not self.text_open:
-            return []
+            return self._close_thinking()
         self.text_open = False
         self.index += 1
         return [
@@ -287,15 +328,16 @@ async def _sse_body(
 ) -> AsyncIterator[bytes]:
     yield _event("message_start", {"type": "message_start", "message": message})
     blocks = _Blocks()
-    for frame in blocks.text(""):  # clients expect a text block to open the content
-        yield frame
     yield _event("ping", {"type": "ping"})
     try:
         async for event in gateway.tokens(stream, API, "/v1/messages", started, KEEPALIVE_S):
             if event is Waiting.WAITING:  # Anthropic's own keep-alive event
                 yield _event("ping", {"type": "ping"})
                 continue
-            if event.text:
+            if event.channel == REASONING:
+                for frame in blocks.thinking(event.text) if event.text else ():
+                    yield frame
+            elif event.text:
                 for frame in blocks.text(event.text):
                     yield frame
             for call in event.tool_calls or ():
@@ -305,7 +347,8 @@ async def _sse_body(
         yield _event("error", error_body(err))
         return
     outcome = stream.outcome
-    for frame in blocks.close():
+    # A turn with no content still has a (empty) text block, as clients expect.
+    for frame in blocks.close() if blocks.opened else blocks.text("") + blocks.close():
         yield frame
     delta = {"stop_reason": STOP_REASON[outcome.finish], "stop_sequence": outcome.stop_sequence}
     yield _event(
@@ -354,6 +397,11 @@ async def messages(request: Request) -> Response:
     outcome = stream.outcome
     message.update(
         content=[
+            *(
+                [{"type": "thinking", "thinking": result.reasoning, "signature": ""}]
+                if result.reasoning
+                else []
+            ),
             *(
                 [{"type": "text", "text": result.text}]
                 if result.text or not result.tool_calls

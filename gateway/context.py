@@ -14,11 +14,14 @@ from starlette.requests import Request
 
 from moed.client import ClientError, TokenEvent
 from moed.client.async_client import AsyncClient
+from moed.protocol import Channel
 
 from .config import GatewayConfig
 from .errors import ApiError, ErrorKind, from_client_error
 from .generation import GenerationRequest, Stream, Waiting
 from .metrics import GatewayMetrics
+
+REASONING = Channel.REASONING.value
 
 
 class Api(str, enum.Enum):
@@ -36,6 +39,7 @@ class Collected:
     logprobs: list[dict]
     ids: list[int]
     tool_calls: list[dict]
+    reasoning: str = ""  # the reasoning channel's text (the think markers' contents)
 
 
 @dataclass
@@ -99,13 +103,13 @@ class Gateway:
         generation over the request timeout, cancels it in the daemon."""
 
         async def gather() -> Collected:
-            parts, logprobs, ids, calls = [], [], [], []
+            parts, reasoning, logprobs, ids, calls = [], [], [], [], []
             async for event in self.tokens(stream, api, endpoint, started):
-                parts.append(event.text)
+                (reasoning if event.channel == REASONING else parts).append(event.text)
                 ids.extend(event.ids)
                 logprobs.extend(event.logprobs or ())
                 calls.extend(event.tool_calls or ())
-            return Collected("".join(parts), logprobs, ids, calls)
+            return Collected("".join(parts), logprobs, ids, calls, "".join(reasoning))
 
         work = asyncio.create_task(gather())
         watch = asyncio.create_task(_wait_disconnect(request))

@@ -51,6 +51,7 @@ _KIND_OF_CODE = {
     ErrorCode.SHUTTING_DOWN: ErrorKind.UNAVAILABLE,
     ErrorCode.OUT_OF_MEMORY: ErrorKind.UNAVAILABLE,
     ErrorCode.DAEMON_RESTARTED: ErrorKind.UNAVAILABLE,
+    ErrorCode.INVALID_SCHEMA: ErrorKind.INVALID_REQUEST,
     ErrorCode.INTERNAL: ErrorKind.INTERNAL,
 }
 

@@ -43,6 +43,11 @@ class GenerationRequest:
     logprobs: int | None = None  # None: off; 0: the chosen token's; k: also the top k
     model: str | None = None
     keep_alive: int | float | str | None = None  # how long the model stays loaded once idle
+    # Constrained decoding and template switches (gateway/agent_fields.py maps each API's).
+    format: dict | None = None  # {type: json | json_schema, schema}
+    tool_choice: str | dict | None = None  # auto | none | required | {name}
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None  # e.g. {enable_thinking: false}
 
     def wire_fields(self) -> dict:
         """The `generate` fields of this request (None values are left off the wire)."""
@@ -61,6 +66,10 @@ class GenerationRequest:
             "model": self.model,
             "keep_alive": self.keep_alive,
             "progress": True,  # a long prompt's chunks: keep-alives before the first token
+            "format": self.format,
+            "tool_choice": self.tool_choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "chat_template_kwargs": self.chat_template_kwargs,
             # Per-request telemetry is for moe's live view; the gateway reports its own metrics.
             "telemetry_every": 1 << 30,
         }

@@ -15,9 +15,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from . import agent_fields as agent
 from . import fields as f
 from .config import moed_version
-from .context import Api, Gateway
+from .context import REASONING, Api, Gateway
 from .errors import ApiError, ErrorKind, invalid
 from .generation import Finish, GenerationRequest, Outcome, Stream
 from .token_budget import check_budget, daemon_limits
@@ -88,8 +89,11 @@ def parse_generate(body: dict) -> GenerationRequest:
         model=_model_name(body),
         logprobs=_logprobs(body),
         keep_alive=_keep_alive(body),
+        format=agent.ollama_format(body),
         **_options(body),
     )
+    if not raw:
+        common["chat_template_kwargs"] = agent.ollama_thinking(body)
     if raw:
         return GenerationRequest(prompt=prompt, raw=True, **common)
     system = f.get(body, "system", str)
@@ -112,6 +116,9 @@ def parse_chat(body: dict) -> GenerationRequest:
         calls = f.get(msg, "tool_calls", list, prefix=where)
         if calls:
             turn["tool_calls"] = calls
+        thinking = f.get(msg, "thinking", str, prefix=where)
+        if thinking and msg["role"] == "assistant":  # as the chat templates name it
+            turn["reasoning_content"] = thinking
         messages.append(turn)
     tools = f.get(body, "tools", list)
     return GenerationRequest(
@@ -120,6 +127,8 @@ def parse_chat(body: dict) -> GenerationRequest:
         model=_model_name(body),
         logprobs=_logprobs(body),
         keep_alive=_keep_alive(body),
+        format=agent.ollama_format(body),
+        chat_template_kwargs=agent.ollama_thinking(body),
         **_options(body),
     )
 
@@ -167,7 +176,11 @@ async def _ndjson(
     try:
         async for event in gateway.tokens(stream, API, endpoint, started):
             ids.extend(event.ids)
-            if event.text or event.logprobs or event.tool_calls:
+            if event.channel == REASONING:
+                if event.text:
+                    part = {"model": model, "created_at": _now(), **piece("", None, event.text)}
+                    yield _line({**part, "done": False})
+            elif event.text or event.logprobs or event.tool_calls:
                 body = piece(event.text, event.tool_calls)
                 part = {"model": model, "created_at": _now(), **body, "done": False}
                 if event.logprobs:
@@ -211,7 +224,10 @@ async def _run(request: Request, endpoint: str, parse, piece) -> Response:
             media_type="application/x-ndjson",
         )
     result = await gateway.collect(request, stream, API, endpoint, started)
-    out = {**_final(stream.outcome, model), **piece(result.text, result.tool_calls)}
+    out = {
+        **_final(stream.outcome, model),
+        **piece(result.text, result.tool_calls, result.reasoning),
+    }
     if endpoint == "/api/generate":
         out["context"] = result.ids
     if req.logprobs is not None:
@@ -220,11 +236,17 @@ async def _run(request: Request, endpoint: str, parse, piece) -> Response:
 
 
 async def generate(request: Request) -> Response:
-    return await _run(request, "/api/generate", parse_generate, lambda text, _: {"response": text})
+    return await _run(request, "/api/generate", parse_generate, _generate_piece)
 
 
-def _chat_piece(text: str, calls: list[dict] | None) -> dict:
+def _generate_piece(text: str, calls: list[dict] | None, thinking: str = "") -> dict:
+    return {"response": text, **({"thinking": thinking} if thinking else {})}
+
+
+def _chat_piece(text: str, calls: list[dict] | None, thinking: str = "") -> dict:
     message = {"role": "assistant", "content": text}
+    if thinking:  # ollama's `think` answer: the reasoning beside the content
+        message["thinking"] = thinking
     if calls:  # ollama's shape: arguments stay a map
         message["tool_calls"] = [
             {"function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls
@@ -304,6 +326,7 @@ async def show(request: Request) -> Response:
     capabilities = ["completion"] + (["tools"] if model.get("tool_calling") else [])
     arch = model.get("model_type") or "moed"
     context = (await daemon_limits(gateway.client)).get("context_tokens")
+    capabilities += ["thinking"] if model.get("thinking") else []  # `think` switches it
     return JSONResponse(
         {
             "modelfile": "",

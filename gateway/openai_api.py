@@ -15,8 +15,9 @@ from starlette.routing import Route
 
 from moed.protocol import ErrorCode
 
+from . import agent_fields as agent
 from . import fields as f
-from .context import Api, Gateway
+from .context import REASONING, Api, Gateway
 from .errors import ApiError, ErrorKind, invalid
 from .generation import KEEPALIVE_S, Finish, GenerationRequest, Outcome, Stream, Waiting
 from .token_budget import BudgetError, Overrun, check_budget, daemon_limits
@@ -142,6 +143,12 @@ def chat_messages(raw) -> tuple[dict, ...]:
         if role not in _ROLES:
             raise invalid(f"{where}.role must be one of system, user, assistant, tool", where)
         turn = {"role": _ROLES[role], "content": _text_content(msg.get("content"), where)}
+        # Reasoning carried back (either name peers use) goes to the template as it expects.
+        thought = f.get(msg, "reasoning_content", str, prefix=f"{where}.") or f.get(
+            msg, "reasoning", str, prefix=f"{where}."
+        )
+        if thought and role == "assistant":
+            turn["reasoning_content"] = thought
         calls = f.get(msg, "tool_calls", list, prefix=f"{where}.")
         if calls and role == "assistant":
             turn["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
@@ -183,6 +190,10 @@ def parse_chat(body: dict) -> GenerationRequest:
         tools=tuple(tools) if tools else None,
         max_tokens=max_tokens,
         logprobs=logprobs,
+        format=agent.openai_format(body),
+        tool_choice=agent.openai_tool_choice(body),
+        parallel_tool_calls=f.get(body, "parallel_tool_calls", bool),
+        chat_template_kwargs=agent.openai_thinking(body),
         **_sampling(body),
     )
 
@@ -351,6 +362,10 @@ async def _sse_body(
         async for event in events:
             if event is Waiting.WAITING:  # an SSE comment: every client ignores it
                 yield b": keep-alive\n\n"
+                continue
+            if event.channel == REASONING:
+                if event.text:
+                    yield frame(chunk(event.text, event.logprobs, None, event.tool_calls, True))
             elif event.text or event.logprobs or event.tool_calls:
                 yield frame(chunk(event.text, event.logprobs, None, event.tool_calls))
     except ApiError as err:  # the stream has started: the error travels in it
@@ -369,9 +384,14 @@ async def chat_completions(request: Request) -> Response:
     if call.streaming:
         calls_sent = 0
 
-        def chunk(text, logprobs, finish, calls):
+        def chunk(text, logprobs, finish, calls, reasoning=False):
             nonlocal calls_sent
-            delta = {"content": text} if text or (finish is None and not calls) else {}
+            if reasoning:  # both names peers use: llama-server's and mlx_lm.server/vLLM's
+                delta = {"reasoning_content": text, "reasoning": text}
+            elif text or (finish is None and not calls):
+                delta = {"content": text}
+            else:
+                delta = {}
             if calls:
                 delta["tool_calls"] = _tool_call_list(calls, calls_sent)
                 calls_sent += len(calls)
@@ -391,6 +411,11 @@ async def chat_completions(request: Request) -> Response:
             "role": "assistant",
             "content": result.text or (None if result.tool_calls else ""),
             **({"tool_calls": _tool_call_list(result.tool_calls)} if result.tool_calls else {}),
+            **(
+                {"reasoning_content": result.reasoning, "reasoning": result.reasoning}
+                if result.reasoning
+                else {}
+            ),
         },
         "logprobs": _chat_logprobs(result.logprobs) if req.logprobs is not None else None,
         "finish_reason": FINISH[outcome.finish],
@@ -406,7 +431,7 @@ async def completions(request: Request) -> Response:
     envelope["object"] = "text_completion"
     if call.streaming:
 
-        def chunk(text, logprobs, finish, calls):
+        def chunk(text, logprobs, finish, calls, reasoning=False):
             lp = _completion_logprobs(logprobs) if logprobs else None
             return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
 

@@ -60,6 +60,14 @@ class FinishReason(str, enum.Enum):
     CANCELLED = "cancelled"  # cancel request, or the client went away
 
 
+class Channel(str, enum.Enum):
+    """Which part of the model's turn a `token` message's text belongs to (the template's markers
+    tell them apart; the markers themselves are in no channel)."""
+
+    ANSWER = "answer"  # the reply (the default: a message without `channel` is the answer)
+    REASONING = "reasoning"  # between the template's think markers (<think>...</think>)
+
+
 class ShedLevel(str, enum.Enum):
     CACHE = "cache"  # shrink the expert cache and release MLX's buffer cache
     CANCEL_NEWEST = "cancel_newest"  # also cancel the most recently admitted request
@@ -89,8 +97,11 @@ def token(
     text: str,
     logprobs: list[dict] | None = None,
     tool_calls: list[dict] | None = None,
+    channel: Channel = Channel.ANSWER,
 ) -> dict:
     msg = {**_base(MessageType.TOKEN, request_id), "index": index, "ids": ids, "text": text}
+    if channel is not Channel.ANSWER:
+        msg["channel"] = channel.value
     if logprobs is not None:
         msg["logprobs"] = logprobs
     if tool_calls:

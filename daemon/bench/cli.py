@@ -11,6 +11,7 @@ from moed.daemon.bench.prewarm import prewarm
 from moed.daemon.bench.prompt import prompt_bench
 from moed.daemon.bench.serve import bench_serve
 from moed.daemon.bench.stream import stream
+from moed.daemon.bench.structured import bench_format
 
 
 @click.group("bench")
@@ -19,6 +20,7 @@ def bench() -> None:
 
 
 bench.add_command(bench_batch)
+bench.add_command(bench_format)
 bench.add_command(bench_serve)
 bench.add_command(pipeline)
 bench.add_command(policy)

@@ -22,6 +22,7 @@ from moed.daemon.engine.sampling import greedy
 from moed.protocol import FinishReason
 
 Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # (row tokens, row logits)
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
@@ -128,9 +129,21 @@ class DecodeBatch:
     def rows(self) -> int:
         return len(self._live)
 
-    def insert(self, context: list[int], max_new_tokens: int, sampler: Sampler) -> int:
-        """Queue a request's context for prefill; returns its row id."""
-        (uid,) = self._gen.insert([context], max_tokens=[max_new_tokens], samplers=[sampler])
+    def insert(
+        self,
+        context: list[int],
+        max_new_tokens: int,
+        sampler: Sampler,
+        constraint: LogitsProcessor | None = None,
+    ) -> int:
+        """Queue a request's context for prefill; returns its row id. A `constraint` (a grammar's
+        token mask) applies to this row's logits only."""
+        (uid,) = self._gen.insert(
+            [context],
+            max_tokens=[max_new_tokens],
+            samplers=[sampler],
+            logits_processors=[[constraint] if constraint is not None else []],
+        )
         self._live.add(uid)
         self._kv[uid] = len(context) + max_new_tokens
         return uid

@@ -21,7 +21,7 @@ from moed.daemon.engine.commands import Cancel, EngineCommand, Shed, Stop, Submi
 from moed.daemon.engine.heartbeat import StepHeartbeat
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.lifecycle import ModelLifecycle
-from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
+from moed.daemon.engine.request import Emitted, GenerateJob, Generation, RequestKey
 from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Scheduler
 from moed.daemon.engine.status import DaemonState, EngineStatus, ShedRecord
 from moed.daemon.exit_codes import DaemonExit
@@ -33,7 +33,7 @@ from moed.daemon.runtime.faults import Faults
 from moed.daemon.telemetry.delta import cache_state, request_counters
 from moed.daemon.telemetry.request_trace import finish_request_trace, start_request_trace
 from moed.daemon.telemetry.trace import recording_all
-from moed.protocol import ErrorCode, FinishReason, ProtocolError, ShedLevel
+from moed.protocol import Channel, ErrorCode, FinishReason, ProtocolError, ShedLevel
 from moed.protocol import messages as wire
 
 log = logging.getLogger("moed.engine")
@@ -187,7 +187,7 @@ class EngineCore(ModelLifecycle):
     def _join(self, gen: Generation) -> None:
         """A request takes its row: its context is queued for prefill in the next steps."""
         gen.started = time.perf_counter()
-        gen.uid = self.batch.insert(gen.context, gen.max_new_tokens, gen.sampler)
+        gen.uid = self.batch.insert(gen.context, gen.max_new_tokens, gen.sampler, gen.constraint)
         self._rows[gen.uid] = gen
         self._publish_counts()
         if len(self._rows) > self.status.get("peak_running_requests"):
@@ -228,12 +228,7 @@ class EngineCore(ModelLifecycle):
     def _emit_token(self, gen: Generation, token: int, row_logprobs) -> bool:
         """Send a token (and telemetry when due); True when a stop sequence ended the text."""
         out = gen.add_token(token, row_logprobs)
-        self.sink.emit(
-            gen.job.identity,
-            wire.token(
-                gen.job.request["id"], gen.index, [token], out.text, out.logprobs, out.tool_calls
-            ),
-        )
+        self._emit_segments(gen, [token], out)
         gen.index += 1
         gen.completion += 1
         self.status.token_produced(time.time())
@@ -244,6 +239,25 @@ class EngineCore(ModelLifecycle):
                 gen.job.identity, wire.telemetry(gen.job.request["id"], self._telemetry(gen))
             )
         return False
+
+    def _emit_segments(self, gen: Generation, ids: list[int], out: Emitted) -> None:
+        """One `token` message per channel segment, in order: the first carries the token's ids
+        and logprobs, the last its finished tool calls (PROTOCOL.md, Reasoning)."""
+        segments = out.segments or ((Channel.ANSWER, ""),)
+        last = len(segments) - 1
+        for i, (channel, text) in enumerate(segments):
+            self.sink.emit(
+                gen.job.identity,
+                wire.token(
+                    gen.job.request["id"],
+                    gen.index,
+                    ids if i == 0 else [],
+                    text,
+                    out.logprobs if i == 0 else None,
+                    out.tool_calls if i == last else None,
+                    channel,
+                ),
+            )
 
     def _telemetry(self, gen: Generation, timings: dict | None = None) -> dict:
         self._refresh_ranks()
@@ -290,11 +304,8 @@ class EngineCore(ModelLifecycle):
             self.sink.emit(gen.job.identity, wire.error(req_id, reason, message), terminal=True)
             return
         tail = gen.final_text()
-        if tail.text or tail.tool_calls:
-            self.sink.emit(
-                gen.job.identity,
-                wire.token(req_id, gen.index, [], tail.text, tool_calls=tail.tool_calls),
-            )
+        if tail.segments or tail.tool_calls:
+            self._emit_segments(gen, [], tail)
         self.status.add(requests_served=1)
         self._refresh_ranks(force=True)  # a client that saw `done` sees every rank's counters
         usage = {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion}

@@ -165,6 +165,9 @@ def describe_model(loaded: LoadedModel) -> dict:
         "streaming": loaded.streamer is not None,
         **(loaded.routing.describe() if loaded.routing is not None else {}),
         "chat_template": bool(getattr(loaded.tokenizer, "has_chat_template", False)),
+        # The template's markers mlx-lm found: tool calls cut out, reasoning as its own channel.
+        "tool_calling": bool(getattr(loaded.tokenizer, "has_tool_calling", False)),
+        "thinking": bool(getattr(loaded.tokenizer, "has_thinking", False)),
         # The embedded demo model: clients say what its text is (a toy, see MODEL_CARD.md).
         "demo": loaded.path.resolve() == demo_model_path().resolve(),
     }
