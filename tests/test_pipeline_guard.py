@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -16,11 +17,13 @@ import pytest
 from test_pipeline_daemon import PROMPT_IDS, tokens
 from test_socket_security import other_user  # noqa: F401  (a fixture: a real second user)
 
-from moed.client import Client
+from moed.client import Client, DoneEvent, RequestFailed, TokenEvent
 from moed.daemon.distributed.guard import GuardRefused, Rendezvous, join, new_secret
 from moed.daemon.distributed.hostfile import LOOPBACK, RankHost
 from moed.daemon.distributed.launch import free_port_run
+from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.runtime import crashlog
+from moed.protocol import ErrorCode
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -174,3 +177,34 @@ def test_the_rank_environment_carries_no_spec_or_secret(supervisor, checkpoint_f
         assert b"MOED_RANK_SPEC" not in env
         assert not any(b"secret" in k.lower() for k in env)
     assert os.environ.get("MOED_RANK_SPEC") is None
+
+
+def test_a_rank_killed_twice_leaves_the_request_retryable_and_the_budget_whole(
+    supervisor, checkpoint_factory
+):
+    """Kill the follower twice while the same request runs, under a restart budget of 2: the third
+    try of that request is served (not `poison_request`), and the daemon is not left down."""
+    path = checkpoint_factory("qwen3_moe", num_layers=4)
+    sup = supervisor(
+        path,
+        "--pipeline",
+        "2",
+        "--cache-budget",
+        "25%",
+        env={"MOED_RESTART_BUDGET": "2", "MOED_RANK_TIMEOUT_S": "1"},
+    )
+    boot = None
+    for _ in range(2):
+        ready = sup.wait_ready(not_boot=boot)
+        boot, follower = ready["boot_id"], ready["ranks"][1]["pid"]
+        with Client(sup.socket) as c:
+            with pytest.raises(RequestFailed) as err:
+                for event in c.generate(prompt_ids=PROMPT_IDS, max_tokens=400):
+                    if isinstance(event, TokenEvent) and event.index == 10:
+                        os.kill(follower, signal.SIGKILL)
+        assert err.value.code == ErrorCode.RANK_FAILED and err.value.retryable
+    sup.wait_ready(not_boot=boot)
+    with Client(sup.socket) as c:
+        done = list(c.generate(prompt_ids=PROMPT_IDS, max_tokens=400))
+    assert isinstance(done[-1], DoneEvent), done[-1]
+    assert sup.exits == [DaemonExit.RANK_FAILED] * 2

@@ -105,6 +105,10 @@ class RankProcess:
             # connects (retrying for seconds): starting again, only its exit counts.
             self.last_beat = None if line.strip() == WAIT_LINE else time.monotonic()
 
+    def excuse(self, now: float) -> None:
+        if self.last_beat is not None:
+            self.last_beat = max(self.last_beat, now)
+
     def failure(self, timeout_s: float) -> GroupFailure | None:
         code = self.popen.poll()
         where = f"rank {self.rank} ({self.host.ssh or 'local'})"
@@ -177,7 +181,15 @@ class RankGroup:
         self._monitor.start()
 
     def _watch(self) -> None:
+        last = time.monotonic()
         while not self._stop.wait(0.1):
+            now = time.monotonic()
+            if now - last > self.timeout_s / 2:
+                # This process did not run (rank 0's own init keeps the GIL while the ring
+                # connects): the ranks' lines wait unread in their pipes, silence proves nothing.
+                for rank in self.ranks:
+                    rank.excuse(now)
+            last = now
             for rank in self.ranks:
                 failure = rank.failure(self.timeout_s)
                 if failure is not None:
