@@ -116,8 +116,10 @@ def parse_hostfile(data, port: int = 32323, where: str = "hostfile") -> GroupSpe
     parsed = tuple(_host(i, h, where) for i, h in enumerate(hosts))
     group = GroupSpec(parsed, Backend(backend), tuple(envs), port)
     _ = group.given_split  # all or none of the hosts give `layers`
-    if any(not h.ips for h in parsed):  # the guard and the ring listen on the named addresses
-        raise HostfileError(f"{where}: every host needs `ips` (where its rank listens)")
+    if group.backend is Backend.RING and any(not h.ips for h in parsed):
+        raise HostfileError(f"{where}: the ring backend needs `ips` for every host")
+    if not parsed[0].ips:  # rank 0's guard (and JACCL's coordinator) listen there
+        raise HostfileError(f"{where}: host 0 needs `ips` (where rank 0's guard listens)")
     if group.backend is Backend.JACCL and any(len(h.rdma) != len(parsed) for h in parsed):
         raise HostfileError(f"{where}: JACCL needs one `rdma` entry per host on every host")
     return group
