@@ -57,6 +57,7 @@ class ServeConfig:
     max_pending: int = 64
     max_pending_per_client: int = 16  # one connection cannot hold every pending slot
     client_send_hwm: int = 1000  # messages queued to one client before it counts as not reading
+    max_connections: int = 0  # client connections at once; 0: what the open-file limit has room for
     progress_deadline_s: float = 60.0  # work to do and no progress this long: `engine_stalled`
     max_batch: int = 8  # requests decoded together in one batch (continuous batching)
     prefill_chunk: int = 256  # prompt tokens read per step, between decode steps of the batch
@@ -291,6 +292,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_pending": (lambda v: v >= 1, "an integer >= 1"),
     "max_pending_per_client": (lambda v: v >= 1, "an integer >= 1"),
     "client_send_hwm": (lambda v: 16 <= v <= 1_000_000, "an integer in [16, 1000000]"),
+    "max_connections": (lambda v: v >= 0, "an integer >= 0 (0: sized to the open-file limit)"),
     "progress_deadline_s": (lambda v: v > 0, "a number of seconds > 0"),
     "drain_timeout_s": (lambda v: v >= 0, "a number of seconds >= 0"),
     "telemetry_every": (lambda v: v >= 1, "an integer >= 1 (tokens between telemetry messages)"),

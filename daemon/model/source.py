@@ -18,6 +18,10 @@ class ModelNotFound(Exception):
     pass
 
 
+class ModelUnreadable(Exception):
+    """The folder is there but a file moed must parse cannot be read; the message names it."""
+
+
 def resolve_model(spec: str) -> Path:
     if spec == DEMO_MODEL:
         from moed.daemon.model.demo import demo_model_path
@@ -38,7 +42,19 @@ def _check_folder(path: Path, spec: str) -> Path:
         raise ModelNotFound(f"model folder {spec!r} has no config.json")
     if not any(path.glob("model*.safetensors")):
         raise ModelNotFound(f"model folder {spec!r} has no model*.safetensors weights")
+    _check_config(path / "config.json")
     return path.resolve()
+
+
+def _check_config(config: Path) -> None:
+    """Read once here, bounded, so that a config that is not UTF-8 JSON is one line naming it,
+    never a UnicodeDecodeError deep in the load."""
+    from moed.client.hub_verify import PullError, read_json_file
+
+    try:
+        read_json_file(config)
+    except PullError as exc:
+        raise ModelUnreadable(f"{config}: {exc}") from None
 
 
 def _from_hf_cache(repo_id: str) -> Path:

@@ -153,6 +153,12 @@ def serve(
         )
     except ConfigError as exc:
         raise ConfigExit(exc) from None
+    from moed.daemon.runtime.open_files import OpenFileLimitTooLow, require_open_files
+
+    try:
+        require_open_files()
+    except OpenFileLimitTooLow as exc:
+        raise ConfigExit(exc) from None
     from moed.daemon.runtime.main import run_daemon
 
     sys.exit(for_supervisor(run_daemon(config)))

@@ -39,6 +39,7 @@ def welcome_body(self) -> dict:
             "max_pending_per_client": self.serve.max_pending_per_client,
             "client_send_hwm": self.serve.client_send_hwm,
             "progress_deadline_s": self.serve.progress_deadline_s,
+            "max_connections": self.connections.limit,
         },
         "last_crash": self.start_plan.last_crash,
         "budget_backoff": self.budget_backoff,
@@ -53,6 +54,8 @@ def status_body(self) -> dict[str, Any]:
     if self.progress.stalled_at is not None:
         snap["state"] = DaemonState.STALLED.value  # the transport's verdict over the engine's state
     snap["pending_requests"] = len(self._streams)
+    self.connections.drain()
+    snap.update(self.connections.describe())  # client connections now, and the limit
     snap["boot_id"] = self.boot_id
     snap["pid"] = os.getpid()
     snap["uptime_s"] = time.time() - snap["started_at"]

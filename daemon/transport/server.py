@@ -32,6 +32,7 @@ from moed.daemon.telemetry import LiveTelemetry
 from moed.daemon.transport.admission import DuplicateId, TokenCounter, check_model_name
 from moed.daemon.transport.backoff import back_off_budget
 from moed.daemon.transport.bodies import status_body, welcome_body
+from moed.daemon.transport.connections import ConnectionCount, connection_limit
 from moed.daemon.transport.control import ControlToken
 from moed.daemon.transport.outbound import Outbound
 from moed.daemon.transport.pipes import (
@@ -132,6 +133,9 @@ class Server:
         # Bounded per connection: a client that does not read is cut off (outbound.py's policy).
         self.router.setsockopt(zmq.SNDHWM, self.serve.client_send_hwm)
         self.router.bind(self.endpoint)
+        self.connections = ConnectionCount(
+            self.router, connection_limit(self.serve.max_connections)
+        )
         os.chmod(self.serve.socket, 0o600)
         self.control_token.write()
         self.outbound = Outbound(self.router, self._client_slow, self._client_gone)
@@ -184,6 +188,7 @@ class Server:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.events, zmq.POLLIN)
+        poller.register(self.connections.monitor, zmq.POLLIN)
         try:
             while True:
                 if self._stop_requested.is_set() and not self._draining:
@@ -200,6 +205,8 @@ class Server:
                 for sock, _ in poller.poll(50):
                     if sock is self.router:
                         self._receive_some(RECEIVE_BATCH)
+                    elif sock is self.connections.monitor:
+                        self.connections.drain()
                     else:
                         self._forward_events()
                 self.outbound.retry_owed()
@@ -247,6 +254,7 @@ class Server:
     def _close(self) -> None:
         self.telemetry.close()
         self.control_token.remove()
+        self.connections.close()
         self.router.close(linger=0)
         self.events.close(linger=0)
         try:
@@ -297,6 +305,7 @@ class Server:
         if kind is MessageType.GENERATE:
             return self._admit(identity, msg)
         if kind is MessageType.HELLO:
+            self.connections.admit_hello()  # past max_connections: `overloaded`, before fds run out
             return wire.welcome(req_id, **self._welcome_body())
         if kind is MessageType.PING:
             return wire.result(
