@@ -94,7 +94,8 @@ def gateway_key_path(socket: Path) -> Path:
 
 
 def write_gateway_key(path: Path) -> str:
-    """A new key in `path`, mode 0600, written atomically (clients read it as their API key)."""
+    """A new key in `path`, mode 0600, written atomically (clients read it as their API key); a
+    symlink or someone else's file there is replaced, never followed."""
     key = secrets.token_urlsafe(32)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
@@ -106,6 +107,21 @@ def write_gateway_key(path: Path) -> str:
         tmp.unlink(missing_ok=True)
         raise ConfigError(f"cannot write the gateway key {path}: {exc.strerror}") from None
     return key
+
+
+def _reuse_gateway_key(path: Path) -> str | None:
+    """The key a previous start wrote, if it is still this user's own private file (clients keep
+    working across restarts); anything else is replaced."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        return None
+    try:
+        return read_api_key(path)
+    except ConfigError:
+        return None
 
 
 def build_config(
@@ -125,7 +141,9 @@ def build_config(
             ensure_private_dir(socket.parent)
         except (OSError, UnsafeSocketPath) as exc:
             raise ConfigError(f"--local-auth key: {exc}") from None
-        api_key = write_gateway_key(gateway_key_path(socket))
+        api_key = _reuse_gateway_key(gateway_key_path(socket)) or write_gateway_key(
+            gateway_key_path(socket)
+        )
     if not is_loopback(host) and not api_key:
         raise ConfigError(
             f"--host {host} is not a loopback address: anyone on the network could use the "

@@ -217,29 +217,50 @@ def test_lone_surrogates_and_deep_json_are_400(gateway, model_name):
     _served(gateway.url, model_name)
 
 
-def test_trickled_headers_do_not_starve_health(daemon, model_name, tmp_path):
+def _tricklers(port: int, count: int) -> list[socket.socket]:
+    """`count` connections that sent part of their headers and then a byte more (slowloris)."""
+    tricklers = []
+    for _ in range(count):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        tricklers.append(s)
+    for s in tricklers:
+        s.sendall(b"a")
+    return tricklers
+
+
+def _closed_by_server(tricklers: list[socket.socket]) -> None:
+    """Every trickler is closed by the server: at the header deadline, or to make room."""
+    for s in tricklers:
+        s.settimeout(60)
+        answer = b""
+        while chunk := _recv(s):
+            answer += chunk
+        assert answer in (b"", *_TIMEOUT_ANSWERS), answer
+
+
+def test_trickled_headers_do_not_starve_health(gateway, model_name):
     """70 connections sending their headers a byte at a time: /health and a real request are still
-    served (the oldest idle connection makes room), and each trickler is cut off at the header
-    deadline."""
-    gateway = start_gateway(
-        tmp_path, daemon.socket, "--max-open-connections", "64", "--header-timeout", "3"
-    )
+    served, and each trickler is cut off at the header deadline."""
+    tricklers = _tricklers(gateway.port, 70)
+    try:
+        _served(gateway.url, model_name)
+        _closed_by_server(tricklers)
+        _served(gateway.url, model_name)
+    finally:
+        for s in tricklers:
+            s.close()
+
+
+def test_at_the_connection_cap_idle_connections_make_room(daemon, model_name, tmp_path):
+    """More tricklers than the gateway keeps sockets open: the oldest idle one is closed for each
+    new connection, so a real client still gets in."""
+    gateway = start_gateway(tmp_path, daemon.socket, "--max-open-connections", "32")
     tricklers = []
     try:
-        for _ in range(70):
-            s = socket.create_connection(("127.0.0.1", gateway.port))
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
-            tricklers.append(s)
-        for s in tricklers:
-            s.sendall(b"a")
+        tricklers = _tricklers(gateway.port, 70)
         _served(gateway.url, model_name)
-        # Every trickler is closed by the server: by the header deadline, or to make room.
-        for s in tricklers:
-            s.settimeout(30)
-            answer = b""
-            while chunk := _recv(s):
-                answer += chunk
-            assert answer in (b"", *_TIMEOUT_ANSWERS), answer
+        _closed_by_server(tricklers)
         _served(gateway.url, model_name)
     finally:
         for s in tricklers:
