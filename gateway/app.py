@@ -87,7 +87,7 @@ class Guard:
         path = scope["path"]
         api = api_of(path)
         started = time.perf_counter()
-        status = 500
+        status = 499  # no answer sent: the client left first (an app error still sends a 500)
 
         async def counted_send(message: Message) -> None:
             nonlocal status

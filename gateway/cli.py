@@ -164,6 +164,7 @@ def gateway(
         # Connection caps and the header deadline live in the protocol (connections.py); the
         # request limits in the app, where /health is never counted.
         http=guarded_protocol(ConnectionTable(config.connections)),
+        ws="none",  # no WebSocket routes; an upgrade would leave the connection table
         timeout_keep_alive=int(config.keep_alive_s),
         timeout_graceful_shutdown=10,
         log_level=log_level.lower(),

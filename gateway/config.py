@@ -65,9 +65,12 @@ def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host)
     except ValueError:
         return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # a dual-stack listener's IPv4 client: ::ffff:127.0.0.1
+    return ip.is_loopback
 
 
 def read_api_key(path: Path) -> str:
