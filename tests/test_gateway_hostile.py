@@ -252,6 +252,17 @@ def test_trickled_headers_do_not_starve_health(gateway, model_name):
             s.close()
 
 
+def test_headers_past_the_size_limit_are_431(gateway, model_name):
+    with socket.create_connection(("127.0.0.1", gateway.port)) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 70_000)
+        s.settimeout(60)
+        answer = b""
+        while chunk := _recv(s):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    _served(gateway.url, model_name)
+
+
 def test_at_the_connection_cap_idle_connections_make_room(daemon, model_name, tmp_path):
     """More tricklers than the gateway keeps sockets open: the oldest idle one is closed for each
     new connection, so a real client still gets in."""

@@ -4,7 +4,9 @@ daemon's socket refuses them, and every request leaves one access-log line witho
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import stat
 import subprocess
 
@@ -15,6 +17,7 @@ from gateway_harness import start_gateway
 from test_socket_security import other_user  # noqa: F401  (the real second user fixture)
 
 from moed.gateway.config import gateway_key_path
+from moed.gateway.peer import peer_uid
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +184,31 @@ def test_access_log_names_each_request_but_not_its_prompt(daemon, model_name, tm
     finally:
         gateway.stop()
         quiet.stop()
+
+
+def _pair(family: int, host: str) -> tuple[socket.socket, socket.socket, socket.socket]:
+    server = socket.socket(family)
+    server.bind((host, 0))
+    server.listen()
+    client = socket.socket(family)
+    client.connect(server.getsockname()[:2])
+    accepted, _ = server.accept()
+    return server, client, accepted
+
+
+@pytest.mark.parametrize("family,host", [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")])
+def test_peer_uid_names_the_owner_of_a_real_loopback_connection(family, host):
+    if family == socket.AF_INET6 and not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    try:
+        server, client, accepted = _pair(family, host)
+    except OSError:
+        pytest.skip(f"cannot listen on {host}")
+    try:
+        # As the gateway sees it: the peer's address, then its own.
+        assert peer_uid(accepted.getpeername()[:2], accepted.getsockname()[:2]) == os.getuid()
+        # A port nobody is connected from names nobody.
+        assert peer_uid((host, 1), accepted.getsockname()[:2]) is None
+    finally:
+        for s in (client, accepted, server):
+            s.close()
