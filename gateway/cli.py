@@ -63,6 +63,12 @@ log = logging.getLogger("moed.gateway")
     help="Seconds a connection may take to send a request's headers (then 408 and closed).",
 )
 @click.option(
+    "--body-timeout",
+    default=ConnectionLimits.body_idle_s,
+    show_default=True,
+    help="Seconds a request's body may pause between two pieces (then 408 and closed).",
+)
+@click.option(
     "--max-body-bytes", default=4 * 1024 * 1024, show_default=True, help="Largest request body."
 )
 @click.option(
@@ -109,6 +115,7 @@ def gateway(
     max_open_connections: int,
     max_open_per_client: int,
     header_timeout: float,
+    body_timeout: float,
     max_body_bytes: int,
     request_timeout: float,
     answer_timeout: float | None,
@@ -139,6 +146,7 @@ def gateway(
                 max_open=max_open_connections,
                 max_open_per_client=max_open_per_client,
                 header_timeout_s=header_timeout,
+                body_idle_s=body_timeout,
             ),
             max_body_bytes=max_body_bytes,
             request_timeout_s=request_timeout,

@@ -35,6 +35,7 @@ class ConnectionLimits:
     max_open: int = 512  # open sockets in all (each costs a file descriptor)
     max_open_per_client: int = 256
     header_timeout_s: float = 10.0  # from the connection (or the previous answer) to a request
+    body_idle_s: float = 30.0  # the longest pause between two pieces of a request's body
     max_header_bytes: int = 64 * 1024
 
 

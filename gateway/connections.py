@@ -68,6 +68,7 @@ class GuardedProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         self._seen_cycle = None
         self._header_bytes = 0
         self._header_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
         if not self.table.admit(self):
             transport.close()
             return
@@ -81,14 +82,28 @@ class GuardedProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
     def data_received(self, data: bytes) -> None:
         awaiting = self._header_timer is not None
         super().data_received(data)
-        if not awaiting:
-            return
-        if self.cycle is not None and self.cycle is not self._seen_cycle:
-            self._headers_done()
-        else:
-            self._header_bytes += len(data)
-            if self._header_bytes > self.table.limits.max_header_bytes:
-                self._refuse(_TOO_LARGE)
+        if awaiting:
+            if self.cycle is not None and self.cycle is not self._seen_cycle:
+                self._headers_done()
+            else:
+                self._header_bytes += len(data)
+                if self._header_bytes > self.table.limits.max_header_bytes:
+                    self._refuse(_TOO_LARGE)
+        self._watch_body()
+
+    def _watch_body(self) -> None:
+        """While a body is coming, each piece must follow the last within `body_idle_s`."""
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body and not cycle.response_complete:
+            self._body_timer = self.loop.call_later(self.table.limits.body_idle_s, self._body_idle)
+
+    def _body_idle(self) -> None:
+        # The app is waiting for the body: closing ends its receive with a disconnect.
+        started = self.cycle is not None and self.cycle.response_started
+        self._refuse(b"" if started else _TIMEOUT)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -114,12 +129,15 @@ class GuardedProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
 
     def _headers_done(self) -> None:
         self._seen_cycle = self.cycle
-        self._cancel_timer()
-
-    def _cancel_timer(self) -> None:
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
+
+    def _cancel_timer(self) -> None:
+        for timer in (self._header_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._header_timer = self._body_timer = None
 
     def _refuse(self, answer: bytes) -> None:
         self._cancel_timer()

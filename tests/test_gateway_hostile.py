@@ -252,6 +252,41 @@ def test_trickled_headers_do_not_starve_health(gateway, model_name):
             s.close()
 
 
+def test_trickled_bodies_are_cut_off_and_free_their_slots(daemon, model_name, tmp_path):
+    """Requests whose bodies stall after the first bytes take this client's whole share of the
+    API (48 in flight; the next is a 429): /health still answers, and at the body timeout each is
+    answered 408 and closed, so the API serves again."""
+    gateway = start_gateway(tmp_path, daemon.socket, "--body-timeout", "5")
+    stalled = []
+    try:
+        for _ in range(48):
+            s = socket.create_connection(("127.0.0.1", gateway.port))
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"prompt": '
+            )
+            stalled.append(s)
+        deadline = time.monotonic() + 60
+        while True:  # once all 48 are in flight the next is a 429 (before that, a quick 400)
+            more = httpx.post(f"{gateway.url}/v1/completions", json={}, timeout=30)
+            if more.status_code == 429:
+                break
+            assert more.status_code == 400 and time.monotonic() < deadline, more.text
+        assert more.headers["retry-after"] and "in flight" in more.json()["error"]["message"]
+        assert httpx.get(f"{gateway.url}/health", timeout=30).status_code == 200
+        for s in stalled:
+            s.settimeout(60)
+            answer = b""
+            while chunk := _recv(s):
+                answer += chunk
+            assert answer in _TIMEOUT_ANSWERS, answer
+        _served(gateway.url, model_name)
+    finally:
+        for s in stalled:
+            s.close()
+        gateway.stop()
+
+
 def test_headers_past_the_size_limit_are_431(gateway, model_name):
     with socket.create_connection(("127.0.0.1", gateway.port)) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 70_000)
