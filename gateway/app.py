@@ -75,7 +75,7 @@ class Guard:
         self.known_paths = known_paths
         config = gateway.config
         self.key = config.api_key.encode() if config.api_key else None
-        self.browser = BrowserGuard(config.allowed_hosts, config.cors_origins)
+        self.browser = BrowserGuard(_served_hosts(config), config.cors_origins)
         # Without a key, a loopback client must be this user (another user cannot reach the
         # daemon's socket, and must not reach it through the gateway).
         self.check_uid = self.key is None and config.local_auth is LocalAuth.UID
@@ -151,6 +151,12 @@ class Guard:
             return message
 
         return limited
+
+
+def _served_hosts(config: GatewayConfig) -> tuple[str, ...]:
+    """--allow-host names, and the address the gateway listens on when it is one (not 0.0.0.0)."""
+    own = () if config.host in ("0.0.0.0", "::", "") else (config.host,)
+    return (*config.allowed_hosts, *own)
 
 
 def _bearer(value: bytes) -> bytes | None:
