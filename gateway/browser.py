@@ -29,6 +29,15 @@ def host_name(host: str) -> str:
     return name.rstrip(".")
 
 
+def _as_host(name: str) -> str:
+    """A configured name as host_name spells a Host header's: an IPv6 address in brackets."""
+    try:
+        ipaddress.IPv6Address(name)
+    except ValueError:
+        return host_name(name)
+    return f"[{name.lower()}]"
+
+
 def _is_loopback_name(name: str) -> bool:
     if name in LOOPBACK_NAMES or name.endswith(".localhost"):  # RFC 6761: always loopback
         return True
@@ -41,7 +50,7 @@ def _is_loopback_name(name: str) -> bool:
 class BrowserGuard:
     def __init__(self, allowed_hosts: tuple[str, ...], cors_origins: tuple[str, ...]):
         self.any_host = "*" in allowed_hosts
-        self.allowed_hosts = frozenset(host_name(h) for h in allowed_hosts if h != "*")
+        self.allowed_hosts = frozenset(_as_host(h) for h in allowed_hosts if h != "*")
         self.any_origin = "*" in cors_origins
         self.cors_origins = frozenset(o.rstrip("/").lower() for o in cors_origins)
 
