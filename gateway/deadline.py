@@ -49,6 +49,8 @@ class AnswerDeadline:
             item = await inbox.get()
             if isinstance(item, Exception):
                 raise item
+            if item["type"] == "http.disconnect":
+                inbox.put_nowait(item)  # as uvicorn's receive: every later call sees it too
             return item
 
         async def tracked_send(message: Message) -> None:
