@@ -126,7 +126,7 @@ def gateway(
     log_level: str,
 ) -> None:
     """Serve OpenAI-, Ollama- and Anthropic-compatible HTTP APIs backed by the daemon
-    (a client of its --socket; loopback only unless --api-key-file is given)."""
+    (a client of its --socket; without --api-key-file, loopback and this user only)."""
     import uvicorn
 
     from .app import build_app
