@@ -4,6 +4,7 @@ daemon's socket refuses them, and every request leaves one access-log line witho
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -16,6 +17,7 @@ from daemon_harness import start_daemon
 from gateway_harness import start_gateway
 from test_socket_security import other_user  # noqa: F401  (the real second user fixture)
 
+from moed.gateway import peer
 from moed.gateway.config import gateway_key_path
 from moed.gateway.peer import peer_uid
 
@@ -206,9 +208,13 @@ def test_peer_uid_names_the_owner_of_a_real_loopback_connection(family, host):
         pytest.skip(f"cannot listen on {host}")
     try:
         # As the gateway sees it: the peer's address, then its own.
-        assert peer_uid(accepted.getpeername()[:2], accepted.getsockname()[:2]) == os.getuid()
+        there, here = accepted.getpeername()[:2], accepted.getsockname()[:2]
+        assert peer_uid(there, here) == os.getuid()
         # A port nobody is connected from names nobody.
-        assert peer_uid((host, 1), accepted.getsockname()[:2]) is None
+        assert peer_uid((host, 1), here) is None
+        # Both ways of asking the kernel agree (sock_diag, and the /proc table it falls back to).
+        ends = [(ipaddress.ip_address(h), p) for h, p in (there, here)]
+        assert peer._diag_uid(*ends) == peer._proc_uid(*ends) == os.getuid()
     finally:
         for s in (client, accepted, server):
             s.close()
