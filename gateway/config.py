@@ -153,6 +153,19 @@ def build_config(
             f"--host {host} is not a loopback address: anyone on the network could use the "
             "model; give --api-key-file (a file with the key, mode 600)"
         )
-    return GatewayConfig(
+    config = GatewayConfig(
         socket=socket, host=host, port=port, api_key=api_key, local_auth=local_auth, **limits
     )
+    sockets = config.connections
+    # Sockets beyond the requests in flight are the room /health is answered in.
+    if sockets.max_open <= config.max_connections:
+        raise ConfigError(
+            f"--max-open-connections {sockets.max_open} must exceed --max-connections "
+            f"{config.max_connections} (room for /health)"
+        )
+    if sockets.max_open_per_client <= config.max_requests_per_client:
+        raise ConfigError(
+            f"--max-open-per-client {sockets.max_open_per_client} must exceed "
+            f"--max-requests-per-client {config.max_requests_per_client} (room for /health)"
+        )
+    return config

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import time
 
 import httpx
@@ -15,7 +16,7 @@ import msgpack
 import pytest
 import zmq
 from daemon_harness import start_daemon
-from gateway_harness import start_gateway
+from gateway_harness import gateway_command, start_gateway
 
 from moed.client import RequestFailed
 from moed.gateway.errors import STATUS, ErrorKind, from_client_error
@@ -301,7 +302,9 @@ def test_headers_past_the_size_limit_are_431(gateway, model_name):
 def test_at_the_connection_cap_idle_connections_make_room(daemon, model_name, tmp_path):
     """More tricklers than the gateway keeps sockets open: the oldest idle one is closed for each
     new connection, so a real client still gets in."""
-    gateway = start_gateway(tmp_path, daemon.socket, "--max-open-connections", "32")
+    gateway = start_gateway(
+        tmp_path, daemon.socket, "--max-open-connections", "32", "--max-connections", "8"
+    )
     tricklers = []
     try:
         tricklers = _tricklers(gateway.port, 70)
@@ -354,6 +357,17 @@ def test_a_request_the_daemon_does_not_answer_gets_504_by_the_deadline(
         _served(gateway.url, model_name)
     finally:
         gateway.stop()
+
+
+def test_limits_that_leave_no_room_for_health_are_refused(tmp_path):
+    out = subprocess.run(
+        gateway_command(tmp_path / "d.sock", 0, "--max-open-connections", "10"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "room for /health" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_every_daemon_error_code_has_a_status():
