@@ -9,6 +9,7 @@ from pathlib import Path
 
 from moed.client.hub import HF_ALLOW_PATTERNS as PULL_PATTERNS
 from moed.daemon.config import DEMO_MODEL
+from moed.daemon.model.checkpoint_files import UnreadableCheckpoint, check_text_files
 
 # What a stock mlx-lm checkpoint needs on disk: the same list `moe pull` downloads.
 HF_ALLOW_PATTERNS = list(PULL_PATTERNS)
@@ -38,6 +39,10 @@ def _check_folder(path: Path, spec: str) -> Path:
         raise ModelNotFound(f"model folder {spec!r} has no config.json")
     if not any(path.glob("model*.safetensors")):
         raise ModelNotFound(f"model folder {spec!r} has no model*.safetensors weights")
+    try:
+        check_text_files(path)
+    except UnreadableCheckpoint as exc:
+        raise ModelNotFound(f"model folder {spec!r}: {exc}") from None
     return path.resolve()
 
 
