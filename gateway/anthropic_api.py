@@ -30,6 +30,8 @@ STOP_REASON = {
 _ERROR_TYPE = {
     ErrorKind.INVALID_REQUEST: "invalid_request_error",
     ErrorKind.AUTHENTICATION: "authentication_error",
+    ErrorKind.FORBIDDEN: "permission_error",
+    ErrorKind.TIMEOUT: "timeout_error",
     ErrorKind.NOT_FOUND: "not_found_error",
     ErrorKind.TOO_LARGE: "request_too_large",
     ErrorKind.OVERLOADED: "rate_limit_error",

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 from moed.client import ClientError, DoneEvent, Event, ProgressEvent, TokenEvent
 from moed.client.async_client import AsyncClient
+from moed.protocol import MessageType
 
 from .errors import from_client_error
+from .wire_limits import check_request
 
 
 class Finish(str, enum.Enum):
@@ -133,8 +135,14 @@ class Stream:
 
     @classmethod
     async def start(cls, client: AsyncClient, req: GenerationRequest) -> Stream:
+        fields = req.wire_fields()
+        try:
+            welcome = await client.connect()
+        except ClientError as exc:
+            raise from_client_error(exc) from None
+        check_request(MessageType.GENERATE, fields, welcome.get("limits") or {})
         # Tokens that queued up while the HTTP side was busy come as one event (one chunk).
-        stream = cls(client.generate(coalesce=True, **req.wire_fields()))
+        stream = cls(client.generate(coalesce=True, **fields))
         try:
             stream._pending.append(await anext(stream._events))
         except ClientError as exc:

@@ -17,6 +17,7 @@ from moed.protocol import ErrorCode
 
 from . import agent_fields as agent
 from . import fields as f
+from . import json_edge
 from .context import REASONING, Api, Gateway
 from .errors import ApiError, ErrorKind, invalid
 from .generation import KEEPALIVE_S, Finish, GenerationRequest, Outcome, Stream, Waiting
@@ -35,6 +36,8 @@ FINISH = {
 _ERROR_TYPE = {
     ErrorKind.INVALID_REQUEST: "invalid_request_error",
     ErrorKind.AUTHENTICATION: "authentication_error",
+    ErrorKind.FORBIDDEN: "permission_error",
+    ErrorKind.TIMEOUT: "timeout",
     ErrorKind.NOT_FOUND: "not_found_error",
     ErrorKind.TOO_LARGE: "invalid_request_error",
     ErrorKind.OVERLOADED: "rate_limit_error",
@@ -108,10 +111,12 @@ def _tool_calls(calls, where: str) -> list[dict]:
         if not isinstance(fn, dict):
             raise invalid(f"{where}[{i}] must have a 'function' object", where)
         arguments = fn.get("arguments") or "{}"
-        try:  # chat templates iterate the arguments as a mapping (as mlx_lm.server passes them)
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError:
-            raise invalid(f"{where}[{i}].function.arguments is not valid JSON", where) from None
+        # Chat templates iterate the arguments as a mapping (as mlx_lm.server passes them); the
+        # string is read with the body's own bounds (depth, surrogates, integer range).
+        if isinstance(arguments, str):
+            arguments = json_edge.loads(
+                arguments.encode(errors="surrogatepass"), f"{where}[{i}].function.arguments"
+            )
         out.append(
             {
                 "id": call.get("id"),

@@ -161,4 +161,4 @@ def test_a_config_json_that_is_not_utf8_is_a_one_line_exit_naming_it(tiny_model,
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == DaemonExit.MODEL_UNUSABLE, done.stderr
     line = one_line(done.stderr)
-    assert str(model / "config.json") in line and "not JSON" in line
+    assert str(model / "config.json") in line and "not UTF-8" in line

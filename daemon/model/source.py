@@ -9,6 +9,7 @@ from pathlib import Path
 
 from moed.client.hub import HF_ALLOW_PATTERNS as PULL_PATTERNS
 from moed.daemon.config import DEMO_MODEL
+from moed.daemon.model.checkpoint_files import UnreadableCheckpoint, check_text_files
 
 # What a stock mlx-lm checkpoint needs on disk: the same list `moe pull` downloads.
 HF_ALLOW_PATTERNS = list(PULL_PATTERNS)
@@ -42,19 +43,11 @@ def _check_folder(path: Path, spec: str) -> Path:
         raise ModelNotFound(f"model folder {spec!r} has no config.json")
     if not any(path.glob("model*.safetensors")):
         raise ModelNotFound(f"model folder {spec!r} has no model*.safetensors weights")
-    _check_config(path / "config.json")
-    return path.resolve()
-
-
-def _check_config(config: Path) -> None:
-    """Read once here, bounded, so that a config that is not UTF-8 JSON is one line naming it,
-    never a UnicodeDecodeError deep in the load."""
-    from moed.client.hub_verify import PullError, read_json_file
-
     try:
-        read_json_file(config)
-    except PullError as exc:
-        raise ModelUnreadable(f"{config}: {exc}") from None
+        check_text_files(path)
+    except UnreadableCheckpoint as exc:
+        raise ModelUnreadable(str(exc)) from None  # fix the file: exit 8
+    return path.resolve()
 
 
 def _from_hf_cache(repo_id: str) -> Path:

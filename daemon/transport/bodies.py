@@ -11,6 +11,7 @@ from moed.daemon import __version__
 from moed.daemon.engine.status import DaemonState
 from moed.daemon.watchdog.events import read_state as read_watchdog_state
 from moed.protocol import MAX_FRAME_BYTES, PROTOCOL_MAJOR, PROTOCOL_MINOR
+from moed.protocol.codec import MAX_DEPTH
 
 
 def watchdog_summary(state_dir: Path) -> dict | None:
@@ -35,6 +36,7 @@ def welcome_body(self) -> dict:
         "limits": {
             **self.limits.describe(),
             "max_frame_bytes": MAX_FRAME_BYTES,
+            "max_depth": MAX_DEPTH,
             "max_pending": self.serve.max_pending,
             "max_pending_per_client": self.serve.max_pending_per_client,
             "client_send_hwm": self.serve.client_send_hwm,

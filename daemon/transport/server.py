@@ -56,6 +56,7 @@ from moed.protocol import (
     validate_request,
 )
 from moed.protocol import messages as wire
+from moed.protocol.codec import peek_id
 from moed.protocol.paths import endpoint_for, ensure_private_dir
 
 # Inbound frames taken per loop turn before the engine's events are forwarded: a client flooding
@@ -287,6 +288,8 @@ class Server:
         except DuplicateId as exc:
             reply = {**wire.error(None, exc.code, exc.message), "target": exc.target}
         except ProtocolError as exc:
+            if request_id is None:  # refused before decoding: name the request all the same
+                request_id = peek_id(body[0])
             reply = wire.error(
                 request_id if isinstance(request_id, (str, int)) else None, exc.code, exc.message
             )
