@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 
 from . import fields as f
-from .errors import invalid
+from .errors import ApiError, invalid
 
 THINKING_KWARG = "enable_thinking"  # the chat templates' switch (mlx-lm renames it per model)
 
@@ -85,6 +85,33 @@ def openai_tool_choice(body: dict) -> str | dict | None:
         "'tool_choice' must be none, auto, required or {type: function, function: {name}}",
         "tool_choice",
     )
+
+
+# ---- OpenAI Responses --------------------------------------------------------------------------
+def responses_controls(body: dict) -> dict:
+    """`reasoning.effort`, `text.format`, `tool_choice` and `parallel_tool_calls` of a Responses
+    request as GenerationRequest fields (the chat API's mappings, in the Responses shapes)."""
+    effort = (f.get(body, "reasoning", dict) or {}).get("effort")
+    thinking = openai_thinking({"reasoning_effort": effort} if effort is not None else {})
+    fmt = (f.get(body, "text", dict) or {}).get("format") or {"type": "text"}
+    if fmt.get("type") == "json_schema":  # Responses puts name/schema/strict beside the type
+        fmt = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
+    try:
+        structured = openai_format({"response_format": fmt})
+    except ApiError:
+        raise invalid(
+            "'text.format.type' must be text, json_object or json_schema (with a schema)",
+            "text.format",
+        ) from None
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":  # {type, name}: flat here
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    return {
+        "chat_template_kwargs": thinking,
+        "format": structured,
+        "tool_choice": openai_tool_choice({"tool_choice": choice}),
+        "parallel_tool_calls": f.get(body, "parallel_tool_calls", bool),
+    }
 
 
 # ---- Ollama ------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import fields as f
-from .context import Api, Gateway
+from .context import REASONING, Api, Gateway
 from .errors import ApiError
 from .generation import Finish, Outcome, Stream
 from .openai_api import SSE_HEADERS, error_body
@@ -43,6 +43,12 @@ def _message_item(item_id: str, text: str, status: str) -> dict:
         "role": "assistant",
         "content": content,
     }
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    """The model's reasoning as a Responses reasoning item (its raw text; no summary is made)."""
+    content = [{"type": "reasoning_text", "text": text}] if text else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
 def _call_item(call: dict) -> dict:
@@ -107,9 +113,10 @@ class _Envelope:
         }
 
 
-def _output(text: str, calls: list[dict]) -> list[dict]:
-    """Non-streamed output: one message item with the text, then the function calls."""
-    items = [_message_item(_id("msg"), text, "completed")] if text or not calls else []
+def _output(text: str, calls: list[dict], reasoning: str = "") -> list[dict]:
+    """Non-streamed output: the reasoning item, one message item with the text, then the calls."""
+    items = [_reasoning_item(_id("rs"), reasoning, "completed")] if reasoning else []
+    items += [_message_item(_id("msg"), text, "completed")] if text or not calls else []
     return items + [_call_item(c) for c in calls]
 
 
@@ -122,14 +129,43 @@ class _Events:
         self.output: list[dict] = []
         self.message: dict | None = None  # the open message item
         self.text: list[str] = []
+        self.thought: dict | None = None  # the open reasoning item
+        self.thinking: list[str] = []
 
     def event(self, kind: str, **data) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence, **data}
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
+    def reasoning_delta(self, delta: str) -> list[bytes]:
+        out = self.close_message()
+        index = len(self.output)
+        if self.thought is None:
+            self.thought = _reasoning_item(_id("rs"), "", "in_progress")
+            self.thinking = []
+            out.append(
+                self.event("response.output_item.added", output_index=index, item=self.thought)
+            )
+        self.thinking.append(delta)
+        where = {"item_id": self.thought["id"], "output_index": index, "content_index": 0}
+        out.append(self.event("response.reasoning_text.delta", **where, delta=delta))
+        return out
+
+    def close_reasoning(self) -> list[bytes]:
+        if self.thought is None:
+            return []
+        index, text = len(self.output), "".join(self.thinking)
+        where = {"item_id": self.thought["id"], "output_index": index, "content_index": 0}
+        item = _reasoning_item(self.thought["id"], text, "completed")
+        self.thought = None
+        self.output.append(item)
+        return [
+            self.event("response.reasoning_text.done", **where, text=text),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
+
     def text_delta(self, delta: str) -> list[bytes]:
-        out = []
+        out = self.close_reasoning()
         index = len(self.output)
         if self.message is None:
             self.message = _message_item(_id("msg"), "", "in_progress")
@@ -166,7 +202,7 @@ class _Events:
         ]
 
     def tool_call(self, call: dict) -> list[bytes]:
-        out = self.close_message()
+        out = self.close_reasoning() + self.close_message()
         index, item = len(self.output), _call_item(call)
         where = {"item_id": item["id"], "output_index": index}
         self.output.append(item)
@@ -194,7 +230,10 @@ async def _sse_body(
     yield events.event("response.in_progress", response=envelope.base)
     try:
         async for event in gateway.tokens(stream, API, ENDPOINT, started):
-            if event.text:
+            if event.channel == REASONING:
+                for frame in events.reasoning_delta(event.text) if event.text else ():
+                    yield frame
+            elif event.text:
                 for frame in events.text_delta(event.text):
                     yield frame
             for call in event.tool_calls or ():
@@ -210,7 +249,7 @@ async def _sse_body(
         }
         yield events.event("response.failed", response=failed)
         return
-    for frame in events.close_message():
+    for frame in events.close_reasoning() + events.close_message():
         yield frame
     final = envelope.finished(events.output, stream.outcome)
     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
@@ -233,7 +272,7 @@ async def create_response(request: Request) -> Response:
             headers=SSE_HEADERS,
         )
     result = await gateway.collect(request, stream, API, ENDPOINT, started)
-    output = _output(result.text, result.tool_calls)
+    output = _output(result.text, result.tool_calls, result.reasoning)
     return JSONResponse(envelope.finished(output, stream.outcome))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from . import fields as f
+from .agent_fields import responses_controls
 from .errors import invalid
 from .generation import GenerationRequest
 
@@ -189,15 +190,12 @@ def parse_response_request(body: dict) -> GenerationRequest:
             "in 'input' instead of 'previous_response_id' or 'conversation'",
             "previous_response_id",
         )
-    text_format = ((f.get(body, "text", dict) or {}).get("format") or {}).get("type", "text")
-    if text_format != "text":
-        raise invalid(f"text.format {text_format!r} is not supported here", "text.format")
     max_tokens = f.at_least(f.get(body, "max_output_tokens", int), 1, "max_output_tokens")
     temperature = f.at_least(f.get(body, "temperature", float), 0, "temperature")
     top_p = f.get(body, "top_p", float)
     if top_p is not None and not 0 < top_p <= 1:
         raise invalid("'top_p' must be in (0, 1]", "top_p")
-    for name in ("metadata", "reasoning", "stream_options", "prompt_cache_key"):
+    for name in ("metadata", "stream_options", "prompt_cache_key"):
         f.get(body, name, str if name == "prompt_cache_key" else dict)
     return GenerationRequest(
         messages=input_messages(body),
@@ -206,4 +204,5 @@ def parse_response_request(body: dict) -> GenerationRequest:
         temperature=temperature,
         top_p=top_p,
         model=f.get(body, "model", str),
+        **responses_controls(body),
     )

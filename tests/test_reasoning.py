@@ -317,3 +317,44 @@ def test_ollama_show_lists_thinking_and_tools(agent_stack):
     _, gateway, _ = agent_stack
     shown = httpx.post(f"{gateway.url}/api/show", json={"model": gateway.model}, timeout=30)
     assert {"thinking", "tools"} <= set(shown.json()["capabilities"])
+
+
+def test_responses_reasoning_items_and_json_schema(agent_stack, two_channel):
+    """POST /v1/responses: the reasoning as a reasoning item (whole and streamed, apart from the
+    message), `reasoning.effort` none switches it off, and `text.format` json_schema holds the
+    answer (after the reasoning)."""
+    _, gateway, _ = agent_stack
+    prompt, direct = two_channel
+    url = f"{gateway.url}/v1/responses"
+    body = {"model": gateway.model, "input": prompt, "max_output_tokens": MAX_TOKENS}
+    whole = httpx.post(url, json=body, timeout=60).json()
+    kinds = [item["type"] for item in whole["output"]]
+    assert kinds[:2] == ["reasoning", "message"], kinds
+    assert whole["output"][0]["content"][0]["text"] == direct.text("reasoning")
+    assert whole["output"][1]["content"][0]["text"] == direct.text("answer")
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        events = _sse(r)
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    answer = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert (thought, answer) == (direct.text("reasoning"), direct.text("answer"))
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert [e["item"]["type"] for e in done][:2] == ["reasoning", "message"]
+    off = httpx.post(url, json={**body, "reasoning": {"effort": "none"}}, timeout=60).json()
+    assert [item["type"] for item in off["output"]] == ["message"]
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "name": "place", "schema": schema, "strict": True}
+    shaped = httpx.post(
+        url,
+        json={**body, "max_output_tokens": MAX_TOKENS + 40, "text": {"format": fmt}},
+        timeout=60,
+    ).json()
+    message = next(item for item in shaped["output"] if item["type"] == "message")
+    value = json.loads(message["content"][0]["text"])
+    assert set(value) == {"city"} and len(value["city"]) <= 8
+    bad = httpx.post(url, json={**body, "text": {"format": {"type": "yaml"}}}, timeout=60)
+    assert bad.status_code == 400
