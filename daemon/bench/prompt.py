@@ -146,7 +146,13 @@ def report(runs: list[PromptRun], prompt_tokens: int, budget: str) -> str:
     default=None,
     help="write (or reuse) the generated model here; default: a temporary directory",
 )
-@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None)
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="also write the results as JSON",
+)
 @click.option("--seed", default=0, show_default=True, help="Seed for the weights and prompt.")
 def prompt_bench(
     layers, hidden, expert_width, experts, top_k, vocab, prompt_tokens, budget, chunks,
