@@ -94,6 +94,19 @@ class ConfigExit(click.ClickException):
     "--pipeline-split",
     help="Layers per rank: even (default), cost (from the checkpoint), or N,N,... (rank 0 first).",
 )
+@click.option(
+    "--prefix-cache",
+    "prefix_cache_bytes",
+    help="Prefix KV cache in memory: a size (default 1GB), 0 for none.",
+)
+@click.option(
+    "--prefix-cache-disk",
+    "prefix_cache_disk_bytes",
+    help="Prefix KV cache on the SSD: a size (default 10GB), 0 for none.",
+)
+@click.option(
+    "--prefix-cache-dir", help="The SSD tier's folder (default: <state dir>/prefix-cache)."
+)
 @log_level_option
 def serve(
     model,
@@ -113,6 +126,9 @@ def serve(
     pipeline,
     hostfile,
     pipeline_split,
+    prefix_cache_bytes,
+    prefix_cache_disk_bytes,
+    prefix_cache_dir,
     log_level,
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or `moe stop`."""
@@ -141,6 +157,9 @@ def serve(
                 "pipeline": pipeline,
                 "hostfile": hostfile,
                 "pipeline_split": pipeline_split,
+                "prefix_cache_bytes": prefix_cache_bytes,
+                "prefix_cache_disk_bytes": prefix_cache_disk_bytes,
+                "prefix_cache_dir": prefix_cache_dir,
             },
         )
     except ConfigError as exc:

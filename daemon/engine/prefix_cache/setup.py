@@ -1,0 +1,46 @@
+"""The prefix cache of a loaded model, built from the serve settings (None when it is off)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from moed.daemon.config import ServeConfig
+from moed.daemon.distributed.spec import pipeline_enabled
+from moed.daemon.engine.prefix_cache.cache import PrefixCache, PrefixCacheConfig
+from moed.daemon.experts.budget import parse_size
+
+log = logging.getLogger("moed.prefix_cache")
+
+
+def prefix_cache_config(serve: ServeConfig) -> PrefixCacheConfig:
+    disk_dir = Path(serve.prefix_cache_dir) if serve.prefix_cache_dir else None
+    return PrefixCacheConfig(
+        memory_bytes=parse_size(serve.prefix_cache_bytes),
+        disk_bytes=parse_size(serve.prefix_cache_disk_bytes),
+        disk_dir=disk_dir or Path(serve.state_dir) / "prefix-cache",
+        checkpoint_every=serve.prefill_chunk,
+    )
+
+
+def open_prefix_cache(serve: ServeConfig, loaded, model_path: Path) -> PrefixCache | None:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from moed.daemon.engine.prefix_cache.entry import trimmable_layers
+
+    cfg = prefix_cache_config(serve)
+    if not cfg.enabled:
+        return None
+    if pipeline_enabled(serve):
+        # Each rank would have to cache its own layers in step with rank 0; not built yet.
+        log.info("prefix cache off: not supported under a pipeline")
+        return None
+    layers = make_prompt_cache(loaded.model)
+    trimmable = trimmable_layers(layers)
+    disk = None
+    if cfg.disk_bytes > 0:
+        from moed.daemon.engine.prefix_cache.disk_tier import DiskTier, model_fingerprint
+
+        fingerprint = model_fingerprint(model_path, [type(c).__name__ for c in layers])
+        disk = DiskTier(cfg.disk_dir, cfg.disk_bytes, fingerprint, trimmable)
+    return PrefixCache(cfg, trimmable, disk)
