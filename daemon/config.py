@@ -78,7 +78,7 @@ class ServeConfig:
     # The prefix KV cache (engine/prefix_cache/): a request that begins with a cached prefix reads
     # only the rest. Memory tier (counted in the memory plan, shed first; 0: no prefix cache) and
     # SSD tier (0: none) budgets, and the SSD tier's folder (default <state_dir>/prefix-cache).
-    prefix_cache_bytes: str = "1GB"
+    prefix_cache_bytes: str = "auto"  # auto: 4% of the memory plan's usable memory, at most 2 GB
     prefix_cache_disk_bytes: str = "10GB"
     prefix_cache_dir: str = ""
 
@@ -270,7 +270,8 @@ def _budget_syntax(spec: str) -> bool:
 def _size_syntax(spec: str) -> bool:
     from moed.daemon.experts.budget import parse_size
 
-    parse_size(spec)  # raises BudgetError (a ValueError)
+    if spec != "auto":
+        parse_size(spec)  # raises BudgetError (a ValueError)
     return True
 
 
@@ -285,7 +286,7 @@ _KIND = {int: "an integer", float: "a finite number", bool: "true or false", Pat
 # name -> (check of the coerced value, what is allowed); fields not listed only need their type.
 RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "cache_budget": (_budget_syntax, "bytes (3000000), a size (12GB, 512MiB), 25%, 0.25 or auto"),
-    "prefix_cache_bytes": (_size_syntax, "a size (1GB, 512MiB, bytes), 0 for no prefix cache"),
+    "prefix_cache_bytes": (_size_syntax, "auto, a size (1GB, 512MiB, bytes), 0 for none"),
     "prefix_cache_disk_bytes": (_size_syntax, "a size (10GB, 512MiB, bytes), 0 for no SSD tier"),
     "prefetch_workers": (
         lambda v: 0 <= v <= 256,

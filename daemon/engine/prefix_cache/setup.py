@@ -13,10 +13,23 @@ from moed.daemon.experts.budget import parse_size
 log = logging.getLogger("moed.prefix_cache")
 
 
-def prefix_cache_config(serve: ServeConfig) -> PrefixCacheConfig:
+def memory_tier_bytes(serve: ServeConfig, plan) -> int:
+    """The memory tier's budget: as set, or the memory plan's automatic share (`plan` None: a
+    resident model, planned against the machine the same way)."""
+    from moed.daemon.experts.memory_plan import auto_prefix_cache_bytes, machine_memory
+
+    if serve.prefix_cache_bytes != "auto":
+        return parse_size(serve.prefix_cache_bytes)
+    if plan is not None:
+        return plan.prefix_cache_bytes
+    limit = serve.memory_limit_bytes
+    return auto_prefix_cache_bytes(limit or machine_memory()[1])
+
+
+def prefix_cache_config(serve: ServeConfig, plan=None) -> PrefixCacheConfig:
     disk_dir = Path(serve.prefix_cache_dir) if serve.prefix_cache_dir else None
     return PrefixCacheConfig(
-        memory_bytes=parse_size(serve.prefix_cache_bytes),
+        memory_bytes=memory_tier_bytes(serve, plan),
         disk_bytes=parse_size(serve.prefix_cache_disk_bytes),
         disk_dir=disk_dir or Path(serve.state_dir) / "prefix-cache",
         checkpoint_every=serve.prefill_chunk,
@@ -28,7 +41,7 @@ def open_prefix_cache(serve: ServeConfig, loaded, model_path: Path) -> PrefixCac
 
     from moed.daemon.engine.prefix_cache.entry import trimmable_layers
 
-    cfg = prefix_cache_config(serve)
+    cfg = prefix_cache_config(serve, loaded.streamer.plan if loaded.streamer else None)
     if not cfg.enabled:
         return None
     if pipeline_enabled(serve):
