@@ -241,9 +241,20 @@ async def _sse_body(
     for frame in blocks.close():
         yield frame
     delta = {"stop_reason": STOP_REASON[outcome.finish], "stop_sequence": outcome.stop_sequence}
-    usage = {"input_tokens": outcome.prompt_tokens, "output_tokens": outcome.completion_tokens}
+    usage = _usage(outcome)
     yield _event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
     yield _event("message_stop", {"type": "message_stop"})
+
+
+def _usage(outcome) -> dict:
+    """Anthropic's split: `input_tokens` are the prompt tokens read, the prefix cache's share
+    is `cache_read_input_tokens` (the sum is the whole prompt)."""
+    return {
+        "input_tokens": outcome.prompt_tokens - outcome.cached_tokens,
+        "output_tokens": outcome.completion_tokens,
+        "cache_read_input_tokens": outcome.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 async def messages(request: Request) -> Response:
@@ -282,7 +293,7 @@ async def messages(request: Request) -> Response:
         ],
         stop_reason=STOP_REASON[outcome.finish],
         stop_sequence=outcome.stop_sequence,
-        usage={"input_tokens": outcome.prompt_tokens, "output_tokens": outcome.completion_tokens},
+        usage=_usage(outcome),
     )
     return JSONResponse(message)
 

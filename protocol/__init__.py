@@ -7,6 +7,7 @@ from .messages import (
     TERMINAL_TYPES,
     FinishReason,
     MessageType,
+    PrefixCacheAction,
     ShedLevel,
 )
 from .validation import Limits, validate_request
@@ -23,6 +24,7 @@ __all__ = [
     "FinishReason",
     "Limits",
     "MessageType",
+    "PrefixCacheAction",
     "ProtocolError",
     "ShedLevel",
     "decode",

@@ -17,7 +17,7 @@ from typing import Any
 
 from .chat import prompt_sources, validate_chat_fields
 from .errors import ErrorCode, ProtocolError
-from .messages import REQUEST_TYPES, MessageType, ShedLevel
+from .messages import REQUEST_TYPES, MessageType, PrefixCacheAction, ShedLevel
 from .units import parse_keep_alive
 from .version import PROTOCOL_MAJOR
 
@@ -224,6 +224,7 @@ FIELDS: dict[MessageType, dict[str, Rule]] = {
     MessageType.SHED: {"level": OneOf(choices=ShedLevel), "reason": Str(), "token": Str()},
     MessageType.SHUTDOWN: {"reason": Str(), "restart": Bool(), "token": Str()},
     MessageType.PING: {},
+    MessageType.PREFIX_CACHE: {"action": OneOf(choices=PrefixCacheAction), "token": Str()},
     MessageType.COUNT_TOKENS: {
         "prompt": Str(max_chars=4 * 1024 * 1024),
         "messages": AnyList(),

@@ -17,7 +17,14 @@ from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.failure import is_group_failure
 from moed.daemon.distributed.spec import pipeline_enabled
 from moed.daemon.engine.batch import DecodeBatch, StepOutput
-from moed.daemon.engine.commands import Cancel, EngineCommand, Shed, Stop, Submit
+from moed.daemon.engine.commands import (
+    Cancel,
+    ClearPrefixCache,
+    EngineCommand,
+    Shed,
+    Stop,
+    Submit,
+)
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.lifecycle import ModelLifecycle
 from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
@@ -121,6 +128,8 @@ class EngineCore(ModelLifecycle):
                 self._finish(gen, FinishReason.CANCELLED)
         elif isinstance(command, Shed):
             self._shed(command.level)
+        elif isinstance(command, ClearPrefixCache):
+            log.warning("prefix cache cleared: %s", self.clear_prefix_cache())
         elif not isinstance(command, Stop):  # Stop only wakes the owner's loop
             raise TypeError(f"not an engine command: {command!r}")
 
