@@ -222,7 +222,14 @@ class EngineCore(ModelLifecycle):
         self._publish_prefix_cache()
 
     def clear_prefix_cache(self) -> dict:
-        released = self.prefix_cache.clear() if self.prefix_cache is not None else {}
+        """Empty both tiers; with no model loaded, the SSD tier's folder all the same."""
+        from moed.daemon.engine.prefix_cache.disk_tier import clear_folder
+        from moed.daemon.engine.prefix_cache.setup import prefix_cache_config
+
+        if self.prefix_cache is not None:
+            released = self.prefix_cache.clear()
+        else:
+            released = {"disk_bytes": clear_folder(prefix_cache_config(self.serve, None).disk_dir)}
         self._publish_prefix_cache()
         return released
 
