@@ -94,6 +94,9 @@ class ModelLifecycle:
                 self.prefix_cache = open_prefix_cache(self.serve, self.loaded, self.model_path)
             except Exception:  # advisory: the daemon serves without it
                 log.exception("the prefix cache could not start; serving without it")
+            if self.prefix_cache is not None and self.prefix_cache.disk is not None:
+                # Counters read from the writer thread: plain values the engine only replaces.
+                self.prefix_cache.disk.on_written = self._publish_prefix_cache
         self._publish_prefix_cache()
 
     def _publish_prefix_cache(self) -> None:

@@ -109,6 +109,7 @@ class DiskTier:
         self._foreign: dict[Path, tuple[int, float]] = {}  # other models' entries: size, mtime
         self._warned: set[str] = set()
         self.loads = self.writes = self.evictions = self.skipped = self.write_errors = 0
+        self.on_written = lambda: None  # the owner republishes its counters (writer thread)
         self._scan()
         self._queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE)
         self._writer = threading.Thread(
@@ -222,6 +223,7 @@ class DiskTier:
         while (entry := self._queue.get()) is not None:
             try:
                 self._write(entry)
+                self.on_written()
             except Exception:  # a bug here must not kill the writer silently
                 log.exception("prefix cache: SSD write failed")
             finally:

@@ -22,6 +22,7 @@ class MemoryTier:
         return len(self._entries)
 
     def entries(self) -> list[PrefixEntry]:
+        # One C-level copy (atomic under the GIL): the SSD writer's thread lists them too.
         return list(self._entries.values())
 
     def best(self, context: np.ndarray, limit: int) -> tuple[PrefixEntry | None, int]:
