@@ -146,3 +146,15 @@ def test_the_claude_code_billing_line_is_normalized_away():
         {"role": "user", "content": header},
     ]
     assert normalize_messages(kept) == kept  # only at the start of a system turn
+
+
+def test_the_prefix_cache_is_off_under_a_pipeline_and_not_in_its_plan(tmp_path):
+    from moed.daemon.engine.prefix_cache.setup import open_prefix_cache
+    from moed.daemon.model.loader import prefix_cache_memory_bytes
+
+    serve = ServeConfig(state_dir=tmp_path, pipeline=2, prefix_cache_bytes="1GB")
+    assert open_prefix_cache(serve, loaded=None, model_path=tmp_path) is None
+    assert prefix_cache_memory_bytes(serve) == 0
+    alone = ServeConfig(state_dir=tmp_path, prefix_cache_bytes="1GB")
+    assert prefix_cache_memory_bytes(alone) == 10**9
+    assert prefix_cache_memory_bytes(ServeConfig(state_dir=tmp_path)) is None  # auto: the plan's

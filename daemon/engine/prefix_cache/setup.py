@@ -41,12 +41,12 @@ def open_prefix_cache(serve: ServeConfig, loaded, model_path: Path) -> PrefixCac
 
     from moed.daemon.engine.prefix_cache.entry import trimmable_layers
 
-    cfg = prefix_cache_config(serve, loaded.streamer.plan if loaded.streamer else None)
-    if not cfg.enabled:
-        return None
     if pipeline_enabled(serve):
         # Each rank would have to cache its own layers in step with rank 0; not built yet.
         log.info("prefix cache off: not supported under a pipeline")
+        return None
+    cfg = prefix_cache_config(serve, loaded.streamer.plan if loaded.streamer else None)
+    if not cfg.enabled:
         return None
     layers = make_prompt_cache(loaded.model)
     trimmable = trimmable_layers(layers)
