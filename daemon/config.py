@@ -81,6 +81,9 @@ class ServeConfig:
     prefix_cache_bytes: str = "auto"  # auto: 4% of the memory plan's usable memory, at most 2 GB
     prefix_cache_disk_bytes: str = "10GB"
     prefix_cache_dir: str = ""
+    # Hybrid models: tokens between recurrent-state checkpoints while a prompt is read (rounded up
+    # to a multiple of prefill_chunk; a checkpoint costs the whole recurrent state, so few).
+    prefix_checkpoint_tokens: int = 1024
 
     def __post_init__(self):
         if self.cache_policy not in policy_names():
@@ -288,6 +291,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "cache_budget": (_budget_syntax, "bytes (3000000), a size (12GB, 512MiB), 25%, 0.25 or auto"),
     "prefix_cache_bytes": (_size_syntax, "auto, a size (1GB, 512MiB, bytes), 0 for none"),
     "prefix_cache_disk_bytes": (_size_syntax, "a size (10GB, 512MiB, bytes), 0 for no SSD tier"),
+    "prefix_checkpoint_tokens": (lambda v: v >= 1, "an integer >= 1 (tokens)"),
     "prefetch_workers": (
         lambda v: 0 <= v <= 256,
         "an integer in [0, 256] (0: sized to the machine)",

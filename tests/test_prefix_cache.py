@@ -30,7 +30,8 @@ def engine(model, tmp_path, prefix: str, resident: bool, **extra) -> EngineCore:
         cache_budget="25%",
         prefix_cache_bytes=prefix,
         prefix_cache_disk_bytes="0",
-        prefill_chunk=8,  # so that a 40-token prompt has several recurrent-state checkpoints
+        prefill_chunk=8,
+        prefix_checkpoint_tokens=8,  # a 40-token prompt: several recurrent-state checkpoints
         **extra,
     )
     core = EngineCore(serve, model, ListSink(), EngineStatus())

@@ -26,6 +26,7 @@ def engine(model, state, disk_dir=None, prefix="64MB", disk="64MB", resident=Tru
         prefix_cache_disk_bytes=disk,
         prefix_cache_dir=str(disk_dir or ""),
         prefill_chunk=8,
+        prefix_checkpoint_tokens=8,
     )
     core = EngineCore(serve, model, ListSink(), EngineStatus())
     assert core.load()

@@ -184,6 +184,9 @@ def run_moed_side(http, side: MoedSide, conv: Conversation, turns: int, streamin
         result.new_only = _result(ttft, usage, None, None)
         side.stop()
         side.start()  # a new daemon process: its memory tier is empty, the SSD tier is not
+        # A short request first, so that a new process's one-time costs (the first graphs, the
+        # gateway's first connection) are not counted as the prefix cache's.
+        stream_completion(http, side.url, model, conv.users[0][:8], 1)
         before = side.read_bytes() if streaming else None
         prompt = history + conv.users[turns]
         ttft, _, usage = stream_completion(http, side.url, model, prompt, conv.max_tokens)

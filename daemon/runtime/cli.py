@@ -107,6 +107,11 @@ class ConfigExit(click.ClickException):
 @click.option(
     "--prefix-cache-dir", help="The SSD tier's folder (default: <state dir>/prefix-cache)."
 )
+@click.option(
+    "--prefix-checkpoint-tokens",
+    type=int,
+    help="Hybrid models: tokens between recurrent-state checkpoints (default 1024).",
+)
 @log_level_option
 def serve(
     model,
@@ -129,6 +134,7 @@ def serve(
     prefix_cache_bytes,
     prefix_cache_disk_bytes,
     prefix_cache_dir,
+    prefix_checkpoint_tokens,
     log_level,
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or `moe stop`."""
@@ -160,6 +166,7 @@ def serve(
                 "prefix_cache_bytes": prefix_cache_bytes,
                 "prefix_cache_disk_bytes": prefix_cache_disk_bytes,
                 "prefix_cache_dir": prefix_cache_dir,
+                "prefix_checkpoint_tokens": prefix_checkpoint_tokens,
             },
         )
     except ConfigError as exc:

@@ -21,7 +21,7 @@ class PrefixCacheConfig:
     disk_bytes: int  # the SSD tier's budget; 0: no SSD tier
     disk_dir: Path
     checkpoint_every: int  # tokens between recurrent-state checkpoints (hybrid models)
-    max_checkpoints: int = 32  # per prompt: a long prompt spaces them wider
+    max_checkpoints: int = 16  # per prompt: a long prompt spaces them wider
 
     @property
     def enabled(self) -> bool:

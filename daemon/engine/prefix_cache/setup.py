@@ -32,7 +32,9 @@ def prefix_cache_config(serve: ServeConfig, plan=None) -> PrefixCacheConfig:
         memory_bytes=memory_tier_bytes(serve, plan),
         disk_bytes=parse_size(serve.prefix_cache_disk_bytes),
         disk_dir=disk_dir or Path(serve.state_dir) / "prefix-cache",
-        checkpoint_every=serve.prefill_chunk,
+        # Chunk boundaries: a checkpoint lands where a chunk ends anyway.
+        checkpoint_every=-(-serve.prefix_checkpoint_tokens // serve.prefill_chunk)
+        * serve.prefill_chunk,
     )
 
 
