@@ -165,3 +165,19 @@ def test_a_full_disk_or_read_only_folder_warns_once_and_serves(
     warned = [w for w in warnings_of(caplog) if "cannot" in w]
     assert len(warned) == 1, warnings_of(caplog)
     assert not [p for p in point.rglob("*") if p.is_file()]  # no temporary file left behind
+
+
+def test_an_idle_unload_keeps_the_ssd_tier_and_the_reload_reads_from_it(
+    tiny_model, tmp_path, expected
+):
+    core = engine(tiny_model, tmp_path)
+    got = converse(core, TURNS[:2])
+    core.prefix_cache.disk.flush()
+    core.unload()  # what the keep-alive does: model, expert cache and memory tier released
+    assert core.prefix_cache is None and core.status.get("prefix_cache") is None
+    assert core.load()
+    assert core.prefix_cache.snapshot()["memory_entries"] == 0
+    got += converse(core, TURNS[2:], first_id=2)
+    snap = finish(core)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    assert snap["disk_loads"] >= 1 and got[2][1] >= len(SYSTEM)

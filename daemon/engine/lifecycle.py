@@ -151,6 +151,7 @@ class ModelLifecycle:
         if self.prefix_cache is not None:
             self.prefix_cache.close()  # the SSD tier's pending writes land first
             self.prefix_cache = None
+            self._publish_prefix_cache()
         pipeline = self.loaded.pipeline if self.loaded else None
         if pipeline is not None and self.exit_code != DaemonExit.RANK_FAILED:
             try:
