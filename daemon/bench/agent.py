@@ -68,7 +68,11 @@ def stream_completion(http, url: str, model: str | None, prompt: str, max_tokens
     t0 = time.perf_counter()
     first, parts, usage = None, [], None
     with http.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as resp:
-        resp.raise_for_status()
+        if resp.status_code != 200:  # e.g. 413: the conversation outgrew the model's context
+            raise click.ClickException(
+                f"{url} answered {resp.status_code}: {resp.read().decode(errors='replace')[:500]}"
+                " (a shorter --system-tokens, fewer --turns or --user-tokens fit)"
+            )
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
