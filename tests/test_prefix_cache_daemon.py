@@ -62,6 +62,7 @@ def test_turns_hit_the_cache_across_a_restart_and_the_cache_lists_and_clears(
     assert listed["enabled"] and listed["entries"] and "memory" in listed["entries"][0]["tiers"]
     stats = json.loads(moe(first.socket, "stats", "--json").stdout)["prefix_cache"]
     assert stats["hits"] == 1 and stats["tokens_reused"] == usage[1]["cached_tokens"]
+    assert "prefix cache 1 hits of 2" in moe(first.socket, "stats").stdout
     metrics = moe(first.socket, "metrics").stdout
     assert "moed_prefix_cache_hits_total 1" in metrics
     assert 'moed_prefix_cache_bytes{tier="disk"}' in metrics
