@@ -10,7 +10,7 @@ PROMPT ?= def fibonacci(n):
 # A quarter of the demo's experts in the cache, so the run shows real streaming (misses, reads).
 BUDGET ?= 25%
 
-.PHONY: run test bench clean
+.PHONY: run test test-clients bench clean
 
 # setuptools adds a note to every editable install that it maps moed.* with an import hook (the
 # package-dir layout): only that note is silenced; real build warnings still show.
@@ -32,11 +32,31 @@ run: $(STAMP)
 	  echo "==> moe and moed are in $(VENV)/bin: '. $(VENV)/bin/activate' puts them on PATH"; \
 	  exit $$status
 
+# The agents and CLIs tests/test_gateway_agents.py drives, as their registries ship them, cached
+# outside the checkout; one that fails to install is skipped by its test, which says why.
+TEST_CLIENTS ?= $(HOME)/.cache/moed/test-clients
+NPM_CLIENTS := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 opencode-ai@1.18.33
+PY_CLIENTS := llm==0.36 litellm==1.110.2 aider-chat==0.86.2
+CLIENTS_STAMP := $(TEST_CLIENTS)/.installed-$(shell echo '$(NPM_CLIENTS) $(PY_CLIENTS)' | cksum | cut -d' ' -f1)
+
+test-clients: $(CLIENTS_STAMP)
+
+$(CLIENTS_STAMP):
+	@echo "==> installing the agent clients the gateway tests drive into $(TEST_CLIENTS)"
+	@mkdir -p $(TEST_CLIENTS)
+	@ok=1; \
+	  npm install --prefix $(TEST_CLIENTS)/npm --no-audit --no-fund --loglevel=error $(NPM_CLIENTS) || ok=0; \
+	  for spec in $(PY_CLIENTS); do name=$${spec%%==*}; \
+	    { $(PYTHON) -m venv $(TEST_CLIENTS)/py-$$name && \
+	      $(TEST_CLIENTS)/py-$$name/bin/pip install --quiet --disable-pip-version-check "$$spec"; } || ok=0; \
+	  done; \
+	  if [ $$ok = 1 ]; then touch $@; else echo "==> some clients did not install: their tests skip"; fi
+
 # The lint and format gate runs first, so .ci/run (which calls `make test`) enforces it.
-test: $(STAMP)
+test: $(STAMP) test-clients
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q
+	MOED_TEST_CLIENTS=$(TEST_CLIENTS) $(BIN)/python -m pytest -q
 
 # Each prints ratios measured side by side in one run; BENCHMARKS.md holds their latest output.
 bench: $(STAMP)

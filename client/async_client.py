@@ -3,9 +3,11 @@
 The HTTP gateway serves many requests at once over one connection, so the daemon sees them side by
 side and can batch them. A reader callback on the socket's file descriptor routes every reply to
 its request's inbox by id (zmq.asyncio's future and poller round per frame was about a third of
-the gateway's CPU per token); a heartbeat task pings while streams are open, so a dead, frozen
-(3 s of silence) or restarted daemon fails the open streams (DaemonUnavailable /
-DaemonRestarted), never as a hang. The next call reconnects.
+the gateway's CPU per token); a dead daemon (its connection drops) or a frozen one (its
+connection misses heartbeats: client/liveness.py) fails the open streams with DaemonUnavailable,
+and a heartbeat task pings while streams are open so a restarted one fails them with
+DaemonRestarted; never a hang, and never a false death because a long step delays a reply. The
+next call reconnects.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .errors import (
 )
 from .events import DoneEvent, Event, event_from_message
 from .inbox import Inbox, merge_tokens
+from .liveness import connection_lost, dealer_socket
 
 _POLLIN = int(zmq.POLLIN)  # a plain int: the flag enum's operators cost microseconds per frame
 
@@ -82,16 +85,18 @@ class AsyncClient:
                 check_socket(self.socket_path)
             except UnsafeSocketPath as exc:
                 raise InsecureSocket(str(exc)) from None
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RECONNECT_IVL, 50)
-            # The daemon's death drops the ipc connection at once: watch for it, not for pings.
+            sock = dealer_socket(self.heartbeat_s, self.dead_after_s)
+            # The daemon's death drops the ipc connection at once, and a frozen daemon's
+            # connection misses its heartbeats (client/liveness.py): watch for that, not silence.
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(f"ipc://{self.socket_path}")
             self._socket, self._monitor = sock, monitor
             self._loop = asyncio.get_running_loop()
             self._loop.add_reader(sock.FD, self._read_ready)
             self._loop.add_reader(monitor.FD, self._disconnect_ready, sock, monitor)
+            # ZMQ_FD is edge-triggered: reading EVENTS once arms it (else a later disconnect, as
+            # a frozen daemon's missed heartbeats, may never wake the reader).
+            self._disconnect_ready(sock, monitor)
             self._last_heard = time.monotonic()
             self._tasks = [asyncio.create_task(self._heartbeat_loop())]
             try:
@@ -192,7 +197,7 @@ class AsyncClient:
             while True:
                 msg = _unwrap(await queue.get())
                 if coalesce and msg.get("type") == MessageType.TOKEN.value:
-                    msg = merge_tokens(msg, queue.take_tokens())
+                    msg = merge_tokens(msg, queue.take_tokens(msg.get("channel")))
                 event = event_from_message(msg)
                 if isinstance(event, DoneEvent):
                     ended = True
@@ -273,24 +278,19 @@ class AsyncClient:
         if self._socket is not sock:
             return  # already dropped (and maybe reconnected)
         self._read_ready()
-        self._drop(
-            DaemonUnavailable(
-                f"the connection to the daemon at {self.socket_path} dropped (it exited or crashed)"
-            )
-        )
+        pid = (self.welcome or {}).get("pid")
+        self._drop(DaemonUnavailable(connection_lost(self.socket_path, pid, self.dead_after_s)))
 
     async def _heartbeat_loop(self) -> None:
-        """While requests are open, ping after `heartbeat_s` of silence; fail them after
-        `dead_after_s`; a ping answered by a new boot_id means the daemon restarted."""
+        """While requests are open, ping after `heartbeat_s` of silence: a ping answered by a new
+        boot_id means the daemon restarted. Silence alone fails nothing: a frozen daemon's
+        connection misses its heartbeats and drops (client/liveness.py)."""
         while True:
             await asyncio.sleep(self.heartbeat_s / 2)
             if not self._routes:
                 self._last_heard = time.monotonic()
                 continue
             silent = time.monotonic() - self._last_heard
-            if silent > self.dead_after_s:
-                self._drop(DaemonUnavailable(f"the daemon at {self.socket_path} stopped answering"))
-                return
             if silent > self.heartbeat_s:
                 ping_id = self._next_id("hb")
                 queue = self._open(ping_id)

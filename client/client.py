@@ -1,9 +1,10 @@
 """The synchronous client: handshake, streamed generations, control calls, heartbeats.
 
 One DEALER socket; replies are matched to requests by id, so a `cancel` can be sent while a stream
-is being read. While waiting, the client pings: a dead daemon surfaces as DaemonUnavailable (at
-once when its process exits, after 3 s of silence when it freezes) and a restarted one (new
-boot_id) as DaemonRestarted; never as a hang.
+is being read. A dead daemon surfaces as DaemonUnavailable (at once when its process exits, after
+`dead_after_s` of missed connection heartbeats when it freezes: client/liveness.py; a long step
+that delays replies is not death) and a restarted one (a ping after silence sees a new boot_id) as
+DaemonRestarted; never as a hang.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from moed.protocol.paths import (
 
 from .errors import DaemonRestarted, DaemonUnavailable, InsecureSocket, RequestFailed
 from .events import DoneEvent, Event, TokenEvent, event_from_message
+from .liveness import connection_lost, dealer_socket
 
 log = logging.getLogger("moed.client")
 _POLLIN = int(zmq.POLLIN)
@@ -71,11 +73,9 @@ class Client:
             check_socket(self.socket_path)
         except UnsafeSocketPath as exc:
             raise InsecureSocket(str(exc)) from None
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, 50)
-        # The daemon's death drops the ipc connection at once: watch for that instead of waiting
-        # out pings.
+        sock = dealer_socket(self.heartbeat_s, self.dead_after_s)
+        # The daemon's death drops the ipc connection at once, and a frozen daemon's connection
+        # misses its heartbeats (client/liveness.py): watch for that, not for silence.
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(f"ipc://{self.socket_path}")
         self._socket = sock
@@ -174,10 +174,15 @@ class Client:
         keep_alive: str | float | None = None,
         resume_ids: list[int] | None = None,
         trace: bool = False,
+        progress: bool = False,
         messages: list[dict] | None = None,
         tools: list[dict] | None = None,
         stop: list[str] | None = None,
         logprobs: int | None = None,
+        format: dict | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
+        chat_template_kwargs: dict | None = None,
         resume: bool = False,
         resume_timeout_s: float = 60.0,
         max_resumes: int = 5,
@@ -202,10 +207,15 @@ class Client:
             telemetry_every=telemetry_every,
             keep_alive=keep_alive,
             trace=trace,
+            progress=progress,
             messages=messages,
             tools=tools,
             stop=stop,
             logprobs=logprobs,
+            format=format,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+            chat_template_kwargs=chat_template_kwargs,
         )
         if not resume:
             yield from self._generate_once(request_id, resume_ids, fields)
@@ -240,6 +250,7 @@ class Client:
                             event.timings,
                             event.telemetry,
                             event.stop_sequence,
+                            event.lossy,
                         )
                     yield event
                 return
@@ -298,6 +309,7 @@ class Client:
             **fields,
             "raw": fields.get("raw") or None,
             "trace": fields.get("trace") or None,
+            "progress": fields.get("progress") or None,
         }
         self._send(
             wire.request(
@@ -342,6 +354,10 @@ class Client:
         self._check_boot(msg.get("boot_id"))
         return msg
 
+    def _lost(self) -> str:
+        pid = (self.welcome or {}).get("pid")
+        return connection_lost(self.socket_path, pid, self.dead_after_s)
+
     def _send(self, msg: dict) -> None:
         assert self._socket is not None
         self._socket.send(encode(msg))
@@ -369,8 +385,6 @@ class Client:
                 raise DaemonUnavailable(
                     f"no answer from the daemon at {self.socket_path} within {self.timeout:.1f}s"
                 )
-            if heartbeat and now - last_heard > self.dead_after_s:
-                raise DaemonUnavailable(f"the daemon at {self.socket_path} stopped answering")
             if heartbeat and ping_id is None and now - last_heard > self.heartbeat_s:
                 ping_id = self._next_id("hb")
                 self._send(wire.request(MessageType.PING, ping_id))
@@ -389,10 +403,7 @@ class Client:
                     frame = self._socket.recv()
                 elif self._monitor in ready:
                     if self._monitor.recv_multipart() and not self._socket.poll(0):
-                        raise DaemonUnavailable(
-                            f"the connection to the daemon at {self.socket_path} dropped "
-                            "(it exited or crashed)"
-                        ) from None
+                        raise DaemonUnavailable(self._lost()) from None
                     continue
                 else:
                     continue

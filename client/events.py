@@ -19,6 +19,8 @@ class TokenEvent:
     logprobs: list[dict] | None = None
     # Tool calls the model finished with this token: {id, name, arguments (a map)}.
     tool_calls: list[dict] | None = None
+    # Which part of the turn the text is: "answer", or "reasoning" (between the think markers).
+    channel: str = "answer"
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class DoneEvent:
     timings: dict[str, Any]
     telemetry: dict[str, Any] = field(default_factory=dict)
     stop_sequence: str | None = None  # the stop string that ended the text (finish_reason "stop")
+    # K-reduction was on (lossy): {active_experts, native_experts, lossy}; None: native routing.
+    lossy: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -45,12 +49,13 @@ class TraceEvent:
 
 @dataclass(frozen=True)
 class ProgressEvent:
-    """The daemon is loading the model for this request (after an idle unload): how far along."""
+    """How far the daemon is with this request before its first token: loading the model (after an
+    idle unload), or reading the prompt (stage `reading the prompt`, unit `tokens`, per chunk)."""
 
     stage: str
     done: float
     total: float | None
-    unit: str  # "bytes" or "steps"
+    unit: str  # "bytes", "steps" or "tokens"
 
 
 Event = TokenEvent | TelemetryEvent | TraceEvent | ProgressEvent | DoneEvent
@@ -67,6 +72,7 @@ def event_from_message(msg: dict) -> Event | None:
             msg["text"],
             msg.get("logprobs"),
             msg.get("tool_calls"),
+            msg.get("channel") or "answer",
         )
     if kind == MessageType.TELEMETRY.value:
         return TelemetryEvent(msg.get("data") or {})
@@ -86,6 +92,7 @@ def event_from_message(msg: dict) -> Event | None:
             msg.get("timings") or {},
             msg.get("telemetry") or {},
             msg.get("stop_sequence"),
+            msg.get("lossy"),
         )
     if kind == MessageType.ERROR.value:
         raise RequestFailed.from_message(msg)

@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
-import json
+import os
 import shutil
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from .hub_names import UnsafeName, check_repo_id, check_revision
+from .hub_verify import (
+    MAX_CONFIG_BYTES,
+    PullError,
+    read_json_file,
+    verify_checkpoint,
+    verify_safetensors,
+)
+
+__all__ = ["PullError", "pull", "verify_checkpoint", "verify_safetensors", "wanted"]
 
 # What a stock mlx-lm checkpoint needs on disk (the patterns mlx-lm itself downloads). The daemon
 # resolves Hugging Face ids with the same list.
@@ -26,30 +36,8 @@ HF_ALLOW_PATTERNS = (
     "*.txt",
     "*.jinja",
 )
-
-# A safetensors header is a JSON map; anything larger than this is not a header but damage.
-MAX_HEADER_BYTES = 100_000_000
-DTYPE_BYTES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
-
-
-class PullError(Exception):
-    """The model cannot be pulled (not found, not an mlx-lm checkpoint, or damaged on arrival)."""
+# Files moed parses itself: bounded before a byte is downloaded.
+PARSED_FILES = ("config.json", "model.safetensors.index.json")
 
 
 def wanted(filename: str) -> bool:
@@ -66,7 +54,7 @@ class PullResult:
     path: Path
     files: int
     total_bytes: int
-    downloaded_bytes: int  # 0 when everything was already in the cache
+    downloaded_bytes: int  # bytes that came over the network (0: all already in the cache)
     verified_shards: int
 
 
@@ -74,156 +62,86 @@ ProgressFn = Callable[[int, int, str], None]  # (bytes done, bytes total, curren
 
 
 def pull(repo_id: str, revision: str | None = None, on_progress: ProgressFn | None = None):
-    """Download the files mlx-lm needs into the Hugging Face cache and verify every shard.
+    """Download the files mlx-lm needs into the Hugging Face cache and verify every one.
 
-    Files already in the cache are skipped (a pull interrupted after some shards resumes there);
-    a dropped connection within a file resumes with an HTTP Range request (huggingface_hub)."""
-    from huggingface_hub import HfApi, hf_hub_download, try_to_load_from_cache
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    Nothing from the server is trusted: names, sizes and hashes from the listing are checked,
+    every path is checked to stay inside the cache, every file is cut at its listed size and
+    hashed. Finished files are kept; a partial one (a dropped connection, a killed pull) resumes
+    with a Range request. Every failure is a PullError with one line."""
+    from .hub_remote import HubClient
+    from .hub_store import RepoCache, cache_root, download
 
     try:
-        info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
-    except GatedRepoError:
-        raise PullError(
-            f"{repo_id!r} is gated: accept its terms on the Hub, then set HF_TOKEN"
-        ) from None
-    except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
-        raise PullError(f"{repo_id!r} is not on the Hub ({exc.__class__.__name__})") from None
-    except (HfHubHTTPError, OSError) as exc:
-        raise PullError(f"{repo_id!r}: the Hub did not answer ({exc})") from None
-    siblings = info.siblings or []
-    files = sorted((s.rfilename, int(s.size or 0)) for s in siblings if wanted(s.rfilename))
-    names = [name for name, _ in files]
+        check_repo_id(repo_id)
+        revision = check_revision(revision or "main")
+    except UnsafeName as exc:
+        raise PullError(str(exc)) from None
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise PullError(f"{repo_id}: HF_HUB_OFFLINE is set; unset it to pull")
+    report = on_progress or (lambda *_: None)
+    try:
+        with HubClient() as client:
+            listing = client.listing(repo_id, revision)
+            files = [f for f in listing.files if wanted(f.name)]
+            _check_listing(repo_id, files)
+            cache = RepoCache(cache_root(), repo_id)
+            cache.clean_partials({f.blob_id for f in files})
+            total = sum(f.size for f in files)
+            cached = sum(f.size for f in files if cache.cached(listing.commit, f))
+            done, fetched = cached, 0
+            report(done, total, "")
+            for f in files:
+                if cache.cached(listing.commit, f):
+                    continue
+                start = done
+
+                def count(n: int, name: str = f.name) -> None:
+                    nonlocal done
+                    done += n
+                    report(done, total, name)
+
+                fetched += download(client, repo_id, listing.commit, f, cache, count)
+                done = start + f.size
+                cache.link(listing.commit, f)
+            cache.write_ref(revision, listing.commit)
+            folder = cache.snapshot(listing.commit)
+    except UnsafeName as exc:
+        raise PullError(f"{repo_id}: {exc}") from None
+    except OSError as exc:  # the cache cannot be written: disk full, permissions
+        raise PullError(f"{repo_id}: writing the cache failed ({exc})") from None
+    shards = _verify(repo_id, folder, files, cache, listing.commit)
+    report(total, total, "")
+    return PullResult(repo_id, listing.commit, folder, len(files), total, fetched, shards)
+
+
+def _check_listing(repo_id: str, files) -> None:
+    names = {f.name: f for f in files}
     if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
         raise PullError(
             f"{repo_id!r} has no config.json and model*.safetensors: not an mlx-lm checkpoint "
             "(look for an mlx-community conversion)"
         )
-    total = sum(size for _, size in files)
-    done = sum(
-        size
-        for name, size in files
-        if isinstance(try_to_load_from_cache(repo_id, name, revision=info.sha), str)
-    )
-    cached = done
-    report = on_progress or (lambda *_: None)
-    report(done, total, "")
-
-    class FileBytes:
-        """The tqdm stand-in huggingface_hub drives per file; it feeds the one pull-wide count."""
-
-        def __init__(self, *_, initial: int = 0, desc: str = "", **__):
-            nonlocal done
-            self.desc = desc
-            done += initial
-            report(done, total, desc)
-
-        def update(self, n: int | float | None = 1) -> None:
-            nonlocal done
-            done += int(n or 0)
-            report(done, total, self.desc)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-        def set_postfix_str(self, *_, **__) -> None:
-            pass
-
-    local: dict[str, Path] = {}
-    for name, _ in files:
-        try:
-            local[name] = Path(
-                hf_hub_download(repo_id, name, revision=revision or "main", tqdm_class=FileBytes)
-            )
-        except (HfHubHTTPError, OSError) as exc:
+    for name in PARSED_FILES:
+        if name in names and names[name].size > MAX_CONFIG_BYTES:
             raise PullError(
-                f"{repo_id}: downloading {name} failed ({exc}); run the pull again to resume"
-            ) from None
-    folder = local["config.json"].parent
+                f"{repo_id}: the Hub lists {name} at {names[name].size} bytes, over the "
+                f"{MAX_CONFIG_BYTES}-byte limit: not a real {name}"
+            )
+
+
+def _verify(repo_id: str, folder: Path, files, cache, commit: str) -> int:
     try:
-        shards = verify_checkpoint(folder)
+        read_json_file(folder / "config.json")
+        return verify_checkpoint(folder)
     except PullError as exc:
         # Drop the damaged blobs, so that the next pull fetches them again instead of trusting them.
-        for name, path in local.items():
-            if name.endswith(".safetensors") and path.name in str(exc):
-                path.resolve().unlink(missing_ok=True)
-                path.unlink(missing_ok=True)
-        raise PullError(f"{exc} (removed; run the pull again to fetch it anew)") from None
-    report(total, total, "")
-    return PullResult(repo_id, info.sha, folder, len(files), total, total - cached, shards)
-
-
-# ---- verification --------------------------------------------------------------------------------
-
-
-def verify_safetensors(path: Path) -> int:
-    """Check a shard's header against its size: every tensor inside the file, the data region
-    exactly covered. Returns the tensor count; raises PullError naming the damage."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise PullError(f"{path.name}: shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise PullError(f"{path.name}: header length {n} does not fit a {size}-byte file")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as exc:
-            raise PullError(f"{path.name}: the header is not JSON ({exc})") from None
-    data_bytes = size - 8 - n
-    end_max = 0
-    tensors = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = entry["data_offsets"]
-            count = 1
-            for dim in entry["shape"]:
-                count *= int(dim)
-            width = DTYPE_BYTES[entry["dtype"]]
-        except (KeyError, TypeError, ValueError):
-            raise PullError(f"{path.name}: tensor {name!r} has a malformed entry") from None
-        if not 0 <= begin <= end <= data_bytes or end - begin != count * width:
-            raise PullError(
-                f"{path.name}: tensor {name!r} at bytes {begin}-{end} does not fit its shape or "
-                f"the file ({data_bytes} data bytes): truncated or damaged"
-            )
-        end_max = max(end_max, end)
-        tensors += 1
-    if end_max != data_bytes:
+        for f in files:
+            if f.name in str(exc):
+                (folder / f.name).unlink(missing_ok=True)
+                cache.blob(f.blob_id).unlink(missing_ok=True)
         raise PullError(
-            f"{path.name}: tensors cover {end_max} of {data_bytes} data bytes: truncated or damaged"
-        )
-    return tensors
-
-
-def verify_checkpoint(folder: Path) -> int:
-    """Every shard's header is sound and the index names only shards that are there."""
-    shards = sorted(folder.glob("model*.safetensors"))
-    if not shards:
-        raise PullError(f"{folder}: no model*.safetensors")
-    for shard in shards:
-        verify_safetensors(shard)
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        missing = sorted({f for f in weight_map.values() if not (folder / f).exists()})
-        if missing:
-            raise PullError(f"{folder.name}: the index names missing shards {missing}")
-    return len(shards)
+            f"{repo_id}: {exc} (removed; run the pull again to fetch it anew)"
+        ) from None
 
 
 # ---- what is in the cache ------------------------------------------------------------------
@@ -260,7 +178,8 @@ class CachedModel:
 
 def moe_shape(config: dict) -> tuple[int | None, int | None]:
     """(routed experts, experts per token) from a config.json; (None, None) for a dense model."""
-    merged = {**config, **(config.get("text_config") or {})}
+    text = config.get("text_config")
+    merged = {**config, **(text if isinstance(text, dict) else {})}
     experts = next(
         (
             merged[k]
@@ -295,14 +214,16 @@ def describe_folder(repo_id: str, folder: Path, size_bytes: int) -> CachedModel:
     why = None
     config: dict = {}
     try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        why = "no readable config.json"
+        config = read_json_file(folder / "config.json")  # bounded: never a 1 GiB load
+    except PullError as exc:
+        why = str(exc)
     model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        model_type = None
     experts, top_k = moe_shape(config)
     if why is None and not any(folder.glob("model*.safetensors")):
         why = "no model*.safetensors"
-    if why is None and not (model_type and mlx_lm_knows(model_type)):
+    if why is None and not (model_type and model_type.isidentifier() and mlx_lm_knows(model_type)):
         why = f"mlx-lm has no {model_type!r} architecture"
     return CachedModel(repo_id, folder, size_bytes, model_type, experts, top_k, why is None, why)
 

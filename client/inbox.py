@@ -38,10 +38,16 @@ class Inbox:
                 self._waiter = None
         return self._items.popleft()
 
-    def take_tokens(self) -> list[dict]:
-        """The token messages at the head of the inbox (up to the first other reply)."""
+    def take_tokens(self, channel: str | None = None) -> list[dict]:
+        """The token messages at the head of the inbox (up to the first other reply, or the
+        first of another channel: reasoning and answer are never merged)."""
         items, taken = self._items, []
-        while items and isinstance(items[0], dict) and items[0].get("type") == _TOKEN:
+        while (
+            items
+            and isinstance(items[0], dict)
+            and items[0].get("type") == _TOKEN
+            and items[0].get("channel") == channel
+        ):
             taken.append(items.popleft())
         return taken
 

@@ -32,8 +32,6 @@ def pull(repo_id: str, revision: str | None, as_json: bool) -> None:
     from .hub import PullError
     from .hub import pull as pull_model
 
-    if repo_id.count("/") != 1:
-        fail(ExitCode.USAGE, f"{repo_id!r} is not a Hugging Face id (org/name)", as_json)
     bar = Progress(f"pull {repo_id}", progress_mode(as_json), unit=Unit.BYTES)
     try:
         result = pull_model(

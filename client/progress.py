@@ -21,6 +21,7 @@ class ProgressMode(str, enum.Enum):
 class Unit(str, enum.Enum):
     BYTES = "bytes"
     STEPS = "steps"
+    TOKENS = "tokens"
 
 
 def progress_mode(as_json: bool, stream: IO | None = None) -> ProgressMode:

@@ -9,6 +9,8 @@ from typing import Any
 
 import click
 
+from moed.protocol import Channel
+from moed.protocol.messages import PROMPT_STAGE
 from moed.protocol.units import format_bytes
 
 from .cli_common import fail, global_options
@@ -120,11 +122,13 @@ def run(
         raw=raw,
         model=served_name(model),
         trace=trace_path is not None,
+        progress=True,  # a long prompt shows a bar while it is read
         resume=resume,
         keep_alive=keep_alive,
     )
     trace_out = TraceFile(trace_path) if trace_path else None
     loading = StagedProgress("loading", progress_mode(as_json))  # after an idle unload
+    reading = StagedProgress("prompt", progress_mode(as_json))  # a long prompt, chunk by chunk
     try:
         for event in events:
             if isinstance(event, TraceEvent):
@@ -132,9 +136,13 @@ def run(
                     trace_out.write(event)
                 continue
             if isinstance(event, ProgressEvent):
-                loading.update(event.stage, event.done, event.total, event.unit)
+                bar = reading if event.stage == PROMPT_STAGE else loading
+                # A prompt of one chunk gets no bar: only one with chunks still to read.
+                if bar is loading or bar.stage or 0 < event.done < (event.total or 0):
+                    bar.update(event.stage, event.done, event.total, event.unit)
                 continue
             loading.close()
+            reading.close()
             _print_event(event, as_json)
     except KeyboardInterrupt:
         try:
@@ -253,12 +261,20 @@ def _print_event(event, as_json: bool) -> None:
         if as_json:
             click.echo(
                 json.dumps(
-                    {"type": "token", "index": event.index, "ids": event.ids, "text": event.text}
+                    {
+                        "type": "token",
+                        "index": event.index,
+                        "ids": event.ids,
+                        "text": event.text,
+                        "channel": event.channel,
+                    }
                 )
             )
         else:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+            # A model's reasoning goes to stderr: stdout holds the answer alone.
+            out = sys.stderr if event.channel == Channel.REASONING.value else sys.stdout
+            out.write(event.text)
+            out.flush()
     elif isinstance(event, TelemetryEvent):
         if as_json:
             click.echo(json.dumps({"type": "telemetry", **event.data}))
@@ -297,4 +313,9 @@ def summary_line(done: DoneEvent) -> str:
         parts.append(f"read {format_bytes(experts.get('bytes_read', 0))}")
         if "stall_s" in experts:
             parts.append(f"stall {experts['stall_s'] * 1000:.0f} ms")
+    if done.lossy:
+        lossy = done.lossy
+        parts.append(
+            f"LOSSY: {lossy['active_experts']} of {lossy['native_experts']} experts a token"
+        )
     return "[moe] " + " · ".join(parts)

@@ -45,16 +45,19 @@ class ServeConfig:
     page_cache: PageCachePolicy = PageCachePolicy.AUTO
     prefetch_next: bool = False  # read the next layer's likely experts during this layer's compute
     cache_policy: str = DEFAULT_POLICY  # expert eviction policy, a name in experts/policies
+    # Lossy, opt-in: each token uses its K best experts instead of the model's top-k; 0: native.
+    max_active_experts: int = 0
     memory_limit_bytes: int = (
         0  # what the memory plan may use; 0: the machine's (RAM, cgroup, Metal working set)
     )
     plan_context_tokens: int = 8192  # the KV cache the memory plan keeps room for
     max_prompt_tokens: int = 32768
-    max_tokens_limit: int = 8192
+    max_tokens_limit: int = 0  # largest max_tokens; 0: the model's context (8192 if unknown)
     default_max_tokens: int = 256
     max_pending: int = 64
     max_pending_per_client: int = 16  # one connection cannot hold every pending slot
     client_send_hwm: int = 1000  # messages queued to one client before it counts as not reading
+    max_connections: int = 0  # client connections at once; 0: what the open-file limit has room for
     progress_deadline_s: float = 60.0  # work to do and no progress this long: `engine_stalled`
     max_batch: int = 8  # requests decoded together in one batch (continuous batching)
     prefill_chunk: int = 256  # prompt tokens read per step, between decode steps of the batch
@@ -90,6 +93,11 @@ class ServeConfig:
             raise ConfigError(
                 f"setting 'cache_policy': {self.cache_policy!r} is not a cache policy "
                 f"(allowed: {', '.join(policy_names())})"
+            )
+        if self.max_active_experts < 0:
+            raise ConfigError(
+                f"setting 'max_active_experts': {self.max_active_experts} is not allowed; "
+                "allowed: 0 (the model's own top-k) or an integer from 1 to the model's top-k"
             )
         try:
             parse_keep_alive(self.keep_alive)
@@ -299,18 +307,20 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "memory_limit_bytes": (lambda v: v >= 0, "an integer >= 0 (0: the machine's)"),
     "plan_context_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "max_prompt_tokens": (lambda v: v >= 1, "an integer >= 1"),
-    "max_tokens_limit": (lambda v: v >= 1, "an integer >= 1"),
+    "max_tokens_limit": (lambda v: v >= 0, "an integer >= 0 (0: the model's context)"),
     "default_max_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "max_pending": (lambda v: v >= 1, "an integer >= 1"),
     "max_pending_per_client": (lambda v: v >= 1, "an integer >= 1"),
     "client_send_hwm": (lambda v: 16 <= v <= 1_000_000, "an integer in [16, 1000000]"),
+    "max_connections": (lambda v: v >= 0, "an integer >= 0 (0: sized to the open-file limit)"),
     "progress_deadline_s": (lambda v: v > 0, "a number of seconds > 0"),
     "drain_timeout_s": (lambda v: v >= 0, "a number of seconds >= 0"),
     "telemetry_every": (lambda v: v >= 1, "an integer >= 1 (tokens between telemetry messages)"),
     "metrics_port": (lambda v: 0 <= v <= 65535, "a TCP port in [1, 65535], or 0 for none"),
     "debug_faults": (
         _faults_syntax,
-        "empty, or oom_after=N, abort_after=N, hang_after=N, step_error_after=N",
+        "empty, or oom_after=N, abort_after=N, hang_after=N, step_error_after=N, "
+        "layer_hang_after=N, layer_delay_ms=N, layer_gil_ms=N",
     ),
     "restart_budget": (lambda v: v >= 0, "an integer >= 0 (0: never stop restarting)"),
     "restart_window_s": (lambda v: v > 0, "a number of seconds > 0"),

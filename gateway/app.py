@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import os
 import time
 from collections.abc import Callable
 
@@ -22,11 +23,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moed.client.async_client import AsyncClient
 
-from . import anthropic_api, ollama_api, openai_api, ops
-from .config import GatewayConfig
+from . import anthropic_api, ollama_api, openai_api, ops, responses_api
+from .access_log import AccessLog
+from .browser import BrowserGuard
+from .config import GatewayConfig, is_loopback
 from .context import Api, Gateway
+from .deadline import AnswerDeadline
 from .errors import ApiError, ErrorKind
+from .limits import RequestLimits
 from .metrics import GatewayMetrics
+from .peer import LocalAuth, peer_uid
 
 
 def api_of(path: str) -> Api:
@@ -58,7 +64,8 @@ class BodyTooLarge(ApiError):
 
 
 class Guard:
-    """API key, body-size limit and per-request metrics, before any route runs."""
+    """Host and Origin, the local user or the API key, the body-size limit and per-request
+    metrics, before any route runs."""
 
     OPEN_PATHS = frozenset({"/", "/health"})  # liveness probes need no key
 
@@ -66,7 +73,12 @@ class Guard:
         self.app = app
         self.gateway = gateway
         self.known_paths = known_paths
-        self.key = gateway.config.api_key.encode() if gateway.config.api_key else None
+        config = gateway.config
+        self.key = config.api_key.encode() if config.api_key else None
+        self.browser = BrowserGuard(_served_hosts(config), config.cors_origins)
+        # Without a key, a loopback client must be this user (another user cannot reach the
+        # daemon's socket, and must not reach it through the gateway).
+        self.check_uid = self.key is None and config.local_auth is LocalAuth.UID
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -75,7 +87,7 @@ class Guard:
         path = scope["path"]
         api = api_of(path)
         started = time.perf_counter()
-        status = 500
+        status = 499  # no answer sent: the client left first (an app error still sends a 500)
 
         async def counted_send(message: Message) -> None:
             nonlocal status
@@ -98,6 +110,9 @@ class Guard:
 
     def _refusal(self, scope: Scope) -> ApiError | None:
         headers = dict(scope["headers"])
+        refusal = self.browser.refusal(scope["method"], headers) or self._foreign_user(scope)
+        if refusal is not None:
+            return refusal
         preflight = scope["method"] == "OPTIONS" and bool(self.gateway.config.cors_origins)
         if self.key is not None and scope["path"] not in self.OPEN_PATHS and not preflight:
             given = headers.get(b"x-api-key") or _bearer(headers.get(b"authorization", b""))
@@ -108,6 +123,19 @@ class Guard:
         if length is not None and (not length.isdigit() or int(length) > limit):
             return BodyTooLarge(limit)
         return None
+
+    def _foreign_user(self, scope: Scope) -> ApiError | None:
+        if not self.check_uid or scope["path"] in self.OPEN_PATHS:
+            return None
+        client, server = scope.get("client"), scope.get("server")
+        uid = peer_uid(client, server) if client and server and is_loopback(client[0]) else None
+        if uid == os.getuid():
+            return None
+        return ApiError(
+            ErrorKind.FORBIDDEN,
+            f"this gateway serves only its own user (uid {os.getuid()}); the connection is from "
+            + (f"uid {uid}" if uid is not None else "a user it cannot tell"),
+        )
 
     def _limited(self, receive: Receive) -> Receive:
         limit = self.gateway.config.max_body_bytes
@@ -125,6 +153,12 @@ class Guard:
         return limited
 
 
+def _served_hosts(config: GatewayConfig) -> tuple[str, ...]:
+    """--allow-host names, and the address the gateway listens on when it is one (not 0.0.0.0)."""
+    own = () if config.host in ("0.0.0.0", "::", "") else (config.host,)
+    return (*config.allowed_hosts, *own)
+
+
 def _bearer(value: bytes) -> bytes | None:
     scheme, _, token = value.partition(b" ")
     return token.strip() if scheme.lower() == b"bearer" else None
@@ -136,7 +170,13 @@ def build_app(config: GatewayConfig, client: AsyncClient | None = None) -> ASGIA
         client or AsyncClient(config.socket, timeout=config.daemon_timeout_s, name="moed-gateway"),
         GatewayMetrics(),
     )
-    routes = [*openai_api.ROUTES, *anthropic_api.ROUTES, *ollama_api.ROUTES, *ops.ROUTES]
+    routes = [
+        *openai_api.ROUTES,
+        *responses_api.ROUTES,
+        *anthropic_api.ROUTES,
+        *ollama_api.ROUTES,
+        *ops.ROUTES,
+    ]
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
@@ -172,4 +212,9 @@ def build_app(config: GatewayConfig, client: AsyncClient | None = None) -> ASGIA
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
         )
-    return Guard(inner, gateway, frozenset(route.path for route in routes))
+    inner = AnswerDeadline(inner, config.answer_timeout_s, render_error)
+    inner = RequestLimits(
+        inner, config.max_connections, config.max_requests_per_client, render_error
+    )
+    guarded: ASGIApp = Guard(inner, gateway, frozenset(route.path for route in routes))
+    return AccessLog(guarded) if config.access_log else guarded

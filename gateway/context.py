@@ -14,11 +14,15 @@ from starlette.requests import Request
 
 from moed.client import ClientError, TokenEvent
 from moed.client.async_client import AsyncClient
+from moed.protocol import Channel, MessageType
 
 from .config import GatewayConfig
 from .errors import ApiError, ErrorKind, from_client_error
-from .generation import GenerationRequest, Stream
+from .generation import GenerationRequest, Stream, Waiting
 from .metrics import GatewayMetrics
+from .wire_limits import check_request
+
+REASONING = Channel.REASONING.value
 
 
 class Api(str, enum.Enum):
@@ -36,6 +40,7 @@ class Collected:
     logprobs: list[dict]
     ids: list[int]
     tool_calls: list[dict]
+    reasoning: str = ""  # the reasoning channel's text (the think markers' contents)
 
 
 @dataclass
@@ -55,6 +60,9 @@ class Gateway:
     async def call(self, name: str, **fields) -> dict:
         """A control call to the daemon (status, stats, metrics, count_tokens)."""
         try:
+            if fields:  # a request that carries a body (count_tokens): checked as it will be sent
+                limits = (await self.client.connect()).get("limits") or {}
+                check_request(MessageType(name), fields, limits)
             return await getattr(self.client, name)(**fields)
         except ClientError as exc:
             raise from_client_error(exc) from None
@@ -63,14 +71,23 @@ class Gateway:
         return await Stream.start(self.client, req)
 
     async def tokens(
-        self, stream: Stream, api: Api, endpoint: str, started: float
-    ) -> AsyncIterator[TokenEvent]:
+        self,
+        stream: Stream,
+        api: Api,
+        endpoint: str,
+        started: float,
+        keepalive_s: float | None = None,
+    ) -> AsyncIterator[TokenEvent | Waiting]:
         """A stream's tokens for an HTTP streaming body; counts TTFT, tokens, and cancellations
-        (the body is closed early when the client disconnects, which cancels the generation)."""
+        (the body is closed early when the client disconnects, which cancels the generation).
+        With `keepalive_s`, Waiting.WAITING marks where a keep-alive is due (generation.py)."""
         first = True
         count = 0
         try:
-            async for event in stream.tokens():
+            async for event in stream.tokens(keepalive_s):
+                if event is Waiting.WAITING:
+                    yield event
+                    continue
                 if first and event.text:
                     first = False
                     self.metrics.ttft.labels(api.value, endpoint).observe(
@@ -90,13 +107,13 @@ class Gateway:
         generation over the request timeout, cancels it in the daemon."""
 
         async def gather() -> Collected:
-            parts, logprobs, ids, calls = [], [], [], []
+            parts, reasoning, logprobs, ids, calls = [], [], [], [], []
             async for event in self.tokens(stream, api, endpoint, started):
-                parts.append(event.text)
+                (reasoning if event.channel == REASONING else parts).append(event.text)
                 ids.extend(event.ids)
                 logprobs.extend(event.logprobs or ())
                 calls.extend(event.tool_calls or ())
-            return Collected("".join(parts), logprobs, ids, calls)
+            return Collected("".join(parts), logprobs, ids, calls, "".join(reasoning))
 
         work = asyncio.create_task(gather())
         watch = asyncio.create_task(_wait_disconnect(request))

@@ -15,27 +15,31 @@ from moed.protocol import ErrorCode
 class ErrorKind(str, enum.Enum):
     INVALID_REQUEST = "invalid_request"
     AUTHENTICATION = "authentication"
+    FORBIDDEN = "forbidden"  # a foreign Host or Origin, or another local user
     NOT_FOUND = "not_found"
     TOO_LARGE = "too_large"
     OVERLOADED = "overloaded"
     UNAVAILABLE = "unavailable"
     INTERNAL = "internal"
+    TIMEOUT = "timeout"  # the daemon did not answer within the gateway's deadline
     CLIENT_CLOSED = "client_closed"  # the client left before the answer; nobody reads it
 
 
 STATUS = {
     ErrorKind.INVALID_REQUEST: 400,
     ErrorKind.AUTHENTICATION: 401,
+    ErrorKind.FORBIDDEN: 403,
     ErrorKind.NOT_FOUND: 404,
     ErrorKind.TOO_LARGE: 413,
     ErrorKind.OVERLOADED: 429,
     ErrorKind.UNAVAILABLE: 503,
     ErrorKind.INTERNAL: 500,
+    ErrorKind.TIMEOUT: 504,
     ErrorKind.CLIENT_CLOSED: 499,  # nginx's convention, for the metrics only
 }
 
 # Seconds a client should wait before retrying: a full queue drains fast, a restart takes longer.
-RETRY_AFTER_S = {ErrorKind.OVERLOADED: 1, ErrorKind.UNAVAILABLE: 5}
+RETRY_AFTER_S = {ErrorKind.OVERLOADED: 1, ErrorKind.UNAVAILABLE: 5, ErrorKind.TIMEOUT: 5}
 
 _KIND_OF_CODE = {
     ErrorCode.BAD_FRAME: ErrorKind.INTERNAL,
@@ -43,7 +47,7 @@ _KIND_OF_CODE = {
     ErrorCode.UNKNOWN_TYPE: ErrorKind.INTERNAL,
     ErrorCode.UNSUPPORTED_VERSION: ErrorKind.INTERNAL,
     ErrorCode.FRAME_TOO_LARGE: ErrorKind.TOO_LARGE,
-    ErrorCode.PROMPT_TOO_LONG: ErrorKind.TOO_LARGE,
+    ErrorCode.PROMPT_TOO_LONG: ErrorKind.INVALID_REQUEST,  # every API answers it 400
     ErrorCode.MODEL_NOT_FOUND: ErrorKind.NOT_FOUND,
     ErrorCode.DUPLICATE_ID: ErrorKind.INTERNAL,
     ErrorCode.UNKNOWN_REQUEST: ErrorKind.INVALID_REQUEST,
@@ -51,6 +55,16 @@ _KIND_OF_CODE = {
     ErrorCode.SHUTTING_DOWN: ErrorKind.UNAVAILABLE,
     ErrorCode.OUT_OF_MEMORY: ErrorKind.UNAVAILABLE,
     ErrorCode.DAEMON_RESTARTED: ErrorKind.UNAVAILABLE,
+    ErrorCode.INVALID_SCHEMA: ErrorKind.INVALID_REQUEST,
+    # A rank's death, a stalled engine, a cancelled slow reader: the daemon or its group restarts
+    # or the stream can be asked again, so each is a 503 with Retry-After.
+    ErrorCode.RANK_FAILED: ErrorKind.UNAVAILABLE,
+    ErrorCode.DAEMON_UNAVAILABLE: ErrorKind.UNAVAILABLE,
+    ErrorCode.ENGINE_STALLED: ErrorKind.UNAVAILABLE,
+    ErrorCode.SLOW_CONSUMER: ErrorKind.UNAVAILABLE,
+    # In flight at two crashes: the daemon refuses to run it again; retrying cannot help.
+    ErrorCode.POISON_REQUEST: ErrorKind.INVALID_REQUEST,
+    ErrorCode.NOT_PERMITTED: ErrorKind.FORBIDDEN,
     ErrorCode.INTERNAL: ErrorKind.INTERNAL,
 }
 

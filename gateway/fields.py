@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 from starlette.requests import Request
 
+from . import json_edge
 from .errors import invalid
 
 _MISSING = object()
@@ -22,11 +22,7 @@ _NAMES = {
 
 async def json_body(request: Request) -> dict:
     """The body as a JSON object; anything else is an invalid request."""
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}") from None
+    body = json_edge.loads(await request.body())
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     return body

@@ -6,14 +6,18 @@ own wire format; only this module talks `generate` to the daemon.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from moed.client import ClientError, DoneEvent, Event, TokenEvent
+from moed.client import ClientError, DoneEvent, Event, ProgressEvent, TokenEvent
 from moed.client.async_client import AsyncClient
+from moed.protocol import MessageType
 
 from .errors import from_client_error
+from .wire_limits import check_request
 
 
 class Finish(str, enum.Enum):
@@ -41,6 +45,11 @@ class GenerationRequest:
     logprobs: int | None = None  # None: off; 0: the chosen token's; k: also the top k
     model: str | None = None
     keep_alive: int | float | str | None = None  # how long the model stays loaded once idle
+    # Constrained decoding and template switches (gateway/agent_fields.py maps each API's).
+    format: dict | None = None  # {type: json | json_schema, schema}
+    tool_choice: str | dict | None = None  # auto | none | required | {name}
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None  # e.g. {enable_thinking: false}
 
     def wire_fields(self) -> dict:
         """The `generate` fields of this request (None values are left off the wire)."""
@@ -58,6 +67,11 @@ class GenerationRequest:
             "logprobs": self.logprobs,
             "model": self.model,
             "keep_alive": self.keep_alive,
+            "progress": True,  # a long prompt's chunks: keep-alives before the first token
+            "format": self.format,
+            "tool_choice": self.tool_choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "chat_template_kwargs": self.chat_template_kwargs,
             # Per-request telemetry is for moe's live view; the gateway reports its own metrics.
             "telemetry_every": 1 << 30,
         }
@@ -97,6 +111,18 @@ class Outcome:
         )
 
 
+# Before the first token, a streamed answer sends a keep-alive (an SSE comment, an Anthropic
+# `ping`) after each prompt chunk and after this long without one: a client with a first-byte or
+# read timeout keeps waiting while a long prompt is read.
+KEEPALIVE_S = 5.0
+
+
+class Waiting(enum.Enum):
+    """No token yet: the daemon is still reading the prompt (a keep-alive is due)."""
+
+    WAITING = "waiting"
+
+
 class Stream:
     """A started generation. Its first event is awaited before the HTTP response starts, so an
     error the daemon answers at once (too long, overloaded) becomes a status code, not a broken
@@ -105,25 +131,39 @@ class Stream:
     def __init__(self, events: AsyncIterator[Event]):
         self._events = events
         self._pending: list[Event] = []
+        self._next: asyncio.Future | None = None  # the event being awaited across keep-alives
         self.outcome: Outcome | None = None
         self.tool_calls = 0  # calls the model made so far
 
     @classmethod
     async def start(cls, client: AsyncClient, req: GenerationRequest) -> Stream:
+        fields = req.wire_fields()
+        try:
+            welcome = await client.connect()
+        except ClientError as exc:
+            raise from_client_error(exc) from None
+        check_request(MessageType.GENERATE, fields, welcome.get("limits") or {})
         # Tokens that queued up while the HTTP side was busy come as one event (one chunk).
-        stream = cls(client.generate(coalesce=True, **req.wire_fields()))
+        stream = cls(client.generate(coalesce=True, **fields))
         try:
             stream._pending.append(await anext(stream._events))
         except ClientError as exc:
             raise from_client_error(exc) from None
         return stream
 
-    async def tokens(self) -> AsyncIterator[TokenEvent]:
-        """The token events; sets `outcome` at the end. Daemon errors raise ApiError."""
+    async def tokens(self, keepalive_s: float | None = None) -> AsyncIterator[TokenEvent | Waiting]:
+        """The token events; sets `outcome` at the end. Daemon errors raise ApiError. With
+        `keepalive_s`, until the first token: Waiting.WAITING after each prompt chunk and after
+        `keepalive_s` without an event."""
+        waiting = keepalive_s is not None
         try:
             while True:
-                event = self._pending.pop() if self._pending else await anext(self._events)
+                event = await self._next_event(keepalive_s if waiting else None)
+                if waiting and (event is None or isinstance(event, ProgressEvent)):
+                    yield Waiting.WAITING
+                    continue
                 if isinstance(event, TokenEvent):
+                    waiting = False
                     self.tool_calls += len(event.tool_calls or ())
                     yield event
                 elif isinstance(event, DoneEvent):
@@ -136,6 +176,25 @@ class Stream:
         finally:
             await self.close()
 
+    async def _next_event(self, timeout: float | None) -> Event | None:
+        """The next event, or None when `timeout` passed first (the event is still awaited)."""
+        if self._pending:
+            return self._pending.pop()
+        if self._next is None:
+            if timeout is None:  # after the first token: no task per token on the hot path
+                return await anext(self._events)
+            self._next = asyncio.ensure_future(anext(self._events))
+        done, _ = await asyncio.wait({self._next}, timeout=timeout)
+        if not done:
+            return None
+        ready, self._next = self._next, None
+        return ready.result()
+
     async def close(self) -> None:
         """Stop reading; a generation still running is cancelled in the daemon."""
+        if self._next is not None:  # its generator's cleanup sends the daemon a cancel
+            self._next.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, ClientError):
+                await self._next
+            self._next = None
         await self._events.aclose()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -14,11 +15,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from . import agent_fields as agent
 from . import fields as f
 from .config import moed_version
-from .context import Api, Gateway
+from .context import REASONING, Api, Gateway
 from .errors import ApiError, ErrorKind, invalid
 from .generation import Finish, GenerationRequest, Outcome, Stream
+from .token_budget import check_budget, daemon_limits
 
 API = Api.OLLAMA
 TAG = ":latest"
@@ -54,7 +57,7 @@ def _options(body: dict) -> dict:
     if top_p is not None and not 0 < top_p <= 1:
         raise invalid("'options.top_p' must be in (0, 1]")
     return {
-        # -1 (forever) and -2 (fill the context) leave the daemon's own limit in force.
+        # -1 (forever) and -2 (fill the context) run to the end of the context (see _run).
         "max_tokens": num_predict if num_predict and num_predict > 0 else None,
         "temperature": f.at_least(f.get(options, "temperature", float, prefix=p), 0, "temperature"),
         "top_p": top_p,
@@ -86,8 +89,11 @@ def parse_generate(body: dict) -> GenerationRequest:
         model=_model_name(body),
         logprobs=_logprobs(body),
         keep_alive=_keep_alive(body),
+        format=agent.ollama_format(body),
         **_options(body),
     )
+    if not raw:
+        common["chat_template_kwargs"] = agent.ollama_thinking(body)
     if raw:
         return GenerationRequest(prompt=prompt, raw=True, **common)
     system = f.get(body, "system", str)
@@ -110,6 +116,9 @@ def parse_chat(body: dict) -> GenerationRequest:
         calls = f.get(msg, "tool_calls", list, prefix=where)
         if calls:
             turn["tool_calls"] = calls
+        thinking = f.get(msg, "thinking", str, prefix=where)
+        if thinking and msg["role"] == "assistant":  # as the chat templates name it
+            turn["reasoning_content"] = thinking
         messages.append(turn)
     tools = f.get(body, "tools", list)
     return GenerationRequest(
@@ -118,6 +127,8 @@ def parse_chat(body: dict) -> GenerationRequest:
         model=_model_name(body),
         logprobs=_logprobs(body),
         keep_alive=_keep_alive(body),
+        format=agent.ollama_format(body),
+        chat_template_kwargs=agent.ollama_thinking(body),
         **_options(body),
     )
 
@@ -165,7 +176,11 @@ async def _ndjson(
     try:
         async for event in gateway.tokens(stream, API, endpoint, started):
             ids.extend(event.ids)
-            if event.text or event.logprobs or event.tool_calls:
+            if event.channel == REASONING:
+                if event.text:
+                    part = {"model": model, "created_at": _now(), **piece("", None, event.text)}
+                    yield _line({**part, "done": False})
+            elif event.text or event.logprobs or event.tool_calls:
                 body = piece(event.text, event.tool_calls)
                 part = {"model": model, "created_at": _now(), **body, "done": False}
                 if event.logprobs:
@@ -195,6 +210,13 @@ async def _run(request: Request, endpoint: str, parse, piece) -> Response:
                 "done_reason": "load",
             }
         )
+    num_predict = (f.get(body, "options", dict) or {}).get("num_predict")
+    if req.max_tokens is not None:  # over the context: a 400 saying so, never a shorter answer
+        await check_budget(gateway.client, req)
+    elif isinstance(num_predict, int) and num_predict < 0:
+        budget = await check_budget(gateway.client, req)
+        if budget.context_tokens is not None:
+            req = dataclasses.replace(req, max_tokens=budget.context_tokens - budget.prompt_tokens)
     stream = await gateway.start(req)
     if f.get(body, "stream", bool, True):
         return StreamingResponse(
@@ -202,7 +224,10 @@ async def _run(request: Request, endpoint: str, parse, piece) -> Response:
             media_type="application/x-ndjson",
         )
     result = await gateway.collect(request, stream, API, endpoint, started)
-    out = {**_final(stream.outcome, model), **piece(result.text, result.tool_calls)}
+    out = {
+        **_final(stream.outcome, model),
+        **piece(result.text, result.tool_calls, result.reasoning),
+    }
     if endpoint == "/api/generate":
         out["context"] = result.ids
     if req.logprobs is not None:
@@ -211,11 +236,17 @@ async def _run(request: Request, endpoint: str, parse, piece) -> Response:
 
 
 async def generate(request: Request) -> Response:
-    return await _run(request, "/api/generate", parse_generate, lambda text, _: {"response": text})
+    return await _run(request, "/api/generate", parse_generate, _generate_piece)
 
 
-def _chat_piece(text: str, calls: list[dict] | None) -> dict:
+def _generate_piece(text: str, calls: list[dict] | None, thinking: str = "") -> dict:
+    return {"response": text, **({"thinking": thinking} if thinking else {})}
+
+
+def _chat_piece(text: str, calls: list[dict] | None, thinking: str = "") -> dict:
     message = {"role": "assistant", "content": text}
+    if thinking:  # ollama's `think` answer: the reasoning beside the content
+        message["thinking"] = thinking
     if calls:  # ollama's shape: arguments stay a map
         message["tool_calls"] = [
             {"function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls
@@ -293,6 +324,9 @@ async def show(request: Request) -> Response:
         raise ApiError(ErrorKind.NOT_FOUND, f"model '{name}' not found")
     entry = _describe(model)
     capabilities = ["completion"] + (["tools"] if model.get("tool_calling") else [])
+    arch = model.get("model_type") or "moed"
+    context = (await daemon_limits(gateway.client)).get("context_tokens")
+    capabilities += ["thinking"] if model.get("thinking") else []  # `think` switches it
     return JSONResponse(
         {
             "modelfile": "",
@@ -303,6 +337,8 @@ async def show(request: Request) -> Response:
                 "general.architecture": model.get("model_type"),
                 "general.block_count": model.get("num_layers"),
                 "moed.streaming": model.get("streaming"),
+                # Where ollama clients (LiteLLM, aider, Open WebUI) read the context window.
+                **({f"{arch}.context_length": context} if context is not None else {}),
             },
             "capabilities": capabilities,
             "modified_at": entry["modified_at"],

@@ -13,10 +13,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from moed.protocol import ErrorCode
+
 from . import fields as f
-from .context import Api, Gateway
-from .errors import ApiError, ErrorKind, invalid
-from .generation import Finish, GenerationRequest, Outcome, Stream
+from .context import REASONING, Api, Gateway
+from .errors import ApiError, ErrorKind
+from .generation import KEEPALIVE_S, Finish, GenerationRequest, Outcome, Stream, Waiting
+from .openai_requests import parse_chat, parse_completion
+from .token_budget import BudgetError, Overrun, check_budget, daemon_limits
 
 API = Api.OPENAI
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -31,6 +35,8 @@ FINISH = {
 _ERROR_TYPE = {
     ErrorKind.INVALID_REQUEST: "invalid_request_error",
     ErrorKind.AUTHENTICATION: "authentication_error",
+    ErrorKind.FORBIDDEN: "permission_error",
+    ErrorKind.TIMEOUT: "timeout",
     ErrorKind.NOT_FOUND: "not_found_error",
     ErrorKind.TOO_LARGE: "invalid_request_error",
     ErrorKind.OVERLOADED: "rate_limit_error",
@@ -38,16 +44,39 @@ _ERROR_TYPE = {
     ErrorKind.INTERNAL: "server_error",
     ErrorKind.CLIENT_CLOSED: "client_closed",
 }
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+def _budget_message(err: BudgetError) -> str:
+    """OpenAI's own wording of a request over the context or the completion limit."""
+    if err.overrun is Overrun.MAX_TOKENS:
+        return (
+            f"max_tokens is too large: {err.max_tokens}. This model supports at most "
+            f"{err.limit} completion tokens, whereas you provided {err.max_tokens}."
+        )
+    if err.overrun is Overrun.CONTEXT:
+        total = err.prompt_tokens + err.max_tokens
+        return (
+            f"This model's maximum context length is {err.limit} tokens. However, you requested "
+            f"{total} tokens ({err.prompt_tokens} in the messages, {err.max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion."
+        )
+    return (
+        f"This model's maximum context length is {err.limit} tokens. However, your messages "
+        f"resulted in {err.prompt_tokens} tokens. Please reduce the length of the messages."
+    )
 
 
 def error_body(err: ApiError) -> dict:
+    message = _budget_message(err) if isinstance(err, BudgetError) else err.message
+    # The daemon's own prompt_too_long (a prompt sent without max_tokens) under OpenAI's code.
+    code = CONTEXT_LENGTH_EXCEEDED if err.code == ErrorCode.PROMPT_TOO_LONG.value else err.code
     return {
         "error": {
-            "message": err.message,
+            "message": message,
             "type": _ERROR_TYPE[err.kind],
             "param": err.param,
-            "code": err.code,
+            "code": code,
         }
     }
 
@@ -57,138 +86,6 @@ def error_response(err: ApiError) -> Response:
 
 
 # ---- request parsing ---------------------------------------------------------------------------
-def _text_content(content, where: str) -> str:
-    """A message's content: a string, or a list of text parts (other parts are not supported)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise invalid(f"{where}: only text content parts are supported", where)
-            texts.append(f.required(part, "text", str, prefix=f"{where}."))
-        return "".join(texts)
-    raise invalid(f"{where}: content must be a string or a list of text parts", where)
-
-
-def _tool_calls(calls, where: str) -> list[dict]:
-    out = []
-    for i, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict):
-            raise invalid(f"{where}[{i}] must have a 'function' object", where)
-        arguments = fn.get("arguments") or "{}"
-        try:  # chat templates iterate the arguments as a mapping (as mlx_lm.server passes them)
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError:
-            raise invalid(f"{where}[{i}].function.arguments is not valid JSON", where) from None
-        out.append(
-            {
-                "id": call.get("id"),
-                "type": "function",
-                "function": {"name": fn.get("name"), "arguments": arguments},
-            }
-        )
-    return out
-
-
-def chat_messages(raw) -> tuple[dict, ...]:
-    if not isinstance(raw, list) or not raw:
-        raise invalid("'messages' must be a non-empty array", "messages")
-    out = []
-    for i, msg in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise invalid(f"{where} must be an object", where)
-        role = msg.get("role")
-        if role == "tool":
-            out.append(
-                {
-                    "role": "tool",
-                    "content": _text_content(msg.get("content"), where),
-                    "tool_call_id": f.get(msg, "tool_call_id", str, prefix=f"{where}."),
-                }
-            )
-            continue
-        if role not in _ROLES:
-            raise invalid(f"{where}.role must be one of system, user, assistant, tool", where)
-        turn = {"role": _ROLES[role], "content": _text_content(msg.get("content"), where)}
-        calls = f.get(msg, "tool_calls", list, prefix=f"{where}.")
-        if calls and role == "assistant":
-            turn["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
-        out.append(turn)
-    return tuple(out)
-
-
-def _sampling(body: dict) -> dict:
-    temperature = f.at_least(f.get(body, "temperature", float), 0, "temperature")
-    top_p = f.get(body, "top_p", float)
-    if top_p is not None and not 0 < top_p <= 1:
-        raise invalid("'top_p' must be in (0, 1]", "top_p")
-    n = f.get(body, "n", int, 1)
-    if n != 1:
-        raise invalid("only n=1 is supported", "n")
-    return {
-        "temperature": temperature,
-        "top_p": top_p,
-        "seed": f.get(body, "seed", int),
-        "stop": f.stop_list(body.get("stop"), "stop", limit=4),
-        "model": f.get(body, "model", str),
-    }
-
-
-def parse_chat(body: dict) -> GenerationRequest:
-    max_tokens = f.get(body, "max_completion_tokens", int) or f.get(body, "max_tokens", int)
-    f.at_least(max_tokens, 1, "max_tokens")
-    tools = f.get(body, "tools", list)
-    if body.get("tool_choice") == "none":
-        tools = None  # the template is told nothing about tools
-    logprobs = None
-    if f.get(body, "logprobs", bool):
-        top = f.get(body, "top_logprobs", int, 0)
-        if not 0 <= top <= 20:
-            raise invalid("'top_logprobs' must be in 0..20", "top_logprobs")
-        logprobs = top
-    return GenerationRequest(
-        messages=chat_messages(body.get("messages")),
-        tools=tuple(tools) if tools else None,
-        max_tokens=max_tokens,
-        logprobs=logprobs,
-        **_sampling(body),
-    )
-
-
-def parse_completion(body: dict) -> GenerationRequest:
-    prompt = body.get("prompt")
-    prompt_ids = None
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        prompt_ids, prompt = tuple(prompt), None
-    elif not isinstance(prompt, str) or not prompt:
-        raise invalid("'prompt' must be a non-empty string or a list of token ids", "prompt")
-    max_tokens = f.at_least(f.get(body, "max_tokens", int), 1, "max_tokens")
-    logprobs = f.get(body, "logprobs", int)
-    if logprobs is not None and not 0 <= logprobs <= 5:
-        raise invalid("'logprobs' must be in 0..5", "logprobs")
-    if f.get(body, "echo", bool):
-        raise invalid("'echo' is not supported", "echo")
-    return GenerationRequest(
-        prompt=prompt,
-        prompt_ids=prompt_ids,
-        raw=True,  # completions continue the text as given: no chat template
-        max_tokens=max_tokens,
-        logprobs=logprobs,
-        **_sampling(body),
-    )
-
-
 def _include_usage(body: dict) -> bool:
     options = f.get(body, "stream_options", dict) or {}
     return bool(f.get(options, "include_usage", bool, prefix="stream_options."))
@@ -300,6 +197,8 @@ async def _start(
     streaming = f.get(body, "stream", bool, False)
     include_usage = _include_usage(body)
     model = (await gateway.model()).get("name")
+    if req.max_tokens is not None:  # over the context: OpenAI's 400, not a shorter completion
+        await check_budget(gateway.client, req)
     stream = await gateway.start(req)
     envelope = {
         "id": f"{id_prefix}-{uuid.uuid4().hex}",
@@ -319,8 +218,15 @@ async def _sse_body(
     if opening is not None:
         yield frame(opening)
     try:
-        async for event in call.gateway.tokens(stream, API, call.endpoint, call.started):
-            if event.text or event.logprobs or event.tool_calls:
+        events = call.gateway.tokens(stream, API, call.endpoint, call.started, KEEPALIVE_S)
+        async for event in events:
+            if event is Waiting.WAITING:  # an SSE comment: every client ignores it
+                yield b": keep-alive\n\n"
+                continue
+            if event.channel == REASONING:
+                if event.text:
+                    yield frame(chunk(event.text, event.logprobs, None, event.tool_calls, True))
+            elif event.text or event.logprobs or event.tool_calls:
                 yield frame(chunk(event.text, event.logprobs, None, event.tool_calls))
     except ApiError as err:  # the stream has started: the error travels in it
         yield sse(error_body(err))
@@ -338,9 +244,14 @@ async def chat_completions(request: Request) -> Response:
     if call.streaming:
         calls_sent = 0
 
-        def chunk(text, logprobs, finish, calls):
+        def chunk(text, logprobs, finish, calls, reasoning=False):
             nonlocal calls_sent
-            delta = {"content": text} if text or (finish is None and not calls) else {}
+            if reasoning:  # both names peers use: llama-server's and mlx_lm.server/vLLM's
+                delta = {"reasoning_content": text, "reasoning": text}
+            elif text or (finish is None and not calls):
+                delta = {"content": text}
+            else:
+                delta = {}
             if calls:
                 delta["tool_calls"] = _tool_call_list(calls, calls_sent)
                 calls_sent += len(calls)
@@ -360,6 +271,11 @@ async def chat_completions(request: Request) -> Response:
             "role": "assistant",
             "content": result.text or (None if result.tool_calls else ""),
             **({"tool_calls": _tool_call_list(result.tool_calls)} if result.tool_calls else {}),
+            **(
+                {"reasoning_content": result.reasoning, "reasoning": result.reasoning}
+                if result.reasoning
+                else {}
+            ),
         },
         "logprobs": _chat_logprobs(result.logprobs) if req.logprobs is not None else None,
         "finish_reason": FINISH[outcome.finish],
@@ -375,7 +291,7 @@ async def completions(request: Request) -> Response:
     envelope["object"] = "text_completion"
     if call.streaming:
 
-        def chunk(text, logprobs, finish, calls):
+        def chunk(text, logprobs, finish, calls, reasoning=False):
             lp = _completion_logprobs(logprobs) if logprobs else None
             return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
 
@@ -391,19 +307,29 @@ async def completions(request: Request) -> Response:
     return JSONResponse({**envelope, "choices": [choice], "usage": _usage(outcome)})
 
 
+async def _model_entry(gateway: Gateway) -> dict:
+    """The served model, with its context under the names clients look for (OpenRouter and
+    llama-server `context_length`, vLLM `max_model_len`, LM Studio `max_context_length`)."""
+    name = (await gateway.model()).get("name")
+    limits = await daemon_limits(gateway.client)
+    context = limits.get("context_tokens")
+    entry = {"id": name, "object": "model", "created": 0, "owned_by": "moed"}
+    if context is not None:
+        entry.update(context_length=context, max_model_len=context, max_context_length=context)
+    entry["max_completion_tokens"] = limits.get("max_tokens")
+    return entry
+
+
 async def models(request: Request) -> Response:
-    gateway: Gateway = request.app.state.gateway
-    model = await gateway.model()
-    entry = {"id": model.get("name"), "object": "model", "created": 0, "owned_by": "moed"}
+    entry = await _model_entry(request.app.state.gateway)
     return JSONResponse({"object": "list", "data": [entry]})
 
 
 async def model(request: Request) -> Response:
-    gateway: Gateway = request.app.state.gateway
-    served = (await gateway.model()).get("name")
-    if request.path_params["name"] != served:
+    entry = await _model_entry(request.app.state.gateway)
+    if request.path_params["name"] != entry["id"]:
         raise ApiError(ErrorKind.NOT_FOUND, f"model {request.path_params['name']!r} not found")
-    return JSONResponse({"id": served, "object": "model", "created": 0, "owned_by": "moed"})
+    return JSONResponse(entry)
 
 
 ROUTES = [

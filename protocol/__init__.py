@@ -5,6 +5,7 @@ from .errors import RETRYABLE, ErrorCode, ProtocolError
 from .messages import (
     CONTROL_TYPES,
     TERMINAL_TYPES,
+    Channel,
     FinishReason,
     MessageType,
     PrefixCacheAction,
@@ -20,6 +21,7 @@ __all__ = [
     "PROTOCOL_MAJOR",
     "PROTOCOL_MINOR",
     "RETRYABLE",
+    "Channel",
     "ErrorCode",
     "FinishReason",
     "Limits",

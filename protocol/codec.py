@@ -10,9 +10,12 @@ from .errors import ErrorCode, ProtocolError
 
 # One frame is one message; anything larger is refused before decoding.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
-# No message of the protocol nests deeper than this; deeper is refused, not recursed into.
-MAX_DEPTH = 16
+# No message nests deeper than this (a tool schema of about 25 levels fits); deeper is refused,
+# not recursed into.
+MAX_DEPTH = 32
 _PLAIN = (str, bytes, int, float, bool, type(None))
+# Keys read while looking for the `id` of a refused frame (a request has a handful of fields).
+_PEEK_KEYS = 64
 
 
 def encode(msg: dict) -> bytes:
@@ -39,6 +42,25 @@ def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Any:
         ) from None
     _check_plain(value)
     return value
+
+
+def peek_id(frame: bytes) -> str | int | None:
+    """The top-level `id` of a frame that `decode` refused (too large, nested too deep), so the
+    refusal can name its request: read the map's keys one by one, skipping the values."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=len(frame))
+        unpacker.feed(frame)
+        for _ in range(min(unpacker.read_map_header(), _PEEK_KEYS)):
+            key = unpacker.unpack()
+            if key != "id":
+                unpacker.skip()
+                continue
+            value = unpacker.unpack()
+            # msgpack's ints fit 64 bits; a bool is not an id.
+            return value if isinstance(value, str | int) and not isinstance(value, bool) else None
+    except Exception:  # garbage, a nested key, ext types: there is no id to give
+        return None
+    return None
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:

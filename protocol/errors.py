@@ -25,6 +25,7 @@ class ErrorCode(str, enum.Enum):
     SLOW_CONSUMER = "slow_consumer"  # the client did not read; its streams were cancelled
     POISON_REQUEST = "poison_request"  # this request was in flight at two crashes: not replayed
     NOT_PERMITTED = "not_permitted"  # a control verb that affects others, without the owner's token
+    INVALID_SCHEMA = "invalid_schema"  # a format schema or forced tool call no grammar can hold
     INTERNAL = "internal"
 
 

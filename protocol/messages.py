@@ -62,6 +62,14 @@ class FinishReason(str, enum.Enum):
     CANCELLED = "cancelled"  # cancel request, or the client went away
 
 
+class Channel(str, enum.Enum):
+    """Which part of the model's turn a `token` message's text belongs to (the template's markers
+    tell them apart; the markers themselves are in no channel)."""
+
+    ANSWER = "answer"  # the reply (the default: a message without `channel` is the answer)
+    REASONING = "reasoning"  # between the template's think markers (<think>...</think>)
+
+
 class ShedLevel(str, enum.Enum):
     CACHE = "cache"  # shrink the expert cache and release MLX's buffer cache
     CANCEL_NEWEST = "cancel_newest"  # also cancel the most recently admitted request
@@ -96,8 +104,11 @@ def token(
     text: str,
     logprobs: list[dict] | None = None,
     tool_calls: list[dict] | None = None,
+    channel: Channel = Channel.ANSWER,
 ) -> dict:
     msg = {**_base(MessageType.TOKEN, request_id), "index": index, "ids": ids, "text": text}
+    if channel is not Channel.ANSWER:
+        msg["channel"] = channel.value
     if logprobs is not None:
         msg["logprobs"] = logprobs
     if tool_calls:
@@ -119,6 +130,16 @@ def progress(request_id: Any, stage: str, done: float, total: float | None, unit
         "total": total,
         "unit": unit,
     }
+
+
+# The `progress` stage of a prompt being read (after every chunk, from 0 when the request joins the
+# batch): a long prompt visibly moves before its first token.
+PROMPT_STAGE = "reading the prompt"
+
+
+def prompt_progress(request_id: Any, done: int, total: int) -> dict:
+    """How many of the prompt's tokens (its context: prompt and resumed tokens) were read."""
+    return progress(request_id, PROMPT_STAGE, done, total, "tokens")
 
 
 def telemetry(request_id: Any, data: dict) -> dict:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .chat import prompt_sources, validate_chat_fields
+from .constraints import validate_constraint_fields, validate_template_kwargs
 from .errors import ErrorCode, ProtocolError
 from .messages import REQUEST_TYPES, MessageType, PrefixCacheAction, ShedLevel
 from .units import parse_keep_alive
@@ -182,6 +183,24 @@ class AnyList(Rule):
 
 
 @dataclass(frozen=True)
+class AnyMap(Rule):
+    """A map whose contents a cross-check looks at (a schema, template switches)."""
+
+    def check(self, where, value, limits):
+        if not isinstance(value, dict):
+            _refuse(where, f"must be a map, got {_type_name(value)}")
+
+
+@dataclass(frozen=True)
+class AnyChoice(Rule):
+    """A string or a map, told apart by a cross-check (tool_choice)."""
+
+    def check(self, where, value, limits):
+        if not isinstance(value, (str, dict)):
+            _refuse(where, f"must be a string or a map, got {_type_name(value)}")
+
+
+@dataclass(frozen=True)
 class Duration(Rule):
     """A keep-alive: seconds (a finite number) or a duration string (30s, 5m, -1)."""
 
@@ -205,12 +224,18 @@ GENERATE_FIELDS: dict[str, Rule] = {
     "raw": Bool(),
     "model": Str(),
     "trace": Bool(),
+    "progress": Bool(),  # `progress` messages while the prompt is read
     "telemetry_every": Int(lo=1, hi=2**31 - 1),
     "messages": AnyList(),  # chat turns; the daemon applies the model's chat template
     "tools": AnyList(),  # function specs for the chat template
     "stop": AnyList(),  # stop strings: the text ends before the first match
     "logprobs": Int(lo=0),  # per-token logprobs with this many top alternatives
     "keep_alive": Duration(),  # how long the model stays loaded after it
+    # Constrained decoding and template switches (protocol/constraints.py checks their contents).
+    "format": AnyMap(),  # structured output: {type: json | json_schema, schema}
+    "tool_choice": AnyChoice(),  # auto | none | required | {name}
+    "parallel_tool_calls": Bool(),  # false: at most one tool call
+    "chat_template_kwargs": AnyMap(),  # e.g. {enable_thinking: false}
 }
 
 # Unknown fields are ignored (a newer client may send more); known ones must be right.
@@ -230,6 +255,7 @@ FIELDS: dict[MessageType, dict[str, Rule]] = {
         "messages": AnyList(),
         "tools": AnyList(),
         "raw": Bool(),
+        "chat_template_kwargs": AnyMap(),
     },
 }
 
@@ -244,6 +270,8 @@ def _count_tokens_prompt(msg: dict, limits: Limits | None) -> None:
     if len(prompt_sources(msg)) != 1 or msg.get("prompt_ids") is not None:
         _refuse("count_tokens", "give exactly one of 'prompt' or 'messages'")
     validate_chat_fields(msg, "count_tokens")
+    if msg.get("chat_template_kwargs") is not None:
+        validate_template_kwargs(msg["chat_template_kwargs"])
 
 
 def _prompt_chars(msg: dict, limits: Limits | None) -> None:
@@ -274,7 +302,12 @@ def _ids_within_context(msg: dict, limits: Limits | None) -> None:
 
 
 CROSS_CHECKS: dict[MessageType, list[Callable[[dict, Limits | None], None]]] = {
-    MessageType.GENERATE: [_one_prompt, _prompt_chars, _ids_within_context],
+    MessageType.GENERATE: [
+        _one_prompt,
+        _prompt_chars,
+        _ids_within_context,
+        validate_constraint_fields,
+    ],
     MessageType.COUNT_TOKENS: [_count_tokens_prompt, _prompt_chars],
 }
 

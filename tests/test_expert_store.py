@@ -185,15 +185,19 @@ def test_demand_reads_go_first_and_speculative_ones_cancel(checkpoint_factory):
         spec = [store.jobs_for(pool, [load]) for load in loads[:3]]
         demand = store.jobs_for(pool, loads[3:])
         with reader._cv:  # the worker cannot take anything until all are queued
-            spec_futures = [reader.submit(jobs, speculative=True) for jobs in spec]
-            demand_futures = reader.submit(demand)
-            reader.promote(spec_futures[1])  # needed after all: to the front of the queue
-            assert reader.cancel(spec_futures[2])  # not needed: never starts
-        reader.wait(demand_futures + spec_futures[0] + spec_futures[1])
+            spec_batches = [reader.submit(jobs, speculative=True) for jobs in spec]
+            demand_batch = reader.submit(demand)
+            reader.promote([spec_batches[1]])  # needed after all: to the front of the queue
+            assert reader.cancel(spec_batches[2])  # not needed: never starts
+        res = reader.wait([demand_batch, spec_batches[0], spec_batches[1]])
         # The promoted guess was queued first, so it leads; the other guess waits for demand.
         order = [j.offset for j in spec[1] + demand + spec[0]]
         assert store.ran == order
-        assert all(f.cancelled() for f in spec_futures[2])
+        assert res.jobs == len(order)
+        cancelled = spec_batches[2]
+        assert cancelled.started == 0 and cancelled.cancelled_bytes == sum(
+            j.nbytes for j in spec[2]
+        )
         for t in pool.tensors:  # the cancelled expert's slot was never written
             assert not any(bytes(pool.slot_view(t, loads[2][1])))
     finally:

@@ -102,14 +102,16 @@ def test_wrong_types_through_the_sdks(stack):
     assert failed.value.status_code == 400
 
 
-def test_too_long_prompt_is_413(stack):
-    """The daemon's prompt_too_long (its limit is 512 tokens here) maps to HTTP 413."""
+def test_too_long_prompt_is_400_context_length_exceeded(stack):
+    """A prompt over the daemon's limit (512 tokens here) is OpenAI's 400 context_length_exceeded
+    (not 413, which clients read as a body too large), with or without max_tokens."""
     daemon, gateway = stack
     name = daemon.client().connect()["model"]["name"]
     oai = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
-    with pytest.raises(openai.APIStatusError) as err:
-        oai.completions.create(model=name, prompt=[5] * 600, max_tokens=2)
-    assert err.value.status_code == 413
+    for extra in ({"max_tokens": 2}, {}):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.completions.create(model=name, prompt=[5] * 600, **extra)
+        assert err.value.code == "context_length_exceeded"
 
 
 def test_off_loopback_needs_an_api_key(stack):

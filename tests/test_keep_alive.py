@@ -13,6 +13,7 @@ import pytest
 from fixtures.checkpoints import large_checkpoint_kwargs
 
 from moed.client import DoneEvent, ProgressEvent, RequestFailed, TokenEvent
+from moed.protocol.messages import PROMPT_STAGE
 from moed.protocol.units import parse_keep_alive
 
 PROMPT = "def walk(path):\n    for root, dirs, files in os.walk(path):\n        "
@@ -32,7 +33,7 @@ def generate(client, **kwargs) -> tuple[list[int], list[ProgressEvent]]:
     for event in client.generate(PROMPT, max_tokens=8, raw=True, **kwargs):
         if isinstance(event, TokenEvent):
             ids += event.ids
-        elif isinstance(event, ProgressEvent):
+        elif isinstance(event, ProgressEvent) and event.stage != PROMPT_STAGE:
             assert not ids, "load progress comes before the first token"
             progress.append(event)
         elif isinstance(event, DoneEvent):

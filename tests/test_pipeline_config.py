@@ -33,10 +33,11 @@ def test_mlx_launch_hostfile_with_moed_extras(tmp_path):
     assert group.backend is Backend.RING and group.size == 2
     assert group.given_split == (22, 18)
     assert [h.expert_budget for h in group.hosts] == ["6GB", "40%"]
-    # The same addresses mlx.launch would give the ring backend.
-    assert group.ring_addresses() == [["10.0.0.1:40000"], ["10.0.0.2:40001"]]
+    # Rank 0's guard listens on host 0's address; the ring's ports are told only to the ranks
+    # that pass it, never written into a rank's command line or environment.
+    assert group.guard_address == ("10.0.0.1", 40000)
     script = remote_script(group, 1, ["moed", "rank", "--spec", "{}"])
-    assert "export MLX_RANK=1;" in script and "MLX_HOSTFILE=$f" in script
+    assert "export MLX_RANK=1;" in script and "MLX_HOSTFILE" not in script
     assert "export MLX_METAL_FAST_SYNCH=1;" in script
 
 

@@ -58,7 +58,8 @@ def test_watchdog_talks_to_a_follower_rank(rank_control):
     while not left and time.monotonic() < deadline:
         time.sleep(0.01)
     assert left == ["swap keeps growing"]
-    streamer.route(0, mx.array([[0, 1]]))  # the next token applies the shed on the rank's thread
+    # The next token applies the shed on the rank's thread.
+    streamer.begin_call(0, mx.array([[0, 1]]))
     assert streamer.resident_bytes < before
     # The host's own watchdog, unchanged, reads the rank's socket like a daemon's.
     once = subprocess.run(

@@ -17,8 +17,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load
 
-from moed.daemon.distributed.hostfile import local_group
-from moed.daemon.distributed.launch import free_port_run, rank_environment
+from moed.daemon.distributed.guard import write_ring_hostfile
+from moed.daemon.distributed.launch import free_port_run
 from moed.daemon.experts import CheckpointIndex, StreamingConfig, install_streaming, parse_budget
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -30,11 +30,13 @@ ARCHS = ["qwen3_moe", "deepseek_v3", "qwen3_5_moe"]
 
 
 def run_group(path: Path, budget: str) -> dict:
-    group = local_group(2, free_port_run(2))
+    port = free_port_run(2)
     with tempfile.TemporaryDirectory() as files:
+        # The ring's own hostfile, as rank 0's guard hands it to the ranks that pass it.
+        ring = write_ring_hostfile([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]], files)
         procs = []
         for rank in (1, 0):
-            env = {**os.environ, **rank_environment(group, rank, Path(files))}
+            env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": ring}
             procs.append(
                 subprocess.Popen(
                     [sys.executable, str(WORKER), str(path), budget],

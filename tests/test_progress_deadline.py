@@ -52,3 +52,48 @@ def test_status_reports_progress_while_healthy(daemon):
         status = c.status()
     assert status["state"] == "ready" and status["stalled"] is False
     assert status["last_progress_at"] is not None and status["progress_age_s"] >= 0
+
+
+# Each decoder layer of a prompt chunk is slowed by this much: the tiny checkpoints' two layers
+# make one chunk outlast SLOW_DEADLINE_S while no gap between layers comes near it.
+LAYER_DELAY_MS = 1200
+SLOW_DEADLINE_S = 2.0
+
+
+@pytest.mark.parametrize("mode", [("--resident",), ("--cache-budget", "50%")], ids=str)
+def test_a_chunk_longer_than_the_deadline_completes(daemon_factory, tiny_model, mode):
+    """Progress is counted per layer inside a step: a long but moving prompt chunk is no stall."""
+    d = daemon_factory(
+        tiny_model,
+        *mode,
+        env={
+            "MOED_DEBUG_FAULTS": f"layer_delay_ms={LAYER_DELAY_MS}",
+            "MOED_PROGRESS_DEADLINE_S": str(SLOW_DEADLINE_S),
+        },
+    )
+    with d.client() as c:
+        events = list(c.generate("hello there, a prompt of one chunk", max_tokens=3, raw=True))
+        status = c.status()
+    done = events[-1]
+    assert done.finish_reason in ("length", "stop")
+    # The chunk alone took longer than the deadline (two slowed layers), and nothing stalled.
+    assert done.timings["ttft_s"] > SLOW_DEADLINE_S
+    assert status["state"] == "ready" and status["stalled"] is False
+
+
+def test_a_hang_inside_a_chunk_is_still_noticed(daemon_factory, tiny_model):
+    """A wedge in the middle of a prompt chunk stops the layer beats: engine_stalled as before."""
+    d = daemon_factory(
+        tiny_model,
+        "--resident",
+        env={
+            "MOED_DEBUG_FAULTS": "layer_hang_after=1",
+            "MOED_PROGRESS_DEADLINE_S": str(DEADLINE_S),
+        },
+    )
+    with d.client() as c:
+        with pytest.raises(RequestFailed) as info:
+            list(c.generate("hello there", max_tokens=5, raw=True))
+        assert info.value.code is ErrorCode.ENGINE_STALLED and info.value.retryable
+        assert c.status()["state"] == "stalled"
+    assert d.proc.poll() is None

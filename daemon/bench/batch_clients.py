@@ -40,6 +40,7 @@ class ClientJob:
     start_after: int = 0  # wait until the first stream has this many tokens (0: at once)
     logprobs: int | None = None  # ask for the top alternatives of every token (solo references)
     until_late_token: bool = False  # stop (cancel) once a late job received its first token
+    format: dict | None = None  # structured output: the answer held to this format's grammar
 
 
 def run_clients(socket: Path, jobs: list[ClientJob]) -> list[StreamRecord]:
@@ -72,6 +73,7 @@ def run_clients(socket: Path, jobs: list[ClientJob]) -> list[StreamRecord]:
                     raw=True,
                     telemetry_every=QUIET_TELEMETRY,
                     logprobs=job.logprobs,
+                    format=job.format,
                 ):
                     if isinstance(event, TokenEvent) and event.ids:
                         rec.stamps.append(time.perf_counter())

@@ -9,8 +9,10 @@ from moed.daemon.bench.batch import bench_batch
 from moed.daemon.bench.pipeline import pipeline
 from moed.daemon.bench.policy import policy
 from moed.daemon.bench.prewarm import prewarm
+from moed.daemon.bench.prompt import prompt_bench
 from moed.daemon.bench.serve import bench_serve
 from moed.daemon.bench.stream import stream
+from moed.daemon.bench.structured import bench_format
 
 
 @click.group("bench")
@@ -20,8 +22,10 @@ def bench() -> None:
 
 bench.add_command(bench_agent)
 bench.add_command(bench_batch)
+bench.add_command(bench_format)
 bench.add_command(bench_serve)
 bench.add_command(pipeline)
 bench.add_command(policy)
 bench.add_command(prewarm)
+bench.add_command(prompt_bench)
 bench.add_command(stream)

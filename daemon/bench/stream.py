@@ -11,7 +11,6 @@ time of a token goes.
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import tempfile
 import time
@@ -21,193 +20,13 @@ from pathlib import Path
 import click
 import numpy as np
 
-from moed.client.progress import Progress, progress_mode
 from moed.daemon.bench.bench_model import _same_config, bench_config, write_bench_model
+from moed.daemon.bench.k_reduction import k_lines, native_agreement
 from moed.daemon.bench.reads import raw_pread_bandwidth, sweep, sweep_report
-from moed.daemon.bench.stream_report import RunResult, paired_speed, report
-from moed.daemon.telemetry.analyze import simulate_layers
+from moed.daemon.bench.stream_contenders import _prompt, load_resident, load_streaming, measure
+from moed.daemon.bench.stream_report import paired_speed, report
 
 SWEEP_BURST = 2  # experts per burst in the read sweep: a layer's misses in a decode step at 25%
-# Raw pread is also sampled between decode rounds: on a shared machine (or a VM whose disk sits in
-# the host's cache) the device's bandwidth drifts, and only samples taken among the tokens see the
-# conditions the streaming reads saw.
-RAW_EVERY = 4  # decode rounds between two raw samples
-PROMPT_TOKENS = 8  # short prompts: a prefill chunk fits the smallest budget in one pass
-
-
-def _prompt(seed: int, vocab: int) -> list[int]:
-    rnd = random.Random(seed)
-    return [rnd.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
-
-
-class Contender:
-    """One model under test (resident or streaming), stepped one decode token at a time so that
-    every contender sees the same machine conditions (the runs are interleaved token by token)."""
-
-    def __init__(
-        self, name: str, model, streamer=None, preloaded: bool = False, simulate: bool = True
-    ):
-        self.name, self.model, self.streamer, self.preloaded = name, model, streamer, preloaded
-        self.simulate = simulate  # the cache simulations start empty and know no prefetching
-        self.tokens: list[int] = []
-        self.token_s: list[float] = []
-        self.first: dict | None = None
-
-    def warm_up(self, prompt: list[int], n: int) -> None:
-        import mlx.core as mx
-        from mlx_lm.generate import generate_step
-
-        for _ in generate_step(mx.array(prompt), self.model, max_tokens=n):
-            pass
-
-    def start(self, prompt: list[int], n: int) -> None:
-        import mlx.core as mx
-        from mlx_lm.generate import generate_step
-
-        self._gen = generate_step(mx.array(prompt), self.model, max_tokens=n)
-        tok, _ = next(self._gen)  # prefill + first token: not part of the decode measurement
-        self._sync()
-        self.tokens.append(int(tok))
-        if self.streamer is not None:
-            self.first = self.streamer.snapshot()
-
-    def step(self) -> bool:
-        t0 = time.perf_counter()
-        try:
-            tok, _ = next(self._gen)
-        except StopIteration:
-            return False
-        self._sync()  # include the token mlx-lm evaluates asynchronously ahead of this one
-        self.token_s.append(time.perf_counter() - t0)
-        self.tokens.append(int(tok))
-        return True
-
-    @staticmethod
-    def _sync() -> None:
-        import mlx.core as mx
-        from mlx_lm.generate import generation_stream
-
-        mx.synchronize(generation_stream)
-
-    def result(self) -> RunResult:
-        res = RunResult(
-            self.name,
-            tokens=self.tokens,
-            decode_tokens=len(self.token_s),
-            decode_s=sum(self.token_s),
-            token_s=self.token_s,
-        )
-        if self.streamer is None:
-            return res
-        from moed.daemon.experts import CUMULATIVE_KEYS
-
-        end = self.streamer.snapshot()
-        res.counters = {k: end[k] - self.first[k] for k in CUMULATIVE_KEYS}
-        res.slots = min(self.streamer.slots)
-        res.speculation = {
-            k: end[k]
-            for k in (
-                "prefetch_next_active",
-                "prefetch_accuracy",
-                "prefetch_net_ms_per_step",
-                "overlap_reads_active",
-                "overlap_net_ms_per_step",
-            )
-        }
-        res.hits_total, res.misses_total, res.expert_bytes = (
-            end["hits"],
-            end["misses"],
-            end["expert_bytes"],
-        )
-        if self.simulate:
-            trace = [[set(layer.tolist()) for layer in call] for call in self.streamer.trace]
-            res.policy = self.streamer.cfg.cache_policy
-            res.policy_sim = simulate_layers(trace, res.slots, res.policy)
-            res.belady = simulate_layers(trace, res.slots, "belady")
-        return res
-
-    def close(self) -> None:
-        if self.streamer is not None:
-            self.streamer.close()
-
-
-def load_resident(path: Path) -> Contender:
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(path)
-    return Contender("resident", model)
-
-
-def load_streaming(
-    path: Path,
-    budget: str,
-    workers: int,
-    page_cache: str,
-    preload_all: bool = False,
-    speculative: bool = False,
-) -> Contender:
-    import mlx.core as mx
-    from mlx_lm.utils import load_model
-
-    from moed.daemon.config import PageCachePolicy
-    from moed.daemon.experts import StreamingConfig, install_streaming
-
-    model, _ = load_model(path, lazy=True)
-    streamer = install_streaming(
-        model,
-        path,
-        StreamingConfig(
-            cache_budget=budget,
-            prefetch_workers=workers,
-            page_cache=PageCachePolicy(page_cache),
-            prefetch_next=speculative,
-        ),
-    )
-    mx.eval(model.parameters())
-    if preload_all:
-        streamer.preload([list(range(n)) for n in streamer.layout.num_experts])
-    streamer.trace = []
-    name = budget + ("+pre" if preload_all else "") + ("+spec" if speculative else "")
-    return Contender(
-        name, model, streamer, preloaded=preload_all, simulate=not (preload_all or speculative)
-    )
-
-
-def measure(
-    contenders: list[Contender],
-    files: list[Path],
-    warm_prompt,
-    prompt,
-    warmup: int,
-    tokens: int,
-    between=None,
-) -> None:
-    """Warm up, then decode every contender one token at a time in turn (a round: one token each,
-    in an order rotating by round); `between(i)` runs every RAW_EVERY rounds, outside every
-    contender's timing."""
-    from moed.daemon.experts.store import drop_page_cache
-
-    drop_page_cache(files)
-    for c in contenders:
-        c.warm_up(warm_prompt, warmup)
-    for c in contenders:
-        c.start(prompt, tokens)
-    active = list(contenders)
-    # A bar on a terminal only (outside each contender's own timing); stdout keeps the report.
-    total = tokens * len(contenders)
-    with Progress("bench stream: decode", progress_mode(False), total=total) as bar:
-        done = rounds = 0
-        while active:
-            done += len(active)
-            # The order rotates round by round, so no contender always runs right after another.
-            turn = rounds % len(active)
-            order = active[turn:] + active[:turn]
-            stepped = {id(c) for c in order if c.step()}
-            active = [c for c in active if id(c) in stepped]
-            bar.update(min(done, total))
-            rounds += 1
-            if between is not None and active and rounds % RAW_EVERY == 0:
-                between(rounds // RAW_EVERY)
 
 
 @click.command("stream")
@@ -271,6 +90,13 @@ def measure(
     help="budgets also run with speculative next-layer prefetch (prefetch_next); empty: none",
 )
 @click.option(
+    "--active-experts",
+    default="4,6",
+    show_default=True,
+    help="K values also run with --max-active-experts K (lossy) at the first budget; those at "
+    "or above the model's top-k are skipped; empty: none",
+)
+@click.option(
     "--preloaded/--no-preloaded",
     default=True,
     show_default=True,
@@ -315,6 +141,7 @@ def stream(
     model_dir,
     raw_sample_mb,
     spec_budgets,
+    active_experts,
     preloaded,
     json_out,
     sweep_reads,
@@ -367,6 +194,12 @@ def stream(
                 contenders.append(
                     load_streaming(path, budget, workers, page_cache, speculative=True)
                 )
+            budget_list = [b.strip() for b in budgets.split(",") if b.strip()]
+            ks = [int(k) for k in active_experts.split(",") if k.strip()]
+            for k in [k for k in ks if 0 < k < top_k and budget_list]:
+                contenders.append(
+                    load_streaming(path, budget_list[0], workers, page_cache, active_experts=k)
+                )
             if preloaded:
                 contenders.append(
                     load_streaming(path, "100%", workers, page_cache, preload_all=True)
@@ -384,6 +217,15 @@ def stream(
 
             measure(contenders, files, warm_prompt, prompt, warmup, tokens, sample_raw)
             resident, *runs = [c.result() for c in contenders]
+            k_rows = [
+                (
+                    run,
+                    int(c.name.rsplit("K=", 1)[1]),
+                    native_agreement(c.model, prompt, resident.tokens),
+                )
+                for c, run in zip(contenders[1:], runs)
+                if ",K=" in c.name
+            ]
         finally:
             for c in contenders:
                 c.close()
@@ -420,7 +262,12 @@ def stream(
         }
         if swept is not None:
             click.echo(sweep_report(swept, raw["mb_s"], SWEEP_BURST) + "\n")
-        click.echo(report(meta, raw, resident, runs))
+        native_row = (
+            next((r for r in runs if r.name == budget_list[0]), None) if budget_list else None
+        )
+        click.echo(
+            report(meta, raw, resident, runs) + "\n".join(["", *k_lines(k_rows, native_row, top_k)])
+        )
         if json_out:
             json_out.write_text(
                 json.dumps(

@@ -62,6 +62,49 @@ def _raw_line(raw: dict) -> str:
     )
 
 
+def host_us_per_call(c: dict) -> float:
+    """The streaming layers' own host time per layer call (Python, planning, slot tables, graph
+    building, index copies), without what they wait for (syncs, reads, fences)."""
+    busy = c["layer_s"] - c["router_sync_s"] - c["stall_s"] - c["expert_compute_s"]
+    return 1e6 * max(0.0, busy) / max(1, c["layer_calls"])
+
+
+def bound_tok_s(run: RunResult, resident: RunResult, raw_mb_s: float) -> float:
+    """The physical bound of a streaming run: one token per max(its bytes read at the raw read
+    bandwidth, resident compute time)."""
+    per_tok = run.counters["bytes_read"] / max(1, run.decode_tokens)
+    read_s = per_tok / (raw_mb_s * 1e6) if raw_mb_s else 0.0
+    compute_s = 1.0 / resident.tok_s if resident.tok_s else 0.0
+    return 1.0 / max(read_s, compute_s) if max(read_s, compute_s) else 0.0
+
+
+def gpu_report(raw: dict, resident: RunResult, runs: list[RunResult]) -> list[str]:
+    """Per budget, what a GPU (or Metal) exposes and a CPU hides: host syncs, host time between
+    kernels and read stalls, against resident and the physical bound."""
+    lines = [
+        "",
+        "per budget (host syncs drain a GPU's queue; host time leaves it idle):",
+        f"{'budget':>8} {'tok/s':>7} {'x res':>6} {'syncs/tok':>9} {'on device':>9} "
+        f"{'host us/call':>12} {'stall ms/tok':>12} {'bound tok/s':>11} {'x bound':>7}",
+        f"{'resident':>8} {resident.tok_s:7.2f} {1.0:6.2f}",
+    ]
+    for r in runs:
+        c, n = r.counters, max(1, r.decode_tokens)
+        bound = bound_tok_s(r, resident, raw["mb_s"])
+        lines.append(
+            f"{r.name:>8} {r.tok_s:7.2f} {paired_speed(r, resident):6.2f} "
+            f"{c['host_syncs'] / n:9.2f} "
+            f"{100 * c.get('device_routed', 0) / max(1, c['layer_calls']):8.0f}% "
+            f"{host_us_per_call(c):12.0f} {1e3 * c['stall_s'] / n:12.2f} "
+            f"{bound:11.2f} {_ratio(r.tok_s, bound):>7}"
+        )
+    lines.append(
+        "on device: layer calls routed on the device (every expert held: no read-back). bound: one "
+        "token per max(bytes read at the raw bandwidth, resident token time)."
+    )
+    return lines
+
+
 def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) -> str:
     lines = [
         f"moed bench stream: {meta['layers']} MoE layers x {meta['experts']} experts "
@@ -156,6 +199,7 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
             f"{1e3 * copy:8.2f} {1e3 * stall:7.2f} "
             f"{1e3 * reads:7.2f} {1e3 * moe_py:7.2f} {1e3 * other:7.2f}"
         )
+    lines += gpu_report(raw, resident, runs)
     lines += [
         "",
         "100%+pre: every expert preloaded before the warm-up (no cold misses): "

@@ -18,11 +18,16 @@ def rank(spec_json: str, rank: int, log_level: str) -> None:
     """Follow rank 0's steps through this rank's layers."""
     log_to_stderr(log_level, tag=f"rank{rank} ")
     from moed.daemon.distributed.follower import run_follower
-    from moed.daemon.distributed.launch import Heartbeat
+    from moed.daemon.distributed.launch import Heartbeat, read_secret
     from moed.daemon.distributed.spec import RankSpec
 
     # Rank 0 decides when the group ends: a Ctrl-C in its terminal reaches this process group
     # too, and must not kill a rank mid-step before rank 0 has said goodbye.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    Heartbeat().start()
-    sys.exit(run_follower(RankSpec.from_json(spec_json), rank))
+    try:
+        secret = read_secret(sys.stdin.buffer)  # before the heartbeat's watcher reads stdin
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    heartbeat = Heartbeat()
+    heartbeat.start()
+    sys.exit(run_follower(RankSpec.from_json(spec_json), rank, secret, heartbeat))

@@ -39,16 +39,50 @@ def follow(rank: RankModel, channel: StepChannel) -> int:
             return channel.counters.steps
 
 
-def run_follower(spec, expected_rank: int) -> int:
+def join_ring(spec, rank: int, secret: bytes) -> str | None:
+    """Pass rank 0's guard, and point mx.distributed's ring at the addresses it hands out;
+    returns the folder of the ring's hostfile (removed once the ring has read it)."""
+    import os
+    import tempfile
+
+    from moed.daemon.distributed.guard import join, write_ring_hostfile
+    from moed.daemon.distributed.hostfile import Backend, RankHost
+
+    host, port = spec.guard.rsplit(":", 1)
+    own = RankHost(rank, "", tuple(spec.rank_ips[rank]))
+    ring = join((host, int(port)), rank, own, secret)
+    if spec.backend == Backend.RING.value:
+        folder = tempfile.mkdtemp(prefix="moed-rank-")
+        os.environ["MLX_HOSTFILE"] = write_ring_hostfile(ring, folder)
+        return folder
+    return None
+
+
+def run_follower(spec, expected_rank: int, secret: bytes, heartbeat=None) -> int:
     """A follower process: join the group, load this rank's layers, follow until told to stop."""
     import json
+    import shutil
     from pathlib import Path
 
+    from moed.daemon.distributed.guard import GuardRefused
     from moed.daemon.distributed.rank_model import PipelineUnsupported, load_rank_model
     from moed.daemon.exit_codes import DaemonExit
     from moed.daemon.model.loader import MemoryPlanRefused
 
-    group = mx.distributed.init(backend=spec.backend, strict=True)
+    try:
+        folder = join_ring(spec, expected_rank, secret)
+    except (OSError, ValueError, GuardRefused) as exc:  # rank 0 fails the group and restarts it
+        log.error("rank %d could not join rank 0 at %s: %s", expected_rank, spec.guard, exc)
+        return DaemonExit.FAILED
+    if heartbeat is not None:
+        heartbeat.hold()  # init keeps the GIL while the ring connects: no beats until it is done
+    try:
+        group = mx.distributed.init(backend=spec.backend, strict=True)
+    finally:
+        if heartbeat is not None:
+            heartbeat.resume()
+        if folder is not None:  # the ring has read it
+            shutil.rmtree(folder, ignore_errors=True)
     if group.rank() != expected_rank:
         log.error("MLX_RANK says %d, rank 0 started rank %d", group.rank(), expected_rank)
         return DaemonExit.CONFIG

@@ -64,27 +64,22 @@ class GroupSpec:
             raise HostfileError(f"`layers` is set for some hosts but not for {missing}")
         return tuple(int(c) for c in counts)  # type: ignore[arg-type]
 
-    def ring_addresses(self) -> list[list[str]]:
-        """The MLX_HOSTFILE content for the ring backend: each rank's ip:port list."""
-        port, out = self.port, []
-        for h in self.hosts:
-            node = []
-            for ip in h.ips:
-                node.append(f"{ip}:{port}")
-                port += 1
-            out.append(node)
-        return out
+    @property
+    def guard_address(self) -> tuple[str, int]:
+        """Where rank 0's guard listens (distributed/guard.py): host 0's first address, `port`."""
+        return (self.hosts[0].ips[0], self.port)
 
     def rank_files(self) -> dict[str, str]:
-        """Environment variable -> file content every rank needs (mlx.launch writes the same)."""
+        """Environment variable -> file content every rank needs (mlx.launch writes the same).
+        The ring's MLX_HOSTFILE is not here: only ranks that pass the guard learn its ports."""
         if self.backend is Backend.JACCL:
             return {"MLX_IBV_DEVICES": json.dumps([list(h.rdma) for h in self.hosts])}
-        return {"MLX_HOSTFILE": json.dumps(self.ring_addresses())}
+        return {}
 
     def rank_env(self) -> dict[str, str]:
         env = dict(e.split("=", 1) for e in self.envs if "=" in e)
-        if self.backend is Backend.JACCL:
-            env["MLX_JACCL_COORDINATOR"] = f"{self.hosts[0].ips[0]}:{self.port}"
+        if self.backend is Backend.JACCL:  # the guard has `port`: the coordinator the next one
+            env["MLX_JACCL_COORDINATOR"] = f"{self.hosts[0].ips[0]}:{self.port + 1}"
         return env
 
 
@@ -123,6 +118,8 @@ def parse_hostfile(data, port: int = 32323, where: str = "hostfile") -> GroupSpe
     _ = group.given_split  # all or none of the hosts give `layers`
     if group.backend is Backend.RING and any(not h.ips for h in parsed):
         raise HostfileError(f"{where}: the ring backend needs `ips` for every host")
+    if not parsed[0].ips:  # rank 0's guard (and JACCL's coordinator) listen there
+        raise HostfileError(f"{where}: host 0 needs `ips` (where rank 0's guard listens)")
     if group.backend is Backend.JACCL and any(len(h.rdma) != len(parsed) for h in parsed):
         raise HostfileError(f"{where}: JACCL needs one `rdma` entry per host on every host")
     return group

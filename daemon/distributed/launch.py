@@ -1,10 +1,12 @@
 """Start the other ranks of a group and notice, within seconds, when one dies or stalls.
 
 Rank 0 (the daemon) starts every other rank the way `mlx.launch` does: the same environment
-(MLX_RANK, MLX_HOSTFILE or the JACCL variables, the hostfile's `envs`), locally as a child
-process or on another host through `ssh`. Each rank writes a heartbeat line to its stdout; rank 0
-reads them. A rank whose process ended, or whose heartbeats stopped (a stalled or frozen host), is
-a failed group: the daemon fails what is in flight and exits so the service restarts the group.
+(MLX_RANK, the JACCL variables, the hostfile's `envs`), locally as a child process or on another
+host through `ssh`; the first line on each rank's stdin is the group's secret for the guard
+(guard.py), which hands out the ring's addresses. Each rank writes a heartbeat line to its
+stdout; rank 0 reads them. A rank whose process ended, or whose heartbeats stopped (a stalled or
+frozen host), is a failed group: the daemon fails what is in flight and exits so the service
+restarts the group.
 A rank whose stdin closes (rank 0 is gone) exits by itself.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,10 +29,12 @@ from pathlib import Path
 
 from moed.daemon.distributed.hostfile import LOOPBACK, GroupSpec, RankHost
 from moed.daemon.exit_codes import PERMANENT_EXITS, DaemonExit
+from moed.daemon.runtime.open_files import restore_for_child
 
 log = logging.getLogger("moed.distributed")
 
 HEARTBEAT_S = 0.25  # how often a rank says it is alive
+WAIT_LINE = b"wait"
 
 
 def free_port_run(count: int, host: str = LOOPBACK, start: int = 0) -> int:
@@ -95,8 +100,14 @@ class RankProcess:
         self._reader.start()
 
     def _read(self) -> None:
-        for _line in self.popen.stdout:
-            self.last_beat = time.monotonic()
+        for line in self.popen.stdout:
+            # `wait`: the rank is inside mx.distributed.init, which holds the GIL while the ring
+            # connects (retrying for seconds): starting again, only its exit counts.
+            self.last_beat = None if line.strip() == WAIT_LINE else time.monotonic()
+
+    def excuse(self, now: float) -> None:
+        if self.last_beat is not None:
+            self.last_beat = max(self.last_beat, now)
 
     def failure(self, timeout_s: float) -> GroupFailure | None:
         code = self.popen.poll()
@@ -143,8 +154,9 @@ class RankGroup:
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="moed-group", daemon=True)
 
-    def start(self, spec_json: str) -> None:
-        """Set rank 0's own environment, start ranks 1..N-1, start watching them."""
+    def start(self, spec_json: str, secret: bytes) -> None:
+        """Set rank 0's own environment, start ranks 1..N-1 (each told the secret on its stdin,
+        out of band: never in an argument or the environment), start watching them."""
         os.environ.update(rank_environment(self.group, 0, self._files))
         for host in self.group.hosts[1:]:
             if host.is_local:
@@ -155,14 +167,29 @@ class RankGroup:
                 argv = ["moed", "rank", "--spec", spec_json, "--rank", str(host.rank)]
                 env, cmd = None, ssh_command(host, remote_script(self.group, host.rank, argv))
             popen = subprocess.Popen(
-                cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None
+                cmd,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=None,
+                preexec_fn=restore_for_child,  # the open-file limit moed was started with
             )
+            popen.stdin.write(secret.hex().encode() + b"\n")
+            popen.stdin.flush()
             self.ranks.append(RankProcess(host.rank, host, popen))
             log.info("started rank %d on %s (pid %d)", host.rank, host.ssh or "local", popen.pid)
         self._monitor.start()
 
     def _watch(self) -> None:
+        last = time.monotonic()
         while not self._stop.wait(0.1):
+            now = time.monotonic()
+            if now - last > self.timeout_s / 2:
+                # This process did not run (rank 0's own init keeps the GIL while the ring
+                # connects): the ranks' lines wait unread in their pipes, silence proves nothing.
+                for rank in self.ranks:
+                    rank.excuse(now)
+            last = now
             for rank in self.ranks:
                 failure = rank.failure(self.timeout_s)
                 if failure is not None:
@@ -172,13 +199,15 @@ class RankGroup:
                         self.on_failure(failure)
                     return
 
+    @property
+    def files(self) -> Path:
+        return self._files
+
     def stop(self) -> None:
         self._stop.set()
         for rank in self.ranks:
             rank.stop()
-        for f in self._files.iterdir():
-            f.unlink(missing_ok=True)
-        self._files.rmdir()
+        shutil.rmtree(self._files, ignore_errors=True)
 
 
 def follower_argv(spec_json: str, rank: int) -> list[str]:
@@ -195,25 +224,54 @@ def follower_argv(spec_json: str, rank: int) -> list[str]:
     ]
 
 
+def read_secret(stream) -> bytes:
+    """The group's secret: the first line rank 0 writes on a follower's stdin."""
+    line = stream.readline(256).strip()
+    try:
+        secret = bytes.fromhex(line.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        secret = b""
+    if len(secret) < 16:
+        raise ValueError("no group secret on stdin: a rank is started by rank 0, never by hand")
+    return secret
+
+
 class Heartbeat:
     """A follower's side: beats on stdout; exits the process when stdin closes (rank 0 is gone)."""
 
     def __init__(self) -> None:
         self._beat = threading.Thread(target=self._run_beat, name="beat", daemon=True)
         self._orphan = threading.Thread(target=self._watch_parent, name="parent", daemon=True)
+        self._lock = threading.Lock()
+        self._held = False
 
     def start(self) -> None:
         self._beat.start()
         self._orphan.start()
 
-    def _run_beat(self) -> None:
+    def hold(self) -> None:
+        """Before a call that keeps the GIL (the ring's connect): say so, then stop beating."""
+        with self._lock:
+            self._held = True
+            self._write(WAIT_LINE + b"\n")
+
+    def resume(self) -> None:
+        with self._lock:
+            self._held = False
+
+    def _write(self, line: bytes) -> None:
         out = sys.stdout.buffer
+        try:
+            out.write(line)
+            out.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            os._exit(0)
+
+    def _run_beat(self) -> None:
         while True:
-            try:
-                out.write(b".\n")
-                out.flush()
-            except (BrokenPipeError, ValueError, OSError):
-                os._exit(0)
+            with self._lock:
+                if not self._held:
+                    self._write(b".\n")
             time.sleep(HEARTBEAT_S)
 
     def _watch_parent(self) -> None:

@@ -10,16 +10,30 @@ import json
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from moed.daemon.config import ServeConfig
+from moed.daemon.distributed.guard import Rendezvous, new_secret, write_ring_hostfile
+from moed.daemon.distributed.hostfile import Backend
 from moed.daemon.distributed.launch import RankGroup
 from moed.daemon.distributed.rank_model import PipelineUnsupported
 from moed.daemon.distributed.spec import RankSpec, group_spec, rank_spec
 
 log = logging.getLogger("moed.distributed")
 
-SPEC_ENV = "MOED_RANK_SPEC"  # rank 0's copy of what it handed the followers
+
+@dataclass(frozen=True)
+class StartedGroup:
+    """What start_group decided, for load_leader in the same process (never through the
+    environment, which every child would inherit)."""
+
+    spec: RankSpec
+    ranks: RankGroup
+    guard: Rendezvous
+
+
+_started: StartedGroup | None = None
 
 
 def check_supported(model_path: Path) -> None:
@@ -56,8 +70,12 @@ def start_group(serve: ServeConfig, model_path: Path) -> RankGroup:
     config = json.loads((model_path / "config.json").read_text())
     spec = rank_spec(serve, group, model_path, config)
     ranks = RankGroup(group, serve.rank_timeout_s)
-    os.environ[SPEC_ENV] = spec.to_json()
-    ranks.start(spec.to_json())
+    secret = new_secret()
+    # Listening before any follower starts: the published port is the guard, not the ring.
+    guard = Rendezvous(group.hosts, group.guard_address, secret)
+    global _started
+    _started = StartedGroup(spec, ranks, guard)
+    ranks.start(spec.to_json(), secret)
     log.info(
         "pipeline of %d ranks over %s (split %s, budgets %s)",
         group.size,
@@ -77,7 +95,12 @@ def load_leader(serve: ServeConfig, path: Path):
     from moed.daemon.distributed.rank_model import load_rank_model
     from moed.daemon.model.loader import LoadedModel
 
-    spec = RankSpec.from_json(os.environ[SPEC_ENV])
+    if _started is None:
+        raise RuntimeError("load_leader before start_group")
+    spec, ranks, guard = _started.spec, _started.ranks, _started.guard
+    ring = guard.wait(lambda: ranks.failure.reason if ranks.failure else None)
+    if spec.backend == Backend.RING.value:
+        os.environ["MLX_HOSTFILE"] = write_ring_hostfile(ring, ranks.files)
     group = mx.distributed.init(backend=spec.backend, strict=True)
     split = spec.split_for(group.size(), num_layers(path))
     streaming = spec.streaming(0)

@@ -23,6 +23,8 @@ class RankSpec:
     backend: str = "ring"
     # Ranks on other hosts bind that host's moed socket for its watchdog (never rank 0's host).
     control: list[bool] | None = None
+    guard: str = ""  # "ip:port" of rank 0's guard, which hands out the ring's addresses
+    rank_ips: list[list[str]] | None = None  # each rank's hostfile addresses (its ring binds there)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -85,4 +87,6 @@ def rank_spec(
         kv_bytes=estimate_kv_bytes(model_config, serve.plan_context_tokens),
         backend=group.backend.value,
         control=[not h.is_local for h in group.hosts],
+        guard=f"{group.guard_address[0]}:{group.guard_address[1]}",
+        rank_ips=[list(h.ips) for h in group.hosts],
     )

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from moed.daemon.engine.chunk_budget import ChunkBudget
 from moed.daemon.engine.decode_mask import fit_masks
 from moed.daemon.engine.sampling import greedy
 from moed.protocol import FinishReason
 
 Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # (row tokens, row logits)
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
@@ -81,18 +83,27 @@ class StepOutput:
 
 
 class ChunkSizer:
-    """The prefill chunk of the next step: `prefill_chunk` when no row decodes (a request alone
-    reads its prompt as before); beside decoding rows, a size steered each step (proportionally,
+    """The prefill chunk of the next step: when no row decodes, as large as the memory plan allows
+    (engine/chunk_budget.py; at least `prefill_chunk`); beside decoding rows, a size steered each
+    step (proportionally,
     so a chunk's fixed cost and its per-token cost both count) towards a chunk that costs
     CHUNK_STEPS decode steps."""
 
-    def __init__(self, max_chunk: int) -> None:
+    def __init__(self, max_chunk: int, budget: ChunkBudget | None = None) -> None:
         self.max_chunk = max_chunk
+        self.budget = budget  # a lone prompt's chunk from the memory plan; None: max_chunk
         self.size = min(MIN_CHUNK, max_chunk)  # beside decoding rows
         self.decode_s: float | None = None  # running mean of a decode-only step
 
-    def chunk(self, decoding: bool) -> int:
-        return self.size if decoding else self.max_chunk
+    def chunk(self, decoding: bool, prompting: int = 1, longest: int = 0) -> int:
+        """Beside decoding rows, the steered size; else as large as the plan allows for the
+        `prompting` rows read together (padded to the `longest` row's KV tokens)."""
+        if decoding:
+            return self.size
+        if self.budget is None:
+            return self.max_chunk
+        lone = self.budget.alone(max(1, prompting) * longest, longest)
+        return max(self.max_chunk, lone // max(1, prompting))
 
     def measured(self, step_s: float, decoded: bool, prompt_tokens: int) -> None:
         if not decoded:
@@ -117,6 +128,7 @@ class DecodeBatch:
         eos_token_ids: Iterable[int],
         max_batch: int,
         prefill_chunk: int,
+        budget: ChunkBudget | None = None,
         trimmable: tuple[bool, ...] | None = None,
     ) -> None:
         stop = [[int(t)] for t in eos_token_ids]
@@ -132,7 +144,8 @@ class DecodeBatch:
         self._live: set[int] = set()  # rows inserted and not yet finished or removed
         self._decoding: set[int] = set()  # ... of them past their prompt
         self._read: dict[int, int] = {}  # prompt tokens read so far, per prompting row
-        self._sizer = ChunkSizer(prefill_chunk)
+        self._kv: dict[int, int] = {}  # the KV rows each live row may grow to
+        self._sizer = ChunkSizer(prefill_chunk, budget)
         self._rows_seen: tuple[int, ...] = ()  # the decoding rows the masks were fitted to
         # With a prefix cache: which layers can be cut back, and what each row owes it.
         self._trimmable = trimmable
@@ -147,12 +160,14 @@ class DecodeBatch:
         context: list[int],
         max_new_tokens: int,
         sampler: Sampler,
+        constraint: LogitsProcessor | None = None,
         hit=None,
         checkpoints: tuple[int, ...] = (),
     ) -> int:
-        """Queue a request's context for prefill; returns its row id. With a prefix-cache `hit`
-        (a PrefixHit) the row starts from its caches and reads only the rest; the prompt is cut
-        into segments at `checkpoints` so that the row's recurrent state can be kept there."""
+        """Queue a request's context for prefill; returns its row id. A `constraint` (a grammar's
+        token mask) applies to this row's logits only. With a prefix-cache `hit` (a PrefixHit) the
+        row starts from its caches and reads only the rest; the prompt is cut into segments at
+        `checkpoints` so that the row's recurrent state can be kept there."""
         start = hit.length if hit is not None else 0
         cuts = [p for p in checkpoints if start < p < len(context) - 1]
         if self._trimmable is not None and len(context) - 1 > start:
@@ -168,8 +183,10 @@ class DecodeBatch:
             caches=[hit.caches] if hit is not None else None,
             all_tokens=[list(context[:start])] if hit is not None else None,
             samplers=[sampler],
+            logits_processors=[[constraint] if constraint is not None else []],
         )
         self._live.add(uid)
+        self._kv[uid] = len(context) + max_new_tokens
         if self._trimmable is not None:
             inherited = dict(hit.inherited) if hit is not None else {}
             self._prefix[uid] = _RowPrefix(context, start, frozenset(cuts), inherited)
@@ -196,11 +213,14 @@ class DecodeBatch:
         self._decoding.discard(uid)
         self._read.pop(uid, None)
         self._prefix.pop(uid, None)
+        self._kv.pop(uid, None)
 
     def step(self) -> StepOutput:
         """One decode step for the decoding rows, then one prefill chunk for the prompting rows."""
         # BatchGenerator reads its prefill_step_size at every step.
-        self._gen.prefill_step_size = self._sizer.chunk(bool(self._decoding))
+        prompting = len(self._live) - len(self._decoding)
+        longest = max(self._kv.values(), default=0)  # the batch pads every row to it
+        self._gen.prefill_step_size = self._sizer.chunk(bool(self._decoding), prompting, longest)
         t0 = time.perf_counter()
         prompts, generated = self._gen.next()
         step_s = time.perf_counter() - t0

@@ -25,9 +25,10 @@ from moed.daemon.engine.commands import (
     Stop,
     Submit,
 )
+from moed.daemon.engine.heartbeat import StepHeartbeat
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.lifecycle import ModelLifecycle
-from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
+from moed.daemon.engine.request import Emitted, GenerateJob, Generation, RequestKey
 from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Scheduler
 from moed.daemon.engine.status import DaemonState, EngineStatus, ShedRecord
 from moed.daemon.exit_codes import DaemonExit
@@ -39,7 +40,7 @@ from moed.daemon.runtime.faults import Faults
 from moed.daemon.telemetry.delta import cache_state, request_counters
 from moed.daemon.telemetry.request_trace import finish_request_trace, start_request_trace
 from moed.daemon.telemetry.trace import recording_all
-from moed.protocol import ErrorCode, FinishReason, ProtocolError, ShedLevel
+from moed.protocol import Channel, ErrorCode, FinishReason, ProtocolError, ShedLevel
 from moed.protocol import messages as wire
 
 log = logging.getLogger("moed.engine")
@@ -88,6 +89,7 @@ class EngineCore(ModelLifecycle):
         self.exit_code: int = DaemonExit.FAILED  # what the process exits with once `fatal` is set
         # Off unless debug_faults says otherwise; a bad spec is a configuration error at the edge.
         self.faults = faults if faults is not None else Faults.parse(serve.debug_faults)
+        self.heartbeat = StepHeartbeat(status, self.faults)  # progress inside a step
         # A pipeline's other ranks hold their layers for the group's life: only one process unloads.
         self.keep_alive = KeepAlive(None if pipeline_enabled(serve) else serve.keep_alive_s)
         self.status.update(keep_alive_s=self.keep_alive.seconds)
@@ -184,6 +186,10 @@ class EngineCore(ModelLifecycle):
             return
         self._gens[job.key] = gen
         self.scheduler.add(job.key, gen.client, gen.kv_tokens, time.monotonic())
+        if job.request.get("progress"):  # at once, before a batch row is free: a first byte
+            self.sink.emit(
+                job.identity, wire.prompt_progress(job.request["id"], 0, len(gen.context))
+            )
         self.keep_alive.admitted(job.request.get("keep_alive"))
         self.status.update(keep_alive_s=self.keep_alive.seconds)
         self._publish_counts()
@@ -193,7 +199,9 @@ class EngineCore(ModelLifecycle):
         gen.started = time.perf_counter()
         hit, marks = self._prefix_lookup(gen.context)
         gen.cached_tokens = hit.length if hit is not None else 0
-        gen.uid = self.batch.insert(gen.context, gen.max_new_tokens, gen.sampler, hit, marks)
+        gen.uid = self.batch.insert(
+            gen.context, gen.max_new_tokens, gen.sampler, gen.constraint, hit, marks
+        )
         self._rows[gen.uid] = gen
         self._publish_counts()
         if len(self._rows) > self.status.get("peak_running_requests"):
@@ -245,6 +253,16 @@ class EngineCore(ModelLifecycle):
     def _deliver(self, out: StepOutput) -> None:
         if out.prompts:  # a long prefill yields no token for a while: the watchdog sees progress
             self.status.update(last_progress_at=time.time())
+        for chunk in out.prompts:  # clients see a long prompt move, chunk by chunk
+            if (gen := self._rows.get(chunk.uid)) is not None and gen.job.request.get("progress"):
+                req_id = gen.job.request["id"]
+                self.sink.emit(
+                    gen.job.identity,
+                    # Counted over the whole context: what the prefix cache held is read too.
+                    wire.prompt_progress(
+                        req_id, gen.cached_tokens + chunk.done, gen.cached_tokens + chunk.total
+                    ),
+                )
         for row in out.saved:
             self._keep_prefix(row)
         for tok in out.tokens:
@@ -264,12 +282,7 @@ class EngineCore(ModelLifecycle):
     def _emit_token(self, gen: Generation, token: int, row_logprobs) -> bool:
         """Send a token (and telemetry when due); True when a stop sequence ended the text."""
         out = gen.add_token(token, row_logprobs)
-        self.sink.emit(
-            gen.job.identity,
-            wire.token(
-                gen.job.request["id"], gen.index, [token], out.text, out.logprobs, out.tool_calls
-            ),
-        )
+        self._emit_segments(gen, [token], out)
         gen.index += 1
         gen.completion += 1
         self.status.token_produced(time.time())
@@ -280,6 +293,25 @@ class EngineCore(ModelLifecycle):
                 gen.job.identity, wire.telemetry(gen.job.request["id"], self._telemetry(gen))
             )
         return False
+
+    def _emit_segments(self, gen: Generation, ids: list[int], out: Emitted) -> None:
+        """One `token` message per channel segment, in order: the first carries the token's ids
+        and logprobs, the last its finished tool calls (PROTOCOL.md, Reasoning)."""
+        segments = out.segments or ((Channel.ANSWER, ""),)
+        last = len(segments) - 1
+        for i, (channel, text) in enumerate(segments):
+            self.sink.emit(
+                gen.job.identity,
+                wire.token(
+                    gen.job.request["id"],
+                    gen.index,
+                    ids if i == 0 else [],
+                    text,
+                    out.logprobs if i == 0 else None,
+                    out.tool_calls if i == last else None,
+                    channel,
+                ),
+            )
 
     def _telemetry(self, gen: Generation, timings: dict | None = None) -> dict:
         self._refresh_ranks()
@@ -328,11 +360,8 @@ class EngineCore(ModelLifecycle):
             self.sink.emit(gen.job.identity, wire.error(req_id, reason, message), terminal=True)
             return
         tail = gen.final_text()
-        if tail.text or tail.tool_calls:
-            self.sink.emit(
-                gen.job.identity,
-                wire.token(req_id, gen.index, [], tail.text, tool_calls=tail.tool_calls),
-            )
+        if tail.segments or tail.tool_calls:
+            self._emit_segments(gen, [], tail)
         self.status.add(requests_served=1)
         self._refresh_ranks(force=True)  # a client that saw `done` sees every rank's counters
         usage = {
@@ -351,6 +380,9 @@ class EngineCore(ModelLifecycle):
         )
         if gen.notice:
             msg["notice"] = gen.notice
+        routing = self.loaded.routing if self.loaded is not None else None
+        if routing is not None and routing.lossy:  # K-reduction: the client must know
+            msg["lossy"] = routing.describe()
         self.sink.emit(gen.job.identity, msg, terminal=True)
 
     def _out_of_memory(self, exc: BaseException, also: GenerateJob | None = None) -> None:

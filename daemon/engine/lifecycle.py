@@ -8,9 +8,12 @@ import logging
 import time
 
 from moed.daemon.engine.batch import DecodeBatch
+from moed.daemon.engine.chunk_budget import ChunkBudget, chunk_budget
 from moed.daemon.engine.request import GenerateJob
 from moed.daemon.engine.status import DaemonState
 from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.experts.active_experts import ActiveExpertsError
+from moed.daemon.model.layer_progress import watch_layers
 from moed.daemon.model.loader import (
     CheckpointUnusable,
     LoadProgress,
@@ -55,6 +58,8 @@ class ModelLifecycle:
                 self.exit_code = DaemonExit.DOES_NOT_FIT
             elif isinstance(exc, CheckpointUnusable):
                 self.exit_code = DaemonExit.MODEL_UNUSABLE
+            elif isinstance(exc, ActiveExpertsError):  # a setting the model cannot take
+                self.exit_code = DaemonExit.CONFIG
             self.status.update(state=DaemonState.FAILED, error=f"{exc.__class__.__name__}: {exc}")
             self.reject_queued(ErrorCode.INTERNAL, f"model failed to load: {exc}")
             self.fatal = exc
@@ -64,6 +69,7 @@ class ModelLifecycle:
         except RuntimeError as exc:  # a rank failed while loading; the group monitor says which
             self._group_failed(exc)
             return False
+        self._watch_progress()
         self._open_prefix_cache()
         self.batch = self._new_batch()
         self.status.update(
@@ -78,12 +84,27 @@ class ModelLifecycle:
         log.info("model loaded from %s in %.2fs", self.model_path, time.perf_counter() - t0)
         return True
 
+    def _watch_progress(self) -> None:
+        """Every layer of a prompt chunk and every expert read is progress (engine/heartbeat.py).
+        A pipeline's leader runs the other ranks' layers through collectives: its chunks are
+        watched per step, as before."""
+        if self.loaded.pipeline is not None:
+            return
+        watch_layers(self.loaded.model, self.heartbeat.layer_done)
+        if self.loaded.streamer is not None:
+            self.loaded.streamer.on_progress = self.heartbeat.beat
+
     def _new_batch(self) -> DecodeBatch:
         # A pipeline's leader mirrors every batch-cache change to the other ranks (cache_ops.py).
         eos = getattr(self.loaded.tokenizer, "eos_token_ids", None) or []
         trimmable = self.prefix_cache.trimmable if self.prefix_cache is not None else None
         return DecodeBatch(
-            self.loaded.model, eos, self.serve.max_batch, self.serve.prefill_chunk, trimmable
+            self.loaded.model,
+            eos,
+            self.serve.max_batch,
+            self.serve.prefill_chunk,
+            lone_chunk_budget(self.loaded, self.serve),
+            trimmable,
         )
 
     def _open_prefix_cache(self) -> None:
@@ -181,3 +202,24 @@ class ModelLifecycle:
         if self.loaded is None or self.loaded.streamer is None:
             return None
         return self.loaded.streamer.snapshot()
+
+
+def lone_chunk_budget(loaded, serve) -> ChunkBudget | None:
+    """A lone prompt's chunk bound from the memory plan: its working memory (the streamer's, or
+    the same default estimate from the resident weights) and its KV room. A pipeline's leader
+    keeps `prefill_chunk`: its ranks hold the activations."""
+    if loaded.pipeline is not None:
+        return None
+    from mlx.utils import tree_flatten
+
+    from moed.daemon.experts.memory_plan import default_working_bytes
+
+    if loaded.streamer is not None:
+        working = loaded.streamer.plan.working_bytes
+    else:
+        weights = sum(a.nbytes for _, a in tree_flatten(loaded.model.parameters()))
+        working = default_working_bytes(weights)
+    dtype_bytes = 4 if loaded.config.get("torch_dtype") == "float32" else 2
+    return chunk_budget(
+        loaded.config, working, serve.plan_context_tokens, serve.prefill_chunk, dtype_bytes
+    )

@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moed.daemon.config import ServeConfig
+from moed.daemon.engine.reasoning import ReasoningSplit, Segment, initial_channel
 from moed.daemon.engine.stop_sequences import StopSequences
 from moed.daemon.engine.tool_calls import ToolCalls
-from moed.daemon.model.chat_template import prompt_token_ids
+from moed.daemon.model.chat_template import prompt_token_ids, templated
 from moed.daemon.model.limits import limits_for
 from moed.daemon.model.loader import LoadedModel
+from moed.protocol import Channel
 from moed.protocol.validation import check_context, check_token_ids, resolve_max_tokens
 
 RequestKey = tuple[bytes, Any]  # (client identity, client-chosen request id)
@@ -34,12 +36,18 @@ class GenerateJob:
 
 @dataclass(frozen=True)
 class Emitted:
-    """What one sampled token (or the end of the stream) sends: text, logprobs, tool calls."""
+    """What one sampled token (or the end of the stream) sends: its text by channel, in order,
+    logprobs, tool calls."""
 
-    text: str
+    segments: tuple[Segment, ...]
     logprobs: list[dict] | None
     tool_calls: list[dict]
-    stopped: bool  # a stop string matched: the generation ends here
+    stopped: bool  # a stop string matched (or the one allowed tool call ended): it ends here
+
+    @property
+    def text(self) -> str:
+        """The answer's text (reasoning left out)."""
+        return "".join(text for channel, text in self.segments if channel is Channel.ANSWER)
 
 
 class Generation:
@@ -84,13 +92,20 @@ class Generation:
         self.completion = 0
         self.telemetry_every = req.get("telemetry_every") or limits.telemetry_every
         self.stops = StopSequences(req.get("stop") or ())
-        self.tool_calls = ToolCalls(loaded.tokenizer, req.get("tools"))
+        tools = None if req.get("tool_choice") == "none" else req.get("tools")
+        self.tool_calls = ToolCalls(loaded.tokenizer, tools)
+        # parallel_tool_calls false: the answer ends with its first tool call.
+        self.one_tool_call = req.get("parallel_tool_calls") is False
+        self.reasoning = ReasoningSplit(
+            loaded.tokenizer, templated(req), initial_channel(loaded.tokenizer, prompt_ids)
+        )
+        self.constraint = _constraint(req, loaded.tokenizer, self.reasoning, resume_ids)
         self.top_logprobs: int | None = req.get("logprobs")  # None: the request wants none
         self.detokenizer = loaded.tokenizer.detokenizer
         for token in resume_ids:  # so that text deltas continue mid-character after a resume
             self.detokenizer.add_token(token)
-        if resume_ids:
-            _ = self.detokenizer.last_segment
+        if resume_ids:  # the channel continues where the resumed tokens left it
+            self.reasoning.replay(self.detokenizer.last_segment)
         self.stream_before = stream_snapshot
         self.trace = None  # a TraceRecorder when the request is traced (set by the engine)
         self.uid: int | None = None  # its row id in the running batch, once admitted
@@ -108,28 +123,54 @@ class Generation:
         return len(self.context) + self.max_new_tokens
 
     def add_token(self, token: int, logprobs: Any = None) -> Emitted:
-        """Detokenize a sampled token: the text to send (tool calls and stop strings cut out),
-        its logprobs if asked, finished tool calls, and whether a stop string matched.
-        `logprobs` is the distribution the token was sampled from (this request's row)."""
+        """Detokenize a sampled token: the text to send by channel (think markers, tool calls and
+        stop strings cut out), its logprobs if asked, finished tool calls, and whether the text
+        ended (a stop string matched). `logprobs` is the distribution the token was sampled
+        from (this request's row)."""
         self.detokenizer.add_token(token)
-        text, calls = self.tool_calls.feed(self.detokenizer.last_segment)
-        text = self.stops.feed(text)
+        segments, calls = self._route(self.reasoning.feed(self.detokenizer.last_segment), False)
         entries = None
         if self.top_logprobs is not None:
             from moed.daemon.engine.logprobs import token_logprobs
 
             entries = [token_logprobs(logprobs, token, self.top_logprobs, self.tokenizer)]
-        return Emitted(text, entries, calls, self.stops.matched is not None)
+        return Emitted(segments, entries, calls, self._ended)
 
     def final_text(self) -> Emitted:
-        """What is still held back (by the detokenizer, a possible tool call or stop) at the end."""
-        if self.stops.matched is not None:
-            return Emitted("", None, [], True)
+        """What is still held back (by the detokenizer, a marker, a tool call or a stop) at the
+        end."""
+        if self._ended:
+            return Emitted((), None, [], True)
         self.detokenizer.finalize()
-        text, calls = self.tool_calls.feed(self.detokenizer.last_segment)
-        rest, more = self.tool_calls.flush()
-        text = self.stops.feed(text + rest)
-        return Emitted(text + self.stops.flush(), None, calls + more, False)
+        split = self.reasoning.feed(self.detokenizer.last_segment) + self.reasoning.flush()
+        segments, calls = self._route(split, True)
+        return Emitted(segments, None, calls, False)
+
+    @property
+    def _ended(self) -> bool:
+        one_call_made = self.one_tool_call and self.tool_calls.made > 0
+        return self.stops.matched is not None or one_call_made
+
+    def _route(self, split: list[Segment], final: bool) -> tuple[tuple[Segment, ...], list]:
+        """Reasoning goes out as it is; the answer passes the tool-call cutter and the stops.
+        Nothing goes out once the text ended."""
+        out: list[Segment] = []
+        calls: list[dict] = []
+        for channel, text in split:
+            if self._ended:
+                break
+            if channel is Channel.ANSWER:
+                text, made = self.tool_calls.feed(text)
+                calls.extend(made)
+                text = self.stops.feed(text)
+            out.append((channel, text))
+        if final and not self._ended:
+            rest, more = self.tool_calls.flush()
+            calls.extend(more)
+            out.append((Channel.ANSWER, self.stops.feed(rest) + self.stops.flush()))
+        if self.one_tool_call and len(calls) > 1:
+            calls = calls[:1]
+        return tuple((c, t) for c, t in out if t), calls
 
     def timings(self) -> dict:
         now = time.perf_counter()
@@ -145,3 +186,13 @@ class Generation:
             else 0.0,
             "total_s": now - self.job.received_at,
         }
+
+
+def _constraint(req: dict, tokenizer: Any, reasoning: ReasoningSplit, resumed: list[int]):
+    """The row's grammar (a logits processor), when `format` or a forced tool_choice asks."""
+    from moed.daemon.engine.grammar import GrammarConstraint, grammar_for
+
+    grammar = grammar_for(req, tokenizer)
+    if grammar is None:
+        return None
+    return GrammarConstraint(tokenizer, grammar, reasoning.channel is Channel.REASONING, resumed)

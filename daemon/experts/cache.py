@@ -108,6 +108,28 @@ class LayerPool(SlotTable):
         n = tensor.slot_bytes
         return self.views[tensor.key][slot * n : (slot + 1) * n]
 
+    @property
+    def whole(self) -> bool:
+        """Every expert of the layer has a slot and is loaded (no read of it can be pending once
+        the caller has collected its loads)."""
+        return self.slots == self.num_experts and self.free_slots == 0
+
+    def hold(self) -> None:
+        """A whole pool becomes device arrays in expert order (slot e holds expert e), so the
+        router's indices are slot indices. The copy is made by the device: on a GPU with managed
+        memory, pages the host wrote (every read lands that way) are slower for its kernels than
+        pages it wrote itself (an H200 decoded 0.71x resident on host-written pools, 0.93x on
+        device copies). New arrays: a graph not yet evaluated keeps reading the old ones."""
+        order = mx.array(self.slot_of.astype(np.int32))  # new slot e <- old slot slot_of[e]
+        old_views = self.views
+        self.arrays = {k: mx.take(a, order, axis=0) for k, a in self.arrays.items()}
+        mx.eval(*self.arrays.values())
+        for v in old_views.values():
+            v.release()
+        self.views = {k: memoryview(a).cast("B") for k, a in self.arrays.items()}
+        self.slot_of[:] = np.arange(self.num_experts)
+        self.expert_in[:] = np.arange(self.num_experts)
+
     def resize(self, new_slots: int) -> int:
         """Shrink (or grow) the pools, keeping the most valuable residents. Returns bytes
         released."""

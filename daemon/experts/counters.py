@@ -16,6 +16,7 @@ CUMULATIVE_KEYS = frozenset(
         "fences",
         "overlapped",
         "layer_calls",
+        "device_routed",
         "passes",
         "bytes_read",
         "reads",
@@ -43,6 +44,11 @@ CUMULATIVE_KEYS = frozenset(
 class LayerCounters:
     hits: int = 0
     misses: int = 0
+    device_hits: int = 0  # hits of calls routed on the device (held.py), as last folded
+
+    @property
+    def all_hits(self) -> int:
+        return self.hits + self.device_hits
 
 
 @dataclass
@@ -54,6 +60,7 @@ class Counters:
     fences: int = 0  # ... of them evaluating pending outputs before a slot they read was reused
     overlapped: int = 0  # layer calls that computed resident experts' rows during the reads
     layer_calls: int = 0  # streaming layer calls
+    device_routed: int = 0  # ... of them routed on the device: every expert held, no host sync
     passes: int = 0  # extra passes when a call needed more experts than a layer has slots
     bytes_read: int = 0
     reads: int = 0  # preadv jobs (each a run of adjacent experts of one tensor)
@@ -76,16 +83,17 @@ class Counters:
     warm_s: float = 0.0
 
     def snapshot(self) -> dict:
-        hits = sum(c.hits for c in self.layers)
+        hits = sum(c.all_hits for c in self.layers)
         misses = sum(c.misses for c in self.layers)
         return {
             "hits": hits,
             "misses": misses,
             "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
             "layer_hit_rates": [
-                c.hits / (c.hits + c.misses) if c.hits + c.misses else 0.0 for c in self.layers
+                c.all_hits / (c.all_hits + c.misses) if c.all_hits + c.misses else 0.0
+                for c in self.layers
             ],
-            "layer_hits": [c.hits for c in self.layers],
+            "layer_hits": [c.all_hits for c in self.layers],
             "layer_misses": [c.misses for c in self.layers],
             "tokens": self.tokens,
             "steps": self.steps,
@@ -93,6 +101,7 @@ class Counters:
             "fences": self.fences,
             "overlapped": self.overlapped,
             "layer_calls": self.layer_calls,
+            "device_routed": self.device_routed,
             "passes": self.passes,
             "bytes_read": self.bytes_read,
             "reads": self.reads,

@@ -14,8 +14,7 @@ import collections
 import os
 import threading
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moed.daemon.experts.store import ExpertStore, ReadJob, drop_cached
 
@@ -38,6 +37,32 @@ class ReadResult:
     bytes_read: int = 0
     read_s: float = 0.0  # summed over jobs (worker time)
     wall_s: float = 0.0  # engine thread blocked
+    jobs: int = 0  # jobs run (cancelled ones not counted)
+
+
+@dataclass(eq=False)
+class ReadBatch:
+    """The jobs of one `submit`, completed together: one event for the whole burst, not a Future
+    (and its lock) per job on the engine thread's path. Fields change under the pool's lock."""
+
+    jobs: list[ReadJob]
+    speculative: bool = False
+    left: int = 0  # jobs not finished yet (run or cancelled)
+    started: int = 0  # jobs a worker took (they write their slots: wait for them)
+    cancelled: bool = False
+    cancelled_bytes: int = 0  # queued jobs dropped by cancel() before they started
+    result: ReadResult = field(default_factory=ReadResult)
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self):
+        self.left = len(self.jobs)
+        if not self.left:
+            self.done.set()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(j.nbytes for j in self.jobs)
 
 
 class ReadPool:
@@ -45,8 +70,8 @@ class ReadPool:
         self.store = store
         self.workers = workers if workers > 0 else default_workers(store.bypass)
         self._cv = threading.Condition()
-        self._demand: collections.deque[tuple[Future, ReadJob]] = collections.deque()
-        self._speculative: collections.deque[tuple[Future, ReadJob]] = collections.deque()
+        self._demand: collections.deque[tuple[ReadBatch, ReadJob]] = collections.deque()
+        self._speculative: collections.deque[tuple[ReadBatch, ReadJob]] = collections.deque()
         self._to_drop: dict[
             int, tuple[int, int]
         ] = {}  # fd -> (start, end) read since the last drop
@@ -61,16 +86,15 @@ class ReadPool:
 
     # -- workers ---------------------------------------------------------------------------
 
-    def _next(self) -> tuple[Future, ReadJob] | None:
+    def _next(self) -> tuple[ReadBatch, ReadJob] | None:
         with self._cv:
             while True:
                 queue = self._demand or self._speculative
                 if queue:
-                    fut, job = queue.popleft()
-                    if fut.set_running_or_notify_cancel():
-                        self._busy += 1
-                        return fut, job
-                    continue  # cancelled while queued
+                    batch, job = queue.popleft()
+                    batch.started += 1
+                    self._busy += 1
+                    return batch, job
                 if self._closed:
                     return None
                 if self._to_drop and not self._busy:
@@ -88,19 +112,25 @@ class ReadPool:
 
     def _work(self) -> None:
         while (item := self._next()) is not None:
-            fut, job = item
+            batch, job = item
             t0 = time.perf_counter()
             try:
-                n = self.store.run(job)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting engine thread
-                self._done(job)
-                fut.set_exception(exc)
-                continue
-            self._done(job)
-            fut.set_result((n, time.perf_counter() - t0))
+                n, exc = self.store.run(job), None
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting engine thread
+                n, exc = 0, err
+            self._done(batch, job, n, time.perf_counter() - t0, exc)
 
-    def _done(self, job: ReadJob) -> None:
+    def _done(self, batch: ReadBatch, job: ReadJob, n: int, took: float, exc) -> None:
         with self._cv:
+            res = batch.result
+            res.bytes_read += n
+            res.read_s += took
+            res.jobs += 1
+            if exc is not None and batch.error is None:
+                batch.error = exc
+            batch.left -= 1
+            if not batch.left:
+                batch.done.set()
             self._busy -= 1
             if self.store.drop_after_read:
                 start, end = self._to_drop.get(job.fd, (job.offset, job.offset))
@@ -110,18 +140,18 @@ class ReadPool:
 
     # -- the engine thread -----------------------------------------------------------------
 
-    def submit(self, jobs: list[ReadJob], speculative: bool = False) -> list[Future]:
+    def submit(self, jobs: list[ReadJob], speculative: bool = False) -> ReadBatch:
         """Queue jobs without waiting. Demand jobs go before every queued speculative one."""
-        futures = [Future() for _ in jobs]
+        batch = ReadBatch(jobs, speculative)
         with self._cv:
             queue = self._speculative if speculative else self._demand
-            queue.extend(zip(futures, jobs))
+            queue.extend((batch, job) for job in jobs)
             self._cv.notify(len(jobs))
-        return futures
+        return batch
 
-    def promote(self, futures: list[Future]) -> None:
+    def promote(self, batches: list[ReadBatch]) -> None:
         """Speculative jobs that turned out to be needed: move the queued ones to the front."""
-        wanted = set(map(id, futures))
+        wanted = set(map(id, batches))
         with self._cv:
             keep, moved = collections.deque(), []
             for item in self._speculative:
@@ -129,30 +159,39 @@ class ReadPool:
             self._speculative = keep
             self._demand.extendleft(reversed(moved))
 
-    def cancel(self, futures: list[Future]) -> bool:
-        """Cancel the jobs not started yet. True when none of them had started (nothing was
-        written); jobs already running still have to be waited for."""
-        return all([f.cancel() for f in futures])  # a list: cancel every one, no short cut
+    def cancel(self, batch: ReadBatch) -> bool:
+        """Drop the batch's jobs not started yet. True when none had started (nothing was
+        written); jobs already running still have to be waited for (`wait`)."""
+        with self._cv:
+            batch.cancelled = True
+            queue = self._speculative if batch.speculative else self._demand
+            kept = collections.deque(item for item in queue if item[0] is not batch)
+            for _b, job in (item for item in queue if item[0] is batch):
+                batch.cancelled_bytes += job.nbytes
+                batch.left -= 1
+            if batch.speculative:
+                self._speculative = kept
+            else:
+                self._demand = kept
+            if not batch.left:
+                batch.done.set()
+            return batch.started == 0
 
     def read(self, jobs: list[ReadJob]) -> ReadResult:
         """Run jobs and wait for all of them; the first failure is raised after all finish."""
-        return self.wait(self.submit(jobs))
+        return self.wait([self.submit(jobs)])
 
-    def wait(self, futures: list[Future]) -> ReadResult:
-        """Wait for queued jobs (cancelled ones are skipped); the first failure is raised after
+    def wait(self, batches: list[ReadBatch]) -> ReadResult:
+        """Wait for queued batches (cancelled jobs are skipped); the first failure is raised after
         all finish. wall_s: time waited."""
         t0 = time.perf_counter()
         out, error = ReadResult(), None
-        for f in futures:
-            if f.cancelled():
-                continue
-            try:
-                n, s = f.result()
-            except BaseException as exc:  # noqa: BLE001 - re-raised below once all are done
-                error = error or exc
-                continue
-            out.bytes_read += n
-            out.read_s += s
+        for b in batches:
+            b.done.wait()
+            error = error or b.error
+            out.bytes_read += b.result.bytes_read
+            out.read_s += b.result.read_s
+            out.jobs += b.result.jobs
         if error is not None:
             raise error
         out.wall_s = time.perf_counter() - t0
@@ -161,8 +200,12 @@ class ReadPool:
     def close(self) -> None:
         with self._cv:
             self._closed = True
-            for _fut, _job in [*self._demand, *self._speculative]:
-                _fut.cancel()
+            for batch in {id(b): b for b, _job in [*self._demand, *self._speculative]}.values():
+                batch.cancelled = True
+                batch.error = batch.error or OSError("the read pool is closed")
+                batch.done.set()
+            self._demand.clear()
+            self._speculative.clear()
             self._cv.notify_all()
         for t in self._threads:
             t.join()

@@ -53,21 +53,18 @@ class SlotTable:
         miss takes a free slot or evicts the policy's victim outside `experts`. Returns (hits,
         [(expert, slot) to read]). The caller guarantees no pending computation still reads an
         evicted slot."""
-        experts = [int(e) for e in experts]
-        if len(experts) > self.slots:
-            raise ValueError(f"{len(experts)} experts do not fit {self.slots} slots")
+        experts = np.asarray(experts, dtype=np.int64).reshape(-1)
+        if experts.size > self.slots:
+            raise ValueError(f"{experts.size} experts do not fit {self.slots} slots")
         slot_of, policy = self.slot_of, self.policy
-        hits, misses = [], []
-        for e in experts:
-            if slot_of[e] >= 0:
-                hits.append(e)
-                policy.touch(e)
-            else:
-                misses.append(e)
+        resident = slot_of[experts] >= 0  # one vectorized lookup; hits keep the call's order
+        hits = experts[resident].tolist()
+        for e in hits:
+            policy.touch(e)
         loads = []
-        if misses:
-            wanted = set(experts)
-            for e in misses:
+        if not resident.all():
+            wanted = set(experts.tolist())
+            for e in experts[~resident].tolist():
                 if slot_of[e] >= 0:
                     continue  # listed twice
                 if not self._free:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import collections
 import logging
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
+from moed.daemon.experts.prefetch import ReadBatch
 from moed.daemon.experts.tuning import Switch
 
 log = logging.getLogger(__name__)
@@ -27,11 +27,10 @@ ACCURACY_STEPS = 64  # recent steps with speculation on that the accuracy covers
 
 @dataclass
 class Inflight:
-    """One layer's speculative reads: per expert, its slot and its read jobs."""
+    """One layer's speculative reads: per expert, its slot and its reads (one batch)."""
 
     slots: dict[int, int] = field(default_factory=dict)
-    futures: dict[int, list[Future]] = field(default_factory=dict)
-    nbytes: dict[int, list[int]] = field(default_factory=dict)  # per job, as `futures`
+    batches: dict[int, ReadBatch] = field(default_factory=dict)
 
 
 class Speculator:
@@ -102,39 +101,38 @@ class Speculator:
         _hits, loads = s._admit(pool, wanted)
         s._fence(layer, loads)
         entry = Inflight()
-        for e, slot in loads:
-            jobs = s.store.jobs_for(pool, [(e, slot)])
+        for e, slot in loads:  # a batch per expert: each can be cancelled on its own
             entry.slots[e] = slot
-            entry.futures[e] = s.reader.submit(jobs, speculative=True)
-            entry.nbytes[e] = [j.nbytes for j in jobs]
+            entry.batches[e] = s.reader.submit(s.store.jobs_for(pool, [(e, slot)]), True)
         self._inflight[layer] = entry
         s.counters.prefetched += len(loads)
         self._step_guessed += len(loads)
 
-    def settle(self, layer: int, needed: set[int]) -> tuple[set[int], list[Future], list]:
+    def inflight(self, layer: int) -> bool:
+        """Speculative reads into `layer` are queued or running."""
+        return layer in self._inflight
+
+    def settle(self, layer: int, needed: set[int]) -> tuple[set[int], list[ReadBatch], list]:
         """Before `layer` loads `needed`: speculative reads it needs move to the front of the
         queue; the others are cancelled (or waited for, when already running) and their experts
-        given back. Returns (prefetched experts kept, their futures to wait for, their loads)."""
+        given back. Returns (prefetched experts kept, their batches to wait for, their loads)."""
         entry = self._inflight.pop(layer, None)
         if entry is None:
             return set(), [], []
         s = self.s
-        keep, futures, running, dropped = set(), [], [], []
+        keep, batches, running, dropped = set(), [], [], []
         c = s.counters
-        for e, futs in entry.futures.items():
+        for e, batch in entry.batches.items():
             if e in needed:
                 keep.add(e)
-                futures += futs
+                batches.append(batch)
                 continue
-            s.reader.cancel(futs)
-            for f, n in zip(futs, entry.nbytes[e]):
-                if f.cancelled():
-                    c.prefetch_cancelled_bytes += n
-                else:
-                    running.append(f)
+            if not s.reader.cancel(batch):
+                running.append(batch)
+            c.prefetch_cancelled_bytes += batch.cancelled_bytes
             dropped.append((e, entry.slots[e]))
-        if futures:
-            s.reader.promote(futures)
+        if batches:
+            s.reader.promote(batches)
         if running:  # they write slots about to be given back: let them finish first
             try:
                 c.prefetch_bytes += s.reader.wait(running).bytes_read  # read, and wasted
@@ -143,14 +141,14 @@ class Speculator:
         s.pools[layer].forget(dropped)
         s.counters.prefetch_dropped += len(dropped)
         self._step_used += len(keep)
-        return keep, futures, [(e, entry.slots[e]) for e in keep]
+        return keep, batches, [(e, entry.slots[e]) for e in keep]
 
     def drain(self) -> None:
         """Settle every layer's speculative reads (before a shed or a preload)."""
         for layer in list(self._inflight):
-            _keep, futures, loads = self.settle(layer, set(self._inflight[layer].slots))
+            _keep, batches, loads = self.settle(layer, set(self._inflight[layer].slots))
             try:
-                res = self.s.reader.wait(futures)
+                res = self.s.reader.wait(batches)
             except OSError as exc:
                 self.s.pools[layer].forget(loads)
                 log.warning("prefetch read failed: %s", exc)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from moed.daemon.experts import profile as profile_mod
 from moed.daemon.experts.cache import LayerPool
 from moed.daemon.experts.counters import Counters, LayerCounters
 from moed.daemon.experts.discover import SwitchInfo
+from moed.daemon.experts.held import DeviceTally
 from moed.daemon.experts.memory_plan import ExpertLayout, MemoryPlan, _memory_override, make_plan
 from moed.daemon.experts.policies import DEFAULT_POLICY, make_policy
 from moed.daemon.experts.prefetch import ReadPool
@@ -26,6 +28,10 @@ from moed.daemon.experts.store import ExpertStore, resolve_page_cache
 from moed.daemon.experts.tuning import StepTuner, Switch
 
 log = logging.getLogger(__name__)
+
+
+def _no_progress() -> None:
+    """The default progress hook: nobody watches (benches, tests in-process)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,7 @@ class PendingLoad:
     loads: list[tuple[int, int]]
     demand: list
     spec_loads: list
-    spec_futures: list
+    spec_batches: list
 
 
 class ExpertStreamer:
@@ -104,7 +110,11 @@ class ExpertStreamer:
         self.store = ExpertStore(index.files, self.bypass_page_cache)
         self.reader = ReadPool(self.store, cfg.prefetch_workers)
         self.counters = Counters(layers=[LayerCounters() for _ in switches])
-        self.usage = [np.zeros(s.num_experts, dtype=np.int64) for s in switches]
+        self.usage = [np.zeros(s.num_experts, dtype=np.int64) for s in switches]  # host-routed
+        # Layers whose every expert is held route on the device (held.py); their usage is here.
+        self._held = [False] * len(switches)
+        self.tally = DeviceTally([s.num_experts for s in switches])
+        self._step_tally: mx.array | None = None  # evaluated with the step's first MoE layer
         self.routers = [s.router for s in switches]
         self.spec = Speculator(self, cfg.prefetch_next)
         # Computing resident experts' rows while the misses are read (streaming_switch.py).
@@ -121,35 +131,69 @@ class ExpertStreamer:
         self.trace: list[list[np.ndarray]] | None = None  # set to [] to record routing (bench)
         # A router-trace recorder (moed.daemon.telemetry.trace), attached around one request's step.
         self.observer = None
+        # Called on the engine thread when a layer routed or its reads landed: progress inside a
+        # step, for the engine's progress deadline (engine/heartbeat.py).
+        self.on_progress: Callable[[], None] = _no_progress
 
     # -- called by StreamingSwitch on the engine thread -------------------------------------
 
+    def begin_call(self, layer: int, indices: mx.array) -> None:
+        """Every layer call starts here; the first MoE layer's starts a forward step: count it,
+        apply a pending shed, feed the tuner, and tally the previous step's held layers."""
+        self._engine_thread = threading.get_ident()
+        if layer != 0:
+            return
+        c = self.counters
+        c.steps += 1
+        if self._pending_slots is not None:
+            self._apply_shed()
+        k = indices.shape[-1] if indices.ndim else 1
+        rows = indices.size // max(1, k)
+        self._begin_step(decode=rows <= 8)
+        c.tokens += rows
+        self._step_tally = self.tally.step()
+
+    def on_device(self, layer: int) -> bool:
+        """Whether this call of `layer` routes on the device: every expert of it is held, and no
+        router trace or request recorder needs the choices on the host."""
+        if not self._held[layer]:
+            pool = self.pools[layer]
+            if not pool.whole or self.spec.inflight(layer):
+                return False
+            pool.hold()  # device arrays in expert order: the router's indices are slots
+            self._held[layer] = True
+            log.debug("MoE layer %d holds every expert: routed on the device", layer)
+        return self.trace is None and self.observer is None
+
+    def route_on_device(self, layer: int, indices: mx.array) -> mx.array | None:
+        """A held layer's call: its bookkeeping without the host. Returns an array the layer's
+        output must depend on (the previous step's usage tally), or None."""
+        self.tally.record(layer, indices)
+        c = self.counters
+        c.layer_calls += 1
+        c.device_routed += 1
+        dep, self._step_tally = self._step_tally, None
+        return dep
+
     def route(self, layer: int, indices: mx.array, x: mx.array | None = None) -> np.ndarray:
         """Read the router's choices back to the host (the known cost centre, timed)."""
-        self._engine_thread = threading.get_ident()
         c = self.counters
+        tally, self._step_tally = self._step_tally, None
         predicted = self.spec.predict(layer, indices, x)
         t0 = time.perf_counter()
         # The one host sync of the layer also finishes every pending layer output (usually
         # ancestors of these indices anyway), so their slots are free to be overwritten after it.
-        extra = [predicted] if predicted is not None else []
+        extra = [a for a in (predicted, tally) if a is not None]
         mx.eval(indices, *extra, *self._pending_outputs)
         self._pending_done()
         c.host_syncs += 1
         t1 = time.perf_counter()
-        if layer == 0:
-            c.steps += 1
-            if self._pending_slots is not None:
-                self._apply_shed()
+        if tally is not None:
+            self._fold_tally(evaluated=True)
         host = np.array(indices)
         self.spec.predicted(layer, predicted)
         flat = host.reshape(-1)
-        if layer == 0:
-            k = host.shape[-1] if host.ndim else 1
-            self._begin_step(decode=flat.size <= 8 * k)
         self.usage[layer] += np.bincount(flat, minlength=self.usage[layer].shape[0])
-        if layer == 0:
-            c.tokens += flat.size // max(1, host.shape[-1]) if host.ndim else 1
         if self.trace is not None:
             if layer == 0:
                 self.trace.append([])
@@ -160,7 +204,14 @@ class ExpertStreamer:
         c.router_copy_s += time.perf_counter() - t1
         if self.observer is not None:
             self.observer.on_route(layer, host)
+        self.on_progress()
         return host
+
+    def _fold_tally(self, evaluated: bool = False) -> None:
+        """Held layers' hits into the host counters (no host sync: see DeviceTally.fold)."""
+        _usage, hits = self.tally.fold(evaluated)
+        for lc, h in zip(self.counters.layers, hits.tolist()):
+            lc.device_hits = h
 
     def _begin_step(self, decode: bool) -> None:
         """A forward step starts: the previous decode step's cost goes to the tuner."""
@@ -170,8 +221,12 @@ class ExpertStreamer:
         self._step_layer_s = now if decode else None
         self.spec.end_step()
 
-    def plan_passes(self, layer: int, host: np.ndarray) -> list[np.ndarray]:
-        passes = self.pools[layer].plan_passes(np.unique(host))
+    def pools_of(self, layer: int) -> dict[str, mx.array]:
+        return self.pools[layer].arrays
+
+    def plan_passes(self, layer: int, needed: np.ndarray) -> list[np.ndarray]:
+        """`needed`: the call's distinct experts, ascending (np.unique of its indices)."""
+        passes = self.pools[layer].plan_passes(needed)
         self.counters.passes += len(passes) - 1
         return passes
 
@@ -183,7 +238,7 @@ class ExpertStreamer:
     def begin_load(self, layer: int, experts: np.ndarray) -> PendingLoad:
         """Admit `experts` and queue the reads of the missing ones without waiting for them."""
         pool = self.pools[layer]
-        kept, spec_futures, spec_loads = self.spec.settle(layer, set(experts.tolist()))
+        kept, spec_batches, spec_loads = self.spec.settle(layer, set(experts.tolist()))
         hits, loads = self._admit(pool, experts)
         self.counters.prefetch_hits += len(kept)
         lc = self.counters.layers[layer]
@@ -193,17 +248,17 @@ class ExpertStreamer:
             self.observer.on_load(layer, pool, hits, loads)
         if loads:
             self._fence(layer, loads)
-        demand = self.reader.submit(self.store.jobs_for(pool, loads)) if loads else []
+        demand = [self.reader.submit(self.store.jobs_for(pool, loads))] if loads else []
         self.spec.issue(layer + 1)  # queued behind every demand read
-        ready = np.array([e for e in hits if e not in kept], dtype=np.int64)
-        return PendingLoad(pool, experts, ready, loads, demand, spec_loads, spec_futures)
+        ready = np.array([e for e in hits if e not in kept] if kept else hits, dtype=np.int64)
+        return PendingLoad(pool, experts, ready, loads, demand, spec_loads, spec_batches)
 
     def finish_load(self, p: PendingLoad) -> np.ndarray:
         """Wait for a `begin_load`'s reads; returns the expert -> slot table."""
         if p.demand:
             self._collect(p.pool, p.loads, p.demand)
-        if p.spec_futures:
-            self._collect_speculative(p.pool, p.experts, p.spec_loads, p.spec_futures)
+        if p.spec_batches:
+            self._collect_speculative(p.pool, p.experts, p.spec_loads, p.spec_batches)
         return self.table(p.pool, p.experts)
 
     @staticmethod
@@ -216,7 +271,7 @@ class ExpertStreamer:
         """`out` reads `slots_read` of `layer`'s pools and is not evaluated yet: it will be at the
         next router read-back, or earlier if one of those slots is about to be overwritten."""
         self._pending_outputs.append(out)
-        self._pending_reads[layer].update(slots_read.tolist())
+        self._pending_reads[layer].update(slots_read.tolist())  # a set: repeats are fine
 
     def _fence(self, layer: int, loads: list[tuple[int, int]]) -> None:
         """Evaluate the pending outputs before `loads` overwrite a slot one of them reads."""
@@ -240,27 +295,27 @@ class ExpertStreamer:
         for reads in self._pending_reads:
             reads.clear()
 
-    def _collect(self, pool: LayerPool, loads: list[tuple[int, int]], futures: list) -> None:
+    def _collect(self, pool: LayerPool, loads: list[tuple[int, int]], batches: list) -> None:
         try:
-            res = self.reader.wait(futures)
+            res = self.reader.wait(batches)
         except BaseException:
             pool.forget(loads)
             raise
-        self._count_reads(res, len(futures))
+        self._count_reads(res)
 
-    def _collect_speculative(self, pool: LayerPool, experts, loads, futures: list) -> None:
+    def _collect_speculative(self, pool: LayerPool, experts, loads, batches: list) -> None:
         """Wait for the speculative reads this call needs; a failed one is read again on demand
         (and reports its error then)."""
         try:
-            res = self.reader.wait(futures)
+            res = self.reader.wait(batches)
         except OSError as exc:
             log.warning("prefetch read failed, reading on demand: %s", exc)
             pool.forget(loads)
             _hits, again = self._admit(pool, experts)  # the whole pass stays protected
             self._fence(pool.layer, again)
-            self._collect(pool, again, self.reader.submit(self.store.jobs_for(pool, again)))
+            self._collect(pool, again, [self.reader.submit(self.store.jobs_for(pool, again))])
             return
-        self._count_reads(res, len(futures), prefetch=True)
+        self._count_reads(res, prefetch=True)
 
     def _admit(self, pool: LayerPool, experts) -> tuple[list[int], list[tuple[int, int]]]:
         free_before = pool.free_slots
@@ -270,11 +325,12 @@ class ExpertStreamer:
         )  # loads beyond free slots evicted
         return hits, loads
 
-    def _count_reads(self, res, jobs: int, prefetch: bool = False) -> None:
+    def _count_reads(self, res, prefetch: bool = False) -> None:
         """Account reads the engine waited for (demand misses, or speculative reads it caught up
         with)."""
         c = self.counters
-        c.reads += jobs
+        self.on_progress()
+        c.reads += res.jobs
         c.read_s += res.read_s
         c.stall_s += res.wall_s
         if prefetch:
@@ -293,6 +349,8 @@ class ExpertStreamer:
         return sum(p.pool_bytes for p in self.pools)
 
     def snapshot(self) -> dict:
+        if threading.get_ident() == self._engine_thread:  # no MLX call from other threads
+            self._fold_tally()
         snap = self.counters.snapshot()
         snap.update(
             {
@@ -359,9 +417,16 @@ class ExpertStreamer:
         if target is None:
             return
         released = sum(p.resize(min(p.slots, target)) for p in self.pools)
+        self._held = [False] * len(self.pools)  # re-checked (and re-sorted) at their next call
         self.budget_bytes = self.resident_bytes
         mx.clear_cache()  # hand the freed pool buffers back to the OS
         log.info("expert cache shed to %d slots per layer (%d bytes released)", target, released)
+
+    def usage_counts(self) -> list[np.ndarray]:
+        """Per layer and expert, the token rows routed to it (host- and device-routed calls).
+        On the engine thread: it evaluates the held layers' pending tally."""
+        device, _hits = self.tally.settle()
+        return [u + device[l, : u.shape[0]] for l, u in enumerate(self.usage)]
 
     @property
     def profile_path(self) -> Path | None:
@@ -375,7 +440,8 @@ class ExpertStreamer:
         if path is None:
             return None
         saved = profile_mod.load_profile(path, self.layout.num_experts)
-        profile_mod.save_profile(path, self.model_path, profile_mod.merge(saved, self.usage))
+        usage = self.usage_counts()
+        profile_mod.save_profile(path, self.model_path, profile_mod.merge(saved, usage))
         return path
 
     def warm(self) -> int:

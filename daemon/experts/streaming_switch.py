@@ -44,9 +44,17 @@ class LayerCache(Protocol):
     counters: object
     overlap: object  # a tuning.Switch: whether to compute resident rows during the reads
 
+    def begin_call(self, layer: int, indices: mx.array) -> None: ...
+
+    def on_device(self, layer: int) -> bool: ...
+
+    def route_on_device(self, layer: int, indices: mx.array) -> mx.array | None: ...
+
+    def pools_of(self, layer: int) -> dict[str, mx.array]: ...
+
     def route(self, layer: int, indices: mx.array, x: mx.array | None = None) -> np.ndarray: ...
 
-    def plan_passes(self, layer: int, host: np.ndarray) -> list[np.ndarray]: ...
+    def plan_passes(self, layer: int, needed: np.ndarray) -> list[np.ndarray]: ...
 
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]: ...
 
@@ -122,7 +130,7 @@ class StreamingSwitch(nn.Module):
         x = self._proj("fc1", x, idx, do_sort, pools)
         return self._proj("fc2", self.activation(x), idx, do_sort, pools)
 
-    def _in_passes(self, x, idx, host, passes, do_sort: bool) -> mx.array:
+    def _in_passes(self, x, idx, needed: np.ndarray, passes, do_sort: bool) -> mx.array:
         """One graph per pass over every row, each row kept from the pass that held its expert."""
         streamer, layer = self._streamer, self._layer
         out = None
@@ -135,7 +143,7 @@ class StreamingSwitch(nn.Module):
                 if out is not None:
                     y = mx.where(mx.expand_dims(mx.array(member)[idx], (-1, -2)), y, out)
             # Not evaluated here: the streamer fences it before any slot it reads is reused.
-            streamer.defer(layer, y, np.unique(table[host]))
+            streamer.defer(layer, y, table[needed])  # (non-members read slot 0: listed too)
             out = y
         return out
 
@@ -154,7 +162,7 @@ class StreamingSwitch(nn.Module):
             slots = table[flat[sel]]
             y = self._experts(rows[mx.array(sel)], mx.array(slots), False, pools)
             # Not evaluated here: the streamer fences it before any slot it reads is reused.
-            streamer.defer(layer, y, np.unique(slots))
+            streamer.defer(layer, y, slots)
             parts.append(y)
             picked.append(sel)
         order = mx.array(np.argsort(np.concatenate(picked)))
@@ -172,7 +180,7 @@ class StreamingSwitch(nn.Module):
         if early.all() or not early.any():
             table = streamer.finish_load(pending)
             y = self._experts(x, mx.array(table)[indices], False, pending.pool.arrays)
-            streamer.defer(layer, y, np.unique(table[host]))
+            streamer.defer(layer, y, table[experts])
             return y
         pools = pending.pool.arrays
         rows = mx.broadcast_to(x, (*indices.shape, 1, x.shape[-1])).reshape(-1, 1, x.shape[-1])
@@ -186,14 +194,38 @@ class StreamingSwitch(nn.Module):
         order = mx.array(np.argsort(np.concatenate([first, rest])))
         y = mx.concatenate([y_first, y_rest])[order]
         y = y.reshape(*indices.shape, *y.shape[-2:])
-        streamer.defer(layer, y, np.unique(table[flat]))
+        streamer.defer(layer, y, table[experts])
         return y
+
+    def _on_device(self, x, indices, dep: mx.array | None) -> mx.array:
+        """Every expert is held and slot e holds expert e (held.py): mlx-lm's own SwitchGLU call
+        on the pool, with the router's indices as they are on the device."""
+        pools = self._streamer.pools_of(self._layer)
+        x = mx.expand_dims(x, (-2, -3))
+        indices = mx.stop_gradient(indices)
+        do_sort = indices.size >= 64
+        idx, inv_order = indices, None
+        if do_sort:
+            x, idx, inv_order = gather_sort(x, indices)
+        out = self._experts(x, idx, do_sort, pools)
+        if do_sort:
+            out = scatter_unsort(out, inv_order, indices.shape)
+        out = out.squeeze(-2)
+        if dep is not None:  # the step's usage tally is computed with the step, not apart
+            (out,) = mx.depends([out], [dep])
+        return out
 
     def __call__(self, x, indices) -> mx.array:
         t0 = time.perf_counter()
         streamer, layer = self._streamer, self._layer
+        streamer.begin_call(layer, indices)
+        if streamer.on_device(layer):
+            out = self._on_device(x, indices, streamer.route_on_device(layer, indices))
+            streamer.counters.layer_s += time.perf_counter() - t0
+            return out
         host = streamer.route(layer, indices, x)
-        passes = streamer.plan_passes(layer, host)
+        needed = np.unique(host)  # the call's distinct experts, ascending
+        passes = streamer.plan_passes(layer, needed)
 
         x = mx.expand_dims(x, (-2, -3))
         indices = mx.stop_gradient(indices)
@@ -208,7 +240,7 @@ class StreamingSwitch(nn.Module):
         elif not do_sort and len(passes) > 1:
             out = self._rows_by_pass(x, indices, host, passes)
         else:
-            out = self._in_passes(x, idx, host, passes, do_sort)
+            out = self._in_passes(x, idx, needed, passes, do_sort)
 
         if do_sort:
             out = scatter_unsort(out, inv_order, indices.shape)

@@ -15,13 +15,22 @@ def prompt_token_ids(tokenizer: Any, req: dict) -> list[int]:
         return list(req["prompt_ids"])
     if req.get("messages") is not None:
         return _encode_templated(
-            tokenizer, render_messages(tokenizer, req["messages"], req.get("tools"))
+            tokenizer,
+            render_messages(
+                tokenizer, req["messages"], _tools(req), req.get("chat_template_kwargs")
+            ),
         )
     prompt = req["prompt"]
     if not req.get("raw") and getattr(tokenizer, "has_chat_template", False):
         # One user turn: the same ids as `messages: [{role: user, content: prompt}]`.
         return _encode_templated(
-            tokenizer, render_messages(tokenizer, [{"role": "user", "content": prompt}], None)
+            tokenizer,
+            render_messages(
+                tokenizer,
+                [{"role": "user", "content": prompt}],
+                None,
+                req.get("chat_template_kwargs"),
+            ),
         )
     bos = getattr(tokenizer, "bos_token", None)
     add_special = bos is None or not prompt.startswith(bos)
@@ -31,9 +40,25 @@ def prompt_token_ids(tokenizer: Any, req: dict) -> list[int]:
     return ids
 
 
-def render_messages(tokenizer: Any, messages: list[dict], tools: list[dict] | None) -> str:
+def templated(req: dict) -> bool:
+    """Whether the prompt goes through the chat template (then the template's markers count)."""
+    return req.get("messages") is not None or (req.get("prompt") is not None and not req.get("raw"))
+
+
+def _tools(req: dict) -> list[dict] | None:
+    # tool_choice none: the template is told of no tools, as OpenAI's API means it.
+    return None if req.get("tool_choice") == "none" else req.get("tools")
+
+
+def render_messages(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list[dict] | None,
+    template_kwargs: dict | None = None,
+) -> str:
     """The chat template applied to `messages`; a last assistant turn is continued, not closed
-    (an assistant prefill), otherwise the assistant's turn is opened."""
+    (an assistant prefill), otherwise the assistant's turn is opened. `template_kwargs` go to
+    the template as variables (`enable_thinking`, ...)."""
     if not getattr(tokenizer, "has_chat_template", False):
         raise ProtocolError(
             ErrorCode.INVALID_REQUEST,
@@ -48,6 +73,7 @@ def render_messages(tokenizer: Any, messages: list[dict], tools: list[dict] | No
             tokenize=False,
             add_generation_prompt=not prefill,
             continue_final_message=prefill,
+            **(template_kwargs or {}),
         )
     except Exception as exc:  # the template's own checks (roles must alternate, ...) raise
         raise ProtocolError(

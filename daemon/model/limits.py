@@ -12,6 +12,8 @@ from pathlib import Path
 from moed.daemon.config import ServeConfig
 from moed.protocol import Limits
 
+UNKNOWN_CONTEXT_MAX_TOKENS = 8192  # the max_tokens limit of a checkpoint that names no context
+
 
 def _model_value(config: dict, key: str) -> int | None:
     text_config = config.get("text_config")
@@ -32,7 +34,8 @@ def limits_for(serve: ServeConfig, model_config: dict) -> Limits:
         vocab_size=_model_value(model_config, "vocab_size"),
         context_tokens=context,
         max_prompt_tokens=max_prompt,
-        max_tokens=serve.max_tokens_limit,
+        # Unset, a generation may run to the end of the context: agents ask for 32K tokens.
+        max_tokens=serve.max_tokens_limit or context or UNKNOWN_CONTEXT_MAX_TOKENS,
         default_max_tokens=serve.default_max_tokens,
         telemetry_every=serve.telemetry_every,
     )

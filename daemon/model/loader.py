@@ -23,6 +23,7 @@ class LoadedModel:
     config: dict
     streamer: Any  # ExpertStreamer or None when resident
     pipeline: Any = None  # PipelineLeader when this daemon is rank 0 of a pipeline group
+    routing: Any = None  # experts/active_experts.Routing: experts per token, native and active
 
 
 # (stage, done, total, unit): how far a load is, for `status` and for a client waiting on a reload.
@@ -38,6 +39,10 @@ def load_model(
     from moed.daemon.distributed.spec import pipeline_enabled
 
     if pipeline_enabled(serve):  # this daemon is rank 0: its layers only, the group follows
+        if serve.max_active_experts:
+            from moed.daemon.experts.active_experts import ActiveExpertsError
+
+            raise ActiveExpertsError("max_active_experts is not supported with a pipeline yet")
         from moed.daemon.distributed.rank0 import load_leader
 
         return load_leader(serve, path)
@@ -46,6 +51,7 @@ def load_model(
     report("reading the checkpoint", 0, 1, "steps")
     model, tokenizer, config = load(str(path), lazy=True, return_config=True)
     check_tokenizer(tokenizer, config)
+    routing = limit_routing(model, config, serve.max_active_experts)
     streamer = None
     if not serve.resident:
         from moed.daemon.experts import install_streaming
@@ -60,7 +66,23 @@ def load_model(
         warmed = streamer.warm()  # the experts the saved usage profile found hot
         log.info("expert cache warmed with %d bytes from the usage profile", warmed)
     report("ready", 1, 1, "steps")
-    return LoadedModel(model, tokenizer, path, config, streamer)
+    return LoadedModel(model, tokenizer, path, config, streamer, routing=routing)
+
+
+def limit_routing(model: Any, config: dict, max_active_experts: int):
+    """The model's experts per token, reduced to `max_active_experts` when that is set (lossy)."""
+    from moed.daemon.experts.active_experts import ActiveExpertsError, limit_active_experts
+
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    native = config.get("num_experts_per_tok") or text.get("num_experts_per_tok")
+    if not isinstance(native, int) or native < 1:
+        if max_active_experts:
+            raise ActiveExpertsError(
+                "max_active_experts is set but the checkpoint names no experts per token "
+                "(num_experts_per_tok): not a Mixture-of-Experts model moed can reduce"
+            )
+        return None
+    return limit_active_experts(model, native, max_active_experts)
 
 
 # Resident weights are evaluated in about this many batches, each a progress report.
@@ -153,7 +175,11 @@ def describe_model(loaded: LoadedModel) -> dict:
         "num_layers": cfg.get("num_hidden_layers") or text_cfg.get("num_hidden_layers"),
         "quantization": cfg.get("quantization"),
         "streaming": loaded.streamer is not None,
+        **(loaded.routing.describe() if loaded.routing is not None else {}),
         "chat_template": bool(getattr(loaded.tokenizer, "has_chat_template", False)),
+        # The template's markers mlx-lm found: tool calls cut out, reasoning as its own channel.
+        "tool_calling": bool(getattr(loaded.tokenizer, "has_tool_calling", False)),
+        "thinking": bool(getattr(loaded.tokenizer, "has_thinking", False)),
         # The embedded demo model: clients say what its text is (a toy, see MODEL_CARD.md).
         "demo": loaded.path.resolve() == demo_model_path().resolve(),
     }

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from moed.client.hub import HF_ALLOW_PATTERNS as PULL_PATTERNS
 from moed.daemon.config import DEMO_MODEL
+from moed.daemon.model.checkpoint_files import UnreadableCheckpoint, check_text_files
 
 # What a stock mlx-lm checkpoint needs on disk: the same list `moe pull` downloads.
 HF_ALLOW_PATTERNS = list(PULL_PATTERNS)
@@ -16,6 +17,10 @@ HF_ALLOW_PATTERNS = list(PULL_PATTERNS)
 
 class ModelNotFound(Exception):
     pass
+
+
+class ModelUnreadable(Exception):
+    """The folder is there but a file moed must parse cannot be read; the message names it."""
 
 
 def resolve_model(spec: str) -> Path:
@@ -38,6 +43,10 @@ def _check_folder(path: Path, spec: str) -> Path:
         raise ModelNotFound(f"model folder {spec!r} has no config.json")
     if not any(path.glob("model*.safetensors")):
         raise ModelNotFound(f"model folder {spec!r} has no model*.safetensors weights")
+    try:
+        check_text_files(path)
+    except UnreadableCheckpoint as exc:
+        raise ModelUnreadable(str(exc)) from None  # fix the file: exit 8
     return path.resolve()
 
 

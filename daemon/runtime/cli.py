@@ -59,6 +59,12 @@ class ConfigExit(click.ClickException):
     help="Bypass or trust the OS page cache for expert reads (auto: bypass once the experts "
     "exceed half of memory; bypassed reads use F_NOCACHE on macOS, O_DIRECT on Linux).",
 )
+@click.option(
+    "--max-active-experts",
+    type=int,
+    help="Lossy, opt-in: each token uses its K best experts instead of the model's top-k (fewer "
+    "bytes read per token; every response says so). 0: the model's own routing (default).",
+)
 @click.option("--max-batch", type=int, help="Requests decoded together in one batch (default 8).")
 @click.option(
     "--prefill-chunk",
@@ -122,6 +128,7 @@ def serve(
     prefetch_next,
     cache_policy,
     page_cache,
+    max_active_experts,
     max_batch,
     prefill_chunk,
     batch_window_ms,
@@ -152,6 +159,7 @@ def serve(
                 "page_cache": page_cache,
                 "prefetch_next": prefetch_next,
                 "cache_policy": cache_policy,
+                "max_active_experts": max_active_experts,
                 "state_dir": given.state_dir,
                 "log_dir": given.log_dir,
                 "max_batch": max_batch,
@@ -170,6 +178,12 @@ def serve(
             },
         )
     except ConfigError as exc:
+        raise ConfigExit(exc) from None
+    from moed.daemon.runtime.open_files import OpenFileLimitTooLow, require_open_files
+
+    try:
+        require_open_files()
+    except OpenFileLimitTooLow as exc:
         raise ConfigExit(exc) from None
     from moed.daemon.runtime.main import run_daemon
 

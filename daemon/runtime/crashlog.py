@@ -65,6 +65,9 @@ class CrashKind(str, enum.Enum):
 MEMORY_KINDS = frozenset(
     {CrashKind.OUT_OF_MEMORY, CrashKind.UNCLEAN_EXIT, CrashKind.MEMORY_PRESSURE}
 )
+# Another rank's death says nothing about this daemon or the requests it had in flight: it spends
+# no restart budget and never makes a request poison (the group restart is the retry).
+NOT_THE_DAEMONS_OWN = frozenset({CrashKind.RANK_FAILED.value})
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -151,7 +154,8 @@ def plan_start(
         data["last"] = entry
         data.pop("run", None)
         _save(state_dir, data)
-    recent = [e for e in data.get("history", []) if now - float(e["at"]) <= window_s]
+    within = [e for e in data.get("history", []) if now - float(e["at"]) <= window_s]
+    recent = [e for e in within if e.get("kind") not in NOT_THE_DAEMONS_OWN]
     memory = [e for e in recent if e.get("kind") in {k.value for k in MEMORY_KINDS}]
     factor = max(BACKOFF_FLOOR, BACKOFF_STEP ** len(memory))
     refuse = None
@@ -247,8 +251,8 @@ def _inflight(state_dir: Path, boot_id: Any) -> list[str]:
 def _poison(recent: list[dict]) -> frozenset[str]:
     seen: dict[str, int] = {}
     for entry in recent:
-        if entry.get("kind") == CrashKind.MEMORY_PRESSURE.value:
-            continue  # the watchdog's restart says nothing about the requests in flight
+        if entry.get("kind") in NOT_THE_DAEMONS_OWN | {CrashKind.MEMORY_PRESSURE.value}:
+            continue  # a watchdog's restart or a lost rank says nothing about the requests
         inflight = entry.get("inflight")
         for fp in set(inflight) if isinstance(inflight, list) else ():
             if isinstance(fp, str):

@@ -12,7 +12,7 @@ import zmq
 from moed.daemon.config import Config
 from moed.daemon.distributed.spec import pipeline_enabled
 from moed.daemon.exit_codes import DaemonExit, for_supervisor
-from moed.daemon.model.source import ModelNotFound, resolve_model
+from moed.daemon.model.source import ModelNotFound, ModelUnreadable, resolve_model
 from moed.daemon.runtime.load_progress import show_load_progress
 from moed.daemon.runtime.run_log import RotatingLog
 from moed.daemon.transport.server import AlreadyRunning, Server
@@ -28,6 +28,9 @@ def run_daemon(config: Config) -> int:
     except ModelNotFound as exc:
         print(f"moed: {exc}", file=sys.stderr)
         return DaemonExit.MODEL_NOT_FOUND
+    except ModelUnreadable as exc:  # fix the file: a restart cannot help
+        print(f"moed: model: {exc}", file=sys.stderr)
+        return DaemonExit.MODEL_UNUSABLE
     if pipeline_enabled(serve) and (why := _check_pipeline(serve, model_path)):
         print(f"moed: pipeline: {why}", file=sys.stderr)
         return DaemonExit.CONFIG

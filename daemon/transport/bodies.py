@@ -11,6 +11,7 @@ from moed.daemon import __version__
 from moed.daemon.engine.status import DaemonState
 from moed.daemon.watchdog.events import read_state as read_watchdog_state
 from moed.protocol import MAX_FRAME_BYTES, PROTOCOL_MAJOR, PROTOCOL_MINOR
+from moed.protocol.codec import MAX_DEPTH
 
 
 def watchdog_summary(state_dir: Path) -> dict | None:
@@ -35,10 +36,12 @@ def welcome_body(self) -> dict:
         "limits": {
             **self.limits.describe(),
             "max_frame_bytes": MAX_FRAME_BYTES,
+            "max_depth": MAX_DEPTH,
             "max_pending": self.serve.max_pending,
             "max_pending_per_client": self.serve.max_pending_per_client,
             "client_send_hwm": self.serve.client_send_hwm,
             "progress_deadline_s": self.serve.progress_deadline_s,
+            "max_connections": self.connections.limit,
         },
         "last_crash": self.start_plan.last_crash,
         "budget_backoff": self.budget_backoff,
@@ -54,6 +57,8 @@ def status_body(self) -> dict[str, Any]:
     if self.progress.stalled_at is not None:
         snap["state"] = DaemonState.STALLED.value  # the transport's verdict over the engine's state
     snap["pending_requests"] = len(self._streams)
+    self.connections.drain()
+    snap.update(self.connections.describe())  # client connections now, and the limit
     snap["boot_id"] = self.boot_id
     snap["pid"] = os.getpid()
     snap["uptime_s"] = time.time() - snap["started_at"]

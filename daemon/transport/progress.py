@@ -19,8 +19,8 @@ class ProgressMonitor:
             self.busy_since = time.time() if now is None else now
 
     def last_progress(self, snapshot: dict) -> float | None:
-        """The engine's last sign of progress: a token, a prompt chunk, a finished (re)load, or new
-        work arriving."""
+        """The engine's last sign of progress: a token, a prompt chunk, a layer of one or an expert
+        read inside a step (engine/heartbeat.py), a finished (re)load, or new work arriving."""
         marks = [
             snapshot.get("last_token_at"),
             snapshot.get("last_progress_at"),

@@ -32,6 +32,7 @@ from moed.daemon.telemetry import LiveTelemetry
 from moed.daemon.transport.admission import DuplicateId, TokenCounter, check_model_name
 from moed.daemon.transport.backoff import back_off_budget
 from moed.daemon.transport.bodies import status_body, welcome_body
+from moed.daemon.transport.connections import ConnectionCount, connection_limit
 from moed.daemon.transport.control import ControlToken
 from moed.daemon.transport.outbound import Outbound
 from moed.daemon.transport.pipes import (
@@ -56,6 +57,7 @@ from moed.protocol import (
     validate_request,
 )
 from moed.protocol import messages as wire
+from moed.protocol.codec import peek_id
 from moed.protocol.paths import endpoint_for, ensure_private_dir
 
 # Inbound frames taken per loop turn before the engine's events are forwarded: a client flooding
@@ -133,6 +135,9 @@ class Server:
         # Bounded per connection: a client that does not read is cut off (outbound.py's policy).
         self.router.setsockopt(zmq.SNDHWM, self.serve.client_send_hwm)
         self.router.bind(self.endpoint)
+        self.connections = ConnectionCount(
+            self.router, connection_limit(self.serve.max_connections)
+        )
         os.chmod(self.serve.socket, 0o600)
         self.control_token.write()
         self.outbound = Outbound(self.router, self._client_slow, self._client_gone)
@@ -185,6 +190,7 @@ class Server:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.events, zmq.POLLIN)
+        poller.register(self.connections.monitor, zmq.POLLIN)
         try:
             while True:
                 if self._stop_requested.is_set() and not self._draining:
@@ -201,6 +207,8 @@ class Server:
                 for sock, _ in poller.poll(50):
                     if sock is self.router:
                         self._receive_some(RECEIVE_BATCH)
+                    elif sock is self.connections.monitor:
+                        self.connections.drain()
                     else:
                         self._forward_events()
                 self.outbound.retry_owed()
@@ -248,6 +256,7 @@ class Server:
     def _close(self) -> None:
         self.telemetry.close()
         self.control_token.remove()
+        self.connections.close()
         self.router.close(linger=0)
         self.events.close(linger=0)
         try:
@@ -280,6 +289,8 @@ class Server:
         except DuplicateId as exc:
             reply = {**wire.error(None, exc.code, exc.message), "target": exc.target}
         except ProtocolError as exc:
+            if request_id is None:  # refused before decoding: name the request all the same
+                request_id = peek_id(body[0])
             reply = wire.error(
                 request_id if isinstance(request_id, (str, int)) else None, exc.code, exc.message
             )
@@ -298,6 +309,7 @@ class Server:
         if kind is MessageType.GENERATE:
             return self._admit(identity, msg)
         if kind is MessageType.HELLO:
+            self.connections.admit_hello()  # past max_connections: `overloaded`, before fds run out
             return wire.welcome(req_id, **self._welcome_body())
         if kind is MessageType.PING:
             return wire.result(

@@ -64,7 +64,7 @@ class DaemonReading:
     busy: bool = False
     active_requests: int = 0
     last_token_at: float | None = None  # unix time of the last token produced
-    last_progress_at: float | None = None  # unix time of the last prefill chunk (long prompts)
+    last_progress_at: float | None = None  # unix time of the last prompt chunk, layer or read
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from collections.abc import Container
 
+import numpy as np
+
 from moed.daemon.experts.policies.base import AllProtectedError, EvictionPolicy
 
 _RESCALE_AT = 1e200  # weights grow as the clock runs; rescale long before float overflow
@@ -25,45 +27,55 @@ class LFUDecayPolicy(EvictionPolicy):
         # A use at call t weighs growth**t: the same order as decaying every score each call.
         self._growth = 2.0 ** (1.0 / self.half_life) if math.isfinite(self.half_life) else 1.0
         self._weight = 1.0  # growth ** (calls so far), rescaled with the scores
-        self._score = [0.0] * num_experts
-        self._last = [0] * num_experts  # the call of the last use: ties go to the older
+        # Arrays over every expert, so a victim is one vectorized pick, not a Python scan.
+        self._score = np.zeros(num_experts, dtype=np.float64)
+        self._last = np.zeros(num_experts, dtype=np.int64)  # the call of the last use
+        self._resident = np.zeros(num_experts, dtype=np.bool_)
         self._calls = 0
-        self._resident: set[int] = set()
 
     def begin_call(self) -> None:
         self._calls += 1
         self._weight *= self._growth
         if self._weight > _RESCALE_AT:
-            scale = 1.0 / self._weight
-            self._score = [s * scale for s in self._score]
+            self._score *= 1.0 / self._weight
             self._weight = 1.0
 
+    def _grow(self, expert: int) -> None:
+        """A policy built without the expert count (simulators) grows as experts appear."""
+        grow = expert + 1 - self._score.shape[0]
+        self._score = np.concatenate([self._score, np.zeros(grow)])
+        self._last = np.concatenate([self._last, np.zeros(grow, dtype=np.int64)])
+        self._resident = np.concatenate([self._resident, np.zeros(grow, dtype=np.bool_)])
+
     def _use(self, expert: int) -> None:
-        if expert >= len(self._score):  # a policy built without the expert count (simulators)
-            grow = expert + 1 - len(self._score)
-            self._score += [0.0] * grow
-            self._last += [0] * grow
+        if expert >= self._score.shape[0]:
+            self._grow(expert)
         self._score[expert] += self._weight
         self._last[expert] = self._calls
 
     def insert(self, expert: int) -> None:
-        self._resident.add(expert)
         self._use(expert)
+        self._resident[expert] = True
 
     def touch(self, expert: int) -> None:
         self._use(expert)
 
     def remove(self, expert: int) -> None:
-        self._resident.discard(expert)
+        if expert < self._resident.shape[0]:
+            self._resident[expert] = False
 
-    def _key(self, expert: int) -> tuple[float, int]:
-        return self._score[expert], self._last[expert]
+    def _ranked(self, experts: np.ndarray) -> np.ndarray:
+        """`experts` least valuable first: lowest score, then the older last use, then the id."""
+        return experts[np.lexsort((self._last[experts], self._score[experts]))]
 
     def victim(self, protected: Container[int]) -> int:
-        candidates = [e for e in self._resident if e not in protected]
-        if not candidates:
+        candidates = self._resident.copy()
+        wanted = np.fromiter(protected, dtype=np.int64)
+        candidates[wanted[wanted < candidates.shape[0]]] = False
+        idx = np.flatnonzero(candidates)
+        if not idx.size:
             raise AllProtectedError("every resident expert is protected; no slot can be freed")
-        return min(candidates, key=self._key)
+        return int(self._ranked(idx)[0])
 
     def order(self) -> list[int]:
-        return sorted(self._resident, key=self._key)
+        return self._ranked(np.flatnonzero(self._resident)).tolist()

@@ -1,0 +1,74 @@
+"""The streaming layers' own host work per layer call, as thread CPU time with the router
+read-back's eval left out: robust to a loaded machine (waits cost no CPU), and it runs unchanged
+on older checkouts, so before and after compare in one sitting:
+
+    .venv/bin/python benchmarks/host_cpu_per_layer.py 25% 100%
+    PYTHONPATH=/path/to/pkg-of-an-old-checkout .venv/bin/python benchmarks/host_cpu_per_layer.py
+
+(the second: a folder holding `moed/daemon`, `moed/protocol`, ... symlinked to the old tree).
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from moed.daemon.bench.bench_model import bench_config, write_bench_model
+from moed.daemon.experts import streamer as streamer_mod
+from moed.daemon.experts import streaming_switch as sw_mod
+
+try:  # the contenders moved to their own module after f6d9fd9
+    from moed.daemon.bench.stream_contenders import _prompt, load_streaming
+except ImportError:
+    from moed.daemon.bench.stream import _prompt, load_streaming
+
+MODEL = Path("/tmp/moed-host-cpu-model")  # 4 layers x 256 experts, top-8, small hidden
+acc = {"layer": 0.0, "eval": 0.0, "calls": 0}
+real_eval = mx.eval
+
+
+class EvalTimer:
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    @staticmethod
+    def eval(*arrays):
+        t = time.thread_time()
+        real_eval(*arrays)
+        acc["eval"] += time.thread_time() - t
+
+
+real_call = sw_mod.StreamingSwitch.__call__
+
+
+def timed(self, x, indices):
+    t = time.thread_time()
+    out = real_call(self, x, indices)
+    acc["layer"] += time.thread_time() - t
+    acc["calls"] += 1
+    return out
+
+
+def main() -> None:
+    if not (MODEL / "config.json").exists():
+        config = bench_config(4, 256, 128, 256, 8, 1024, bits=4, group=64)
+        write_bench_model(MODEL, config, "float32", 0)
+    streamer_mod.mx = EvalTimer()
+    sw_mod.StreamingSwitch.__call__ = timed
+    for budget in sys.argv[1:] or ["25%", "100%"]:
+        c = load_streaming(MODEL, budget, 8, "bypass")
+        c.streamer.trace = None
+        for _ in generate_step(mx.array(_prompt(1, 1024)), c.model, max_tokens=24):
+            pass
+        acc.update(layer=0.0, eval=0.0, calls=0)
+        for _ in generate_step(mx.array(_prompt(2, 1024)), c.model, max_tokens=64):
+            pass
+        host = 1e6 * (acc["layer"] - acc["eval"]) / acc["calls"]
+        print(f"{budget}: host CPU per layer call {host:.0f} us over {acc['calls']} calls")
+        c.close()
+
+
+if __name__ == "__main__":
+    main()

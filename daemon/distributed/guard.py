@@ -1,0 +1,228 @@
+"""moed's guard in front of mx.distributed's ring: only ranks that know the group's secret learn
+where the ring listens.
+
+The ring backend accepts the first TCP connection on each of its ports and cannot tell a rank
+from anyone else (mlx/distributed/ring/ring.cpp: bind, listen, accept once), so a stray
+connection there used to take a rank's place and fail the group. Now the published port
+(`pipeline_port`, on rank 0's hostfile address) is this guard: rank 0 hands each follower a
+random secret out of band (its stdin pipe, locally and through ssh), each follower proves it
+(HMAC over fresh nonces, both ways) and says which ports its ring will listen on (picked at
+random on the addresses the hostfile names), and only then does rank 0 send every authenticated
+rank the ring's addresses. A connection that does not prove the secret within a few seconds is
+dropped and logged; the group is not touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from moed.daemon.distributed.hostfile import RankHost
+
+log = logging.getLogger("moed.distributed")
+
+MAGIC = b"moed-guard-1"
+NONCE_BYTES = 32
+SECRET_BYTES = 32
+HANDSHAKE_S = 5.0  # a peer that has not proved the secret by then is dropped
+MAX_FRAME = 64 * 1024
+MAX_PENDING = 64  # handshakes at once; more connections are closed at once
+
+
+class GuardRefused(Exception):
+    """The other side did not prove the group's secret, or spoke something else."""
+
+
+def new_secret() -> bytes:
+    return os.urandom(SECRET_BYTES)
+
+
+def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
+    h = hmac.new(secret, label, hashlib.sha256)
+    for part in parts:
+        h.update(len(part).to_bytes(4, "big") + part)
+    return h.digest()
+
+
+def _send(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(len(payload).to_bytes(4, "big") + payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise GuardRefused("the connection closed")
+        out += chunk
+    return bytes(out)
+
+
+def _recv(sock: socket.socket) -> bytes:
+    n = int.from_bytes(_recv_exact(sock, 4), "big")
+    if n > MAX_FRAME:
+        raise GuardRefused(f"a {n}-byte frame")
+    return _recv_exact(sock, n)
+
+
+def ring_ports(host: RankHost) -> list[str]:
+    """A free port on each of this host's hostfile addresses, for its ring listener."""
+    out = []
+    for ip in host.ips:
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            out.append(f"{ip}:{s.getsockname()[1]}")
+    return out
+
+
+def _rank_bytes(rank: int) -> bytes:
+    return rank.to_bytes(4, "big")
+
+
+class Rendezvous:
+    """Rank 0's side: listens on the guard address until every follower has proved the secret."""
+
+    def __init__(self, hosts: tuple[RankHost, ...], address: tuple[str, int], secret: bytes):
+        self.hosts = hosts
+        self.secret = secret
+        self.listener = socket.create_server(address)
+        self.ring: dict[int, list[str]] = {0: ring_ports(hosts[0])}
+        self.dropped = 0
+        self._peers: dict[int, tuple[socket.socket, bytes]] = {}
+        self._lock = threading.Lock()
+        self._pending = threading.Semaphore(MAX_PENDING)
+        self._done = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="pipeline-guard", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self.listener.accept()
+            except OSError:
+                return
+            if not self._pending.acquire(blocking=False):
+                self._drop(conn, peer, "too many handshakes at once")
+                continue
+            threading.Thread(target=self._handshake, args=(conn, peer), daemon=True).start()
+
+    def _drop(self, conn: socket.socket, peer, why: str) -> None:
+        self.dropped += 1
+        log.warning("pipeline guard: dropped a connection from %s:%s: %s", *peer[:2], why)
+        conn.close()
+
+    def _handshake(self, conn: socket.socket, peer) -> None:
+        try:
+            conn.settimeout(HANDSHAKE_S)
+            nonce0 = os.urandom(NONCE_BYTES)
+            _send(conn, MAGIC + nonce0)
+            reply = _recv(conn)
+            if len(reply) < 68:
+                raise GuardRefused("it did not prove the group's secret")
+            rank = int.from_bytes(reply[:4], "big")
+            nonce1, mac, body = reply[4:36], reply[36:68], reply[68:]
+            expect = _mac(self.secret, b"rank", nonce0, nonce1, _rank_bytes(rank), body)
+            if not hmac.compare_digest(mac, expect):
+                raise GuardRefused("it did not prove the group's secret")
+            if not 1 <= rank < len(self.hosts):
+                raise GuardRefused(f"rank {rank} is not in a group of {len(self.hosts)}")
+            ring = self._check_ring(rank, body)
+            _send(conn, _mac(self.secret, b"leader", nonce1, nonce0, _rank_bytes(rank)))
+            with self._lock:
+                if rank in self._peers or self._closed:
+                    raise GuardRefused(f"rank {rank} has already joined")
+                self._peers[rank] = (conn, nonce1)
+                self.ring[rank] = ring
+                complete = len(self._peers) == len(self.hosts) - 1
+            log.info("pipeline guard: rank %d joined from %s", rank, peer[0])
+            if complete:
+                self._hand_out()
+        except (OSError, ValueError, GuardRefused) as exc:
+            self._drop(conn, peer, str(exc) or exc.__class__.__name__)
+        finally:
+            self._pending.release()
+
+    def _check_ring(self, rank: int, body: bytes) -> list[str]:
+        ring = json.loads(body)
+        if not isinstance(ring, list) or not all(isinstance(a, str) for a in ring):
+            raise GuardRefused(f"rank {rank} sent no list of ring addresses")
+        if [a.rsplit(":", 1)[0] for a in ring] != list(self.hosts[rank].ips):
+            raise GuardRefused(f"rank {rank} named ring addresses other than its hostfile's")
+        return ring
+
+    def _hand_out(self) -> None:
+        body = json.dumps([self.ring[r] for r in range(len(self.hosts))]).encode()
+        for conn, nonce1 in self._peers.values():
+            _send(conn, _mac(self.secret, b"ring", nonce1, body) + body)
+            conn.close()
+        self._done.set()
+        self.close()
+
+    def wait(self, failed: Callable[[], str | None]) -> list[list[str]]:
+        """Every rank's ring addresses, once all have joined; `failed()` says why to give up."""
+        while not self._done.wait(0.1):
+            if (why := failed()) is not None:
+                raise GuardRefused(f"the group did not form: {why}")
+        return [self.ring[r] for r in range(len(self.hosts))]
+
+    def close(self) -> None:
+        self._closed = True
+        try:  # shutdown first: a plain close leaves the accept thread's call listening
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.listener.close()
+
+
+def join(
+    address: tuple[str, int], rank: int, own: RankHost, secret: bytes, connect_s: float = 60.0
+) -> list[list[str]]:
+    """A follower's side: prove the secret to rank 0 and learn the ring's addresses."""
+    deadline = time.monotonic() + connect_s
+    while True:
+        try:
+            conn = socket.create_connection(address, timeout=HANDSHAKE_S)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    with conn:
+        greeting = _recv(conn)
+        if not greeting.startswith(MAGIC) or len(greeting) != len(MAGIC) + NONCE_BYTES:
+            raise GuardRefused(f"{address[0]}:{address[1]} is not rank 0's guard")
+        nonce0, nonce1 = greeting[len(MAGIC) :], os.urandom(NONCE_BYTES)
+        body = json.dumps(ring_ports(own)).encode()
+        mac = _mac(secret, b"rank", nonce0, nonce1, _rank_bytes(rank), body)
+        _send(conn, _rank_bytes(rank) + nonce1 + mac + body)
+        proof = _recv(conn)
+        if not hmac.compare_digest(
+            proof, _mac(secret, b"leader", nonce1, nonce0, _rank_bytes(rank))
+        ):
+            raise GuardRefused("rank 0 did not prove the group's secret")
+        conn.settimeout(None)  # the other ranks may still be starting: rank 0 closes when it fails
+        answer = _recv(conn)
+    mac, body = answer[:32], answer[32:]
+    if not hmac.compare_digest(mac, _mac(secret, b"ring", nonce1, body)):
+        raise GuardRefused("the ring's addresses did not come from rank 0")
+    return json.loads(body)
+
+
+def write_ring_hostfile(ring: list[list[str]], folder) -> str:
+    """MLX_HOSTFILE for mx.distributed's ring backend, readable by this user only."""
+    fd = os.open(
+        os.path.join(folder, "ring-hostfile.json"),
+        os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+        0o600,
+    )
+    with os.fdopen(fd, "w") as f:
+        json.dump(ring, f)
+    return os.path.join(folder, "ring-hostfile.json")

@@ -1,0 +1,145 @@
+"""Constrained decoding with llguidance: a request's answer is held to a grammar by a token mask
+applied to its own row's logits before sampling (rows without a grammar are untouched).
+
+The grammar comes from the request: `format` (JSON, or JSON under a schema) or a forced
+`tool_choice` (the model's own tool-call format around the tools' parameter schemas, see
+engine/tool_grammar.py). A grammar llguidance cannot compile is a typed `invalid_schema` error
+before the request starts. While the row is in its reasoning channel the mask waits: the grammar
+holds the answer, from the think end marker on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import weakref
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from moed.daemon.engine.tool_grammar import tool_call_grammar
+from moed.protocol import ErrorCode, ProtocolError
+from moed.protocol.constraints import FormatType, ToolChoice, tool_choice_name
+
+log = logging.getLogger("moed.engine")
+
+# Compact JSON: a model cannot spin in whitespace, so a bounded schema ends in bounded tokens.
+JSON_OPTIONS = {"whitespace_flexible": False, "coerce_one_of": True}
+ANY_OBJECT = {"type": "object"}
+
+_BITS = mx.arange(32, dtype=mx.uint32)  # bit i of a mask word is token 32 * word + i
+_LL_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def ll_tokenizer(tokenizer: Any):
+    """llguidance's view of the model's tokenizer, built once per loaded tokenizer (~1 s for a
+    large vocabulary) from the Hugging Face fast tokenizer."""
+    cached = _LL_TOKENIZERS.get(tokenizer)
+    if cached is None:
+        import llguidance.hf
+
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ()) or None
+        cached = llguidance.hf.from_tokenizer(hf, eos_token=eos)
+        _LL_TOKENIZERS[tokenizer] = cached
+    return cached
+
+
+def _invalid(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.INVALID_SCHEMA, message)
+
+
+def grammar_for(req: dict, tokenizer: Any) -> str | None:
+    """The llguidance grammar a generate asks for; None when its answer is free."""
+    from llguidance import LLMatcher
+
+    fmt = req.get("format")
+    if fmt is not None:
+        schema = fmt.get("schema") if fmt.get("type") == FormatType.JSON_SCHEMA.value else None
+        try:
+            return LLMatcher.grammar_from_json_schema(
+                json.dumps(schema or ANY_OBJECT), overrides=JSON_OPTIONS
+            )
+        except (ValueError, TypeError) as exc:
+            raise _invalid(
+                f"format.schema is not a JSON schema llguidance accepts: {exc}"
+            ) from None
+    choice = req.get("tool_choice")
+    forced = tool_choice_name(choice)
+    if forced is None and choice != ToolChoice.REQUIRED.value:
+        return None
+    tools = [t for t in req.get("tools") or () if forced is None or _name(t) == forced]
+    return tool_call_grammar(tokenizer, tools, many=req.get("parallel_tool_calls") is not False)
+
+
+def _name(tool: dict) -> str | None:
+    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    return fn.get("name")
+
+
+class GrammarConstraint:
+    """One row's grammar state: an mlx-lm logits processor (called once per sampled position with
+    the row's tokens so far and its logits) that advances the matcher by the previous token and
+    masks every token the grammar does not allow next."""
+
+    def __init__(self, tokenizer: Any, grammar: str, reasoning: bool, resumed: list[int]):
+        from llguidance import LLMatcher
+
+        self.lltok = ll_tokenizer(tokenizer)
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.lltok)
+        if failed:
+            raise _invalid(f"the grammar does not compile: {messages[0][:500]}")
+        self.matcher = LLMatcher(self.lltok, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise _invalid(f"the grammar does not compile: {self.matcher.get_error()[:500]}")
+        # The grammar holds the answer: with the reasoning open, it waits for the think end.
+        self.waiting = reasoning
+        self._think_end = tuple(getattr(tokenizer, "think_end_tokens", None) or ())
+        self._eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self._recent: list[int] = []
+        self._first = True
+        for token in resumed:
+            self._advance(token)
+
+    @property
+    def failed(self) -> str | None:
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
+        if not self._first:  # the token sampled at the previous call ends the context
+            self._advance(int(context[-1].item()))
+        self._first = False
+        if self.waiting:
+            return logits
+        # A matcher that failed (it never should: it chose the mask) ends the answer, never lets
+        # it run on unconstrained.
+        allowed = (
+            self._eos_only(logits.shape[-1]) if self.failed else self._allowed(logits.shape[-1])
+        )
+        return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def _advance(self, token: int) -> None:
+        if self.waiting:
+            self._recent = (self._recent + [token])[-max(1, len(self._think_end)) :]
+            if self._think_end and tuple(self._recent) == self._think_end:
+                self.waiting = False
+            return
+        if not self.matcher.is_stopped() and not self.matcher.consume_token(token):
+            log.warning(
+                "the grammar refused sampled token %d; the answer ends: %.300s", token, self.failed
+            )
+
+    def _eos_only(self, width: int) -> mx.array:
+        allowed = np.zeros(width, dtype=np.bool_)
+        allowed[[t for t in self._eos if t < width]] = True
+        return mx.array(allowed)
+
+    def _allowed(self, width: int) -> mx.array:
+        # The packed words go to MLX as they are (vocab/32 of them) and expand there, in the
+        # step's graph: no per-token host loop over a 150k vocabulary.
+        words = mx.array(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32))
+        allowed = ((words[:, None] >> _BITS) & 1).reshape(-1).astype(mx.bool_)
+        if allowed.size < width:  # ids past the tokenizer (a padded embedding) are never allowed
+            allowed = mx.concatenate([allowed, mx.zeros((width - allowed.size,), dtype=mx.bool_)])
+        return allowed[:width]

@@ -1,0 +1,45 @@
+"""A per-layer hook for prompt chunks: each decoder layer of a chunk is evaluated as it is built
+and reported, so progress is seen inside a forward pass that takes minutes.
+
+The hook changes no weight and no module path: each layer's class becomes a subclass whose
+`__call__` calls the original, then (for a prompt chunk only) evaluates its output and calls
+`on_layer`. Evaluating a layer's output early computes the same values with the same kernels
+(mlx-lm's forward is not compiled); a decode step (one position per row) is left as it was, one
+graph, with no extra host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+_HOOKED = "_moed_layer_hook"  # marks a hooked subclass: hooking twice wraps once
+
+
+def watch_layers(model: Any, on_layer: Callable[[], None]) -> int:
+    """Hook every decoder layer of an mlx-lm model (its `layers`); returns how many."""
+    layers = list(getattr(model, "layers", None) or [])
+    hooked: dict[type, type] = {}
+    for layer in layers:
+        base = type(layer)
+        if getattr(base, _HOOKED, False):
+            base = base.__mro__[1]
+        sub = hooked.get(base)
+        if sub is None:
+            sub = hooked[base] = _hooked_class(base, on_layer)
+        layer.__class__ = sub
+    return len(layers)
+
+
+def _hooked_class(base: type, on_layer: Callable[[], None]) -> type:
+    def __call__(self, x, *args, **kwargs):
+        out = base.__call__(self, x, *args, **kwargs)
+        # (batch, positions, hidden): more than one position is a prompt chunk.
+        if getattr(x, "ndim", 0) >= 3 and x.shape[-2] > 1:
+            mx.eval(out)
+            on_layer()
+        return out
+
+    return type(base.__name__, (base,), {"__call__": __call__, _HOOKED: True})

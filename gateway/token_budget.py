@@ -1,0 +1,97 @@
+"""A request's token budget, checked before it starts: the prompt (counted by the daemon with the
+model's own template and tokenizer) against the context, and `max_tokens` against the daemon's
+limit, so each API answers in its own words instead of the daemon capping the request silently."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from moed.client import ClientError
+
+from .errors import ApiError, ErrorKind, from_client_error
+from .generation import GenerationRequest
+
+
+class Overrun(str, enum.Enum):
+    """Which bound a request crosses."""
+
+    PROMPT = "prompt_too_long"  # the prompt alone fills the context (or the daemon's prompt cap)
+    CONTEXT = "context_exceeded"  # prompt + max_tokens is over the context
+    MAX_TOKENS = "max_tokens_too_large"  # max_tokens is over the daemon's max_tokens limit
+
+
+class BudgetError(ApiError):
+    """A 400 carrying the numbers, so every API can phrase it the way its own clients parse."""
+
+    def __init__(self, overrun: Overrun, prompt_tokens: int, max_tokens: int | None, limit: int):
+        self.overrun = overrun
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.limit = limit
+        if overrun is Overrun.PROMPT:
+            message = f"prompt is too long: {prompt_tokens} tokens > {limit} maximum"
+        elif overrun is Overrun.CONTEXT:
+            message = (
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) is over the "
+                f"model's context of {limit} tokens"
+            )
+        else:
+            message = f"max_tokens {max_tokens} is over this daemon's limit of {limit}"
+        too_many = overrun is Overrun.MAX_TOKENS
+        param = "max_tokens" if too_many else "messages"
+        code = "max_tokens_too_large" if too_many else "context_length_exceeded"
+        super().__init__(ErrorKind.INVALID_REQUEST, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class Budget:
+    prompt_tokens: int
+    context_tokens: int | None  # None: the checkpoint does not say
+
+
+async def daemon_limits(client) -> dict:
+    """The daemon's welcome.limits (context_tokens, max_prompt_tokens, max_tokens, ...)."""
+    try:
+        welcome = await client.connect()
+    except ClientError as exc:
+        raise from_client_error(exc) from None
+    return welcome.get("limits") or {}
+
+
+async def count_prompt(client, req: GenerationRequest) -> int:
+    """The prompt's tokens as the daemon will read them (chat template applied)."""
+    if req.prompt_ids is not None:
+        return len(req.prompt_ids)
+    fields = {
+        "prompt": req.prompt,
+        "messages": list(req.messages) if req.messages is not None else None,
+        "tools": list(req.tools) if req.tools else None,
+        "raw": req.raw or None,
+    }
+    try:
+        counted = await client.count_tokens(**{k: v for k, v in fields.items() if v is not None})
+    except ClientError as exc:
+        raise from_client_error(exc) from None
+    return int(counted["tokens"])
+
+
+async def check_budget(client, req: GenerationRequest) -> Budget:
+    """Count the prompt and check it, and `max_tokens` when given, against the daemon's limits;
+    a request over any of them is a BudgetError, never a generation cut short without a word."""
+    limits = await daemon_limits(client)
+    prompt = await count_prompt(client, req)
+    context = limits.get("context_tokens")
+    max_prompt = limits.get("max_prompt_tokens")
+    if max_prompt is not None and prompt > max_prompt:
+        raise BudgetError(Overrun.PROMPT, prompt, req.max_tokens, max_prompt)
+    if context is not None and prompt + 1 > context:
+        raise BudgetError(Overrun.PROMPT, prompt, req.max_tokens, context - 1)
+    asked = req.max_tokens
+    if asked is not None:
+        cap = limits.get("max_tokens")
+        if cap is not None and asked > cap:
+            raise BudgetError(Overrun.MAX_TOKENS, prompt, asked, cap)
+        if context is not None and prompt + asked > context:
+            raise BudgetError(Overrun.CONTEXT, prompt, asked, context)
+    return Budget(prompt, context)

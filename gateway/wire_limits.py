@@ -1,0 +1,50 @@
+"""The size and depth a request takes once encoded, checked against the daemon's own limits
+(welcome.limits) before it is sent: a body that grows past the frame limit when encoded (floats
+in msgpack, a prompt's escapes) is a 413 from the gateway, not a frame the daemon refuses."""
+
+from __future__ import annotations
+
+from moed.protocol import MAX_FRAME_BYTES, MessageType, encode
+from moed.protocol import messages as wire
+from moed.protocol.codec import MAX_DEPTH
+
+from .errors import ApiError, ErrorKind, invalid
+
+# The id the client will put on the frame is at most this long (prefix-kind-counter).
+_ID_ROOM = "x" * 64
+
+
+def check_request(kind: MessageType, fields: dict, limits: dict) -> None:
+    """Raise an ApiError if a `kind` frame with these fields would exceed the daemon's limits."""
+    max_depth = _limit(limits, "max_depth", MAX_DEPTH)
+    max_bytes = _limit(limits, "max_frame_bytes", MAX_FRAME_BYTES)
+    message = wire.request(kind, _ID_ROOM, **fields)
+    depth = _depth(message, max_depth)
+    if depth >= max_depth:
+        raise invalid(f"the request nests deeper than the daemon accepts ({max_depth} levels)")
+    size = len(encode(message))
+    if size > max_bytes:
+        raise ApiError(
+            ErrorKind.TOO_LARGE,
+            f"the request takes {size} bytes once encoded; the daemon accepts {max_bytes}",
+        )
+
+
+def _limit(limits: dict, name: str, default: int) -> int:
+    value = limits.get(name)
+    return value if isinstance(value, int) and value > 0 else default
+
+
+def _depth(value, stop: int) -> int:
+    """How deep `value` nests as the daemon counts it (codec._check_plain), up to `stop`."""
+    deepest = 0
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list | tuple):
+            deepest = max(deepest, depth)
+            if depth >= stop:
+                return depth
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
