@@ -10,6 +10,7 @@ import click
 
 from moed.protocol.units import format_bytes, format_duration
 
+from .cache_cli import cache as _cache
 from .cli_common import CONTEXT_SETTINGS, add_global_options, fail, global_options, json_line
 from .client import Client
 from .errors import DaemonUnavailable, RequestFailed
@@ -152,6 +153,7 @@ def stop(obj, reason: str) -> None:
 main.add_command(_run)
 main.add_command(_stats)
 main.add_command(_metrics)
+main.add_command(_cache)
 for _command in (_pull, _list, _rm, _ps):
     main.add_command(_command)
 add_global_options(main)  # last: every command above (and any added) takes the global options

@@ -132,6 +132,13 @@ class Client:
         """Owner only: sends the control token the daemon keeps beside its socket."""
         return self._call(MessageType.SHED, level=level, reason=reason, token=self._control_token())
 
+    def prefix_cache(self, action: str = "list") -> dict:
+        """The prefix KV cache: `list` (counters and entries) or `clear` (owner only: sends the
+        control token; the engine empties both tiers at its next step)."""
+        if action == "list":
+            return self._call(MessageType.PREFIX_CACHE, action=action)
+        return self._call(MessageType.PREFIX_CACHE, action=action, token=self._control_token())
+
     def shutdown(self, reason: str | None = None, restart: bool = False) -> dict:
         """Drain and exit; `restart=True` exits non-zero so the service manager restarts it smaller.
         Owner only: sends the control token the daemon keeps beside its socket."""

@@ -67,6 +67,20 @@ def format_stats(s: dict) -> str:
         ]
     else:
         lines.append("experts      resident (no expert streaming)")
+    pc = s.get("prefix_cache")
+    if pc:
+        lines.append(
+            f"prefix cache {pc.get('hits')} hits of {pc.get('lookups')}  "
+            f"{pc.get('tokens_reused')} tokens reused  "
+            f"memory {_bytes(pc.get('memory_bytes'))} of {_bytes(pc.get('memory_budget_bytes'))}"
+            + (
+                f"  disk {_bytes(pc.get('disk_bytes'))} of {_bytes(pc.get('disk_budget_bytes'))}"
+                if pc.get("disk_budget_bytes") is not None
+                else ""
+            )
+            + f"  evictions {pc.get('memory_evictions')}"
+            + (f"/{pc.get('disk_evictions')}" if pc.get("disk_evictions") is not None else "")
+        )
     phys = mem.get("phys_footprint_bytes")
     lines.append(
         f"memory       rss {_bytes(mem.get('rss_bytes'))}"

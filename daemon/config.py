@@ -78,6 +78,15 @@ class ServeConfig:
     # Unload the model and its expert cache after this idle time (ollama's keep_alive): a duration
     # (30s, 5m, 1h), -1 never, 0 as soon as idle. The next request reloads it.
     keep_alive: str = "5m"
+    # The prefix KV cache (engine/prefix_cache/): a request that begins with a cached prefix reads
+    # only the rest. Memory tier (counted in the memory plan, shed first; 0: no prefix cache) and
+    # SSD tier (0: none) budgets, and the SSD tier's folder (default <state_dir>/prefix-cache).
+    prefix_cache_bytes: str = "auto"  # auto: 4% of the memory plan's usable memory, at most 2 GB
+    prefix_cache_disk_bytes: str = "10GB"
+    prefix_cache_dir: str = ""
+    # Hybrid models: tokens between recurrent-state checkpoints while a prompt is read (rounded up
+    # to a multiple of prefill_chunk; a checkpoint costs the whole recurrent state, so few).
+    prefix_checkpoint_tokens: int = 1024
 
     def __post_init__(self):
         if self.cache_policy not in policy_names():
@@ -269,6 +278,14 @@ def _budget_syntax(spec: str) -> bool:
     return True
 
 
+def _size_syntax(spec: str) -> bool:
+    from moed.daemon.experts.budget import parse_size
+
+    if spec != "auto":
+        parse_size(spec)  # raises BudgetError (a ValueError)
+    return True
+
+
 def _faults_syntax(spec: str) -> bool:
     from moed.daemon.runtime.faults import Faults
 
@@ -280,6 +297,9 @@ _KIND = {int: "an integer", float: "a finite number", bool: "true or false", Pat
 # name -> (check of the coerced value, what is allowed); fields not listed only need their type.
 RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "cache_budget": (_budget_syntax, "bytes (3000000), a size (12GB, 512MiB), 25%, 0.25 or auto"),
+    "prefix_cache_bytes": (_size_syntax, "auto, a size (1GB, 512MiB, bytes), 0 for none"),
+    "prefix_cache_disk_bytes": (_size_syntax, "a size (10GB, 512MiB, bytes), 0 for no SSD tier"),
+    "prefix_checkpoint_tokens": (lambda v: v >= 1, "an integer >= 1 (tokens)"),
     "prefetch_workers": (
         lambda v: 0 <= v <= 256,
         "an integer in [0, 256] (0: sized to the machine)",

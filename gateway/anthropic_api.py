@@ -360,12 +360,14 @@ async def _sse_body(
 
 
 def _usage(outcome: Outcome | None, input_tokens: int = 0) -> dict:
-    """Anthropic's usage; the prompt cache counters are there for clients that add them up."""
+    """Anthropic's usage: `input_tokens` is the whole prompt (as message_start announced it, before
+    the prefix cache was asked), `cache_read_input_tokens` the part the prefix cache held."""
+    cached = outcome.cached_tokens if outcome else 0
     return {
         "input_tokens": outcome.prompt_tokens if outcome else input_tokens,
         "output_tokens": outcome.completion_tokens if outcome else 0,
         "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
+        "cache_read_input_tokens": cached,
     }
 
 

@@ -86,6 +86,7 @@ class Outcome:
     completion_tokens: int
     stop_sequence: str | None
     timings: dict
+    cached_tokens: int = 0  # prompt tokens the daemon's prefix cache held (not read again)
 
     @classmethod
     def of(cls, done: DoneEvent, tool_calls: int = 0) -> Outcome:
@@ -106,6 +107,7 @@ class Outcome:
             int(usage.get("completion_tokens") or 0),
             done.stop_sequence,
             done.timings,
+            int(usage.get("cached_tokens") or 0),
         )
 
 

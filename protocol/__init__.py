@@ -8,6 +8,7 @@ from .messages import (
     Channel,
     FinishReason,
     MessageType,
+    PrefixCacheAction,
     ShedLevel,
 )
 from .validation import Limits, validate_request
@@ -25,6 +26,7 @@ __all__ = [
     "FinishReason",
     "Limits",
     "MessageType",
+    "PrefixCacheAction",
     "ProtocolError",
     "ShedLevel",
     "decode",

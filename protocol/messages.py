@@ -25,6 +25,7 @@ class MessageType(str, enum.Enum):
     SHUTDOWN = "shutdown"
     PING = "ping"
     COUNT_TOKENS = "count_tokens"  # prompt tokens of a prompt or messages, chat template applied
+    PREFIX_CACHE = "prefix_cache"  # list the prefix KV cache's entries, or clear it (owner)
     # daemon -> client
     WELCOME = "welcome"
     TOKEN = "token"
@@ -48,6 +49,7 @@ REQUEST_TYPES = frozenset(
         MessageType.SHUTDOWN,
         MessageType.PING,
         MessageType.COUNT_TOKENS,
+        MessageType.PREFIX_CACHE,
     }
 )
 # Answered by the transport thread; never queued behind a generation.
@@ -71,6 +73,11 @@ class Channel(str, enum.Enum):
 class ShedLevel(str, enum.Enum):
     CACHE = "cache"  # shrink the expert cache and release MLX's buffer cache
     CANCEL_NEWEST = "cancel_newest"  # also cancel the most recently admitted request
+
+
+class PrefixCacheAction(str, enum.Enum):
+    LIST = "list"  # counters and entries, most recently used first
+    CLEAR = "clear"  # empty both tiers (owner only)
 
 
 def _base(kind: MessageType, request_id: Any) -> dict:

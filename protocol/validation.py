@@ -18,7 +18,7 @@ from typing import Any
 from .chat import prompt_sources, validate_chat_fields
 from .constraints import validate_constraint_fields, validate_template_kwargs
 from .errors import ErrorCode, ProtocolError
-from .messages import REQUEST_TYPES, MessageType, ShedLevel
+from .messages import REQUEST_TYPES, MessageType, PrefixCacheAction, ShedLevel
 from .units import parse_keep_alive
 from .version import PROTOCOL_MAJOR
 
@@ -249,6 +249,7 @@ FIELDS: dict[MessageType, dict[str, Rule]] = {
     MessageType.SHED: {"level": OneOf(choices=ShedLevel), "reason": Str(), "token": Str()},
     MessageType.SHUTDOWN: {"reason": Str(), "restart": Bool(), "token": Str()},
     MessageType.PING: {},
+    MessageType.PREFIX_CACHE: {"action": OneOf(choices=PrefixCacheAction), "token": Str()},
     MessageType.COUNT_TOKENS: {
         "prompt": Str(max_chars=4 * 1024 * 1024),
         "messages": AnyList(),

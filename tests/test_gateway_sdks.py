@@ -128,6 +128,7 @@ def test_chat_matches_moe_run(stack, model_name, oai, llama, claude):
 
     counted = claude.messages.count_tokens(model=model_name, messages=messages)
     assert counted.input_tokens == message.usage.input_tokens > 0
+    assert 0 <= message.usage.cache_read_input_tokens <= message.usage.input_tokens
 
 
 def test_system_and_multi_turn_messages(stack, model_name, oai, claude):
@@ -147,6 +148,7 @@ def test_system_and_multi_turn_messages(stack, model_name, oai, claude):
     message = claude.messages.create(model=model_name, system=system, messages=turns, max_tokens=N)
     assert message.content[0].text == chat.choices[0].message.content
     assert message.usage.input_tokens == chat.usage.prompt_tokens
+    assert chat.usage.prompt_tokens_details.cached_tokens >= 0
 
 
 def _stop_across_tokens(tokens: list[dict]) -> str:

@@ -34,6 +34,8 @@ def chunked(tmp_path_factory, tiny_model):
         "--resident",
         "--prefill-chunk",
         str(CHUNK),
+        "--prefix-cache",  # every test sends the same prompt: each must read it in chunks
+        "0",
         env={"MOED_PLAN_CONTEXT_TOKENS": str(PLAN_TOKENS)},
     )
     yield d

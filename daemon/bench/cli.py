@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from moed.daemon.bench.agent import bench_agent
 from moed.daemon.bench.batch import bench_batch
 from moed.daemon.bench.pipeline import pipeline
 from moed.daemon.bench.policy import policy
@@ -19,6 +20,7 @@ def bench() -> None:
     """Benchmarks: each prints numbers measured side by side in one run."""
 
 
+bench.add_command(bench_agent)
 bench.add_command(bench_batch)
 bench.add_command(bench_format)
 bench.add_command(bench_serve)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
@@ -55,9 +55,31 @@ class PromptProgress:
 
 
 @dataclass(frozen=True)
+class SavedRow:
+    """A row's caches for the prefix cache: the `tokens` its layers hold, with recurrent-state
+    checkpoints (position -> the untrimmable layers' caches); at its prompt's end or its end."""
+
+    uid: int
+    tokens: list[int]
+    layers: list
+    checkpoints: dict
+
+
+@dataclass
+class _RowPrefix:
+    """What the prefix cache wants from a row while its prompt is read."""
+
+    context: list[int]
+    start: int  # context tokens its caches held when it joined
+    wanted: frozenset[int]  # positions to checkpoint recurrent state at
+    checkpoints: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class StepOutput:
     prompts: tuple[PromptProgress, ...]
     tokens: tuple[TokenOut, ...]
+    saved: tuple[SavedRow, ...] = ()
 
 
 class ChunkSizer:
@@ -107,6 +129,7 @@ class DecodeBatch:
         max_batch: int,
         prefill_chunk: int,
         budget: ChunkBudget | None = None,
+        trimmable: tuple[bool, ...] | None = None,
     ) -> None:
         stop = [[int(t)] for t in eos_token_ids]
         self._gen = BatchGenerator(
@@ -124,6 +147,9 @@ class DecodeBatch:
         self._kv: dict[int, int] = {}  # the KV rows each live row may grow to
         self._sizer = ChunkSizer(prefill_chunk, budget)
         self._rows_seen: tuple[int, ...] = ()  # the decoding rows the masks were fitted to
+        # With a prefix cache: which layers can be cut back, and what each row owes it.
+        self._trimmable = trimmable
+        self._prefix: dict[int, _RowPrefix] = {}
 
     @property
     def rows(self) -> int:
@@ -135,30 +161,58 @@ class DecodeBatch:
         max_new_tokens: int,
         sampler: Sampler,
         constraint: LogitsProcessor | None = None,
+        hit=None,
+        checkpoints: tuple[int, ...] = (),
     ) -> int:
         """Queue a request's context for prefill; returns its row id. A `constraint` (a grammar's
-        token mask) applies to this row's logits only."""
-        (uid,) = self._gen.insert(
-            [context],
+        token mask) applies to this row's logits only. With a prefix-cache `hit` (a PrefixHit) the
+        row starts from its caches and reads only the rest; the prompt is cut into segments at
+        `checkpoints` so that the row's recurrent state can be kept there."""
+        start = hit.length if hit is not None else 0
+        cuts = [p for p in checkpoints if start < p < len(context) - 1]
+        if self._trimmable is not None and len(context) - 1 > start:
+            cuts.append(len(context) - 1)  # the prompt's end: the whole row is kept there
+        segments, at = [], start
+        for cut in cuts:
+            segments.append(context[at:cut])
+            at = cut
+        segments.append(context[at:])
+        (uid,) = self._gen.insert_segments(
+            [segments],
             max_tokens=[max_new_tokens],
+            caches=[hit.caches] if hit is not None else None,
+            all_tokens=[list(context[:start])] if hit is not None else None,
             samplers=[sampler],
             logits_processors=[[constraint] if constraint is not None else []],
         )
         self._live.add(uid)
         self._kv[uid] = len(context) + max_new_tokens
+        if self._trimmable is not None:
+            inherited = dict(hit.inherited) if hit is not None else {}
+            self._prefix[uid] = _RowPrefix(context, start, frozenset(cuts), inherited)
         return uid
 
-    def remove(self, uid: int) -> None:
-        """Drop a row (cancelled or failed); a row that already finished is ignored."""
-        if uid in self._live:
-            self._forget(uid)
-            self._gen.remove([uid])
-            self._fit_masks()
+    def remove(self, uid: int, keep: bool = False) -> SavedRow | None:
+        """Drop a row (cancelled, failed or ended by the engine); a row that already finished is
+        ignored. With `keep`, returns its caches for the prefix cache."""
+        if uid not in self._live:
+            return None
+        row = self._prefix.get(uid)
+        self._forget(uid)
+        caches = self._gen.remove([uid], return_prompt_caches=keep and row is not None)
+        self._fit_masks()
+        if uid not in caches:
+            return None
+        layers, tokens = caches[uid]
+        if not layers or len(tokens) <= row.start:
+            return None  # nothing read that the cache does not hold already
+        return SavedRow(uid, list(tokens), list(layers), dict(row.checkpoints))
 
     def _forget(self, uid: int) -> None:
         self._live.discard(uid)
         self._decoding.discard(uid)
         self._read.pop(uid, None)
+        self._prefix.pop(uid, None)
         self._kv.pop(uid, None)
 
     def step(self) -> StepOutput:
@@ -170,10 +224,16 @@ class DecodeBatch:
         t0 = time.perf_counter()
         prompts, generated = self._gen.next()
         step_s = time.perf_counter() - t0
+        saved = self._capture(prompts) if self._prefix else []
         tokens = []
         for r in generated:
             finish = _FINISH.get(r.finish_reason) if r.finish_reason else None
             if finish is not None:
+                row = self._prefix.get(r.uid)
+                if row is not None and r.prompt_cache:
+                    saved.append(
+                        SavedRow(r.uid, list(r.all_tokens), r.prompt_cache, dict(row.checkpoints))
+                    )
                 self._forget(r.uid)
             else:
                 self._decoding.add(r.uid)
@@ -187,7 +247,31 @@ class DecodeBatch:
                 self._read.pop(p.uid, None)
         self._sizer.measured(step_s, bool(generated), read)
         self._fit_masks()
-        return StepOutput(progress, tuple(tokens))
+        return StepOutput(progress, tuple(tokens), tuple(saved))
+
+    def _capture(self, prompts) -> list[SavedRow]:
+        """Keep what the prefix cache asked for of the rows whose prompt segment just ended: the
+        recurrent state at a checkpoint, the whole row at its prompt's end."""
+        saved = []
+        batch = self._gen._prompt_batch  # mlx-lm 0.32 (pinned): the rows reading their prompt
+        for p in prompts:
+            row = self._prefix.get(p.uid)
+            if row is None or not p.end_of_segment or p.uid not in batch.uids:
+                continue
+            pos = row.start + int(p.progress[0])
+            if pos not in row.wanted:
+                continue
+            idx = batch.uids.index(p.uid)
+            if pos == len(row.context) - 1:
+                layers = batch.extract_cache(idx)
+                saved.append(SavedRow(p.uid, row.context[:pos], layers, dict(row.checkpoints)))
+                if not all(self._trimmable):
+                    row.checkpoints[pos] = [c for c, t in zip(layers, self._trimmable) if not t]
+            else:
+                row.checkpoints[pos] = [
+                    c.extract(idx) for c, cut in zip(batch.prompt_cache, self._trimmable) if not cut
+                ]
+        return saved
 
     def _fit_masks(self) -> None:
         # mlx-lm 0.32's decoding batch (the version is pinned): its rows and per-layer caches.

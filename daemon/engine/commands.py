@@ -33,8 +33,13 @@ class Shed:
 
 
 @dataclass(frozen=True)
+class ClearPrefixCache:
+    """Empty the prefix KV cache, in memory and on the SSD."""
+
+
+@dataclass(frozen=True)
 class Stop:
     """Wake the engine thread so that it sees the stop flag and drains."""
 
 
-EngineCommand = Submit | Cancel | Shed | Stop
+EngineCommand = Submit | Cancel | Shed | ClearPrefixCache | Stop

@@ -17,7 +17,14 @@ from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.failure import is_group_failure
 from moed.daemon.distributed.spec import pipeline_enabled
 from moed.daemon.engine.batch import DecodeBatch, StepOutput
-from moed.daemon.engine.commands import Cancel, EngineCommand, Shed, Stop, Submit
+from moed.daemon.engine.commands import (
+    Cancel,
+    ClearPrefixCache,
+    EngineCommand,
+    Shed,
+    Stop,
+    Submit,
+)
 from moed.daemon.engine.heartbeat import StepHeartbeat
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.lifecycle import ModelLifecycle
@@ -87,6 +94,7 @@ class EngineCore(ModelLifecycle):
         self.keep_alive = KeepAlive(None if pipeline_enabled(serve) else serve.keep_alive_s)
         self.status.update(keep_alive_s=self.keep_alive.seconds)
         self._ranks_at = 0.0  # when the pipeline ranks' status was last gathered
+        self.prefix_cache = None  # a PrefixCache while a model is loaded and the cache is on
 
     @property
     def has_work(self) -> bool:
@@ -122,6 +130,8 @@ class EngineCore(ModelLifecycle):
                 self._finish(gen, FinishReason.CANCELLED)
         elif isinstance(command, Shed):
             self._shed(command.level)
+        elif isinstance(command, ClearPrefixCache):
+            log.warning("prefix cache cleared: %s", self.clear_prefix_cache())
         elif not isinstance(command, Stop):  # Stop only wakes the owner's loop
             raise TypeError(f"not an engine command: {command!r}")
 
@@ -187,11 +197,49 @@ class EngineCore(ModelLifecycle):
     def _join(self, gen: Generation) -> None:
         """A request takes its row: its context is queued for prefill in the next steps."""
         gen.started = time.perf_counter()
-        gen.uid = self.batch.insert(gen.context, gen.max_new_tokens, gen.sampler, gen.constraint)
+        hit, marks = self._prefix_lookup(gen.context)
+        gen.cached_tokens = hit.length if hit is not None else 0
+        gen.uid = self.batch.insert(
+            gen.context, gen.max_new_tokens, gen.sampler, gen.constraint, hit, marks
+        )
         self._rows[gen.uid] = gen
         self._publish_counts()
         if len(self._rows) > self.status.get("peak_running_requests"):
             self.status.update(peak_running_requests=len(self._rows))
+
+    def _prefix_lookup(self, context: list[int]):
+        """The prefix cache's hit for a joining row and where to checkpoint it (advisory: a
+        failure here is a warning and a full prompt read)."""
+        if self.prefix_cache is None:
+            return None, ()
+        try:
+            hit = self.prefix_cache.lookup(context)
+            start = hit.length if hit is not None else 0
+            return hit, self.prefix_cache.checkpoint_positions(start, len(context))
+        except Exception:
+            log.exception("prefix cache lookup failed; reading the whole prompt")
+            return None, ()
+
+    def _keep_prefix(self, row) -> None:
+        if self.prefix_cache is None or row is None:
+            return
+        try:
+            self.prefix_cache.store(row.tokens, row.layers, row.checkpoints)
+        except Exception:
+            log.exception("prefix cache store failed")
+        self._publish_prefix_cache()
+
+    def clear_prefix_cache(self) -> dict:
+        """Empty both tiers; with no model loaded, the SSD tier's folder all the same."""
+        from moed.daemon.engine.prefix_cache.disk_tier import clear_folder
+        from moed.daemon.engine.prefix_cache.setup import prefix_cache_config
+
+        if self.prefix_cache is not None:
+            released = self.prefix_cache.clear()
+        else:
+            released = {"disk_bytes": clear_folder(prefix_cache_config(self.serve, None).disk_dir)}
+        self._publish_prefix_cache()
+        return released
 
     def _batch_failed(self, exc: Exception) -> None:
         """A step raised: the batch state is unknown, so every row fails and a new batch starts."""
@@ -209,8 +257,14 @@ class EngineCore(ModelLifecycle):
             if (gen := self._rows.get(chunk.uid)) is not None and gen.job.request.get("progress"):
                 req_id = gen.job.request["id"]
                 self.sink.emit(
-                    gen.job.identity, wire.prompt_progress(req_id, chunk.done, chunk.total)
+                    gen.job.identity,
+                    # Counted over the whole context: what the prefix cache held is read too.
+                    wire.prompt_progress(
+                        req_id, gen.cached_tokens + chunk.done, gen.cached_tokens + chunk.total
+                    ),
                 )
+        for row in out.saved:
+            self._keep_prefix(row)
         for tok in out.tokens:
             gen = self._rows.get(tok.uid)
             if gen is None:  # cancelled while its token was being computed
@@ -270,13 +324,15 @@ class EngineCore(ModelLifecycle):
         return data
 
     # ---- endings -----------------------------------------------------------------------------
-    def _forget(self, key: RequestKey) -> None:
+    def _forget(self, key: RequestKey, keep: bool = False) -> None:
         gen = self._gens.pop(key, None)
         self.scheduler.remove(key)
         if gen is not None and gen.uid is not None:
             self._rows.pop(gen.uid, None)
             if self.batch is not None:
-                self.batch.remove(gen.uid)  # a no-op for a row that finished by itself
+                # A no-op for a row that finished by itself; with `keep`, its caches are cached.
+                keep = keep and self.prefix_cache is not None
+                self._keep_prefix(self.batch.remove(gen.uid, keep=keep))
         # Published before the terminal message, so a client that saw `done` sees the count drop.
         self._publish_counts()
         if not self._gens:
@@ -296,7 +352,7 @@ class EngineCore(ModelLifecycle):
         reason: FinishReason | ErrorCode,
         message: str = "the daemon is shutting down",
     ) -> None:
-        self._forget(gen.job.key)
+        self._forget(gen.job.key, keep=not isinstance(reason, ErrorCode))
         req_id = gen.job.request["id"]
         finish_request_trace(gen.trace)  # its last chunk goes out before the terminal message
         if isinstance(reason, ErrorCode):
@@ -308,7 +364,11 @@ class EngineCore(ModelLifecycle):
             self._emit_segments(gen, [], tail)
         self.status.add(requests_served=1)
         self._refresh_ranks(force=True)  # a client that saw `done` sees every rank's counters
-        usage = {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion}
+        usage = {
+            "prompt_tokens": gen.prompt_tokens,
+            "completion_tokens": gen.completion,
+            "cached_tokens": min(gen.cached_tokens, gen.prompt_tokens),
+        }
         timings = gen.timings()
         msg = wire.done(
             req_id,
@@ -371,8 +431,11 @@ class EngineCore(ModelLifecycle):
         import mlx.core as mx
 
         released = 0
+        if self.prefix_cache is not None:  # cached prefixes go first: no request loses anything
+            released += self.prefix_cache.shed()
+            self._publish_prefix_cache()
         if self.loaded is not None and self.loaded.streamer is not None:
-            released = self.loaded.streamer.shed(0.5)
+            released += self.loaded.streamer.shed(0.5)
         if self.loaded is not None and self.loaded.pipeline is not None:
             self.loaded.pipeline.shed(0.5)  # every rank sheds its own cache
         mx.clear_cache()

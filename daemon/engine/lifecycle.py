@@ -70,6 +70,7 @@ class ModelLifecycle:
             self._group_failed(exc)
             return False
         self._watch_progress()
+        self._open_prefix_cache()
         self.batch = self._new_batch()
         self.status.update(
             state=DaemonState.READY,
@@ -96,12 +97,34 @@ class ModelLifecycle:
     def _new_batch(self) -> DecodeBatch:
         # A pipeline's leader mirrors every batch-cache change to the other ranks (cache_ops.py).
         eos = getattr(self.loaded.tokenizer, "eos_token_ids", None) or []
+        trimmable = self.prefix_cache.trimmable if self.prefix_cache is not None else None
         return DecodeBatch(
             self.loaded.model,
             eos,
             self.serve.max_batch,
             self.serve.prefill_chunk,
             lone_chunk_budget(self.loaded, self.serve),
+            trimmable,
+        )
+
+    def _open_prefix_cache(self) -> None:
+        from moed.daemon.engine.prefix_cache.setup import open_prefix_cache
+
+        if self.prefix_cache is None:
+            try:
+                self.prefix_cache = open_prefix_cache(self.serve, self.loaded, self.model_path)
+            except Exception:  # advisory: the daemon serves without it
+                log.exception("the prefix cache could not start; serving without it")
+            if self.prefix_cache is not None and self.prefix_cache.disk is not None:
+                # Counters read from the writer thread: plain values the engine only replaces.
+                self.prefix_cache.disk.on_written = self._publish_prefix_cache
+        self._publish_prefix_cache()
+
+    def _publish_prefix_cache(self) -> None:
+        cache = self.prefix_cache
+        self.status.update(
+            prefix_cache=cache.snapshot() if cache is not None else None,
+            prefix_entries=cache.entries() if cache is not None else None,
         )
 
     def maybe_unload(self) -> None:
@@ -146,6 +169,10 @@ class ModelLifecycle:
         if self.batch is not None:
             self.batch.close()
             self.batch = None
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()  # the SSD tier's pending writes land first
+            self.prefix_cache = None
+            self._publish_prefix_cache()
         pipeline = self.loaded.pipeline if self.loaded else None
         if pipeline is not None and self.exit_code != DaemonExit.RANK_FAILED:
             try:

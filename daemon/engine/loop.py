@@ -13,7 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moed.daemon.config import ServeConfig
-from moed.daemon.engine.commands import Cancel, EngineCommand, Shed, Stop, Submit
+from moed.daemon.engine.commands import (
+    Cancel,
+    ClearPrefixCache,
+    EngineCommand,
+    Shed,
+    Stop,
+    Submit,
+)
 from moed.daemon.engine.core import EngineCore, EventSink
 from moed.daemon.engine.request import GenerateJob, RequestKey
 from moed.daemon.engine.status import EngineStatus
@@ -79,6 +86,9 @@ class Engine:
 
     def shed(self, level: ShedLevel) -> None:
         self._inbox.put(Shed(level))
+
+    def clear_prefix_cache(self) -> None:
+        self._inbox.put(ClearPrefixCache())
 
     def stop(self) -> None:
         self._stop.set()

@@ -111,6 +111,7 @@ class Generation:
         self.uid: int | None = None  # its row id in the running batch, once admitted
         self.started: float | None = None  # when it joined the batch
         self.first_token_at: float | None = None
+        self.cached_tokens = 0  # context tokens the prefix cache held when it joined the batch
 
     @property
     def client(self) -> bytes:

@@ -72,6 +72,10 @@ class StatusRecord:
     crashing: dict | None = None  # the crash record written while this run is failing
     # A pipeline group: every rank's host, layers, memory and expert cache (rank 0 first).
     ranks: list | None = None
+    # The prefix KV cache's counters and tier sizes (engine/prefix_cache/), None when it is off;
+    # its entries (most recently used first) for `moe cache list`.
+    prefix_cache: dict | None = None
+    prefix_entries: list | None = None
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(StatusRecord))

@@ -61,6 +61,14 @@ def parse_budget(spec: str | int | float, experts_bytes: int, auto_bytes: int | 
     return _positive(int(number * _UNITS[unit]), spec)
 
 
+def parse_size(spec: str | int) -> int:
+    """A size in bytes (`3000000`, `12GB`, `512MiB`); 0 allowed (a tier that is off)."""
+    m = _SIZE.match(str(spec).lower())
+    if isinstance(spec, bool) or not m or m.group(2) not in _UNITS:
+        raise BudgetError(f"invalid size {spec!r} (use bytes, 12GB or 512MiB; 0 for off)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
 def _fraction(frac: float, experts_bytes: int, spec) -> int:
     if not 0.0 < frac <= 1.0:
         raise BudgetError(f"cache budget fraction {spec!r} must be in (0, 1]")

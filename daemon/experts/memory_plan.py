@@ -40,6 +40,7 @@ class MemoryPlan:
     num_layers: int
     slots_per_layer: int
     num_experts: int  # per layer
+    prefix_cache_bytes: int = 0  # the prefix KV cache's memory tier (engine/prefix_cache/)
 
     @property
     def required_bytes(self) -> int:
@@ -48,6 +49,7 @@ class MemoryPlan:
             + self.resident_bytes
             + self.cache_budget_bytes
             + self.kv_bytes
+            + self.prefix_cache_bytes
             + self.working_bytes
         )
 
@@ -68,6 +70,7 @@ class MemoryPlan:
                 f"({pct:.0f}% of {_gb(self.experts_bytes)} of experts: "
                 f"{self.slots_per_layer} of {self.num_experts} slots x {self.num_layers} layers)",
                 f"  KV cache         {_gb(self.kv_bytes):>10}",
+                f"  prefix cache     {_gb(self.prefix_cache_bytes):>10}",
                 f"  working memory   {_gb(self.working_bytes):>10}",
                 f"  total            {_gb(self.required_bytes):>10}",
             ]
@@ -177,6 +180,16 @@ def process_rss() -> int:
         return 0
 
 
+# The prefix cache's memory tier at `prefix_cache_bytes = "auto"`: a small share of what the plan
+# may use (a long agent conversation's KV cache), never more than the cap.
+PREFIX_AUTO_SHARE = 0.04
+PREFIX_AUTO_CAP = 2 * 10**9
+
+
+def auto_prefix_cache_bytes(usable_memory: int) -> int:
+    return int(min(PREFIX_AUTO_CAP, PREFIX_AUTO_SHARE * usable_memory))
+
+
 def make_plan(
     layout: ExpertLayout,
     resident_bytes: int,
@@ -186,13 +199,17 @@ def make_plan(
     working_bytes: int = 0,
     baseline_bytes: int | None = None,
     memory: tuple[int, int, str] | None = None,
+    prefix_cache_bytes: int | None = 0,
 ) -> MemoryPlan:
-    """`baseline_bytes` None: this process's RSS now (call before materializing weights)."""
+    """`baseline_bytes` None: this process's RSS now (call before materializing weights);
+    `prefix_cache_bytes` None: the automatic share of usable memory."""
     total, usable, source = memory or machine_memory()
+    if prefix_cache_bytes is None:
+        prefix_cache_bytes = auto_prefix_cache_bytes(usable)
     working = working_bytes or default_working_bytes(resident_bytes)
     baseline = process_rss() if baseline_bytes is None else baseline_bytes
     experts = layout.experts_bytes
-    auto = usable - baseline - resident_bytes - kv_bytes - working
+    auto = usable - baseline - resident_bytes - kv_bytes - prefix_cache_bytes - working
     budget = parse_budget(cache_budget, experts, auto_bytes=max(0, auto))
     slots = (
         slots_per_layer(budget, layout.expert_bytes, layout.num_experts)
@@ -213,6 +230,7 @@ def make_plan(
         num_layers=len(layout.num_experts),
         slots_per_layer=min(slots) if slots else 0,
         num_experts=max(layout.num_experts) if layout.num_experts else 0,
+        prefix_cache_bytes=prefix_cache_bytes,
     )
 
 
@@ -237,6 +255,7 @@ def plan_memory(
         working_bytes=working_bytes or cfg.working_bytes,
         baseline_bytes=baseline_bytes,
         memory=memory or _memory_override(cfg),
+        prefix_cache_bytes=getattr(cfg, "prefix_cache_bytes", 0),
     )
 
 

@@ -42,6 +42,8 @@ class StreamingConfig:
     state_dir: Path | None = None  # where the usage profile lives; None: no profile
     memory_bytes: int = 0  # 0: detect (RAM, cgroup limit, Metal working set)
     kv_bytes: int = 0  # KV cache estimate the auto budget leaves room for
+    # The prefix cache's memory tier, planned beside the KV cache; None: the plan's automatic share.
+    prefix_cache_bytes: int | None = 0
     working_bytes: int = 0  # 0: default estimate
     # Speculative: while layer L computes, read the experts layer L+1's router picks for layer L's
     # input. Exact either way (it only changes what is resident); costs bandwidth when wrong.
@@ -92,6 +94,7 @@ class ExpertStreamer:
             kv_bytes=cfg.kv_bytes,
             working_bytes=cfg.working_bytes,
             memory=_memory_override(cfg),
+            prefix_cache_bytes=cfg.prefix_cache_bytes,
         )
         self.baseline_bytes = self.plan.baseline_bytes  # measured before weights and pools exist
         self.budget_bytes = self.plan.cache_budget_bytes
@@ -384,6 +387,7 @@ class ExpertStreamer:
             working_bytes=(working_bytes or self.cfg.working_bytes),
             baseline_bytes=self.baseline_bytes,
             memory=_memory_override(self.cfg),
+            prefix_cache_bytes=self.cfg.prefix_cache_bytes,
         )
 
     def shed(self, fraction: float) -> int:

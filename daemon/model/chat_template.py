@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from moed.daemon.model.prompt_normalize import normalize_messages
 from moed.protocol import ErrorCode, ProtocolError
 
 
@@ -64,6 +65,7 @@ def render_messages(
             "this model has no chat template: send 'prompt' with 'raw' instead of 'messages'",
         )
     prefill = messages[-1].get("role") == "assistant"
+    messages = normalize_messages(messages)  # per-request lines out: cached prefixes still match
     try:
         return tokenizer.apply_chat_template(
             messages,

@@ -123,7 +123,19 @@ def streaming_config(serve: ServeConfig, model_config: dict):
         cache_policy=serve.cache_policy,
         memory_bytes=serve.memory_limit_bytes,
         kv_bytes=estimate_kv_bytes(model_config, serve.plan_context_tokens),
+        prefix_cache_bytes=prefix_cache_memory_bytes(serve),
     )
+
+
+def prefix_cache_memory_bytes(serve: ServeConfig) -> int | None:
+    """The prefix cache's memory tier as the plan counts it: None for the plan's automatic share,
+    0 under a pipeline (where it is off)."""
+    from moed.daemon.distributed.spec import pipeline_enabled
+    from moed.daemon.experts.budget import parse_size
+
+    if pipeline_enabled(serve):
+        return 0
+    return None if serve.prefix_cache_bytes == "auto" else parse_size(serve.prefix_cache_bytes)
 
 
 class CheckpointUnusable(RuntimeError):

@@ -100,6 +100,24 @@ class ConfigExit(click.ClickException):
     "--pipeline-split",
     help="Layers per rank: even (default), cost (from the checkpoint), or N,N,... (rank 0 first).",
 )
+@click.option(
+    "--prefix-cache",
+    "prefix_cache_bytes",
+    help="Prefix KV cache in memory: a size (default 1GB), 0 for none.",
+)
+@click.option(
+    "--prefix-cache-disk",
+    "prefix_cache_disk_bytes",
+    help="Prefix KV cache on the SSD: a size (default 10GB), 0 for none.",
+)
+@click.option(
+    "--prefix-cache-dir", help="The SSD tier's folder (default: <state dir>/prefix-cache)."
+)
+@click.option(
+    "--prefix-checkpoint-tokens",
+    type=int,
+    help="Hybrid models: tokens between recurrent-state checkpoints (default 1024).",
+)
 @log_level_option
 def serve(
     model,
@@ -120,6 +138,10 @@ def serve(
     pipeline,
     hostfile,
     pipeline_split,
+    prefix_cache_bytes,
+    prefix_cache_disk_bytes,
+    prefix_cache_dir,
+    prefix_checkpoint_tokens,
     log_level,
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or `moe stop`."""
@@ -149,6 +171,10 @@ def serve(
                 "pipeline": pipeline,
                 "hostfile": hostfile,
                 "pipeline_split": pipeline_split,
+                "prefix_cache_bytes": prefix_cache_bytes,
+                "prefix_cache_disk_bytes": prefix_cache_disk_bytes,
+                "prefix_cache_dir": prefix_cache_dir,
+                "prefix_checkpoint_tokens": prefix_checkpoint_tokens,
             },
         )
     except ConfigError as exc:

@@ -209,6 +209,7 @@ def build_stats(
             "window_s": rates.get("window_s"),
         },
         "experts": experts,
+        "prefix_cache": status.get("prefix_cache"),
         "memory": memory_stats(status.get("pid") or 0, status.get("rss_bytes"), probe),
         "restarts": status.get(
             "restarts", status.get("recent_crashes")

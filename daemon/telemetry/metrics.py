@@ -168,7 +168,37 @@ def _families(stats: dict) -> list[Family]:
         fam(
             "expert_read_bytes_per_second", "gauge", "Expert read rate over the recent window."
         ).add(ex.get("recent_bytes_read_per_s"))
+    _prefix_cache_families(stats.get("prefix_cache"), fam)
     return list(fams.values())
+
+
+def _prefix_cache_families(pc: dict | None, fam) -> None:
+    if not pc:
+        return
+    fam("prefix_cache_lookups", "counter", "Requests that asked the prefix cache.").add(
+        pc.get("lookups")
+    )
+    fam("prefix_cache_hits", "counter", "Requests that resumed from a cached prefix.").add(
+        pc.get("hits")
+    )
+    fam("prefix_cache_tokens_reused", "counter", "Prompt tokens not read again: cached.").add(
+        pc.get("tokens_reused")
+    )
+    per_tier = {
+        "bytes": fam("prefix_cache_bytes", "gauge", "Bytes held by the prefix cache, per tier."),
+        "budget_bytes": fam("prefix_cache_budget_bytes", "gauge", "Its budget, per tier."),
+        "entries": fam("prefix_cache_entries", "gauge", "Cached prefixes, per tier."),
+        "evictions": fam("prefix_cache_evictions", "counter", "Entries evicted, per tier."),
+    }
+    for tier in ("memory", "disk"):
+        for key, family in per_tier.items():
+            family.add(pc.get(f"{tier}_{key}"), tier=tier)
+    fam("prefix_cache_disk_loads", "counter", "Entries read back from the SSD tier.").add(
+        pc.get("disk_loads")
+    )
+    fam("prefix_cache_disk_skipped", "counter", "SSD entries skipped: corrupt or foreign.").add(
+        pc.get("disk_skipped")
+    )
 
 
 def render_metrics(stats: dict) -> str:

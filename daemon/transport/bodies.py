@@ -52,6 +52,7 @@ def welcome_body(self) -> dict:
 def status_body(self) -> dict[str, Any]:
     """The `status` body: the engine's snapshot, the progress deadline, crashes, the watchdog."""
     snap = self.status.snapshot()
+    snap.pop("prefix_entries", None)  # `prefix_cache` lists them; status stays small
     snap.update(self.progress.describe(snap))
     if self.progress.stalled_at is not None:
         snap["state"] = DaemonState.STALLED.value  # the transport's verdict over the engine's state

@@ -1,0 +1,74 @@
+"""`moe cache list|clear`: the daemon's prefix KV cache (what the turns of a conversation reuse)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from moed.protocol.units import format_bytes
+
+from .cli_common import global_options
+from .client import Client
+from .errors import DaemonUnavailable, RequestFailed
+from .exit_codes import ExitCode
+
+
+def _client(obj) -> Client:
+    return Client(global_options().socket_path, timeout=obj["timeout"])
+
+
+def _fail(code: ExitCode, message: str) -> None:
+    click.echo(f"moe: {message}", err=True)
+    sys.exit(code)
+
+
+def format_entries(body: dict) -> str:
+    if not body.get("enabled"):
+        return "prefix cache off (or no model loaded)"
+    rows = [f"{'key':<16} {'tokens':>7} {'checkpoints':>11} {'size':>9}  tiers        last used"]
+    now = time.time()
+    for e in body.get("entries") or []:
+        rows.append(
+            f"{e['key'][:16]:<16} {e['tokens']:>7} {e['checkpoints']:>11} "
+            f"{format_bytes(e['bytes']):>9}  {','.join(e['tiers']):<12} "
+            f"{now - e['last_used']:.0f}s ago"
+        )
+    return "\n".join(rows)
+
+
+@click.group()
+def cache() -> None:
+    """The prefix KV cache: list its entries or clear it."""
+
+
+@cache.command("list")
+@click.option("--json", "as_json", is_flag=True, help="The reply as one JSON object.")
+@click.pass_obj
+def list_entries(obj, as_json: bool) -> None:
+    """Cached prefixes, most recently used first, in memory and on the SSD."""
+    try:
+        with _client(obj) as client:
+            body = {k: v for k, v in client.prefix_cache("list").items() if k not in ("v", "id")}
+    except DaemonUnavailable as exc:
+        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc))
+    except RequestFailed as exc:
+        _fail(ExitCode.REQUEST_FAILED, f"{exc.code.value}: {exc}")
+    body.pop("type", None)
+    click.echo(json.dumps(body) if as_json else format_entries(body))
+
+
+@cache.command("clear")
+@click.pass_obj
+def clear(obj) -> None:
+    """Empty both tiers (the daemon's owner only)."""
+    try:
+        with _client(obj) as client:
+            client.prefix_cache("clear")
+    except DaemonUnavailable as exc:
+        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc))
+    except RequestFailed as exc:
+        _fail(ExitCode.REQUEST_FAILED, f"{exc.code.value}: {exc}")
+    click.echo("moe: prefix cache cleared", err=True)

@@ -1,0 +1,273 @@
+"""`moed bench agent`: a growing agent conversation (a long system prompt, then turns that each send
+the whole history again) through `moed gateway`, resident and at a streaming budget, beside
+mlx_lm.server (its own prompt cache) started on the same checkpoint; then the same conversation
+continued after a daemon restart. Time to first token per turn, tokens reused, expert bytes read
+per prompt token read, and the issue's ratios, measured in one run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import click
+
+from moed.daemon.bench.agent_report import print_report
+
+
+@dataclass(frozen=True)
+class Conversation:
+    system: str  # the long system prompt (tool definitions in a real agent)
+    users: tuple[str, ...]  # one user message per turn, the last one for the turn after a restart
+    max_tokens: int
+
+
+@dataclass
+class TurnResult:
+    ttft_s: float
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    read_bytes: int | None = None  # expert bytes the daemon read for this turn (streaming)
+
+
+@dataclass
+class SideResult:
+    name: str
+    turns: list[TurnResult] = field(default_factory=list)
+    new_only: TurnResult | None = None  # only the last turn's new text, alone
+    restarted: TurnResult | None = None  # the next turn, first after a daemon restart
+
+
+def make_conversation(tokenizer, system_tokens: int, turns: int, user_tokens: int, seed: int):
+    """Text decoded from seeded token ids (no special tokens), so any tokenizer has words."""
+    rng = random.Random(seed)
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    vocab = [i for i in range(min(tokenizer.vocab_size, 32000)) if i not in special]
+
+    def text(n: int) -> str:
+        return tokenizer.decode([rng.choice(vocab) for _ in range(n)])
+
+    users = tuple(f"\nUser: {text(user_tokens)}\nAssistant:" for _ in range(turns + 1))
+    return Conversation(text(system_tokens), users, 0)
+
+
+def stream_completion(http, url: str, model: str | None, prompt: str, max_tokens: int):
+    """One streamed /v1/completions call: (time to the first text, the text, the usage)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    if model is not None:
+        body["model"] = model
+    t0 = time.perf_counter()
+    first, parts, usage = None, [], None
+    with http.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as resp:
+        if resp.status_code != 200:  # e.g. 413: the conversation outgrew the model's context
+            raise click.ClickException(
+                f"{url} answered {resp.status_code}: {resp.read().decode(errors='replace')[:500]}"
+                " (a shorter --system-tokens, fewer --turns or --user-tokens fit)"
+            )
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                if choice.get("text"):
+                    first = first or time.perf_counter()
+                    parts.append(choice["text"])
+    return (first or time.perf_counter()) - t0, "".join(parts), usage or {}
+
+
+def converse(http, url, model, conv: Conversation, turns: int, read_bytes=None) -> tuple:
+    """`turns` turns, each sending the whole history: the results, each turn's prompt, and the
+    history after the last answer."""
+    history, results, prompts = conv.system, [], []
+    for k in range(turns):
+        prompt = history + conv.users[k]
+        before = read_bytes() if read_bytes else None
+        ttft, answer, usage = stream_completion(http, url, model, prompt, conv.max_tokens)
+        results.append(_result(ttft, usage, before, read_bytes))
+        prompts.append(prompt)
+        history = prompt + answer
+    return results, prompts, history
+
+
+def _result(ttft, usage, before, read_bytes) -> TurnResult:
+    details = usage.get("prompt_tokens_details") or {}
+    read = read_bytes() - before if read_bytes and before is not None else None
+    return TurnResult(ttft, usage.get("prompt_tokens"), details.get("cached_tokens"), read)
+
+
+class MoedSide:
+    """A daemon (own state dir, so its SSD tier survives its restart) and a gateway before it."""
+
+    def __init__(self, name: str, model: Path, run_dir: Path, args: tuple[str, ...]):
+        self.name, self.model, self.args = name, model, args
+        self.dir = run_dir / name.replace("%", "pct")
+        self.socket = run_dir / f"{len(name)}-{abs(hash(name)) % 10**6}.sock"
+        self.daemon = self.gateway = None
+        self.url = ""
+
+    def start(self) -> None:
+        from moed.client.autostart import start_daemon, wait_until_ready
+        from moed.daemon.bench.gateway_timing import start_gateway
+
+        state = ("--state-dir", str(self.dir / "state"), "--log-level", "WARNING")
+        self.daemon = start_daemon(
+            self.socket, str(self.model), (*state, *self.args), env={"MOED_LOG_DIR": str(self.dir)}
+        )
+        wait_until_ready(self.socket, self.daemon, 300)
+        self.gateway, self.url = start_gateway(self.socket, self.dir / "gateway.log")
+
+    def read_bytes(self) -> int:
+        from moed.client import Client
+
+        with Client(self.socket, timeout=10.0) as c:
+            return int((c.stats().get("experts") or {}).get("bytes_read") or 0)
+
+    def stop(self) -> None:
+        from moed.client import Client
+
+        for proc in (self.gateway, self.daemon):
+            if proc is None or proc.poll() is not None:
+                continue
+            try:
+                if proc is self.daemon:
+                    with Client(self.socket, timeout=10.0) as c:
+                        c.shutdown("bench agent")  # a clean drain: the SSD writes land
+                else:
+                    proc.terminate()
+                proc.wait(60)
+            except Exception:
+                proc.kill()
+                proc.wait(10)
+
+
+def start_mlx_lm_server(model: Path, log_path: Path, prefill_chunk: int):
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--port", str(port)]
+    cmd += ["--prefill-step-size", str(prefill_chunk), "--log-level", "WARNING"]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise click.ClickException(f"mlx_lm.server exited: {log_path.read_text()[-2000:]}")
+        try:
+            httpx.get(f"{url}/v1/models", timeout=1.0)
+            return proc, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise click.ClickException("mlx_lm.server did not answer within 300s")
+
+
+def run_moed_side(http, side: MoedSide, conv: Conversation, turns: int, streaming: bool):
+    result = SideResult(side.name)
+    side.start()
+    try:
+        model = http.get(f"{side.url}/v1/models").json()["data"][0]["id"]
+        reads = side.read_bytes if streaming else None
+        result.turns, prompts, history = converse(http, side.url, model, conv, turns, reads)
+        # The last turn's new text alone (the answer before it and its user message): what the
+        # prefix cache leaves that turn to read, with nothing before it.
+        new_text = prompts[-1][len(prompts[-2]) :] if turns > 1 else prompts[-1]
+        ttft, _, usage = stream_completion(http, side.url, model, new_text, conv.max_tokens)
+        result.new_only = _result(ttft, usage, None, None)
+        side.stop()
+        side.start()  # a new daemon process: its memory tier is empty, the SSD tier is not
+        # A short request first, so that a new process's one-time costs (the first graphs, the
+        # gateway's first connection) are not counted as the prefix cache's.
+        stream_completion(http, side.url, model, conv.users[0][:8], 1)
+        before = side.read_bytes() if streaming else None
+        prompt = history + conv.users[turns]
+        ttft, _, usage = stream_completion(http, side.url, model, prompt, conv.max_tokens)
+        result.restarted = _result(ttft, usage, before, reads)
+    finally:
+        side.stop()
+    return result
+
+
+@click.command("agent")
+@click.option("--model", default="demo", show_default=True, help="Checkpoint folder, Hub id, demo.")
+@click.option("--system-tokens", default=1500, show_default=True, help="System prompt length.")
+@click.option("--turns", default=6, show_default=True, help="Turns, each re-sending the history.")
+@click.option("--user-tokens", default=60, show_default=True, help="Tokens per user message.")
+@click.option("--max-tokens", default=16, show_default=True, help="Tokens generated per turn.")
+@click.option("--budget", default="25%", show_default=True, help="The streaming side's budget.")
+@click.option("--prefill-chunk", default=256, show_default=True, help="Both servers' chunk.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the conversation's text.")
+@click.option("--no-mlx-lm", is_flag=True, help="Skip the mlx_lm.server column.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="Also write JSON here.")
+def bench_agent(
+    model,
+    system_tokens,
+    turns,
+    user_tokens,
+    max_tokens,
+    budget,
+    prefill_chunk,
+    seed,
+    no_mlx_lm,
+    json_out,
+) -> None:
+    """A growing agent conversation through the gateway, resident and streaming, beside
+    mlx_lm.server; then continued after a daemon restart. TTFT per turn and the ratios."""
+    import httpx
+    from mlx_lm.utils import load_tokenizer
+
+    from moed.daemon.model.source import resolve_model
+
+    path = resolve_model(model)
+    tokenizer = load_tokenizer(path)
+    conv = make_conversation(tokenizer, system_tokens, turns, user_tokens, seed)
+    conv = Conversation(conv.system, conv.users, max_tokens)
+    run_dir = Path(tempfile.mkdtemp(prefix="moed-bench-agent-", dir="/tmp"))
+    chunk = ("--prefill-chunk", str(prefill_chunk))
+    sides = [
+        (MoedSide("resident", path, run_dir, ("--resident", *chunk)), False),
+        (MoedSide(budget, path, run_dir, ("--cache-budget", budget, *chunk)), True),
+    ]
+    results: list[SideResult] = []
+    try:
+        with httpx.Client() as http:
+            for side, streaming in sides:
+                click.echo(f"moed {side.name}: {turns} turns, a restart, one more turn", err=True)
+                results.append(run_moed_side(http, side, conv, turns, streaming))
+            if not no_mlx_lm:
+                click.echo("mlx_lm.server: the same conversation", err=True)
+                proc, url = start_mlx_lm_server(path, run_dir / "mlx_lm.log", prefill_chunk)
+                try:
+                    mlx = SideResult("mlx_lm.server")
+                    mlx.turns, _, _ = converse(http, url, None, conv, turns)
+                    results.append(mlx)
+                finally:
+                    proc.terminate()
+                    proc.wait(30)
+    finally:
+        for side, _ in sides:
+            side.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    header = {
+        "model": str(path),
+        "system_tokens": system_tokens,
+        "turns": turns,
+        "user_tokens": user_tokens,
+        "max_tokens": max_tokens,
+        "prefill_chunk": prefill_chunk,
+    }
+    print_report(header, results)
+    if json_out:
+        json_out.write_text(json.dumps({**header, "sides": [asdict(r) for r in results]}, indent=1))

@@ -1,0 +1,368 @@
+"""The SSD tier: prefix entries as safetensors files (mlx-lm's save_prompt_cache) in one folder,
+bounded in bytes, least recently used out first, written on a thread of its own and atomically
+(a temporary file renamed into place), each stamped with a fingerprint of the model's files,
+moed's version and the cache layout. It survives idle unloads, restarts and crashes.
+
+Like every side file it is advisory: a corrupt, truncated or foreign entry is skipped with a
+warning, a full disk or a read-only folder is a warning, and the request is served either way.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moed.daemon.engine.prefix_cache.entry import PrefixEntry, resumable
+
+log = logging.getLogger("moed.prefix_cache")
+
+FORMAT = "moed-prefix-cache"
+LAYOUT_VERSION = 1  # what the files hold and how: bump on any change
+SUFFIX = ".safetensors"
+WRITE_QUEUE = 8  # entries waiting for the writer; more are dropped (the cache is advisory)
+_MAX_HEADER = 64 << 20
+
+
+def model_fingerprint(model_path: Path, layer_classes: list[str]) -> str:
+    """The model's files (names, sizes, mtimes), moed's version and the cache layout, hashed."""
+    from moed.daemon import __version__
+
+    h = hashlib.sha256(f"{FORMAT} {LAYOUT_VERSION} moed {__version__}\n".encode())
+    for f in sorted(Path(model_path).iterdir()):
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    h.update(",".join(layer_classes).encode())
+    return h.hexdigest()[:32]
+
+
+def checksum(caches: list) -> str:
+    """CRC-32 of every array the caches hold, in order: safetensors has no checksum of its own,
+    and a flipped bit must never reach a request as a wrong token."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    crc = 0
+    for _, a in tree_flatten([c.state for c in caches]):
+        if isinstance(a, mx.array):
+            view = memoryview(a)
+            crc = zlib.crc32(view.cast("B") if view.c_contiguous else view.tobytes(), crc)
+    return f"{crc:08x}"
+
+
+@dataclass
+class DiskRecord:
+    key: str
+    path: Path
+    tokens: np.ndarray
+    checkpoints: tuple[int, ...]
+    nbytes: int
+    last_used: float
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+def read_metadata(path: Path) -> dict:
+    """A safetensors file's own metadata, from its header alone (ValueError when unreadable)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError("truncated header")
+        (n,) = struct.unpack("<Q", head)
+        if not 0 < n <= _MAX_HEADER:
+            raise ValueError(f"header length {n}")
+        raw = f.read(n)
+    if len(raw) != n:
+        raise ValueError("truncated header")
+    header = json.loads(raw)
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict):
+        raise ValueError("no metadata")
+    # save_prompt_cache flattens [metadata, classes, scalars]: ours are the "0." keys.
+    return {k[2:]: v for k, v in meta.items() if k.startswith("0.")}
+
+
+class DiskTier:
+    def __init__(
+        self, directory: Path, budget_bytes: int, fingerprint: str, trimmable: tuple[bool, ...]
+    ) -> None:
+        self.dir = Path(directory)
+        self.budget_bytes = budget_bytes
+        self.fingerprint = fingerprint
+        self.trimmable = trimmable
+        self._lock = threading.Lock()  # the records, shared with the writer thread
+        self._records: dict[str, DiskRecord] = {}
+        self._foreign: dict[Path, tuple[int, float]] = {}  # other models' entries: size, mtime
+        self._warned: set[str] = set()
+        self.loads = self.writes = self.evictions = self.skipped = self.write_errors = 0
+        self.on_written = lambda: None  # the owner republishes its counters (writer thread)
+        self._scan()
+        self._queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE)
+        self._writer = threading.Thread(
+            target=self._write_loop, name="moed-prefix-ssd", daemon=True
+        )
+        self._writer.start()
+
+    # ---- the index ----------------------------------------------------------------------------
+    def _scan(self) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            paths = sorted(self.dir.glob("*" + SUFFIX))
+        except OSError as exc:
+            self._warn("dir", f"prefix cache: cannot use {self.dir} ({exc}); no SSD tier")
+            return
+        foreign = 0
+        for path in paths:
+            if path.name.startswith("."):  # a write cut short by a crash
+                _unlink(path)
+                continue
+            try:
+                meta, st = read_metadata(path), path.stat()
+                if meta.get("format") != FORMAT or meta.get("fingerprint") != self.fingerprint:
+                    self._foreign[path] = (st.st_size, st.st_mtime)
+                    foreign += 1
+                    continue
+                self._records[path.stem] = self._record(path, meta, st.st_size, st.st_mtime)
+            except (OSError, ValueError, KeyError) as exc:
+                self.skipped += 1
+                log.warning("prefix cache: skipping corrupt entry %s (%s)", path.name, exc)
+                _unlink(path)
+        if foreign:
+            self.skipped += foreign
+            log.warning(
+                "prefix cache: %d entries in %s are of another model, moed version or cache "
+                "layout; skipped (they leave as the least recently used)",
+                foreign,
+                self.dir,
+            )
+
+    @staticmethod
+    def _record(path: Path, meta: dict, size: int, mtime: float) -> DiskRecord:
+        tokens = np.frombuffer(base64.b64decode(meta["tokens"]), dtype="<i4").astype(np.int32)
+        checkpoints = tuple(int(p) for p in json.loads(meta["checkpoints"]))
+        return DiskRecord(path.stem, path, tokens, checkpoints, size, mtime)
+
+    def records(self) -> list[DiskRecord]:
+        with self._lock:
+            return list(self._records.values())
+
+    def best(self, context: np.ndarray, limit: int) -> tuple[DiskRecord | None, int]:
+        from moed.daemon.engine.prefix_cache.entry import common_prefix
+
+        found, length = None, 0
+        for rec in self.records():
+            common = min(common_prefix(rec.tokens, context), limit)
+            usable = resumable(rec.length, rec.checkpoints, common, self.trimmable)
+            if usable > length:
+                found, length = rec, usable
+        return found, length
+
+    def touch(self, key: str) -> None:
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is None:
+                return
+            rec.last_used = time.time()
+        try:
+            os.utime(rec.path)  # the LRU order survives a restart
+        except OSError:
+            pass
+
+    # ---- reading ------------------------------------------------------------------------------
+    def load(self, rec: DiskRecord) -> PrefixEntry | None:
+        """The entry of `rec`, or None (with a warning, the file removed) when it cannot be read."""
+        from mlx_lm.models.cache import load_prompt_cache
+
+        try:
+            caches, meta = load_prompt_cache(str(rec.path), return_metadata=True)
+            if meta.get("fingerprint") != self.fingerprint or meta.get("format") != FORMAT:
+                raise ValueError("written for another model, moed version or layout")
+            if meta.get("crc32") != checksum(caches):
+                raise ValueError("its data does not match its checksum")
+            layers, rest = caches[: len(self.trimmable)], caches[len(self.trimmable) :]
+            width = sum(not t for t in self.trimmable)
+            if len(layers) != len(self.trimmable) or len(rest) != width * len(rec.checkpoints):
+                raise ValueError("its layers do not match the model's")
+            checkpoints = {
+                p: rest[i * width : (i + 1) * width] for i, p in enumerate(rec.checkpoints)
+            }
+            entry = PrefixEntry(rec.tokens.copy(), layers, checkpoints, key=rec.key)
+        except Exception as exc:  # corrupt, truncated, foreign: never a failed request
+            log.warning("prefix cache: skipping unreadable entry %s (%s)", rec.path.name, exc)
+            self.skipped += 1
+            self._forget(rec.key, unlink=True)
+            return None
+        self.loads += 1
+        return entry
+
+    # ---- writing ------------------------------------------------------------------------------
+    def write(self, entry: PrefixEntry) -> None:
+        """Queue `entry` for the writer (its arrays are evaluated: the writer only reads them)."""
+        if entry.nbytes > self.budget_bytes:
+            return
+        try:
+            self._queue.put_nowait(entry)
+        except queue.Full:
+            log.debug("prefix cache: SSD writer busy; entry %s not written", entry.key)
+
+    def _write_loop(self) -> None:
+        while (entry := self._queue.get()) is not None:
+            try:
+                self._write(entry)
+                self.on_written()
+            except Exception:  # a bug here must not kill the writer silently
+                log.exception("prefix cache: SSD write failed")
+            finally:
+                self._queue.task_done()
+
+    def _write(self, entry: PrefixEntry) -> None:
+        from mlx_lm.models.cache import save_prompt_cache
+
+        final = self.dir / (entry.key + SUFFIX)
+        tmp = self.dir / f".{entry.key}.{os.getpid()}.tmp{SUFFIX}"
+        positions = sorted(entry.checkpoints)
+        caches = list(entry.layers) + [c for p in positions for c in entry.checkpoints[p]]
+        meta = {
+            "format": FORMAT,
+            "fingerprint": self.fingerprint,
+            "tokens": base64.b64encode(np.asarray(entry.tokens, dtype="<i4").tobytes()).decode(),
+            "checkpoints": json.dumps(positions),
+            "crc32": checksum(caches),
+        }
+        try:
+            save_prompt_cache(str(tmp), caches, meta)
+            os.replace(tmp, final)  # a reader sees the whole file or none
+            size = final.stat().st_size
+        except (OSError, RuntimeError, ValueError) as exc:  # full disk, read-only folder, ...
+            _unlink(tmp)
+            self.write_errors += 1
+            self._warn(
+                "write:" + type(exc).__name__,
+                f"prefix cache: cannot write to {self.dir} ({exc}); requests are served, "
+                "this entry stays in memory only",
+            )
+            return
+        self.writes += 1
+        rec = DiskRecord(entry.key, final, entry.tokens, tuple(positions), size, time.time())
+        with self._lock:
+            self._records[entry.key] = rec
+            superseded = [r for r in self._records.values() if self._covers(rec, r)]
+        for old in superseded:
+            self._forget(old.key, unlink=True)
+        self._enforce_budget()
+
+    def _covers(self, new: DiskRecord, old: DiskRecord) -> bool:
+        """`new` resumes everything `old` can: its tokens extend old's, and (hybrid) it keeps
+        state at every position old does."""
+        if old.key == new.key or old.length > new.length:
+            return False
+        if not np.array_equal(new.tokens[: old.length], old.tokens):
+            return False
+        if all(self.trimmable):
+            return True
+        ours = {*new.checkpoints, new.length}
+        return {*old.checkpoints, old.length} <= ours
+
+    def _enforce_budget(self) -> None:
+        with self._lock:
+            files = [(r.last_used, r.nbytes, r.path, r.key) for r in self._records.values()]
+            files += [(m, s, p, None) for p, (s, m) in self._foreign.items()]
+        total = sum(f[1] for f in files)
+        for _, size, path, key in sorted(files, key=lambda f: f[0]):
+            if total <= self.budget_bytes:
+                break
+            if key is not None:
+                self._forget(key, unlink=True)
+            else:
+                _unlink(path)
+                with self._lock:
+                    self._foreign.pop(path, None)
+            total -= size
+            self.evictions += 1
+
+    def _forget(self, key: str, unlink: bool) -> None:
+        with self._lock:
+            rec = self._records.pop(key, None)
+        if rec is not None and unlink:
+            _unlink(rec.path)
+
+    def _warn(self, kind: str, message: str) -> None:
+        if kind not in self._warned:  # one warning per kind of failure, not one per request
+            self._warned.add(kind)
+            log.warning("%s", message)
+
+    # ---- the rest -----------------------------------------------------------------------------
+    def clear(self) -> int:
+        with self._lock:
+            paths = [(r.path, r.nbytes) for r in self._records.values()]
+            paths += [(p, s) for p, (s, _) in self._foreign.items()]
+            self._records.clear()
+            self._foreign.clear()
+        for path, _ in paths:
+            _unlink(path)
+        return sum(s for _, s in paths)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            ours = sum(r.nbytes for r in self._records.values())
+            foreign = sum(s for s, _ in self._foreign.values())
+            entries = len(self._records)
+        return {
+            "disk_dir": str(self.dir),
+            "disk_entries": entries,
+            "disk_bytes": ours + foreign,
+            "disk_budget_bytes": self.budget_bytes,
+            "disk_evictions": self.evictions,
+            "disk_loads": self.loads,
+            "disk_writes": self.writes,
+            "disk_write_errors": self.write_errors,
+            "disk_skipped": self.skipped,
+        }
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every queued entry is written (tests, and a clean shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._queue.put(None)  # after the queued entries: they are written first
+        self._writer.join(timeout=60)
+
+
+def clear_folder(directory: Path) -> int:
+    """Remove every entry file of a folder (no tier open on it); returns the bytes removed."""
+    removed = 0
+    try:
+        paths = list(Path(directory).glob("*" + SUFFIX))
+    except OSError:
+        return 0
+    for path in paths:
+        try:
+            size = path.stat().st_size
+            path.unlink()
+            removed += size
+        except OSError:
+            pass
+    return removed
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass

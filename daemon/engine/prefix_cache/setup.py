@@ -1,0 +1,61 @@
+"""The prefix cache of a loaded model, built from the serve settings (None when it is off)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from moed.daemon.config import ServeConfig
+from moed.daemon.distributed.spec import pipeline_enabled
+from moed.daemon.engine.prefix_cache.cache import PrefixCache, PrefixCacheConfig
+from moed.daemon.experts.budget import parse_size
+
+log = logging.getLogger("moed.prefix_cache")
+
+
+def memory_tier_bytes(serve: ServeConfig, plan) -> int:
+    """The memory tier's budget: as set, or the memory plan's automatic share (`plan` None: a
+    resident model, planned against the machine the same way)."""
+    from moed.daemon.experts.memory_plan import auto_prefix_cache_bytes, machine_memory
+
+    if serve.prefix_cache_bytes != "auto":
+        return parse_size(serve.prefix_cache_bytes)
+    if plan is not None:
+        return plan.prefix_cache_bytes
+    limit = serve.memory_limit_bytes
+    return auto_prefix_cache_bytes(limit or machine_memory()[1])
+
+
+def prefix_cache_config(serve: ServeConfig, plan=None) -> PrefixCacheConfig:
+    disk_dir = Path(serve.prefix_cache_dir) if serve.prefix_cache_dir else None
+    return PrefixCacheConfig(
+        memory_bytes=memory_tier_bytes(serve, plan),
+        disk_bytes=parse_size(serve.prefix_cache_disk_bytes),
+        disk_dir=disk_dir or Path(serve.state_dir) / "prefix-cache",
+        # Chunk boundaries: a checkpoint lands where a chunk ends anyway.
+        checkpoint_every=-(-serve.prefix_checkpoint_tokens // serve.prefill_chunk)
+        * serve.prefill_chunk,
+    )
+
+
+def open_prefix_cache(serve: ServeConfig, loaded, model_path: Path) -> PrefixCache | None:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from moed.daemon.engine.prefix_cache.entry import trimmable_layers
+
+    if pipeline_enabled(serve):
+        # Each rank would have to cache its own layers in step with rank 0; not built yet.
+        log.info("prefix cache off: not supported under a pipeline")
+        return None
+    cfg = prefix_cache_config(serve, loaded.streamer.plan if loaded.streamer else None)
+    if not cfg.enabled:
+        return None
+    layers = make_prompt_cache(loaded.model)
+    trimmable = trimmable_layers(layers)
+    disk = None
+    if cfg.disk_bytes > 0:
+        from moed.daemon.engine.prefix_cache.disk_tier import DiskTier, model_fingerprint
+
+        fingerprint = model_fingerprint(model_path, [type(c).__name__ for c in layers])
+        disk = DiskTier(cfg.disk_dir, cfg.disk_bytes, fingerprint, trimmable)
+    return PrefixCache(cfg, trimmable, disk)
