@@ -173,3 +173,4 @@ class StagedProgress:
         if self._current is not None:
             self._current.close(done)
             self._current = None
+        self.stage = None  # the same stage may come again (a resumed request reads its prompt)
