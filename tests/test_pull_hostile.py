@@ -262,13 +262,20 @@ def test_list_never_loads_a_huge_config(hf_env):
     refs = snapshot.parent.parent / "refs"
     refs.mkdir()
     (refs / "main").write_text("e" * 40)
+    # The probe's own peak: VmHWM, not ru_maxrss. Linux carries ru_maxrss across exec, and
+    # subprocess starts the probe by vfork from this pytest process, so ru_maxrss would report
+    # the whole suite's peak (hundreds of MB once mlx and the API clients are in) as the probe's.
     probe = (
         "import resource, sys\n"
         "from click.testing import CliRunner\n"
         "from moed.client.cli import main\n"
         "out = CliRunner().invoke(main, ['list', '--all', '--json'])\n"
         "sys.stdout.write(out.output)\n"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
+        "try:\n"
+        "    status = open('/proc/self/status').read()\n"
+        "    print(int(status.split('VmHWM:')[1].split()[0]) * 1024)\n"
+        "except OSError:  # macOS: ru_maxrss in bytes, and the probe's own\n"
+        "    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,

@@ -159,12 +159,14 @@ class Rendezvous:
         return ring
 
     def _hand_out(self) -> None:
+        # The published port stops listening before anyone learns the group formed: `wait()`
+        # returning (and a follower holding the ring) means nothing answers there any more.
+        self.close()
         body = json.dumps([self.ring[r] for r in range(len(self.hosts))]).encode()
         for conn, nonce1 in self._peers.values():
             _send(conn, _mac(self.secret, b"ring", nonce1, body) + body)
             conn.close()
         self._done.set()
-        self.close()
 
     def wait(self, failed: Callable[[], str | None]) -> list[list[str]]:
         """Every rank's ring addresses, once all have joined; `failed()` says why to give up."""
