@@ -17,7 +17,7 @@ from moed.client.async_client import AsyncClient
 from moed.protocol import MessageType
 
 from .errors import from_client_error
-from .wire_limits import check_request
+from .wire_limits import check_frame
 
 
 class Finish(str, enum.Enum):
@@ -138,11 +138,7 @@ class Stream:
     @classmethod
     async def start(cls, client: AsyncClient, req: GenerationRequest) -> Stream:
         fields = req.wire_fields()
-        try:
-            welcome = await client.connect()
-        except ClientError as exc:
-            raise from_client_error(exc) from None
-        check_request(MessageType.GENERATE, fields, welcome.get("limits") or {})
+        await check_frame(client, MessageType.GENERATE, fields)
         # Tokens that queued up while the HTTP side was busy come as one event (one chunk).
         stream = cls(client.generate(coalesce=True, **fields))
         try:
