@@ -66,8 +66,12 @@ class Gateway:
         except ClientError as exc:
             raise from_client_error(exc) from None
 
-    async def start(self, req: GenerationRequest) -> Stream:
-        return await Stream.start(self.client, req)
+    async def start(self, req: GenerationRequest, api: Api) -> Stream:
+        """A started generation; one cancelled before its first event (the client left while
+        the daemon had not taken it yet) is counted as cancelled, as a stream left early is."""
+        return await Stream.start(
+            self.client, req, on_cancel=lambda: self.metrics.cancelled.labels(api.value).inc()
+        )
 
     async def tokens(
         self,

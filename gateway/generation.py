@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from moed.client import ClientError, DoneEvent, Event, ProgressEvent, TokenEvent
@@ -136,7 +136,15 @@ class Stream:
         self.tool_calls = 0  # calls the model made so far
 
     @classmethod
-    async def start(cls, client: AsyncClient, req: GenerationRequest) -> Stream:
+    async def start(
+        cls,
+        client: AsyncClient,
+        req: GenerationRequest,
+        on_cancel: Callable[[], None] | None = None,
+    ) -> Stream:
+        """Send the generation and await its first event. Cancelled while it waits (the client
+        left before the answer started, or the answer deadline passed), the generation is
+        cancelled in the daemon and `on_cancel` is called."""
         fields = req.wire_fields()
         await check_frame(client, MessageType.GENERATE, fields)
         # Tokens that queued up while the HTTP side was busy come as one event (one chunk).
@@ -145,6 +153,10 @@ class Stream:
             stream._pending.append(await anext(stream._events))
         except ClientError as exc:
             raise from_client_error(exc) from None
+        except asyncio.CancelledError:  # the generator's cleanup sent the daemon a cancel
+            if on_cancel is not None:
+                on_cancel()
+            raise
         return stream
 
     async def tokens(self, keepalive_s: float | None = None) -> AsyncIterator[TokenEvent | Waiting]:
