@@ -380,7 +380,7 @@ async def messages(request: Request) -> Response:
     # Counted first: message_start reports the input tokens, and an over-long prompt is answered
     # in the words Claude Code reads.
     budget = await check_budget(gateway.client, req)
-    stream = await gateway.start(req)
+    stream = await gateway.start(req, API)
     message = {
         "id": f"msg_{uuid.uuid4().hex}",
         "type": "message",

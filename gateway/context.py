@@ -20,7 +20,7 @@ from .config import GatewayConfig
 from .errors import ApiError, ErrorKind, from_client_error
 from .generation import GenerationRequest, Stream, Waiting
 from .metrics import GatewayMetrics
-from .wire_limits import check_request
+from .wire_limits import check_frame
 
 REASONING = Channel.REASONING.value
 
@@ -59,16 +59,19 @@ class Gateway:
 
     async def call(self, name: str, **fields) -> dict:
         """A control call to the daemon (status, stats, metrics, count_tokens)."""
+        if fields:  # a request that carries a body (count_tokens): checked as it will be sent
+            await check_frame(self.client, MessageType(name), fields)
         try:
-            if fields:  # a request that carries a body (count_tokens): checked as it will be sent
-                limits = (await self.client.connect()).get("limits") or {}
-                check_request(MessageType(name), fields, limits)
             return await getattr(self.client, name)(**fields)
         except ClientError as exc:
             raise from_client_error(exc) from None
 
-    async def start(self, req: GenerationRequest) -> Stream:
-        return await Stream.start(self.client, req)
+    async def start(self, req: GenerationRequest, api: Api) -> Stream:
+        """A started generation; one cancelled before its first event (the client left while
+        the daemon had not taken it yet) is counted as cancelled, as a stream left early is."""
+        return await Stream.start(
+            self.client, req, on_cancel=lambda: self.metrics.cancelled.labels(api.value).inc()
+        )
 
     async def tokens(
         self,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from moed.client import ClientError, DoneEvent, Event, ProgressEvent, TokenEvent
@@ -17,7 +17,7 @@ from moed.client.async_client import AsyncClient
 from moed.protocol import MessageType
 
 from .errors import from_client_error
-from .wire_limits import check_request
+from .wire_limits import check_frame
 
 
 class Finish(str, enum.Enum):
@@ -136,19 +136,27 @@ class Stream:
         self.tool_calls = 0  # calls the model made so far
 
     @classmethod
-    async def start(cls, client: AsyncClient, req: GenerationRequest) -> Stream:
+    async def start(
+        cls,
+        client: AsyncClient,
+        req: GenerationRequest,
+        on_cancel: Callable[[], None] | None = None,
+    ) -> Stream:
+        """Send the generation and await its first event. Cancelled while it waits (the client
+        left before the answer started, or the answer deadline passed), the generation is
+        cancelled in the daemon and `on_cancel` is called."""
         fields = req.wire_fields()
-        try:
-            welcome = await client.connect()
-        except ClientError as exc:
-            raise from_client_error(exc) from None
-        check_request(MessageType.GENERATE, fields, welcome.get("limits") or {})
+        await check_frame(client, MessageType.GENERATE, fields)
         # Tokens that queued up while the HTTP side was busy come as one event (one chunk).
         stream = cls(client.generate(coalesce=True, **fields))
         try:
             stream._pending.append(await anext(stream._events))
         except ClientError as exc:
             raise from_client_error(exc) from None
+        except asyncio.CancelledError:  # the generator's cleanup sent the daemon a cancel
+            if on_cancel is not None:
+                on_cancel()
+            raise
         return stream
 
     async def tokens(self, keepalive_s: float | None = None) -> AsyncIterator[TokenEvent | Waiting]:

@@ -217,7 +217,7 @@ async def _run(request: Request, endpoint: str, parse, piece) -> Response:
         budget = await check_budget(gateway.client, req)
         if budget.context_tokens is not None:
             req = dataclasses.replace(req, max_tokens=budget.context_tokens - budget.prompt_tokens)
-    stream = await gateway.start(req)
+    stream = await gateway.start(req, API)
     if f.get(body, "stream", bool, True):
         return StreamingResponse(
             _ndjson(gateway, stream, endpoint, started, piece, model, {}),

@@ -199,7 +199,7 @@ async def _start(
     model = (await gateway.model()).get("name")
     if req.max_tokens is not None:  # over the context: OpenAI's 400, not a shorter completion
         await check_budget(gateway.client, req)
-    stream = await gateway.start(req)
+    stream = await gateway.start(req, API)
     envelope = {
         "id": f"{id_prefix}-{uuid.uuid4().hex}",
         "created": int(time.time()),

@@ -264,7 +264,7 @@ async def create_response(request: Request) -> Response:
     envelope = _Envelope(body, (await gateway.model()).get("name"))
     if req.max_tokens is not None:  # over the context: OpenAI's 400, not a shorter answer
         await check_budget(gateway.client, req)
-    stream = await gateway.start(req)
+    stream = await gateway.start(req, API)
     if f.get(body, "stream", bool, False):
         return StreamingResponse(
             _sse_body(gateway, stream, started, envelope),

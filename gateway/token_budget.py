@@ -8,9 +8,11 @@ import enum
 from dataclasses import dataclass
 
 from moed.client import ClientError
+from moed.protocol import MessageType
 
 from .errors import ApiError, ErrorKind, from_client_error
 from .generation import GenerationRequest
+from .wire_limits import check_frame
 
 
 class Overrun(str, enum.Enum):
@@ -69,8 +71,12 @@ async def count_prompt(client, req: GenerationRequest) -> int:
         "tools": list(req.tools) if req.tools else None,
         "raw": req.raw or None,
     }
+    fields = {k: v for k, v in fields.items() if v is not None}
+    # The first frame of the request to reach the daemon: the edge's size and depth checks first
+    # (a 413 or 400 in the API's shape), never a frame the daemon refuses as malformed.
+    await check_frame(client, MessageType.COUNT_TOKENS, fields)
     try:
-        counted = await client.count_tokens(**{k: v for k, v in fields.items() if v is not None})
+        counted = await client.count_tokens(**fields)
     except ClientError as exc:
         raise from_client_error(exc) from None
     return int(counted["tokens"])

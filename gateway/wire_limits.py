@@ -1,17 +1,33 @@
 """The size and depth a request takes once encoded, checked against the daemon's own limits
 (welcome.limits) before it is sent: a body that grows past the frame limit when encoded (floats
-in msgpack, a prompt's escapes) is a 413 from the gateway, not a frame the daemon refuses."""
+in msgpack, a prompt's escapes) is a 413 from the gateway, not a frame the daemon refuses.
+
+Every frame the gateway sends with a client's content in it (`generate`, and the `count_tokens`
+that a budget check or /v1/messages/count_tokens sends first) goes through `check_frame`: a frame
+the daemon would refuse as malformed (`bad_frame`, a 500: the sender's fault) never leaves."""
 
 from __future__ import annotations
 
+from moed.client import ClientError
 from moed.protocol import MAX_FRAME_BYTES, MessageType, encode
 from moed.protocol import messages as wire
 from moed.protocol.codec import MAX_DEPTH
 
-from .errors import ApiError, ErrorKind, invalid
+from .errors import ApiError, ErrorKind, from_client_error, invalid
 
 # The id the client will put on the frame is at most this long (prefix-kind-counter).
 _ID_ROOM = "x" * 64
+
+
+async def check_frame(client, kind: MessageType, fields: dict) -> dict:
+    """Connect (the welcome carries the daemon's limits) and check the `kind` frame these fields
+    make against them, before it is sent; the welcome, for the caller's use."""
+    try:
+        welcome = await client.connect()
+    except ClientError as exc:
+        raise from_client_error(exc) from None
+    check_request(kind, fields, welcome.get("limits") or {})
+    return welcome
 
 
 def check_request(kind: MessageType, fields: dict, limits: dict) -> None:

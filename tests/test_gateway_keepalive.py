@@ -26,7 +26,8 @@ MESSAGES = [{"role": "user", "content": "a prompt read slowly"}]
 def slow_stack(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("keepalive")
     env = {"MOED_DEBUG_FAULTS": f"layer_delay_ms={LAYER_DELAY_MS}"}
-    daemon = start_daemon(tmp / "d", tiny_model, "--resident", env=env)
+    # Every test sends the same prompt: with the prefix cache on, only the first would read it.
+    daemon = start_daemon(tmp / "d", tiny_model, "--resident", "--prefix-cache", "0", env=env)
     gateway = None
     try:
         gateway = start_gateway(tmp / "g", daemon.socket)
@@ -83,9 +84,19 @@ def test_anthropic_stream_sends_pings_while_the_prompt_is_read(slow_stack, tiny_
 
 def test_a_client_leaving_during_the_keepalives_cancels_the_generation(slow_stack):
     daemon, gateway = slow_stack
-    # Uncancelled, it would decode to the end of the model's context.
-    body = {"messages": MESSAGES, "max_tokens": 100000, "stream": True}
+    # Uncancelled, it would decode to the end of the model's context: max_tokens is all the room
+    # the prompt leaves (more is a 400 before anything starts, and nothing to cancel).
+    with daemon.client() as c:
+        limits = c.connect()["limits"]
+    counted = httpx.post(
+        f"{gateway.url}/v1/messages/count_tokens",
+        json={"model": "any", "messages": MESSAGES},
+        timeout=30,
+    )
+    room = limits["context_tokens"] - counted.json()["input_tokens"]
+    body = {"messages": MESSAGES, "max_tokens": min(room, limits["max_tokens"]), "stream": True}
     with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line == ": keep-alive":
                 break  # the client goes away before the first token
@@ -94,3 +105,22 @@ def test_a_client_leaving_during_the_keepalives_cancels_the_generation(slow_stac
             time.sleep(0.1)
     metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
     assert 'moed_gateway_cancelled_generations_total{api="openai"} 1.0' in metrics
+
+
+def test_a_client_leaving_before_its_answer_starts_cancels_and_is_counted(slow_stack, tiny_model):
+    """While one prompt's chunk holds the engine, a second request waits for its first event with
+    no response started; its client leaving then cancels it in the daemon, and it is counted."""
+    daemon, gateway = slow_stack
+    body = {"model": tiny_model.name, "messages": MESSAGES, "max_tokens": 1, "stream": True}
+    url = f"{gateway.url}/v1/messages"
+    with httpx.stream("POST", url, json=body, timeout=30) as first:
+        assert first.status_code == 200  # taken: its prompt chunk now holds the engine
+        with pytest.raises(httpx.ReadTimeout):  # no answer started within a second: it leaves
+            httpx.post(url, json=body, timeout=httpx.Timeout(30.0, read=1.0))
+        lines = list(filter(None, first.iter_lines()))
+    assert "message_stop" in lines[-1]  # the first one ran to its end
+    with daemon.client() as c:
+        while c.status()["active_requests"]:
+            time.sleep(0.1)
+    metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    assert 'moed_gateway_cancelled_generations_total{api="anthropic"} 1.0' in metrics
