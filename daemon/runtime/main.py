@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -86,6 +87,7 @@ def run_daemon(config: Config) -> int:
     )
     show_load_progress(server.status)  # a bar when stderr is a terminal
     code = server.run()
+    _hold_exit_code()
     log.info("moed exiting with code %d", code)
     if group is not None:
         group.stop()
@@ -99,6 +101,16 @@ def run_daemon(config: Config) -> int:
         logging.shutdown()
         os._exit(for_supervisor(code))
     return code
+
+
+def _hold_exit_code() -> None:
+    """The exit code is decided (5 after a watchdog's shutdown, recorded in crash.json): from here
+    on a SIGTERM must not replace it. Python restores SIGTERM's default action early in its
+    finalization, and the teardown after it (the model's arrays, the ZMQ context) can take a second;
+    a SIGTERM then, such as the watchdog's next step while swap still grows, killed the process and
+    the supervisor saw -15 instead. Ignoring SIGTERM survives finalization (Python only resets
+    handlers it installed itself); SIGKILL still ends a teardown that hangs."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _check_pipeline(serve, model_path) -> str | None:
