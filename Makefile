@@ -56,7 +56,7 @@ $(CLIENTS_STAMP):
 test: $(STAMP) test-clients
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	MOED_TEST_CLIENTS=$(TEST_CLIENTS) $(BIN)/python -m pytest -q
+	MOED_TEST_CLIENTS=$(TEST_CLIENTS) $(BIN)/python -m pytest -q --durations=25
 
 # Each prints ratios measured side by side in one run; BENCHMARKS.md holds their latest output.
 bench: $(STAMP)
