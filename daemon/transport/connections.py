@@ -9,6 +9,7 @@ default limit is what the raised open-file limit leaves beside the daemon's own 
 from __future__ import annotations
 
 import logging
+import threading
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -28,13 +29,18 @@ def connection_limit(configured: int) -> int:
 
 class ConnectionCount:
     def __init__(self, router: zmq.Socket, limit: int):
+        self._owner = threading.get_ident()  # zmq sockets belong to one thread: the transport's
         self.limit = limit
         self.live = 0
         self.refused = 0
         self.monitor = router.get_monitor_socket(_EVENTS)
 
     def drain(self) -> None:
-        """Read every pending monitor event (the poller calls this when the monitor is readable)."""
+        """Read every pending monitor event (the poller calls this when the monitor is readable).
+        From another thread (the metrics HTTP server renders the status there) it reads nothing:
+        the counts are then as of the transport's last drain."""
+        if threading.get_ident() != self._owner:
+            return
         while True:
             try:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
