@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from fixtures.batch_decode import batch_tokens
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model
@@ -133,28 +134,17 @@ def test_layers_switch_between_held_and_streamed_mid_generation(checkpoint_facto
 
 def test_held_batch_rows_are_exact(checkpoint_factory):
     """A batch of decoding rows at a full, warm budget: no host sync, the resident tokens."""
-    from moed.daemon.engine.batch import DecodeBatch
-    from moed.daemon.engine.sampling import greedy
-
     path = checkpoint_factory("qwen3_moe")
 
-    def batch_tokens(model) -> list[list[int]]:
-        batch = DecodeBatch(model, [], max_batch=4, prefill_chunk=256)
-        rows = {batch.insert(PROMPT[i : i + 5 + i], 8, greedy): [] for i in range(4)}
-        while batch.rows:
-            for tok in batch.step().tokens:
-                rows[tok.uid].append(tok.token)
-        batch.close()
-        return list(rows.values())
-
+    prompts = [PROMPT[i : i + 5 + i] for i in range(4)]
     resident, _ = load_model(path)
-    want = batch_tokens(resident)
+    want = batch_tokens(resident, prompts)
     del resident
     model, streamer = streaming(path)
     try:
         preload_all(streamer)
         before = streamer.snapshot()
-        assert batch_tokens(model) == want
+        assert batch_tokens(model, prompts) == want
         after = streamer.snapshot()
     finally:
         streamer.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx_lm
 import pytest
+from fixtures.batch_decode import batch_tokens
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
@@ -289,28 +290,16 @@ def test_a_batch_needing_more_experts_than_slots_is_exact(checkpoint_factory, ar
     """Decode steps of a 6-row batch need the union of the rows' experts per layer, more than a
     small budget's slots: the multi-pass path serves them (each row computed in the pass that
     holds its expert) with tokens identical to the resident batch."""
-    from moed.daemon.engine.batch import DecodeBatch
-    from moed.daemon.engine.sampling import greedy
-
     path = checkpoint_factory(arch, bits=bits)
 
-    def batch_tokens(model) -> list[list[int]]:
-        # One-token prompts: every forward pass is a decode step of the whole batch.
-        batch = DecodeBatch(model, [], max_batch=6, prefill_chunk=256)
-        rows = {batch.insert([17 + 29 * i], 8, greedy): [] for i in range(6)}
-        while batch.rows:
-            for tok in batch.step().tokens:
-                rows[tok.uid].append(tok.token)
-        batch.close()
-        return list(rows.values())
-
+    prompts = [[17 + 29 * i] for i in range(6)]  # one token each: every step decodes all rows
     resident, _ = load_model(path)
-    want = batch_tokens(resident)
+    want = batch_tokens(resident, prompts)
     del resident
     for budget in (1, "25%"):
         model, streamer = streaming(path, budget)
         try:
-            assert batch_tokens(model) == want, budget
+            assert batch_tokens(model, prompts) == want, budget
             snap = streamer.snapshot()
         finally:
             streamer.close()
