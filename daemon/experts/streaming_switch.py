@@ -38,6 +38,15 @@ def scatter_unsort(x: mx.array, inv_order: mx.array, shape=None) -> mx.array:
     return x
 
 
+def distinct(host: np.ndarray) -> np.ndarray:
+    """The call's distinct experts, ascending (np.unique; a set for a decode step's few ids,
+    several times cheaper on the hot path)."""
+    flat = host.reshape(-1)
+    if flat.size <= 64:
+        return np.array(sorted(set(flat.tolist())), dtype=flat.dtype)
+    return np.unique(flat)
+
+
 class LayerCache(Protocol):
     """What a streaming layer asks of the expert cache (experts/streamer.py ExpertStreamer)."""
 
@@ -60,7 +69,7 @@ class LayerCache(Protocol):
 
     def begin_load(self, layer: int, experts: np.ndarray): ...
 
-    def finish_load(self, pending) -> np.ndarray: ...
+    def finish_load(self, pending) -> None: ...
 
     def table(self, pool, experts: np.ndarray) -> np.ndarray: ...
 
@@ -169,6 +178,16 @@ class StreamingSwitch(nn.Module):
         y = mx.concatenate(parts)[order]
         return y.reshape(*indices.shape, *y.shape[-2:])
 
+    def _one_pass(self, x, host: np.ndarray, pending) -> mx.array:
+        """All of the call's experts fit one pass: wait for its reads, then one graph whose slot
+        ids are mapped on the host (no expert -> slot table, no gather on the device)."""
+        streamer = self._streamer
+        streamer.finish_load(pending)
+        slot_of = pending.pool.slot_of
+        y = self._experts(x, mx.array(slot_of[host].astype(np.uint32)), False, pending.pool.arrays)
+        streamer.defer(self._layer, y, slot_of[pending.experts])
+        return y
+
     def _overlapped(self, x, indices, host: np.ndarray, experts: np.ndarray) -> mx.array:
         """Rows whose expert is resident are computed while the missing experts are read, then
         the rest; each (token, expert) row is the same matrix-vector product either way, and the
@@ -178,10 +197,7 @@ class StreamingSwitch(nn.Module):
         flat = host.reshape(-1)
         early = np.isin(flat, pending.ready)
         if early.all() or not early.any():
-            table = streamer.finish_load(pending)
-            y = self._experts(x, mx.array(table)[indices], False, pending.pool.arrays)
-            streamer.defer(layer, y, table[experts])
-            return y
+            return self._one_pass(x, host, pending)
         pools = pending.pool.arrays
         rows = mx.broadcast_to(x, (*indices.shape, 1, x.shape[-1])).reshape(-1, 1, x.shape[-1])
         first, rest = np.flatnonzero(early), np.flatnonzero(~early)
@@ -189,7 +205,8 @@ class StreamingSwitch(nn.Module):
         y_first = self._experts(rows[mx.array(first)], mx.array(table[flat[first]]), False, pools)
         mx.async_eval(y_first)  # runs while the reads land; not a host sync
         streamer.counters.overlapped += 1
-        table = streamer.finish_load(pending)
+        streamer.finish_load(pending)
+        table = streamer.table(pending.pool, experts)
         y_rest = self._experts(rows[mx.array(rest)], mx.array(table[flat[rest]]), False, pools)
         order = mx.array(np.argsort(np.concatenate([first, rest])))
         y = mx.concatenate([y_first, y_rest])[order]
@@ -224,7 +241,7 @@ class StreamingSwitch(nn.Module):
             streamer.counters.layer_s += time.perf_counter() - t0
             return out
         host = streamer.route(layer, indices, x)
-        needed = np.unique(host)  # the call's distinct experts, ascending
+        needed = distinct(host)
         passes = streamer.plan_passes(layer, needed)
 
         x = mx.expand_dims(x, (-2, -3))
@@ -237,6 +254,8 @@ class StreamingSwitch(nn.Module):
 
         if not do_sort and len(passes) == 1 and streamer.overlap.active:
             out = self._overlapped(x, indices, host, passes[0])
+        elif not do_sort and len(passes) == 1:
+            out = self._one_pass(x, host, streamer.begin_load(layer, passes[0]))
         elif not do_sort and len(passes) > 1:
             out = self._rows_by_pass(x, indices, host, passes)
         else:

@@ -6,7 +6,7 @@ comes back with its history (routing popularity is stable over a generation)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Container
+from collections.abc import Container, Sequence
 
 import numpy as np
 
@@ -60,6 +60,15 @@ class LFUDecayPolicy(EvictionPolicy):
     def touch(self, expert: int) -> None:
         self._use(expert)
 
+    def touch_many(self, experts: Sequence[int]) -> None:
+        experts = np.asarray(experts, dtype=np.int64)
+        if not experts.size:
+            return
+        if int(experts.max()) >= self._score.shape[0]:
+            self._grow(int(experts.max()))
+        np.add.at(self._score, experts, self._weight)  # a repeated expert counts each use
+        self._last[experts] = self._calls
+
     def remove(self, expert: int) -> None:
         if expert < self._resident.shape[0]:
             self._resident[expert] = False
@@ -69,13 +78,21 @@ class LFUDecayPolicy(EvictionPolicy):
         return experts[np.lexsort((self._last[experts], self._score[experts]))]
 
     def victim(self, protected: Container[int]) -> int:
+        return self.victims(1, protected)[0]
+
+    def victims(self, count: int, protected: Container[int]) -> list[int]:
+        """The `count` least valuable residents outside `protected`: one ranking for all of them
+        (a victim's removal does not change the others' scores)."""
         candidates = self._resident.copy()
-        wanted = np.fromiter(protected, dtype=np.int64)
+        if isinstance(protected, np.ndarray):
+            wanted = protected.astype(np.int64, copy=False)
+        else:
+            wanted = np.fromiter(protected, dtype=np.int64)
         candidates[wanted[wanted < candidates.shape[0]]] = False
         idx = np.flatnonzero(candidates)
-        if not idx.size:
+        if idx.size < count:
             raise AllProtectedError("every resident expert is protected; no slot can be freed")
-        return int(self._ranked(idx)[0])
+        return self._ranked(idx)[:count].tolist()
 
     def order(self) -> list[int]:
         return self._ranked(np.flatnonzero(self._resident)).tolist()
