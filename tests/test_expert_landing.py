@@ -1,4 +1,4 @@
-"""The STAGED landing (the one CUDA uses: experts/landing.py) gives the resident model's tokens.
+"""The STAGED landing (an opt-in for CUDA: experts/landing.py) gives the resident model's tokens.
 
 Reads land in host rows and one scatter per burst makes a new version of the pool, so no fence is
 needed; forced on here, on the CPU, at tiny budgets (many passes), for batches, with speculative
@@ -15,7 +15,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model
 
 from moed.daemon.experts import StreamingConfig, install_streaming
-from moed.daemon.experts.landing import Landing, resolve_landing
+from moed.daemon.experts.landing import Landing
 
 PROMPT = [(7 * i + 3) % 300 + 3 for i in range(150)]  # routes to every expert: several passes
 MEMORY = 8 << 30
@@ -41,11 +41,6 @@ def staged(path, budget, **cfg):
     )
     mx.eval(model.parameters())
     return model, streamer
-
-
-def test_auto_is_direct_off_cuda():
-    assert resolve_landing(Landing.AUTO) is Landing.DIRECT  # this machine: MLX's CPU backend
-    assert resolve_landing("staged") is Landing.STAGED
 
 
 @pytest.mark.parametrize(

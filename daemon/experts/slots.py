@@ -58,11 +58,12 @@ class SlotTable:
             raise ValueError(f"{experts.size} experts do not fit {self.slots} slots")
         slot_of, policy = self.slot_of, self.policy
         resident = slot_of[experts] >= 0  # one vectorized lookup; hits keep the call's order
+        if resident.all():  # the common decode call: every expert a hit
+            policy.touch_many(experts)
+            return experts.tolist(), []
         hit_ids = experts[resident]
         policy.touch_many(hit_ids)
         hits = hit_ids.tolist()
-        if hit_ids.size == experts.size:
-            return hits, []
         missing = list(dict.fromkeys(experts[~resident].tolist()))  # in order, once each
         short = len(missing) - len(self._free)
         # The victims are ranked once for the whole call: evicting one never reorders the rest.

@@ -19,7 +19,7 @@ from moed.daemon.experts.cache import LayerPool
 from moed.daemon.experts.counters import Counters, LayerCounters
 from moed.daemon.experts.discover import SwitchInfo
 from moed.daemon.experts.held import DeviceTally
-from moed.daemon.experts.landing import Landing, resolve_landing
+from moed.daemon.experts.landing import Landing
 from moed.daemon.experts.memory_plan import ExpertLayout, MemoryPlan, _memory_override, make_plan
 from moed.daemon.experts.policies import DEFAULT_POLICY, make_policy
 from moed.daemon.experts.prefetch import ReadPool
@@ -50,7 +50,7 @@ class StreamingConfig:
     # input. Exact either way (it only changes what is resident); costs bandwidth when wrong.
     prefetch_next: bool = False
     cache_policy: str = DEFAULT_POLICY  # a name in experts/policies (the registry)
-    landing: Landing = Landing.AUTO  # where reads land (landing.py): staged on CUDA
+    landing: Landing = Landing.DIRECT  # where reads land (landing.py); STAGED: CUDA, opt-in
 
 
 @dataclass
@@ -59,13 +59,20 @@ class PendingLoad:
 
     pool: LayerPool
     experts: np.ndarray
-    ready: np.ndarray  # resident and complete (not read by this load nor in flight)
+    hits: list[int]
+    kept: set[int]  # hits that are speculative reads still landing
     loads: list[tuple[int, int]]
     demand: list
     spec_loads: list
     spec_batches: list
     stagings: list  # where the demand reads land (landing.py); landed once collected
     spec_stagings: list  # where the kept speculative reads land
+
+    @property
+    def ready(self) -> np.ndarray:
+        """Resident and complete: not read by this load nor in flight."""
+        hits = [e for e in self.hits if e not in self.kept] if self.kept else self.hits
+        return np.array(hits, dtype=np.int64)
 
 
 class ExpertStreamer:
@@ -103,7 +110,7 @@ class ExpertStreamer:
         self.baseline_bytes = self.plan.baseline_bytes  # measured before weights and pools exist
         self.budget_bytes = self.plan.cache_budget_bytes
         slots = self.plan.slots_per_layer
-        self.landing = resolve_landing(cfg.landing)
+        self.landing = Landing(cfg.landing)
         self.pools = []
         for i, s in enumerate(switches):
             n = min(slots, s.num_experts)
@@ -274,10 +281,18 @@ class ExpertStreamer:
             stagings.append(staging := pool.stage(loads))
             demand.append(self.reader.submit(self.store.jobs_for(pool, staging)))
         self.spec.issue(layer + 1)  # queued behind every demand read
-        ready = np.array([e for e in hits if e not in kept] if kept else hits, dtype=np.int64)
         spec_stagings = self.spec.stagings_of(spec_loads)
         return PendingLoad(
-            pool, experts, ready, loads, demand, spec_loads, spec_batches, stagings, spec_stagings
+            pool,
+            experts,
+            hits,
+            kept,
+            loads,
+            demand,
+            spec_loads,
+            spec_batches,
+            stagings,
+            spec_stagings,
         )
 
     def finish_load(self, p: PendingLoad) -> None:
@@ -302,7 +317,8 @@ class ExpertStreamer:
         """`out` reads `slots_read` of `layer`'s pools and is not evaluated yet: it will be at the
         next router read-back, or earlier if one of those slots is about to be overwritten."""
         self._pending_outputs.append(out)
-        self._pending_reads[layer].update(slots_read.tolist())  # a set: repeats are fine
+        if not self.pools[layer].staged:  # a staged landing never overwrites what a graph reads
+            self._pending_reads[layer].update(slots_read.tolist())  # a set: repeats are fine
 
     def _fence(self, layer: int, loads: list[tuple[int, int]]) -> None:
         """Evaluate the pending outputs before `loads` overwrite a slot one of them reads (a
@@ -327,7 +343,8 @@ class ExpertStreamer:
     def _pending_done(self) -> None:
         self._pending_outputs = []
         for reads in self._pending_reads:
-            reads.clear()
+            if reads:
+                reads.clear()
 
     def _collect(self, pool: LayerPool, loads: list[tuple[int, int]], batches: list) -> None:
         try:

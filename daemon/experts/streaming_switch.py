@@ -86,6 +86,9 @@ class ProjSpec:
     has_bias: bool = False  # additive bias (gpt_oss)
 
 
+_PARAMS = ("weight", "scales", "biases", "global_scale", "bias")  # a projection's pool tensors
+
+
 class StreamingSwitch(nn.Module):
     def __init__(
         self,
@@ -101,34 +104,38 @@ class StreamingSwitch(nn.Module):
         # Plain attributes (not parameters): the pools live in the streamer, never in the model
         # tree.
         object.__setattr__(self, "_projs", projs)
+        # The pool keys of each projection, formatted once (the hot path only looks them up).
+        keys = {n: tuple(f"{n}.{p}" for p in _PARAMS) for n in projs}
+        object.__setattr__(self, "_keys", keys)
         object.__setattr__(self, "_layer", layer)
         object.__setattr__(self, "_streamer", streamer)
 
     def _proj(self, name: str, x, idx, sorted_indices: bool, pools: dict[str, mx.array]):
         spec = self._projs[name]
+        weight, scales, biases, global_scale, bias = self._keys[name]
         if spec.quantized:
             y = mx.gather_qmm(
                 x,
-                pools[f"{name}.weight"],
-                pools[f"{name}.scales"],
-                pools.get(f"{name}.biases"),
+                pools[weight],
+                pools[scales],
+                pools.get(biases),
                 rhs_indices=idx,
                 transpose=True,
                 group_size=spec.group_size,
                 bits=spec.bits,
                 mode=spec.mode,
-                global_scale=pools.get(f"{name}.global_scale"),
+                global_scale=pools.get(global_scale),
                 sorted_indices=sorted_indices,
             )
         else:
             y = mx.gather_mm(
                 x,
-                pools[f"{name}.weight"].swapaxes(-1, -2),
+                pools[weight].swapaxes(-1, -2),
                 rhs_indices=idx,
                 sorted_indices=sorted_indices,
             )
         if spec.has_bias:
-            y = y + mx.expand_dims(pools[f"{name}.bias"][idx], -2)
+            y = y + mx.expand_dims(pools[bias][idx], -2)
         return y
 
     def _experts(self, x, idx, do_sort: bool, pools):
@@ -245,12 +252,11 @@ class StreamingSwitch(nn.Module):
         passes = streamer.plan_passes(layer, needed)
 
         x = mx.expand_dims(x, (-2, -3))
-        indices = mx.stop_gradient(indices)
         do_sort = indices.size >= 64
         idx = indices
         inv_order = None
         if do_sort:
-            x, idx, inv_order = gather_sort(x, indices)
+            x, idx, inv_order = gather_sort(x, mx.stop_gradient(indices))
 
         if not do_sort and len(passes) == 1 and streamer.overlap.active:
             out = self._overlapped(x, indices, host, passes[0])

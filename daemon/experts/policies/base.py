@@ -46,7 +46,8 @@ class EvictionPolicy(abc.ABC):
         """A resident expert not in `protected` to evict."""
 
     def touch_many(self, experts: Sequence[int]) -> None:
-        """`touch` each of `experts` in order (policies with array state do it in one step)."""
+        """`touch` each of `experts`, distinct ids, in order (policies with array state do it in
+        one step)."""
         for e in experts:
             self.touch(int(e))
 

@@ -66,7 +66,7 @@ class LFUDecayPolicy(EvictionPolicy):
             return
         if int(experts.max()) >= self._score.shape[0]:
             self._grow(int(experts.max()))
-        np.add.at(self._score, experts, self._weight)  # a repeated expert counts each use
+        self._score[experts] += self._weight  # distinct ids (the slot table's calls are)
         self._last[experts] = self._calls
 
     def remove(self, expert: int) -> None:
