@@ -17,6 +17,7 @@ from moed.daemon.engine.tool_calls import ToolCalls
 from moed.daemon.model.chat_template import prompt_token_ids
 from moed.daemon.model.limits import limits_for
 from moed.daemon.model.loader import LoadedModel
+from moed.daemon.telemetry.trace import TraceRecorder
 from moed.protocol import Channel, GenerateRequest
 from moed.protocol.generate import RequestId
 from moed.protocol.validation import check_context, check_token_ids, resolve_max_tokens
@@ -108,7 +109,7 @@ class Generation:
         if resume_ids:  # the channel continues where the resumed tokens left it
             self.reasoning.replay(self.detokenizer.last_segment)
         self.stream_before = stream_snapshot
-        self.trace = None  # a TraceRecorder when the request is traced (set by the engine)
+        self.trace: TraceRecorder | None = None  # when the request is traced (set by the engine)
         self.uid: int | None = None  # its row id in the running batch, once admitted
         self.started: float | None = None  # when it joined the batch
         self.first_token_at: float | None = None

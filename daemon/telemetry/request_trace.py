@@ -64,7 +64,12 @@ def start_request_trace(
         describe_model(loaded),
         {"id": str(request_id), "prompt_tokens": prompt_tokens},
     )
-    return TraceRecorder(streamer, header, lambda data: [s(data) for s in sinks], file=file_sink)
+
+    def write(data: bytes) -> None:
+        for sink in sinks:
+            sink(data)
+
+    return TraceRecorder(streamer, header, write, file=file_sink)
 
 
 def finish_request_trace(recorder: TraceRecorder | None) -> None:
