@@ -197,6 +197,8 @@ class AsyncClient:
         catches up in one step (the gateway writes them as one HTTP chunk)."""
         if request is None:
             request = checked_request(**fields)
+        elif fields:
+            raise TypeError("give a request or its fields, not both")
         await self.connect()
         request_id = request_id if request_id is not None else self._next_id("gen")
         queue = self._open(request_id)

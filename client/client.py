@@ -185,6 +185,8 @@ class Client:
         """
         if request is None:
             request = checked_request(prompt=prompt, **fields)
+        elif prompt is not None or fields:
+            raise TypeError("give a request or its fields, not both")
         if not resume:
             yield from self._generate_once(request_id, request)
             return
