@@ -21,8 +21,6 @@ from .errors import ErrorCode, ProtocolError
 from .generate import GENERATE_FIELDS, GenerateRequest
 from .messages import REQUEST_TYPES, MessageType, PrefixCacheAction, ShedLevel
 from .rules import (
-    AnyList,
-    AnyMap,
     Bool,
     Int,
     Limits,
@@ -46,12 +44,11 @@ FIELDS: dict[MessageType, dict[str, Rule]] = {
     MessageType.SHUTDOWN: {"reason": Str(), "restart": Bool(), "token": Str()},
     MessageType.PING: {},
     MessageType.PREFIX_CACHE: {"action": OneOf(choices=PrefixCacheAction), "token": Str()},
+    # A generate's prompt fields, under the same rules (an empty prompt counts 0 tokens here).
     MessageType.COUNT_TOKENS: {
         "prompt": Str(max_chars=4 * 1024 * 1024),
-        "messages": AnyList(),
-        "tools": AnyList(),
-        "raw": Bool(),
-        "chat_template_kwargs": AnyMap(),
+        **{name: GENERATE_FIELDS[name] for name in ("messages", "tools", "raw")},
+        "chat_template_kwargs": GENERATE_FIELDS["chat_template_kwargs"],
     },
 }
 
