@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from moed.protocol import MessageType, ProtocolError, decode, encode
+from moed.protocol import GenerateRequest, MessageType, ProtocolError, decode, encode
 from moed.protocol import messages as wire
 from moed.protocol.paths import UnsafeSocketPath, check_socket, default_socket_path
 
@@ -37,6 +37,7 @@ from .errors import (
 from .events import DoneEvent, Event, event_from_message
 from .inbox import Inbox, merge_tokens
 from .liveness import connection_lost, dealer_socket
+from .requests import checked_request
 
 _POLLIN = int(zmq.POLLIN)  # a plain int: the flag enum's operators cost microseconds per frame
 
@@ -180,20 +181,30 @@ class AsyncClient:
 
     # ---- generation --------------------------------------------------------------------------
     async def generate(
-        self, request_id: Any = None, *, coalesce: bool = False, **fields: Any
+        self,
+        request_id: Any = None,
+        *,
+        request: GenerateRequest | None = None,
+        coalesce: bool = False,
+        **fields: Any,
     ) -> AsyncIterator[Event]:
-        """Stream one generation's events (`fields` are `generate`'s wire fields); ends after a
-        DoneEvent or raises. Leaving the loop early cancels the request in the daemon.
+        """Stream one generation's events; ends after a DoneEvent or raises. Leaving the loop
+        early cancels the request in the daemon. The generation is `request`, or `fields`:
+        GenerateRequest's fields in their wire form, checked here as the daemon checks them.
 
         With `coalesce`, token messages already waiting when the caller asks for the next event
         come as one TokenEvent (several `ids`, their texts joined): a reader that fell behind
         catches up in one step (the gateway writes them as one HTTP chunk)."""
+        if request is None:
+            request = checked_request(**fields)
+        elif fields:
+            raise TypeError("give a request or its fields, not both")
         await self.connect()
         request_id = request_id if request_id is not None else self._next_id("gen")
         queue = self._open(request_id)
         ended = False
         try:
-            self._send(wire.request(MessageType.GENERATE, request_id, **fields))
+            self._send(request.to_wire(request_id))
             while True:
                 msg = _unwrap(await queue.get())
                 if coalesce and msg.get("type") == MessageType.TOKEN.value:

@@ -16,12 +16,13 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from moed.protocol import ErrorCode, MessageType, decode, encode
+from moed.protocol import ErrorCode, GenerateRequest, MessageType, decode, encode
 from moed.protocol import messages as wire
 from moed.protocol.paths import (
     UnsafeSocketPath,
@@ -33,6 +34,7 @@ from moed.protocol.paths import (
 from .errors import DaemonRestarted, DaemonUnavailable, InsecureSocket, RequestFailed
 from .events import DoneEvent, Event, TokenEvent, event_from_message
 from .liveness import connection_lost, dealer_socket
+from .requests import checked_request
 
 log = logging.getLogger("moed.client")
 _POLLIN = int(zmq.POLLIN)
@@ -162,32 +164,18 @@ class Client:
         self,
         prompt: str | None = None,
         *,
-        prompt_ids: list[int] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        raw: bool = False,
-        model: str | None = None,
+        request: GenerateRequest | None = None,
         request_id: Any = None,
-        telemetry_every: int | None = None,
-        keep_alive: str | float | None = None,
-        resume_ids: list[int] | None = None,
-        trace: bool = False,
-        progress: bool = False,
-        messages: list[dict] | None = None,
-        tools: list[dict] | None = None,
-        stop: list[str] | None = None,
-        logprobs: int | None = None,
-        format: dict | None = None,
-        tool_choice: str | dict | None = None,
-        parallel_tool_calls: bool | None = None,
-        chat_template_kwargs: dict | None = None,
         resume: bool = False,
         resume_timeout_s: float = 60.0,
         max_resumes: int = 5,
+        **fields: Any,
     ) -> Iterator[Event]:
         """Stream the events of one generation; ends after a DoneEvent or raises.
+
+        The generation is `request`, or `prompt` and `fields`: GenerateRequest's fields in their
+        wire form (max_tokens=8, stop=["\n"], format={"type": "json"}, ...), checked here as the
+        daemon checks them (a bad one raises RequestFailed with the daemon's code).
 
         With `resume=True`, a daemon that dies or restarts mid-stream (DaemonUnavailable,
         DaemonRestarted, or out_of_memory / shutting_down followed by a new boot) is waited for
@@ -195,36 +183,18 @@ class Client:
         as `resume_ids`: the daemon continues from there, so the caller sees one stream, identical
         to an uninterrupted run for greedy decoding and for seeded sampling.
         """
-        fields = dict(
-            prompt=prompt,
-            prompt_ids=prompt_ids,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            raw=raw,
-            model=model,
-            telemetry_every=telemetry_every,
-            keep_alive=keep_alive,
-            trace=trace,
-            progress=progress,
-            messages=messages,
-            tools=tools,
-            stop=stop,
-            logprobs=logprobs,
-            format=format,
-            tool_choice=tool_choice,
-            parallel_tool_calls=parallel_tool_calls,
-            chat_template_kwargs=chat_template_kwargs,
-        )
+        if request is None:
+            request = checked_request(prompt=prompt, **fields)
+        elif prompt is not None or fields:
+            raise TypeError("give a request or its fields, not both")
         if not resume:
-            yield from self._generate_once(request_id, resume_ids, fields)
+            yield from self._generate_once(request_id, request)
             return
-        if temperature and seed is None:
+        if request.temperature and request.seed is None:
             # Sampling is keyed by (seed, position): fix the seed here so a resumed run draws the
             # same.
-            fields["seed"] = int.from_bytes(os.urandom(7), "big")
-        received = list(resume_ids or [])
+            request = replace(request, seed=int.from_bytes(os.urandom(7), "big"))
+        received = list(request.resume_ids)
         resumes = 0
         while True:
             # Resubmit one token short: the daemon regenerates it, and with it any text the
@@ -233,7 +203,8 @@ class Client:
             base = len(received)
             context = received[:-1] if received and resumes else received
             try:
-                for event in self._generate_once(None if resumes else request_id, context, fields):
+                attempt = replace(request, resume_ids=tuple(context))
+                for event in self._generate_once(None if resumes else request_id, attempt):
                     if isinstance(event, TokenEvent):
                         if event.index < base:
                             continue
@@ -297,25 +268,12 @@ class Client:
         finally:
             self.timeout = saved
 
-    def _generate_once(
-        self, request_id: Any, resume_ids: list[int] | None, fields: dict[str, Any]
-    ) -> Iterator[Event]:
-        """One generate request on the current connection; `fields` are the wire fields of
-        `generate`."""
+    def _generate_once(self, request_id: Any, request: GenerateRequest) -> Iterator[Event]:
+        """One generate request on the current connection."""
         self.connect()
         request_id = request_id if request_id is not None else self._next_id("gen")
         self.last_request_id = request_id
-        wire_fields = {
-            **fields,
-            "raw": fields.get("raw") or None,
-            "trace": fields.get("trace") or None,
-            "progress": fields.get("progress") or None,
-        }
-        self._send(
-            wire.request(
-                MessageType.GENERATE, request_id, resume_ids=resume_ids or None, **wire_fields
-            )
-        )
+        self._send(request.to_wire(request_id))
         self._streams.add(request_id)
         ended = False
         try:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import enum
 
+from moed.protocol import NamedTool, ResponseFormat
+from moed.protocol.constraints import FormatType, ToolChoice
+
 from . import fields as f
 from .errors import ApiError, invalid
 
@@ -53,12 +56,12 @@ def openai_thinking(body: dict) -> dict | None:
     return template_kwargs(kwargs, thinking)
 
 
-def openai_format(body: dict) -> dict | None:
+def openai_format(body: dict) -> ResponseFormat | None:
     fmt = f.get(body, "response_format", dict)
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
-        return {"type": "json"}
+        return ResponseFormat(FormatType.JSON)
     if fmt.get("type") == "json_schema":
         spec = f.get(fmt, "json_schema", dict, prefix="response_format.")
         schema = spec.get("schema") if spec else None
@@ -67,20 +70,22 @@ def openai_format(body: dict) -> dict | None:
                 "'response_format.json_schema.schema' must be a JSON schema object",
                 "response_format",
             )
-        return {"type": "json_schema", "schema": schema}
+        return ResponseFormat(FormatType.JSON_SCHEMA, schema)
     raise invalid(
         "'response_format.type' must be text, json_object or json_schema", "response_format"
     )
 
 
-def openai_tool_choice(body: dict) -> str | dict | None:
+def openai_tool_choice(body: dict) -> ToolChoice | NamedTool | None:
     choice = body.get("tool_choice")
-    if choice is None or choice in ("none", "auto", "required"):
-        return choice
+    if choice is None:
+        return None
+    if choice in ("none", "auto", "required"):
+        return ToolChoice(choice)
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name")
         if isinstance(name, str) and name:
-            return {"name": name}
+            return NamedTool(name)
     raise invalid(
         "'tool_choice' must be none, auto, required or {type: function, function: {name}}",
         "tool_choice",
@@ -90,7 +95,7 @@ def openai_tool_choice(body: dict) -> str | dict | None:
 # ---- OpenAI Responses --------------------------------------------------------------------------
 def responses_controls(body: dict) -> dict:
     """`reasoning.effort`, `text.format`, `tool_choice` and `parallel_tool_calls` of a Responses
-    request as GenerationRequest fields (the chat API's mappings, in the Responses shapes)."""
+    request as GenerateRequest fields (the chat API's mappings, in the Responses shapes)."""
     effort = (f.get(body, "reasoning", dict) or {}).get("effort")
     thinking = openai_thinking({"reasoning_effort": effort} if effort is not None else {})
     fmt = (f.get(body, "text", dict) or {}).get("format") or {"type": "text"}
@@ -126,14 +131,14 @@ def ollama_thinking(body: dict) -> dict | None:
     return template_kwargs(None, think)
 
 
-def ollama_format(body: dict) -> dict | None:
+def ollama_format(body: dict) -> ResponseFormat | None:
     fmt = body.get("format")
     if fmt is None or fmt == "":
         return None
     if fmt == "json":
-        return {"type": "json"}
+        return ResponseFormat(FormatType.JSON)
     if isinstance(fmt, dict):
-        return {"type": "json_schema", "schema": fmt}
+        return ResponseFormat(FormatType.JSON_SCHEMA, fmt)
     raise invalid("'format' must be \"json\" or a JSON schema object")
 
 
@@ -150,7 +155,7 @@ def anthropic_thinking(body: dict) -> dict | None:
     return template_kwargs(None, on)
 
 
-def anthropic_tool_choice(body: dict) -> tuple[str | dict | None, bool | None]:
+def anthropic_tool_choice(body: dict) -> tuple[ToolChoice | NamedTool | None, bool | None]:
     """(tool_choice, parallel_tool_calls) from Anthropic's {type: auto|any|tool|none, name,
     disable_parallel_tool_use}."""
     choice = f.get(body, "tool_choice", dict)
@@ -159,9 +164,9 @@ def anthropic_tool_choice(body: dict) -> tuple[str | dict | None, bool | None]:
     parallel = False if choice.get("disable_parallel_tool_use") else None
     kind = choice.get("type")
     if kind in ("auto", "none"):
-        return kind, parallel
+        return ToolChoice(kind), parallel
     if kind == "any":
-        return "required", parallel
+        return ToolChoice.REQUIRED, parallel
     if kind == "tool" and isinstance(choice.get("name"), str):
-        return {"name": choice["name"]}, parallel
+        return NamedTool(choice["name"]), parallel
     raise invalid("'tool_choice.type' must be auto, any, tool (with a name) or none")

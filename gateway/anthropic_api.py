@@ -12,11 +12,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from moed.protocol import GenerateRequest
+
 from . import agent_fields as agent
 from . import fields as f
 from .context import REASONING, Api, Gateway
 from .errors import ApiError, ErrorKind, invalid
-from .generation import KEEPALIVE_S, Finish, GenerationRequest, Outcome, Stream, Waiting
+from .generation import KEEPALIVE_S, Finish, Outcome, Stream, Waiting
 from .token_budget import BudgetError, Overrun, check_budget
 
 API = Api.ANTHROPIC
@@ -164,11 +166,11 @@ def _messages(body: dict) -> tuple[dict, ...]:
     return (*head, *turns)
 
 
-def _tools(body: dict) -> tuple[dict, ...] | None:
+def _tools(body: dict) -> tuple[dict, ...]:
     tools = f.get(body, "tools", list)
     choice = f.get(body, "tool_choice", dict) or {}
     if not tools or choice.get("type") == "none":
-        return None
+        return ()
     # The chat templates expect OpenAI-style function specs.
     return tuple(
         {
@@ -203,7 +205,7 @@ def _check_accepted(body: dict) -> None:
         raise invalid("'top_k' is not supported here: use temperature and top_p")
 
 
-def parse_messages(body: dict) -> GenerationRequest:
+def parse_messages(body: dict) -> GenerateRequest:
     f.required(body, "model", str)
     max_tokens = f.at_least(f.required(body, "max_tokens", int), 1, "max_tokens")
     _check_accepted(body)
@@ -214,7 +216,7 @@ def parse_messages(body: dict) -> GenerationRequest:
     if top_p is not None and not 0 < top_p <= 1:
         raise invalid("'top_p' must be in (0, 1]")
     tool_choice, parallel = agent.anthropic_tool_choice(body)
-    return GenerationRequest(
+    return GenerateRequest(
         messages=_messages(body),
         tools=_tools(body),
         tool_choice=tool_choice,

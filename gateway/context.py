@@ -14,11 +14,11 @@ from starlette.requests import Request
 
 from moed.client import ClientError, TokenEvent
 from moed.client.async_client import AsyncClient
-from moed.protocol import Channel, MessageType
+from moed.protocol import Channel, GenerateRequest, MessageType
 
 from .config import GatewayConfig
 from .errors import ApiError, ErrorKind, from_client_error
-from .generation import GenerationRequest, Stream, Waiting
+from .generation import Stream, Waiting
 from .metrics import GatewayMetrics
 from .wire_limits import check_frame
 
@@ -66,7 +66,7 @@ class Gateway:
         except ClientError as exc:
             raise from_client_error(exc) from None
 
-    async def start(self, req: GenerationRequest, api: Api) -> Stream:
+    async def start(self, req: GenerateRequest, api: Api) -> Stream:
         """A started generation; one cancelled before its first event (the client left while
         the daemon had not taken it yet) is counted as cancelled, as a stream left early is."""
         return await Stream.start(

@@ -1,7 +1,7 @@
-"""The one request shape every API is translated into, and the daemon stream it runs as.
+"""The daemon stream that every API's request runs as.
 
-Each API module parses its own JSON into a GenerationRequest and renders the events back in its
-own wire format; only this module talks `generate` to the daemon.
+Each API module parses its own JSON into the protocol's GenerateRequest and renders the events
+back in its own wire format; only this module talks `generate` to the daemon.
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import asyncio
 import contextlib
 import enum
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moed.client import ClientError, DoneEvent, Event, ProgressEvent, TokenEvent
 from moed.client.async_client import AsyncClient
-from moed.protocol import MessageType
+from moed.protocol import GenerateRequest
 
 from .errors import from_client_error
-from .wire_limits import check_frame
+from .wire_limits import check_generate
 
 
 class Finish(str, enum.Enum):
@@ -28,53 +28,6 @@ class Finish(str, enum.Enum):
     STOP_SEQUENCE = "stop_sequence"  # a requested stop string matched (it is not in the text)
     TOOL_CALLS = "tool_calls"  # the model ended its turn after calling tools
     CANCELLED = "cancelled"
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt: str | None = None
-    prompt_ids: tuple[int, ...] | None = None
-    messages: tuple[dict, ...] | None = None  # chat turns; the daemon applies the chat template
-    tools: tuple[dict, ...] | None = None  # function specs handed to the chat template
-    raw: bool = False
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None  # None: off; 0: the chosen token's; k: also the top k
-    model: str | None = None
-    keep_alive: int | float | str | None = None  # how long the model stays loaded once idle
-    # Constrained decoding and template switches (gateway/agent_fields.py maps each API's).
-    format: dict | None = None  # {type: json | json_schema, schema}
-    tool_choice: str | dict | None = None  # auto | none | required | {name}
-    parallel_tool_calls: bool | None = None
-    chat_template_kwargs: dict | None = None  # e.g. {enable_thinking: false}
-
-    def wire_fields(self) -> dict:
-        """The `generate` fields of this request (None values are left off the wire)."""
-        return {
-            "prompt": self.prompt,
-            "prompt_ids": list(self.prompt_ids) if self.prompt_ids is not None else None,
-            "messages": list(self.messages) if self.messages is not None else None,
-            "tools": list(self.tools) if self.tools else None,
-            "raw": self.raw or None,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": list(self.stop) or None,
-            "logprobs": self.logprobs,
-            "model": self.model,
-            "keep_alive": self.keep_alive,
-            "progress": True,  # a long prompt's chunks: keep-alives before the first token
-            "format": self.format,
-            "tool_choice": self.tool_choice,
-            "parallel_tool_calls": self.parallel_tool_calls,
-            "chat_template_kwargs": self.chat_template_kwargs,
-            # Per-request telemetry is for moe's live view; the gateway reports its own metrics.
-            "telemetry_every": 1 << 30,
-        }
 
 
 @dataclass(frozen=True)
@@ -139,16 +92,18 @@ class Stream:
     async def start(
         cls,
         client: AsyncClient,
-        req: GenerationRequest,
+        req: GenerateRequest,
         on_cancel: Callable[[], None] | None = None,
     ) -> Stream:
         """Send the generation and await its first event. Cancelled while it waits (the client
         left before the answer started, or the answer deadline passed), the generation is
         cancelled in the daemon and `on_cancel` is called."""
-        fields = req.wire_fields()
-        await check_frame(client, MessageType.GENERATE, fields)
+        # A long prompt's chunks give keep-alives before the first token; per-request telemetry
+        # is for moe's live view (the gateway reports its own metrics).
+        req = replace(req, progress=True, telemetry_every=1 << 30)
+        await check_generate(client, req)
         # Tokens that queued up while the HTTP side was busy come as one event (one chunk).
-        stream = cls(client.generate(coalesce=True, **fields))
+        stream = cls(client.generate(request=req, coalesce=True))
         try:
             stream._pending.append(await anext(stream._events))
         except ClientError as exc:

@@ -15,12 +15,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from moed.protocol import GenerateRequest
+
 from . import agent_fields as agent
 from . import fields as f
 from .config import moed_version
 from .context import REASONING, Api, Gateway
 from .errors import ApiError, ErrorKind, invalid
-from .generation import Finish, GenerationRequest, Outcome, Stream
+from .generation import Finish, Outcome, Stream
 from .token_budget import check_budget, daemon_limits
 
 API = Api.OLLAMA
@@ -80,7 +82,7 @@ def _logprobs(body: dict) -> int | None:
     return f.get(body, "top_logprobs", int, 0)
 
 
-def parse_generate(body: dict) -> GenerationRequest:
+def parse_generate(body: dict) -> GenerateRequest:
     prompt = f.get(body, "prompt", str, "")
     if f.get(body, "suffix", str):
         raise invalid("'suffix' (fill-in-the-middle) is not supported")
@@ -95,13 +97,13 @@ def parse_generate(body: dict) -> GenerationRequest:
     if not raw:
         common["chat_template_kwargs"] = agent.ollama_thinking(body)
     if raw:
-        return GenerationRequest(prompt=prompt, raw=True, **common)
+        return GenerateRequest(prompt=prompt, raw=True, **common)
     system = f.get(body, "system", str)
     turns = ({"role": "system", "content": system},) if system else ()
-    return GenerationRequest(messages=(*turns, {"role": "user", "content": prompt}), **common)
+    return GenerateRequest(messages=(*turns, {"role": "user", "content": prompt}), **common)
 
 
-def parse_chat(body: dict) -> GenerationRequest:
+def parse_chat(body: dict) -> GenerateRequest:
     raw = f.get(body, "messages", list)
     if not raw:
         raise invalid("'messages' must be a non-empty array")
@@ -121,9 +123,9 @@ def parse_chat(body: dict) -> GenerationRequest:
             turn["reasoning_content"] = thinking
         messages.append(turn)
     tools = f.get(body, "tools", list)
-    return GenerationRequest(
+    return GenerateRequest(
         messages=tuple(messages),
-        tools=tuple(tools) if tools else None,
+        tools=tuple(tools or ()),
         model=_model_name(body),
         logprobs=_logprobs(body),
         keep_alive=_keep_alive(body),

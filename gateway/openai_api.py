@@ -13,12 +13,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from moed.protocol import ErrorCode
+from moed.protocol import ErrorCode, GenerateRequest
 
 from . import fields as f
 from .context import REASONING, Api, Gateway
 from .errors import ApiError, ErrorKind
-from .generation import KEEPALIVE_S, Finish, GenerationRequest, Outcome, Stream, Waiting
+from .generation import KEEPALIVE_S, Finish, Outcome, Stream, Waiting
 from .openai_requests import parse_chat, parse_completion
 from .token_budget import BudgetError, Overrun, check_budget, daemon_limits
 
@@ -169,7 +169,7 @@ class _Call:
 
     gateway: Gateway
     started: float
-    req: GenerationRequest
+    req: GenerateRequest
     streaming: bool
     include_usage: bool
     stream: Stream
@@ -188,7 +188,7 @@ class _Call:
 
 
 async def _start(
-    request: Request, parse: Callable[[dict], GenerationRequest], id_prefix: str, endpoint: str
+    request: Request, parse: Callable[[dict], GenerateRequest], id_prefix: str, endpoint: str
 ) -> _Call:
     gateway: Gateway = request.app.state.gateway
     started = time.perf_counter()

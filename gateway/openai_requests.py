@@ -1,13 +1,14 @@
-"""OpenAI's request bodies (chat and completions) as the daemon's GenerationRequest: messages,
+"""OpenAI's request bodies (chat and completions) as the protocol's GenerateRequest: messages,
 tool calls carried back, sampling, logprobs, and the agent controls (agent_fields.py)."""
 
 from __future__ import annotations
+
+from moed.protocol import GenerateRequest
 
 from . import agent_fields as agent
 from . import fields as f
 from . import json_edge
 from .errors import invalid
-from .generation import GenerationRequest
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -102,21 +103,21 @@ def _sampling(body: dict) -> dict:
     }
 
 
-def parse_chat(body: dict) -> GenerationRequest:
+def parse_chat(body: dict) -> GenerateRequest:
     max_tokens = f.get(body, "max_completion_tokens", int) or f.get(body, "max_tokens", int)
     f.at_least(max_tokens, 1, "max_tokens")
     tools = f.get(body, "tools", list)
     if body.get("tool_choice") == "none":
-        tools = None  # the template is told nothing about tools
+        tools = []  # the template is told nothing about tools
     logprobs = None
     if f.get(body, "logprobs", bool):
         top = f.get(body, "top_logprobs", int, 0)
         if not 0 <= top <= 20:
             raise invalid("'top_logprobs' must be in 0..20", "top_logprobs")
         logprobs = top
-    return GenerationRequest(
+    return GenerateRequest(
         messages=chat_messages(body.get("messages")),
-        tools=tuple(tools) if tools else None,
+        tools=tuple(tools or ()),
         max_tokens=max_tokens,
         logprobs=logprobs,
         format=agent.openai_format(body),
@@ -127,7 +128,7 @@ def parse_chat(body: dict) -> GenerationRequest:
     )
 
 
-def parse_completion(body: dict) -> GenerationRequest:
+def parse_completion(body: dict) -> GenerateRequest:
     prompt = body.get("prompt")
     prompt_ids = None
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -146,7 +147,7 @@ def parse_completion(body: dict) -> GenerationRequest:
         raise invalid("'logprobs' must be in 0..5", "logprobs")
     if f.get(body, "echo", bool):
         raise invalid("'echo' is not supported", "echo")
-    return GenerationRequest(
+    return GenerateRequest(
         prompt=prompt,
         prompt_ids=prompt_ids,
         raw=True,  # completions continue the text as given: no chat template

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 
+from moed.protocol import GenerateRequest
+
 from . import fields as f
 from .agent_fields import responses_controls
 from .errors import invalid
-from .generation import GenerationRequest
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _SYSTEM_ROLES = ("system", "developer")
@@ -159,13 +160,13 @@ def _function_spec(tool: dict, where: str) -> dict:
     return {"type": "function", "function": spec}
 
 
-def _tools(body: dict) -> tuple[dict, ...] | None:
+def _tools(body: dict) -> tuple[dict, ...]:
     """Function tools as the chat templates take them (a namespace's functions among them);
     `tool_choice: none` tells the template nothing about tools. A tool the model would call in a
     form nothing here parses (custom grammar tools) is refused."""
     tools = f.get(body, "tools", list) or []
     if not tools or body.get("tool_choice") == "none":
-        return None
+        return ()
     specs = []
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
@@ -180,10 +181,10 @@ def _tools(body: dict) -> tuple[dict, ...] | None:
                 f"tools[{i}]: tool type {kind!r} is not supported here (function tools only)",
                 "tools",
             )
-    return tuple(specs) or None
+    return tuple(specs)
 
 
-def parse_response_request(body: dict) -> GenerationRequest:
+def parse_response_request(body: dict) -> GenerateRequest:
     if body.get("previous_response_id") is not None or body.get("conversation") is not None:
         raise invalid(
             "this server is stateless and stores no responses: send the whole conversation "
@@ -197,7 +198,7 @@ def parse_response_request(body: dict) -> GenerationRequest:
         raise invalid("'top_p' must be in (0, 1]", "top_p")
     for name in ("metadata", "stream_options", "prompt_cache_key"):
         f.get(body, name, str if name == "prompt_cache_key" else dict)
-    return GenerationRequest(
+    return GenerateRequest(
         messages=input_messages(body),
         tools=_tools(body),
         max_tokens=max_tokens,

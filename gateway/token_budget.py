@@ -8,10 +8,9 @@ import enum
 from dataclasses import dataclass
 
 from moed.client import ClientError
-from moed.protocol import MessageType
+from moed.protocol import GenerateRequest, MessageType
 
 from .errors import ApiError, ErrorKind, from_client_error
-from .generation import GenerationRequest
 from .wire_limits import check_frame
 
 
@@ -61,7 +60,7 @@ async def daemon_limits(client) -> dict:
     return welcome.get("limits") or {}
 
 
-async def count_prompt(client, req: GenerationRequest) -> int:
+async def count_prompt(client, req: GenerateRequest) -> int:
     """The prompt's tokens as the daemon will read them (chat template applied)."""
     if req.prompt_ids is not None:
         return len(req.prompt_ids)
@@ -82,7 +81,7 @@ async def count_prompt(client, req: GenerationRequest) -> int:
     return int(counted["tokens"])
 
 
-async def check_budget(client, req: GenerationRequest) -> Budget:
+async def check_budget(client, req: GenerateRequest) -> Budget:
     """Count the prompt and check it, and `max_tokens` when given, against the daemon's limits;
     a request over any of them is a BudgetError, never a generation cut short without a word."""
     limits = await daemon_limits(client)

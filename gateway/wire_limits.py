@@ -9,7 +9,7 @@ the daemon would refuse as malformed (`bad_frame`, a 500: the sender's fault) ne
 from __future__ import annotations
 
 from moed.client import ClientError
-from moed.protocol import MAX_FRAME_BYTES, MessageType, encode
+from moed.protocol import MAX_FRAME_BYTES, GenerateRequest, MessageType, encode
 from moed.protocol import messages as wire
 from moed.protocol.codec import MAX_DEPTH
 
@@ -22,19 +22,27 @@ _ID_ROOM = "x" * 64
 async def check_frame(client, kind: MessageType, fields: dict) -> dict:
     """Connect (the welcome carries the daemon's limits) and check the `kind` frame these fields
     make against them, before it is sent; the welcome, for the caller's use."""
+    return await _check_message(client, wire.request(kind, _ID_ROOM, **fields))
+
+
+async def check_generate(client, req: GenerateRequest) -> dict:
+    """`check_frame` for the `generate` frame of `req`."""
+    return await _check_message(client, req.to_wire(_ID_ROOM))
+
+
+async def _check_message(client, message: dict) -> dict:
     try:
         welcome = await client.connect()
     except ClientError as exc:
         raise from_client_error(exc) from None
-    check_request(kind, fields, welcome.get("limits") or {})
+    check_message(message, welcome.get("limits") or {})
     return welcome
 
 
-def check_request(kind: MessageType, fields: dict, limits: dict) -> None:
-    """Raise an ApiError if a `kind` frame with these fields would exceed the daemon's limits."""
+def check_message(message: dict, limits: dict) -> None:
+    """Raise an ApiError if this frame would exceed the daemon's limits."""
     max_depth = _limit(limits, "max_depth", MAX_DEPTH)
     max_bytes = _limit(limits, "max_frame_bytes", MAX_FRAME_BYTES)
-    message = wire.request(kind, _ID_ROOM, **fields)
     depth = _depth(message, max_depth)
     if depth >= max_depth:
         raise invalid(f"the request nests deeper than the daemon accepts ({max_depth} levels)")

@@ -2,6 +2,7 @@
 
 from .codec import MAX_FRAME_BYTES, decode, encode
 from .errors import RETRYABLE, ErrorCode, ProtocolError
+from .generate import GenerateRequest, NamedTool, ResponseFormat
 from .messages import (
     CONTROL_TYPES,
     TERMINAL_TYPES,
@@ -11,7 +12,8 @@ from .messages import (
     PrefixCacheAction,
     ShedLevel,
 )
-from .validation import Limits, validate_request
+from .rules import Limits
+from .validation import validate_generate, validate_request
 from .version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 
 __all__ = [
@@ -24,12 +26,16 @@ __all__ = [
     "Channel",
     "ErrorCode",
     "FinishReason",
+    "GenerateRequest",
     "Limits",
     "MessageType",
+    "NamedTool",
     "PrefixCacheAction",
     "ProtocolError",
+    "ResponseFormat",
     "ShedLevel",
     "decode",
     "encode",
+    "validate_generate",
     "validate_request",
 ]

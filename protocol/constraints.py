@@ -52,11 +52,6 @@ def validate_format(fmt: Any) -> None:
         _refuse(f"'format.schema' is nested deeper than {MAX_SCHEMA_DEPTH} levels")
 
 
-def tool_choice_name(choice: Any) -> str | None:
-    """The function a `tool_choice` map names (None for the string choices)."""
-    return choice.get("name") if isinstance(choice, dict) else None
-
-
 def validate_tool_fields(msg: dict) -> None:
     choice = msg.get("tool_choice")
     if choice is not None:
@@ -64,7 +59,7 @@ def validate_tool_fields(msg: dict) -> None:
             name = choice.get("name")
             if not isinstance(name, str) or not name:
                 _refuse("'tool_choice' must be auto, none, required or a map {name}")
-            names = [_tool_name(t) for t in msg.get("tools") or ()]
+            names = [tool_name(t) for t in msg.get("tools") or ()]
             if name not in names:
                 _refuse(f"'tool_choice' names {name!r:.80}, which is not in 'tools'")
         else:
@@ -83,7 +78,8 @@ def validate_tool_fields(msg: dict) -> None:
             _refuse("'format' and a forced 'tool_choice' cannot both constrain one answer")
 
 
-def _tool_name(tool: Any) -> str | None:
+def tool_name(tool: Any) -> str | None:
+    """The function a tool spec names ({function: {name}} or a flat {name})."""
     if not isinstance(tool, dict):
         return None
     fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool

@@ -1,7 +1,8 @@
 """The wire schema: message types and the builders of every message the daemon sends.
 
 Every message is one msgpack map with `v` (protocol major), `type` and `id`. Requests are checked
-against the field table in validation.py, in one place, so the daemon never trusts a peer's map.
+in validation.py, in one place, so the daemon never trusts a peer's map; a `generate` is built
+from its typed form (generate.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from moed.daemon.engine.core import EngineCore
 from moed.daemon.engine.request import GenerateJob
 from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler
 from moed.daemon.engine.status import DaemonState, EngineStatus
-from moed.protocol import MessageType, ShedLevel, validate_request
+from moed.protocol import MessageType, ShedLevel, validate_generate
 from moed.protocol import messages as wire
 
 PROMPT_IDS = [5, 17, 33, 2, 41]
@@ -36,8 +36,7 @@ class ListSink:
 
 def generate_job(identity: bytes, req_id, **fields) -> GenerateJob:
     msg = wire.request(MessageType.GENERATE, req_id, prompt_ids=PROMPT_IDS, **fields)
-    validate_request(msg)  # what the transport checks before it submits
-    return GenerateJob(identity, msg)
+    return GenerateJob(identity, req_id, validate_generate(msg))  # as the transport submits
 
 
 def reference_tokens(model_path, max_tokens: int, ids: list[int] = PROMPT_IDS) -> list[int]:
@@ -104,8 +103,7 @@ def test_rows_of_unequal_length_decode_as_alone_masked_only_while_padded(tiny_mo
     long_ids = [(11 * i) % 200 + 3 for i in range(17)]
     core.handle(Submit(generate_job(b"a", 1, max_tokens=6)))
     msg = wire.request(MessageType.GENERATE, 2, prompt_ids=long_ids, max_tokens=24)
-    validate_request(msg)
-    core.handle(Submit(GenerateJob(b"b", msg)))
+    core.handle(Submit(GenerateJob(b"b", 2, validate_generate(msg))))
     kinds = set()
     while core.has_work:
         core.step()
@@ -156,7 +154,7 @@ def test_core_long_prompt_prefills_in_chunks_between_decode_steps(tiny_model, tm
         core.step()
     long_ids = [(7 * i) % 200 + 3 for i in range(prompt_len)]
     msg = wire.request(MessageType.GENERATE, 2, prompt_ids=long_ids, max_tokens=2)
-    core.handle(Submit(GenerateJob(b"b", msg)))
+    core.handle(Submit(GenerateJob(b"b", 2, validate_generate(msg))))
     during = 0
     while not token_events(core, b"b"):
         before = len(token_events(core, b"a"))

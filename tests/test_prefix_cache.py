@@ -13,7 +13,7 @@ from moed.daemon.engine.core import EngineCore
 from moed.daemon.engine.request import GenerateJob
 from moed.daemon.engine.status import EngineStatus
 from moed.daemon.model.prompt_normalize import normalize_messages
-from moed.protocol import MessageType, ShedLevel, validate_request
+from moed.protocol import MessageType, ShedLevel, validate_generate
 from moed.protocol import messages as wire
 
 SYSTEM = [(7 * i) % 200 + 3 for i in range(40)]  # a shared "system prompt"
@@ -41,8 +41,7 @@ def engine(model, tmp_path, prefix: str, resident: bool, **extra) -> EngineCore:
 
 def submit(core: EngineCore, req_id, ids: list[int], **fields) -> None:
     msg = wire.request(MessageType.GENERATE, req_id, prompt_ids=ids, **fields)
-    validate_request(msg)
-    core.handle(Submit(GenerateJob(b"c", msg)))
+    core.handle(Submit(GenerateJob(b"c", req_id, validate_generate(msg))))
 
 
 def converse(core: EngineCore, turns, first_id=0, **fields) -> list[tuple[list[int], int]]:

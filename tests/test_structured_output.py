@@ -203,11 +203,14 @@ def test_a_failed_matcher_ends_the_answer_instead_of_freeing_it(tmp_path):
     from mlx_lm.utils import load_tokenizer
 
     from moed.daemon.engine.grammar import GrammarConstraint, grammar_for
+    from moed.protocol import GenerateRequest, ResponseFormat
+    from moed.protocol.constraints import FormatType
 
     write_tokenizer(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     tok = load_tokenizer(tmp_path)
-    mask = GrammarConstraint(tok, grammar_for({"format": {"type": "json"}}, tok), False, [])
+    asks = GenerateRequest(prompt="x", format=ResponseFormat(FormatType.JSON))
+    mask = GrammarConstraint(tok, grammar_for(asks, tok), False, [])
     width = len(tok)
     first = mask(mx.array([1]), mx.zeros((1, width)))
     allowed = [i for i in range(width) if first[0, i].item() > -1e30]

@@ -42,20 +42,17 @@ class InProcessCore:
     def time(self, prompt_ids: list[int], max_tokens: int) -> RunTiming:
         from moed.daemon.engine.commands import Submit
         from moed.daemon.engine.request import GenerateJob
-        from moed.protocol import MessageType, validate_request
-        from moed.protocol import messages as wire
+        from moed.protocol import GenerateRequest, validate_generate
 
         self.sink.stamps, self.sink.tokens = [], []
-        msg = wire.request(
-            MessageType.GENERATE,
-            f"core-{next(self._ids)}",
-            prompt_ids=prompt_ids,
-            max_tokens=max_tokens,
-            telemetry_every=1 << 30,
+        request_id = f"core-{next(self._ids)}"
+        request = GenerateRequest(
+            prompt_ids=tuple(prompt_ids), max_tokens=max_tokens, telemetry_every=1 << 30
         )
-        validate_request(msg)  # what the transport checks before it submits
+        # What the transport checks before it submits.
+        request = validate_generate(request.to_wire(request_id))
         t0 = time.perf_counter()
-        self.core.handle(Submit(GenerateJob(b"bench", msg)))
+        self.core.handle(Submit(GenerateJob(b"bench", request_id, request)))
         while self.core.has_work:
             self.core.step()
         stamps = self.sink.stamps

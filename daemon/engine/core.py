@@ -11,7 +11,6 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.failure import is_group_failure
@@ -30,6 +29,7 @@ from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.lifecycle import ModelLifecycle
 from moed.daemon.engine.request import Emitted, GenerateJob, Generation, RequestKey
 from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Scheduler
+from moed.daemon.engine.sink import EventSink
 from moed.daemon.engine.status import DaemonState, EngineStatus, ShedRecord
 from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.model.loader import (
@@ -50,10 +50,6 @@ _EXIT_FOR = {
     CrashKind.OUT_OF_MEMORY: DaemonExit.OUT_OF_MEMORY,
     CrashKind.RANK_FAILED: DaemonExit.RANK_FAILED,
 }
-
-
-class EventSink(Protocol):
-    def emit(self, identity: bytes, msg: dict, terminal: bool = False) -> None: ...
 
 
 class EngineCore(ModelLifecycle):
@@ -137,7 +133,7 @@ class EngineCore(ModelLifecycle):
 
     def reject(self, job: GenerateJob, code: ErrorCode, message: str) -> None:
         """End a request that never started with a typed error."""
-        self.sink.emit(job.identity, wire.error(job.request["id"], code, message), terminal=True)
+        self.sink.emit(job.identity, wire.error(job.request_id, code, message), terminal=True)
 
     # ---- work ------------------------------------------------------------------------------
     def step(self) -> None:
@@ -172,8 +168,9 @@ class EngineCore(ModelLifecycle):
             gen = Generation(job, self.loaded, self.serve, self._stream_snapshot())
             gen.trace = start_request_trace(
                 self.loaded,
-                job,
-                self.serve,
+                job.request_id,
+                job.request.trace,
+                self.serve.trace_dir,
                 lambda m, i=job.identity: self.sink.emit(i, m),
                 gen.prompt_tokens,
             )
@@ -181,16 +178,14 @@ class EngineCore(ModelLifecycle):
             self.reject(job, exc.code, exc.message)
             return
         except Exception as exc:
-            log.exception("request %r could not start", job.request.get("id"))
+            log.exception("request %r could not start", job.request_id)
             self.reject(job, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
             return
         self._gens[job.key] = gen
         self.scheduler.add(job.key, gen.client, gen.kv_tokens, time.monotonic())
-        if job.request.get("progress"):  # at once, before a batch row is free: a first byte
-            self.sink.emit(
-                job.identity, wire.prompt_progress(job.request["id"], 0, len(gen.context))
-            )
-        self.keep_alive.admitted(job.request.get("keep_alive"))
+        if job.request.progress:  # at once, before a batch row is free: a first byte
+            self.sink.emit(job.identity, wire.prompt_progress(job.request_id, 0, len(gen.context)))
+        self.keep_alive.admitted(job.request.keep_alive)
         self.status.update(keep_alive_s=self.keep_alive.seconds)
         self._publish_counts()
 
@@ -254,8 +249,8 @@ class EngineCore(ModelLifecycle):
         if out.prompts:  # a long prefill yields no token for a while: the watchdog sees progress
             self.status.update(last_progress_at=time.time())
         for chunk in out.prompts:  # clients see a long prompt move, chunk by chunk
-            if (gen := self._rows.get(chunk.uid)) is not None and gen.job.request.get("progress"):
-                req_id = gen.job.request["id"]
+            if (gen := self._rows.get(chunk.uid)) is not None and gen.job.request.progress:
+                req_id = gen.job.request_id
                 self.sink.emit(
                     gen.job.identity,
                     # Counted over the whole context: what the prefix cache held is read too.
@@ -290,7 +285,7 @@ class EngineCore(ModelLifecycle):
             return True
         if gen.completion % gen.telemetry_every == 0:
             self.sink.emit(
-                gen.job.identity, wire.telemetry(gen.job.request["id"], self._telemetry(gen))
+                gen.job.identity, wire.telemetry(gen.job.request_id, self._telemetry(gen))
             )
         return False
 
@@ -303,7 +298,7 @@ class EngineCore(ModelLifecycle):
             self.sink.emit(
                 gen.job.identity,
                 wire.token(
-                    gen.job.request["id"],
+                    gen.job.request_id,
                     gen.index,
                     ids if i == 0 else [],
                     text,
@@ -353,7 +348,7 @@ class EngineCore(ModelLifecycle):
         message: str = "the daemon is shutting down",
     ) -> None:
         self._forget(gen.job.key, keep=not isinstance(reason, ErrorCode))
-        req_id = gen.job.request["id"]
+        req_id = gen.job.request_id
         finish_request_trace(gen.trace)  # its last chunk goes out before the terminal message
         if isinstance(reason, ErrorCode):
             self.status.add(requests_failed=1)
@@ -444,7 +439,7 @@ class EngineCore(ModelLifecycle):
         newest = self.scheduler.newest()
         if level is ShedLevel.CANCEL_NEWEST and newest is not None:
             gen = self._gens[newest]
-            cancelled = gen.job.request["id"]
+            cancelled = gen.job.request_id
             self._finish(
                 gen,
                 ErrorCode.OUT_OF_MEMORY,

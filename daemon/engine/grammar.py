@@ -19,8 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from moed.daemon.engine.tool_grammar import tool_call_grammar
-from moed.protocol import ErrorCode, ProtocolError
-from moed.protocol.constraints import FormatType, ToolChoice, tool_choice_name
+from moed.protocol import ErrorCode, GenerateRequest, NamedTool, ProtocolError
+from moed.protocol.constraints import FormatType, tool_name
 
 log = logging.getLogger("moed.engine")
 
@@ -50,13 +50,13 @@ def _invalid(message: str) -> ProtocolError:
     return ProtocolError(ErrorCode.INVALID_SCHEMA, message)
 
 
-def grammar_for(req: dict, tokenizer: Any) -> str | None:
+def grammar_for(req: GenerateRequest, tokenizer: Any) -> str | None:
     """The llguidance grammar a generate asks for; None when its answer is free."""
     from llguidance import LLMatcher
 
-    fmt = req.get("format")
+    fmt = req.format
     if fmt is not None:
-        schema = fmt.get("schema") if fmt.get("type") == FormatType.JSON_SCHEMA.value else None
+        schema = fmt.schema if fmt.type is FormatType.JSON_SCHEMA else None
         try:
             return LLMatcher.grammar_from_json_schema(
                 json.dumps(schema or ANY_OBJECT), overrides=JSON_OPTIONS
@@ -65,17 +65,11 @@ def grammar_for(req: dict, tokenizer: Any) -> str | None:
             raise _invalid(
                 f"format.schema is not a JSON schema llguidance accepts: {exc}"
             ) from None
-    choice = req.get("tool_choice")
-    forced = tool_choice_name(choice)
-    if forced is None and choice != ToolChoice.REQUIRED.value:
+    if not req.forced_tool_calls:
         return None
-    tools = [t for t in req.get("tools") or () if forced is None or _name(t) == forced]
-    return tool_call_grammar(tokenizer, tools, many=req.get("parallel_tool_calls") is not False)
-
-
-def _name(tool: dict) -> str | None:
-    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
-    return fn.get("name")
+    forced = req.tool_choice.name if isinstance(req.tool_choice, NamedTool) else None
+    tools = [dict(t) for t in req.tools if forced is None or tool_name(t) == forced]
+    return tool_call_grammar(tokenizer, tools, many=req.parallel_tool_calls is not False)
 
 
 class GrammarConstraint:

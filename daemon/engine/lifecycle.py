@@ -6,16 +6,24 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from pathlib import Path
 
+from moed.daemon.config import ServeConfig
 from moed.daemon.engine.batch import DecodeBatch
 from moed.daemon.engine.chunk_budget import ChunkBudget, chunk_budget
-from moed.daemon.engine.request import GenerateJob
-from moed.daemon.engine.status import DaemonState
+from moed.daemon.engine.heartbeat import StepHeartbeat
+from moed.daemon.engine.idle import KeepAlive
+from moed.daemon.engine.prefix_cache.cache import PrefixCache
+from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
+from moed.daemon.engine.sink import EventSink
+from moed.daemon.engine.status import DaemonState, EngineStatus
 from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.experts.active_experts import ActiveExpertsError
 from moed.daemon.model.layer_progress import watch_layers
 from moed.daemon.model.loader import (
     CheckpointUnusable,
+    LoadedModel,
     LoadProgress,
     MemoryPlanRefused,
     describe_model,
@@ -32,6 +40,26 @@ RANKS_REFRESH_S = 1.0
 
 class ModelLifecycle:
     """Load, unload, reload and close the model of an EngineCore (whose __init__ sets the state)."""
+
+    # The engine core's state this mixin reads and sets (EngineCore.__init__ gives each a value).
+    serve: ServeConfig
+    model_path: Path
+    sink: EventSink
+    status: EngineStatus
+    heartbeat: StepHeartbeat
+    keep_alive: KeepAlive
+    loaded: LoadedModel | None
+    batch: DecodeBatch | None
+    prefix_cache: PrefixCache | None
+    fatal: BaseException | None
+    exit_code: int
+    _gens: dict[RequestKey, Generation]
+    _ranks_at: float
+    # ... and what the engine core does for it (engine/core.py).
+    reject_queued: Callable[[ErrorCode, str], None]
+    reject: Callable[[GenerateJob, ErrorCode, str], None]
+    _record_crash: Callable[[CrashKind, str], None]
+    _group_failed: Callable[[BaseException], None]
 
     def load(self, on_progress: LoadProgress | None = None) -> bool:
         """Load the model; False (with `fatal` set and status `failed`) when it cannot load."""
@@ -152,7 +180,7 @@ class ModelLifecycle:
 
     def _reload_for(self, job: GenerateJob) -> bool:
         """Load again for a request that arrived while idle; it sees `progress` messages."""
-        req_id = job.request["id"]
+        req_id = job.request_id
 
         def progress(stage: str, done: float, total: float, unit: str) -> None:
             self.sink.emit(job.identity, wire.progress(req_id, stage, done, total, unit))

@@ -21,8 +21,9 @@ from moed.daemon.engine.commands import (
     Stop,
     Submit,
 )
-from moed.daemon.engine.core import EngineCore, EventSink
+from moed.daemon.engine.core import EngineCore
 from moed.daemon.engine.request import GenerateJob, RequestKey
+from moed.daemon.engine.sink import EventSink
 from moed.daemon.engine.status import EngineStatus
 from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.model.loader import LoadedModel

@@ -14,24 +14,29 @@ from moed.daemon.config import ServeConfig
 from moed.daemon.engine.reasoning import ReasoningSplit, Segment, initial_channel
 from moed.daemon.engine.stop_sequences import StopSequences
 from moed.daemon.engine.tool_calls import ToolCalls
-from moed.daemon.model.chat_template import prompt_token_ids, templated
+from moed.daemon.model.chat_template import prompt_token_ids
 from moed.daemon.model.limits import limits_for
 from moed.daemon.model.loader import LoadedModel
-from moed.protocol import Channel
+from moed.daemon.telemetry.trace import TraceRecorder
+from moed.protocol import Channel, GenerateRequest
+from moed.protocol.generate import RequestId
 from moed.protocol.validation import check_context, check_token_ids, resolve_max_tokens
 
-RequestKey = tuple[bytes, Any]  # (client identity, client-chosen request id)
+RequestKey = tuple[bytes, RequestId]  # (client identity, client-chosen request id)
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerateJob:
+    """A validated generate as the engine receives it: who asked, under which id, for what."""
+
     identity: bytes
-    request: dict  # a validated `generate` message
+    request_id: RequestId
+    request: GenerateRequest  # built once by the edge's validation
     received_at: float = field(default_factory=time.perf_counter)
 
     @property
     def key(self) -> RequestKey:
-        return (self.identity, self.request["id"])
+        return (self.identity, self.request_id)
 
 
 @dataclass(frozen=True)
@@ -66,13 +71,13 @@ class Generation:
         self.job = job
         self.tokenizer = loaded.tokenizer
         prompt_ids = prompt_token_ids(loaded.tokenizer, req)
-        resume_ids = list(req.get("resume_ids") or [])
+        resume_ids = list(req.resume_ids)
         # The text prompt is checked here, once tokenized: same rules as prompt_ids at the edge.
         limits = limits_for(serve, loaded.config)
-        max_tokens = resolve_max_tokens(req.get("max_tokens"), len(prompt_ids), limits)
+        max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), limits)
         check_context(len(prompt_ids), len(resume_ids), max_tokens, limits)
         check_token_ids(prompt_ids, limits)
-        asked = req.get("max_tokens")
+        asked = req.max_tokens
         self.notice = (
             f"max_tokens {asked} capped at {max_tokens} (limits.max_tokens, or the context "
             "left after the prompt)"
@@ -81,33 +86,30 @@ class Generation:
         )
         self.context = prompt_ids + resume_ids  # what the model reads before the first new token
         self.max_new_tokens = max_tokens - len(resume_ids)
-        params = SamplingParams(
-            float(req.get("temperature") or 0.0), float(req.get("top_p") or 1.0), req.get("seed")
-        )
+        params = SamplingParams(float(req.temperature or 0.0), float(req.top_p or 1.0), req.seed)
         self.sampler = make_position_sampler(
             params, len(self.context), default_seed=random.getrandbits(62)
         )
         self.prompt_tokens = len(prompt_ids)
         self.index = len(resume_ids)  # token indices continue after a resume
         self.completion = 0
-        self.telemetry_every = req.get("telemetry_every") or limits.telemetry_every
-        self.stops = StopSequences(req.get("stop") or ())
-        tools = None if req.get("tool_choice") == "none" else req.get("tools")
-        self.tool_calls = ToolCalls(loaded.tokenizer, tools)
+        self.telemetry_every = req.telemetry_every or limits.telemetry_every
+        self.stops = StopSequences(req.stop)
+        self.tool_calls = ToolCalls(loaded.tokenizer, req.template_tools)
         # parallel_tool_calls false: the answer ends with its first tool call.
-        self.one_tool_call = req.get("parallel_tool_calls") is False
+        self.one_tool_call = req.parallel_tool_calls is False
         self.reasoning = ReasoningSplit(
-            loaded.tokenizer, templated(req), initial_channel(loaded.tokenizer, prompt_ids)
+            loaded.tokenizer, req.templated, initial_channel(loaded.tokenizer, prompt_ids)
         )
         self.constraint = _constraint(req, loaded.tokenizer, self.reasoning, resume_ids)
-        self.top_logprobs: int | None = req.get("logprobs")  # None: the request wants none
+        self.top_logprobs: int | None = req.logprobs  # None: the request wants none
         self.detokenizer = loaded.tokenizer.detokenizer
         for token in resume_ids:  # so that text deltas continue mid-character after a resume
             self.detokenizer.add_token(token)
         if resume_ids:  # the channel continues where the resumed tokens left it
             self.reasoning.replay(self.detokenizer.last_segment)
         self.stream_before = stream_snapshot
-        self.trace = None  # a TraceRecorder when the request is traced (set by the engine)
+        self.trace: TraceRecorder | None = None  # when the request is traced (set by the engine)
         self.uid: int | None = None  # its row id in the running batch, once admitted
         self.started: float | None = None  # when it joined the batch
         self.first_token_at: float | None = None
@@ -188,7 +190,9 @@ class Generation:
         }
 
 
-def _constraint(req: dict, tokenizer: Any, reasoning: ReasoningSplit, resumed: list[int]):
+def _constraint(
+    req: GenerateRequest, tokenizer: Any, reasoning: ReasoningSplit, resumed: list[int]
+):
     """The row's grammar (a logits processor), when `format` or a forced tool_choice asks."""
     from moed.daemon.engine.grammar import GrammarConstraint, grammar_for
 

@@ -10,15 +10,16 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 log = logging.getLogger("moed.engine")
 
 
 class ToolCalls:
-    def __init__(self, tokenizer: Any, tools: list[dict] | None):
+    def __init__(self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None):
         self.active = bool(tools) and bool(getattr(tokenizer, "has_tool_calling", False))
-        self.tools = tools
+        self.tools = list(tools) if tools else None  # mlx-lm's parsers take a list
         if self.active:
             self.start = tokenizer.tool_call_start
             self.end = tokenizer.tool_call_end

@@ -3,25 +3,26 @@ chat template (with tools, when the template takes them), tokenized as `mlx_lm.g
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from moed.daemon.model.prompt_normalize import normalize_messages
-from moed.protocol import ErrorCode, ProtocolError
+from moed.protocol import ErrorCode, GenerateRequest, ProtocolError
 
 
-def prompt_token_ids(tokenizer: Any, req: dict) -> list[int]:
+def prompt_token_ids(tokenizer: Any, req: GenerateRequest) -> list[int]:
     """The prompt of a generate / count_tokens request as token ids."""
-    if req.get("prompt_ids") is not None:
-        return list(req["prompt_ids"])
-    if req.get("messages") is not None:
+    if req.prompt_ids is not None:
+        return list(req.prompt_ids)
+    if req.messages is not None:
         return _encode_templated(
             tokenizer,
             render_messages(
-                tokenizer, req["messages"], _tools(req), req.get("chat_template_kwargs")
+                tokenizer, list(req.messages), req.template_tools, req.chat_template_kwargs
             ),
         )
-    prompt = req["prompt"]
-    if not req.get("raw") and getattr(tokenizer, "has_chat_template", False):
+    prompt = req.prompt or ""
+    if not req.raw and getattr(tokenizer, "has_chat_template", False):
         # One user turn: the same ids as `messages: [{role: user, content: prompt}]`.
         return _encode_templated(
             tokenizer,
@@ -29,7 +30,7 @@ def prompt_token_ids(tokenizer: Any, req: dict) -> list[int]:
                 tokenizer,
                 [{"role": "user", "content": prompt}],
                 None,
-                req.get("chat_template_kwargs"),
+                req.chat_template_kwargs,
             ),
         )
     bos = getattr(tokenizer, "bos_token", None)
@@ -40,21 +41,11 @@ def prompt_token_ids(tokenizer: Any, req: dict) -> list[int]:
     return ids
 
 
-def templated(req: dict) -> bool:
-    """Whether the prompt goes through the chat template (then the template's markers count)."""
-    return req.get("messages") is not None or (req.get("prompt") is not None and not req.get("raw"))
-
-
-def _tools(req: dict) -> list[dict] | None:
-    # tool_choice none: the template is told of no tools, as OpenAI's API means it.
-    return None if req.get("tool_choice") == "none" else req.get("tools")
-
-
 def render_messages(
     tokenizer: Any,
-    messages: list[dict],
-    tools: list[dict] | None,
-    template_kwargs: dict | None = None,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
     """The chat template applied to `messages`; a last assistant turn is continued, not closed
     (an assistant prefill), otherwise the assistant's turn is opened. `template_kwargs` go to
@@ -69,7 +60,7 @@ def render_messages(
     try:
         return tokenizer.apply_chat_template(
             messages,
-            tools=tools or None,
+            tools=list(tools) if tools else None,
             tokenize=False,
             add_generation_prompt=not prefill,
             continue_final_message=prefill,

@@ -7,23 +7,34 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.model.demo import demo_model_path
+
+if TYPE_CHECKING:  # types only: loading them would import mlx before it is needed
+    import mlx.nn as nn
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from moed.daemon.distributed.leader import PipelineLeader
+    from moed.daemon.experts.active_experts import Routing
+    from moed.daemon.experts.streamer import ExpertStreamer
 
 log = logging.getLogger("moed.engine")
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: Any
-    tokenizer: Any
+    """A model ready to serve: what mlx-lm loaded, with its experts streamed unless resident."""
+
+    # mlx-lm's model; on rank 0 of a pipeline, the leader that stands in for it (same calls).
+    model: nn.Module | PipelineLeader
+    tokenizer: TokenizerWrapper  # mlx-lm's wrapper: detokenizer, chat template, markers
     path: Path
-    config: dict
-    streamer: Any  # ExpertStreamer or None when resident
-    pipeline: Any = None  # PipelineLeader when this daemon is rank 0 of a pipeline group
-    routing: Any = None  # experts/active_experts.Routing: experts per token, native and active
+    config: dict[str, Any]  # the checkpoint's config.json
+    streamer: ExpertStreamer | None  # None when resident
+    pipeline: PipelineLeader | None = None  # when this daemon is rank 0 of a pipeline group
+    routing: Routing | None = None  # experts per token, native and active
 
 
 # (stage, done, total, unit): how far a load is, for `status` and for a client waiting on a reload.

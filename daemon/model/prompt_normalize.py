@@ -9,14 +9,16 @@ removed before the chat template renders the prompt, so that the prefix cache st
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 # A whole line at the very start of a system message.
 _VARYING_SYSTEM_LINES = (re.compile(r"\Ax-anthropic-billing-header:[^\n]*(?:\n|\Z)"),)
 
 
-def normalize_messages(messages: list[dict]) -> list[dict]:
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """`messages` with the known per-request lines taken out of system turns (the rest as is)."""
-    out = []
+    out: list[Mapping[str, Any]] = []
     for turn in messages:
         content = turn.get("content")
         if turn.get("role") == "system" and isinstance(content, str):

@@ -10,8 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from moed.daemon.model.loader import LoadedModel, describe_model
 from moed.daemon.telemetry.trace import SUFFIX, TraceRecorder, trace_header
 from moed.daemon.telemetry.trace_file import open_trace_file
+from moed.protocol import messages as wire
+from moed.protocol.generate import RequestId
 
 log = logging.getLogger("moed.telemetry.trace")
 
@@ -21,52 +24,52 @@ def _safe(name: Any) -> str:
 
 
 def start_request_trace(
-    loaded: Any,
-    job: Any,
-    serve: Any,
-    emit: Callable[[dict], None],
+    loaded: LoadedModel,
+    request_id: RequestId,
+    to_client: bool,
+    trace_dir: str,
+    emit: Callable[[dict[str, Any]], None],
     prompt_tokens: int | None = None,
 ) -> TraceRecorder | None:
-    """A recorder for this request when it asked for a trace (`trace: true`: chunks go back to the
-    client as `trace` messages) or the daemon traces everything (`trace_dir`: a file per request).
-    None otherwise, or when the model is resident (no streaming, nothing to observe)."""
-    req = job.request
-    to_client = bool(req.get("trace"))
-    trace_dir = getattr(serve, "trace_dir", "") or ""
+    """A recorder for this request when it asked for a trace (`to_client`, the request's `trace`:
+    chunks go back to the client as `trace` messages) or the daemon traces everything
+    (`trace_dir`: a file per request). None otherwise, or when the model is resident (no
+    streaming, nothing to observe)."""
     if not (to_client or trace_dir):
         return None
-    streamer = getattr(loaded, "streamer", None)
+    streamer = loaded.streamer
     if streamer is None:
         log.info(
             "request %r asked for a trace, but the model is resident: nothing to trace",
-            req.get("id"),
+            request_id,
         )
         return None
-    from moed.protocol import messages as wire
-
     sinks: list[Callable[[bytes], None]] = []
     if to_client:
         seq = iter(range(1 << 62))
-        sinks.append(lambda data: emit(wire.trace_chunk(req["id"], next(seq), data)))
+        sinks.append(lambda data: emit(wire.trace_chunk(request_id, next(seq), data)))
     file_sink = None
     if trace_dir:
-        name = f"{time.strftime('%Y%m%d-%H%M%S')}-{_safe(req.get('id'))}{SUFFIX}"
+        name = f"{time.strftime('%Y%m%d-%H%M%S')}-{_safe(request_id)}{SUFFIX}"
         file_sink = open_trace_file(
             Path(trace_dir).expanduser() / name,
-            lambda message: emit(wire.telemetry(req["id"], {"warning": message})),
+            lambda message: emit(wire.telemetry(request_id, {"warning": message})),
         )
     if file_sink is not None:
         sinks.append(file_sink.write)
     if not sinks:
         return None
-    from moed.daemon.model.loader import describe_model
-
     header = trace_header(
-        streamer, describe_model(loaded), {"id": str(req.get("id")), "prompt_tokens": prompt_tokens}
+        streamer,
+        describe_model(loaded),
+        {"id": str(request_id), "prompt_tokens": prompt_tokens},
     )
-    recorder = TraceRecorder(streamer, header, lambda data: [s(data) for s in sinks])
-    recorder.file = file_sink  # closed by finish_request_trace
-    return recorder
+
+    def write(data: bytes) -> None:
+        for sink in sinks:
+            sink(data)
+
+    return TraceRecorder(streamer, header, write, file=file_sink)
 
 
 def finish_request_trace(recorder: TraceRecorder | None) -> None:
@@ -75,6 +78,5 @@ def finish_request_trace(recorder: TraceRecorder | None) -> None:
     try:
         recorder.close()
     finally:
-        f = getattr(recorder, "file", None)
-        if f is not None:
-            f.close()
+        if recorder.file is not None:
+            recorder.file.close()

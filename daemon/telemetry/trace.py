@@ -44,6 +44,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from moed.daemon.telemetry.trace_file import TraceFile
+
 log = logging.getLogger("moed.telemetry.trace")
 
 FORMAT = "moed-trace"
@@ -177,8 +179,11 @@ class TraceRecorder:
     """The streamer's observer while one request's passes run (engine thread only).
 
     `on_route` and `on_load` are the ExpertStreamer hooks; `write(bytes)` receives whole msgpack
-    objects in chunks of about CHUNK_BYTES; `close()` flushes the rest.
+    objects in chunks of about CHUNK_BYTES; `close()` flushes the rest. `file` is the request's
+    trace file among the writers, if any: its owner closes it after the recorder.
     """
+
+    file: TraceFile | None
 
     def __init__(
         self,
@@ -186,6 +191,7 @@ class TraceRecorder:
         header: dict,
         write: Callable[[bytes], None],
         chunk_bytes: int = CHUNK_BYTES,
+        file: TraceFile | None = None,
     ):
         from moed.daemon.telemetry.residency import PageCacheProbe
 
@@ -203,6 +209,7 @@ class TraceRecorder:
         self._dtype = np.dtype("<u1" if max_experts <= 256 else "<u2")
         self.passes = 0
         self.closed = False
+        self.file = file
 
     # -- window: the engine attaches the recorder around one step of its request --------------
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from moed.daemon.model.chat_template import prompt_token_ids
-from moed.protocol import ErrorCode, ProtocolError
+from moed.protocol import ErrorCode, GenerateRequest, ProtocolError
 
 
 class DuplicateId(ProtocolError):
@@ -40,7 +40,7 @@ class TokenCounter:
         self._model_path = model_path
         self._tokenizer: Any = None
 
-    def count(self, msg: dict) -> int:
+    def count(self, prompt: GenerateRequest) -> int:
         if self._tokenizer is None:
             loaded = self._loaded()
             if loaded is not None:
@@ -49,4 +49,4 @@ class TokenCounter:
                 from mlx_lm.utils import load_tokenizer
 
                 self._tokenizer = load_tokenizer(self._model_path)
-        return len(prompt_token_ids(self._tokenizer, msg))
+        return len(prompt_token_ids(self._tokenizer, prompt))

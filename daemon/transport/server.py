@@ -48,17 +48,20 @@ from moed.daemon.transport.streams import RequestKey, StreamTable
 from moed.protocol import (
     MAX_FRAME_BYTES,
     ErrorCode,
+    GenerateRequest,
     MessageType,
     PrefixCacheAction,
     ProtocolError,
     ShedLevel,
     decode,
     encode,
+    validate_generate,
     validate_request,
 )
 from moed.protocol import messages as wire
 from moed.protocol.codec import peek_id
 from moed.protocol.paths import endpoint_for, ensure_private_dir
+from moed.protocol.validation import is_generate
 
 # Inbound frames taken per loop turn before the engine's events are forwarded: a client flooding
 # requests cannot starve other clients' streams.
@@ -284,8 +287,11 @@ class Server:
         try:
             msg = decode(body[0], MAX_FRAME_BYTES)
             request_id = msg.get("id") if isinstance(msg, dict) else None
-            kind, request_id = validate_request(msg, self.limits)
-            reply = self._dispatch(identity, kind, msg)
+            if is_generate(msg):  # checked in full, and typed once, by the protocol's validation
+                reply = self._admit(identity, msg, validate_generate(msg, self.limits))
+            else:
+                kind, request_id = validate_request(msg, self.limits)
+                reply = self._dispatch(identity, kind, msg)
         except DuplicateId as exc:
             reply = {**wire.error(None, exc.code, exc.message), "target": exc.target}
         except ProtocolError as exc:
@@ -306,8 +312,6 @@ class Server:
 
     def _dispatch(self, identity: bytes, kind: MessageType, msg: dict) -> dict | None:
         req_id = msg["id"]
-        if kind is MessageType.GENERATE:
-            return self._admit(identity, msg)
         if kind is MessageType.HELLO:
             self.connections.admit_hello()  # past max_connections: `overloaded`, before fds run out
             return wire.welcome(req_id, **self._welcome_body())
@@ -345,7 +349,9 @@ class Server:
         if kind is MessageType.METRICS:
             return wire.result(req_id, text=self.telemetry.metrics_text())
         if kind is MessageType.COUNT_TOKENS:
-            return wire.result(req_id, tokens=self.token_counter.count(msg))
+            # A count_tokens carries a generate's prompt fields, checked under the same rules.
+            prompt = GenerateRequest.from_checked(msg)
+            return wire.result(req_id, tokens=self.token_counter.count(prompt))
         if kind is MessageType.PREFIX_CACHE:
             return self._prefix_cache(req_id, msg)
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{kind.value!r} is not handled")
@@ -366,8 +372,11 @@ class Server:
             entries=self.status.get("prefix_entries") or [],
         )
 
-    def _admit(self, identity: bytes, msg: dict) -> dict | None:
-        key = (identity, msg["id"])
+    def _admit(self, identity: bytes, msg: dict, request: GenerateRequest) -> dict | None:
+        """A validated generate (`msg` its wire map, `request` its typed form) to the engine, or
+        the typed refusal of admission."""
+        request_id = msg["id"]
+        key = (identity, request_id)
         if self._draining:
             raise ProtocolError(
                 ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; retry after it restarts"
@@ -385,7 +394,7 @@ class Server:
             raise ProtocolError(ErrorCode.ENGINE_STALLED, self.progress.message())
         if key in self._streams:
             # Not terminal for the running stream: sent with `id: nil`, the id in `target`.
-            raise DuplicateId(msg["id"])
+            raise DuplicateId(request_id)
         if len(self._streams) >= self.serve.max_pending:
             raise ProtocolError(
                 ErrorCode.OVERLOADED, f"{len(self._streams)} requests in flight; retry later"
@@ -396,7 +405,7 @@ class Server:
                 f"this connection has {self._streams.of_client(identity)} requests in flight "
                 f"(at most {self.serve.max_pending_per_client} per client); retry later",
             )
-        check_model_name(msg.get("model"), self.serve.model, self.model_path)
+        check_model_name(request.model, self.serve.model, self.model_path)
         fingerprint = crashlog.fingerprint(msg)
         if fingerprint in self.start_plan.poison:
             raise ProtocolError(
@@ -408,7 +417,7 @@ class Server:
         self._streams.add(key, fingerprint)
         # Written before the engine sees it, so that a crash in it is pinned on it.
         crashlog.write_inflight(self.serve.state_dir, self.boot_id, self._streams.fingerprints())
-        self.engine.submit(GenerateJob(identity, msg))
+        self.engine.submit(GenerateJob(identity, request_id, request))
         return None
 
     # ---- outbound ----------------------------------------------------------------------------
