@@ -13,12 +13,12 @@ import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from .chat import prompt_sources, validate_chat_fields
 from .constraints import validate_constraint_fields, validate_template_kwargs
 from .errors import ErrorCode, ProtocolError
-from .messages import REQUEST_TYPES, MessageType, PrefixCacheAction, ShedLevel
+from .messages import REQUEST_TYPES, Message, MessageType, PrefixCacheAction, ShedLevel
 from .units import parse_keep_alive
 from .version import PROTOCOL_MAJOR
 
@@ -40,7 +40,7 @@ class Limits:
     default_max_tokens: int = 256
     telemetry_every: int = 16
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {
             "vocab_size": self.vocab_size,
             "context_tokens": self.context_tokens,
@@ -51,7 +51,7 @@ class Limits:
         }
 
 
-def _refuse(where: str, message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> None:
+def _refuse(where: str, message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> NoReturn:
     raise ProtocolError(code, f"{where}: {message}")
 
 
@@ -77,7 +77,7 @@ class Int(Rule):
     hi: int = INT64_MAX
     hi_from: Callable[[Limits], int | None] | None = None  # a bound from the loaded model
 
-    def check(self, where, value, limits):
+    def check(self, where: str, value: Any, limits: Limits | None) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             _refuse(where, f"must be a msgpack integer, got {_type_name(value)} {value!r:.40}")
         hi = self.hi
@@ -93,7 +93,7 @@ class Number(Rule):
     hi: float = math.inf
     lo_open: bool = False
 
-    def check(self, where, value, limits):
+    def check(self, where: str, value: Any, limits: Limits | None) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _refuse(where, f"must be a number, got {_type_name(value)}")
         if not math.isfinite(value):
@@ -109,7 +109,7 @@ class Str(Rule):
     max_chars: int = MAX_TEXT_CHARS
     non_empty: bool = False
 
-    def check(self, where, value, limits):
+    def check(self, where: str, value: Any, limits: Limits | None) -> None:
         if not isinstance(value, str):
             _refuse(where, f"must be a string, got {_type_name(value)}")
         if self.non_empty and not value:
@@ -125,7 +125,7 @@ class Str(Rule):
 
 @dataclass(frozen=True)
 class Bool(Rule):
-    def check(self, where, value, limits):
+    def check(self, where: str, value: Any, limits: Limits | None) -> None:
         if not isinstance(value, bool):
             _refuse(where, f"must be true or false, got {_type_name(value)}")
 
@@ -134,7 +134,7 @@ class Bool(Rule):
 class OneOf(Rule):
     choices: type[enum.Enum] = ShedLevel
 
-    def check(self, where, value, limits):
+    def check(self, where: str, value: Any, limits: Limits | None) -> None:
         allowed = [c.value for c in self.choices]
         if value not in allowed:
             _refuse(where, f"must be one of {', '.join(allowed)}, got {value!r:.40}")
@@ -142,7 +142,7 @@ class OneOf(Rule):
 
 @dataclass(frozen=True)
 class RequestId(Rule):
-    def check(self, where, value, limits):
+    def check(self, where: str, value: Any, limits: Limits | None) -> None:
         if isinstance(value, str):
             if len(value) > MAX_ID_CHARS:
                 _refuse(where, f"is over {MAX_ID_CHARS} characters")
@@ -157,7 +157,7 @@ class RequestId(Rule):
 class TokenIds(Rule):
     non_empty: bool = False
 
-    def check(self, where, value, limits):
+    def check(self, where: str, value: Any, limits: Limits | None) -> None:
         if not isinstance(value, list):
             _refuse(where, f"must be a list of token ids, got {_type_name(value)}")
         if self.non_empty and not value:
@@ -177,7 +177,7 @@ class TokenIds(Rule):
 class AnyList(Rule):
     """A list whose items a cross-check looks at (chat turns, tools, stop strings)."""
 
-    def check(self, where, value, limits):
+    def check(self, where: str, value: Any, limits: Limits | None) -> None:
         if not isinstance(value, list):
             _refuse(where, f"must be a list, got {_type_name(value)}")
 
@@ -186,7 +186,7 @@ class AnyList(Rule):
 class AnyMap(Rule):
     """A map whose contents a cross-check looks at (a schema, template switches)."""
 
-    def check(self, where, value, limits):
+    def check(self, where: str, value: Any, limits: Limits | None) -> None:
         if not isinstance(value, dict):
             _refuse(where, f"must be a map, got {_type_name(value)}")
 
@@ -195,7 +195,7 @@ class AnyMap(Rule):
 class AnyChoice(Rule):
     """A string or a map, told apart by a cross-check (tool_choice)."""
 
-    def check(self, where, value, limits):
+    def check(self, where: str, value: Any, limits: Limits | None) -> None:
         if not isinstance(value, (str, dict)):
             _refuse(where, f"must be a string or a map, got {_type_name(value)}")
 
@@ -204,7 +204,7 @@ class AnyChoice(Rule):
 class Duration(Rule):
     """A keep-alive: seconds (a finite number) or a duration string (30s, 5m, -1)."""
 
-    def check(self, where, value, limits):
+    def check(self, where: str, value: Any, limits: Limits | None) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             _refuse(where, f"must be seconds or a duration string, got {_type_name(value)}")
         try:
@@ -260,13 +260,13 @@ FIELDS: dict[MessageType, dict[str, Rule]] = {
 }
 
 
-def _one_prompt(msg: dict, limits: Limits | None) -> None:
+def _one_prompt(msg: Message, limits: Limits | None) -> None:
     if len(prompt_sources(msg)) != 1:
         _refuse("generate", "give exactly one of 'prompt', 'prompt_ids' or 'messages'")
     validate_chat_fields(msg)
 
 
-def _count_tokens_prompt(msg: dict, limits: Limits | None) -> None:
+def _count_tokens_prompt(msg: Message, limits: Limits | None) -> None:
     if len(prompt_sources(msg)) != 1 or msg.get("prompt_ids") is not None:
         _refuse("count_tokens", "give exactly one of 'prompt' or 'messages'")
     validate_chat_fields(msg, "count_tokens")
@@ -274,7 +274,7 @@ def _count_tokens_prompt(msg: dict, limits: Limits | None) -> None:
         validate_template_kwargs(msg["chat_template_kwargs"])
 
 
-def _prompt_chars(msg: dict, limits: Limits | None) -> None:
+def _prompt_chars(msg: Message, limits: Limits | None) -> None:
     # A cheap bound before tokenizing (count_tokens tokenizes on the transport thread): a token
     # is rarely more than 32 characters.
     if limits is None:
@@ -293,7 +293,7 @@ def _prompt_chars(msg: dict, limits: Limits | None) -> None:
         )
 
 
-def _ids_within_context(msg: dict, limits: Limits | None) -> None:
+def _ids_within_context(msg: Message, limits: Limits | None) -> None:
     if limits is None or msg.get("prompt_ids") is None:
         return  # a text prompt is checked once tokenized (check_context)
     prompt = len(msg["prompt_ids"])
@@ -301,7 +301,7 @@ def _ids_within_context(msg: dict, limits: Limits | None) -> None:
     check_context(prompt, len(msg.get("resume_ids") or []), max_tokens, limits)
 
 
-CROSS_CHECKS: dict[MessageType, list[Callable[[dict, Limits | None], None]]] = {
+CROSS_CHECKS: dict[MessageType, list[Callable[[Message, Limits | None], None]]] = {
     MessageType.GENERATE: [
         _one_prompt,
         _prompt_chars,
