@@ -19,7 +19,7 @@ from moed.daemon.experts.safetensors_index import CheckpointError, TensorLoc
 from moed.daemon.experts.slots import SlotTable
 
 # safetensors dtype -> (numpy dtype used to allocate, MLX dtype of the pool)
-_DTYPES = {
+_DTYPES: dict[str, tuple[type[np.generic], mx.Dtype]] = {
     "F32": (np.float32, mx.float32),
     "F16": (np.float16, mx.float16),
     "BF16": (np.uint16, mx.bfloat16),  # numpy has no bfloat16: allocate as uint16, view as bf16
@@ -35,7 +35,7 @@ _DTYPES = {
 }
 
 
-def _pool_dtypes(st_dtype: str) -> tuple:
+def _pool_dtypes(st_dtype: str) -> tuple[type[np.generic], mx.Dtype]:
     try:
         return _DTYPES[st_dtype]
     except KeyError:
@@ -45,7 +45,7 @@ def _pool_dtypes(st_dtype: str) -> tuple:
         ) from None
 
 
-def mlx_dtype(st_dtype: str):
+def mlx_dtype(st_dtype: str) -> mx.Dtype:
     return _pool_dtypes(st_dtype)[1]
 
 
@@ -97,7 +97,9 @@ class LayerPool(SlotTable):
         self.arrays: dict[str, mx.array] = {t.key: _alloc(t.loc, slots) for t in self.tensors}
         # Byte views of each pool; workers write through these (no MLX calls off the engine thread).
         self.views: dict[str, memoryview] = {
-            k: memoryview(a).cast("B") for k, a in self.arrays.items()
+            # mx.array exports the buffer protocol; its stubs declare no __buffer__.
+            k: memoryview(a).cast("B")  # type: ignore[arg-type]
+            for k, a in self.arrays.items()
         }
 
     @property
@@ -126,7 +128,10 @@ class LayerPool(SlotTable):
         mx.eval(*self.arrays.values())
         for v in old_views.values():
             v.release()
-        self.views = {k: memoryview(a).cast("B") for k, a in self.arrays.items()}
+        self.views = {
+            k: memoryview(a).cast("B")  # type: ignore[arg-type]  # as in _allocate
+            for k, a in self.arrays.items()
+        }
         self.slot_of[:] = np.arange(self.num_experts)
         self.expert_in[:] = np.arange(self.num_experts)
 

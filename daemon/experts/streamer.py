@@ -6,9 +6,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -21,7 +22,7 @@ from moed.daemon.experts.discover import SwitchInfo
 from moed.daemon.experts.held import DeviceTally
 from moed.daemon.experts.memory_plan import ExpertLayout, MemoryPlan, _memory_override, make_plan
 from moed.daemon.experts.policies import DEFAULT_POLICY, make_policy
-from moed.daemon.experts.prefetch import ReadPool
+from moed.daemon.experts.prefetch import ReadBatch, ReadPool, ReadResult
 from moed.daemon.experts.safetensors_index import CheckpointIndex
 from moed.daemon.experts.speculation import Speculator
 from moed.daemon.experts.store import ExpertStore, resolve_page_cache
@@ -59,9 +60,9 @@ class PendingLoad:
     experts: np.ndarray
     ready: np.ndarray  # resident and complete (not read by this load nor in flight)
     loads: list[tuple[int, int]]
-    demand: list
-    spec_loads: list
-    spec_batches: list
+    demand: list[ReadBatch]
+    spec_loads: list[tuple[int, int]]
+    spec_batches: list[ReadBatch]
 
 
 class ExpertStreamer:
@@ -295,7 +296,9 @@ class ExpertStreamer:
         for reads in self._pending_reads:
             reads.clear()
 
-    def _collect(self, pool: LayerPool, loads: list[tuple[int, int]], batches: list) -> None:
+    def _collect(
+        self, pool: LayerPool, loads: list[tuple[int, int]], batches: list[ReadBatch]
+    ) -> None:
         try:
             res = self.reader.wait(batches)
         except BaseException:
@@ -303,7 +306,13 @@ class ExpertStreamer:
             raise
         self._count_reads(res)
 
-    def _collect_speculative(self, pool: LayerPool, experts, loads, batches: list) -> None:
+    def _collect_speculative(
+        self,
+        pool: LayerPool,
+        experts: np.ndarray,
+        loads: list[tuple[int, int]],
+        batches: list[ReadBatch],
+    ) -> None:
         """Wait for the speculative reads this call needs; a failed one is read again on demand
         (and reports its error then)."""
         try:
@@ -317,7 +326,9 @@ class ExpertStreamer:
             return
         self._count_reads(res, prefetch=True)
 
-    def _admit(self, pool: LayerPool, experts) -> tuple[list[int], list[tuple[int, int]]]:
+    def _admit(
+        self, pool: LayerPool, experts: Iterable[int]
+    ) -> tuple[list[int], list[tuple[int, int]]]:
         free_before = pool.free_slots
         hits, loads = pool.admit(experts)
         self.counters.evictions += max(
@@ -325,7 +336,7 @@ class ExpertStreamer:
         )  # loads beyond free slots evicted
         return hits, loads
 
-    def _count_reads(self, res, prefetch: bool = False) -> None:
+    def _count_reads(self, res: ReadResult, prefetch: bool = False) -> None:
         """Account reads the engine waited for (demand misses, or speculative reads it caught up
         with)."""
         c = self.counters
@@ -348,7 +359,7 @@ class ExpertStreamer:
     def resident_bytes(self) -> int:
         return sum(p.pool_bytes for p in self.pools)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         if threading.get_ident() == self._engine_thread:  # no MLX call from other threads
             self._fold_tally()
         snap = self.counters.snapshot()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Container
+from collections.abc import Collection
 from typing import ClassVar
 
 
@@ -16,7 +16,7 @@ class EvictionPolicy(abc.ABC):
 
     name: str = ""  # the registry key, e.g. "lru"
     # Values of the constructor's keyword parameters that `moed bench policy` fits on traces.
-    PARAM_GRID: ClassVar[dict[str, tuple]] = {}
+    PARAM_GRID: ClassVar[dict[str, tuple[float, ...]]] = {}
 
     def __init__(self, num_experts: int, slots: int):
         self.num_experts = num_experts
@@ -42,7 +42,7 @@ class EvictionPolicy(abc.ABC):
         """`expert` left the cache."""
 
     @abc.abstractmethod
-    def victim(self, protected: Container[int]) -> int:
+    def victim(self, protected: Collection[int]) -> int:
         """A resident expert not in `protected` to evict."""
 
     @abc.abstractmethod

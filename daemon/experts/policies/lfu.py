@@ -6,7 +6,7 @@ comes back with its history (routing popularity is stable over a generation)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Container
+from collections.abc import Collection
 
 import numpy as np
 
@@ -68,7 +68,7 @@ class LFUDecayPolicy(EvictionPolicy):
         """`experts` least valuable first: lowest score, then the older last use, then the id."""
         return experts[np.lexsort((self._last[experts], self._score[experts]))]
 
-    def victim(self, protected: Container[int]) -> int:
+    def victim(self, protected: Collection[int]) -> int:
         candidates = self._resident.copy()
         wanted = np.fromiter(protected, dtype=np.int64)
         candidates[wanted[wanted < candidates.shape[0]]] = False
@@ -78,4 +78,5 @@ class LFUDecayPolicy(EvictionPolicy):
         return int(self._ranked(idx)[0])
 
     def order(self) -> list[int]:
-        return self._ranked(np.flatnonzero(self._resident)).tolist()
+        order: list[int] = self._ranked(np.flatnonzero(self._resident)).tolist()
+        return order
