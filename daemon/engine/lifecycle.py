@@ -6,16 +6,24 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
+from moed.daemon.config import ServeConfig
 from moed.daemon.engine.batch import DecodeBatch
 from moed.daemon.engine.chunk_budget import ChunkBudget, chunk_budget
-from moed.daemon.engine.request import GenerateJob
-from moed.daemon.engine.status import DaemonState
+from moed.daemon.engine.heartbeat import StepHeartbeat
+from moed.daemon.engine.idle import KeepAlive
+from moed.daemon.engine.prefix_cache.cache import PrefixCache
+from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
+from moed.daemon.engine.status import DaemonState, EngineStatus
 from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.experts.active_experts import ActiveExpertsError
 from moed.daemon.model.layer_progress import watch_layers
 from moed.daemon.model.loader import (
     CheckpointUnusable,
+    LoadedModel,
     LoadProgress,
     MemoryPlanRefused,
     describe_model,
@@ -25,6 +33,9 @@ from moed.daemon.runtime.crashlog import CrashKind
 from moed.protocol import ErrorCode
 from moed.protocol import messages as wire
 
+if TYPE_CHECKING:  # the engine core is this mixin's subclass: a cycle at run time
+    from moed.daemon.engine.core import EventSink
+
 log = logging.getLogger("moed.engine")
 
 RANKS_REFRESH_S = 1.0
@@ -32,6 +43,26 @@ RANKS_REFRESH_S = 1.0
 
 class ModelLifecycle:
     """Load, unload, reload and close the model of an EngineCore (whose __init__ sets the state)."""
+
+    # The engine core's state this mixin reads and sets (EngineCore.__init__ gives each a value).
+    serve: ServeConfig
+    model_path: Path
+    sink: EventSink
+    status: EngineStatus
+    heartbeat: StepHeartbeat
+    keep_alive: KeepAlive
+    loaded: LoadedModel | None
+    batch: DecodeBatch | None
+    prefix_cache: PrefixCache | None
+    fatal: BaseException | None
+    exit_code: int
+    _gens: dict[RequestKey, Generation]
+    _ranks_at: float
+    # ... and what the engine core does for it (engine/core.py).
+    reject_queued: Callable[[ErrorCode, str], None]
+    reject: Callable[[GenerateJob, ErrorCode, str], None]
+    _record_crash: Callable[[CrashKind, str], None]
+    _group_failed: Callable[[BaseException], None]
 
     def load(self, on_progress: LoadProgress | None = None) -> bool:
         """Load the model; False (with `fatal` set and status `failed`) when it cannot load."""
@@ -88,6 +119,7 @@ class ModelLifecycle:
         """Every layer of a prompt chunk and every expert read is progress (engine/heartbeat.py).
         A pipeline's leader runs the other ranks' layers through collectives: its chunks are
         watched per step, as before."""
+        assert self.loaded is not None  # called once a model is loaded
         if self.loaded.pipeline is not None:
             return
         watch_layers(self.loaded.model, self.heartbeat.layer_done)
@@ -96,6 +128,7 @@ class ModelLifecycle:
 
     def _new_batch(self) -> DecodeBatch:
         # A pipeline's leader mirrors every batch-cache change to the other ranks (cache_ops.py).
+        assert self.loaded is not None  # called once a model is loaded
         eos = getattr(self.loaded.tokenizer, "eos_token_ids", None) or []
         trimmable = self.prefix_cache.trimmable if self.prefix_cache is not None else None
         return DecodeBatch(
@@ -110,6 +143,7 @@ class ModelLifecycle:
     def _open_prefix_cache(self) -> None:
         from moed.daemon.engine.prefix_cache.setup import open_prefix_cache
 
+        assert self.loaded is not None  # called once a model is loaded
         if self.prefix_cache is None:
             try:
                 self.prefix_cache = open_prefix_cache(self.serve, self.loaded, self.model_path)
@@ -198,13 +232,14 @@ class ModelLifecycle:
         self._ranks_at = now
         self.status.update(ranks=pipeline.status())
 
-    def _stream_snapshot(self) -> dict | None:
+    def _stream_snapshot(self) -> dict[str, Any] | None:
         if self.loaded is None or self.loaded.streamer is None:
             return None
-        return self.loaded.streamer.snapshot()
+        snapshot: dict[str, Any] = self.loaded.streamer.snapshot()
+        return snapshot
 
 
-def lone_chunk_budget(loaded, serve) -> ChunkBudget | None:
+def lone_chunk_budget(loaded: LoadedModel, serve: ServeConfig) -> ChunkBudget | None:
     """A lone prompt's chunk bound from the memory plan: its working memory (the streamer's, or
     the same default estimate from the resident weights) and its KV room. A pipeline's leader
     keeps `prefill_chunk`: its ranks hold the activations."""
@@ -217,7 +252,8 @@ def lone_chunk_budget(loaded, serve) -> ChunkBudget | None:
     if loaded.streamer is not None:
         working = loaded.streamer.plan.working_bytes
     else:
-        weights = sum(a.nbytes for _, a in tree_flatten(loaded.model.parameters()))
+        leaves = cast(list[tuple[str, Any]], tree_flatten(loaded.model.parameters()))  # no dest
+        weights = sum(a.nbytes for _, a in leaves)
         working = default_working_bytes(weights)
     dtype_bytes = 4 if loaded.config.get("torch_dtype") == "float32" else 2
     return chunk_budget(
