@@ -114,7 +114,7 @@ class GrammarConstraint:
 
     def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
         if not self._first:  # the token sampled at the previous call ends the context
-            self._advance(int(context[-1].item()))  # type: ignore[arg-type]  # a token id
+            self._advance(int(context[-1].item()))  # type: ignore[arg-type]  # mlx types item() int/float/complex
         self._first = False
         if self.waiting:
             return logits

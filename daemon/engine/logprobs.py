@@ -13,7 +13,7 @@ def token_logprobs(logprobs: mx.array, token: int, top: int, tokenizer: Any) -> 
     entry = {
         "id": token,
         "token": tokenizer.decode([token]),
-        "logprob": float(logprobs[token].item()),  # type: ignore[arg-type]  # a float array
+        "logprob": float(logprobs[token].item()),  # type: ignore[arg-type]  # mlx types item() int/float/complex
         "top": [],
     }
     if top > 0:
