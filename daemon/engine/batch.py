@@ -25,7 +25,6 @@ from moed.daemon.engine.sampling import greedy
 from moed.protocol import FinishReason
 
 if TYPE_CHECKING:
-    from moed.daemon.distributed.leader import PipelineLeader
     from moed.daemon.engine.prefix_cache.cache import PrefixHit
 
 Sampler = Callable[[mx.array], mx.array]
@@ -131,7 +130,7 @@ class DecodeBatch:
 
     def __init__(
         self,
-        model: nn.Module | PipelineLeader,  # a leader steps a pipeline's ranks as one model
+        model: nn.Module,
         eos_token_ids: Iterable[int],
         max_batch: int,
         prefill_chunk: int,
