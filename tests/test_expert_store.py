@@ -54,7 +54,7 @@ def test_adjacent_misses_coalesce_into_one_preadv(checkpoint_factory):
     try:
         pool = streamer.pools[0]
         _hits, loads = pool.admit([2, 3, 5, 6, 7])
-        jobs = streamer.store.jobs_for(pool, loads)
+        jobs = streamer.store.jobs_for(pool, pool.stage(loads))
         assert len(jobs) == 2 * len(pool.tensors)  # runs 2-3 and 5-7 of each tensor
         assert sorted(len(j.buffers) for j in jobs) == [2] * len(pool.tensors) + [3] * len(
             pool.tensors
@@ -182,8 +182,8 @@ def test_demand_reads_go_first_and_speculative_ones_cancel(checkpoint_factory):
     try:
         pool = streamer.pools[0]
         _hits, loads = pool.admit([0, 1, 2, 3])
-        spec = [store.jobs_for(pool, [load]) for load in loads[:3]]
-        demand = store.jobs_for(pool, loads[3:])
+        spec = [store.jobs_for(pool, pool.stage([load])) for load in loads[:3]]
+        demand = store.jobs_for(pool, pool.stage(loads[3:]))
         with reader._cv:  # the worker cannot take anything until all are queued
             spec_batches = [reader.submit(jobs, speculative=True) for jobs in spec]
             demand_batch = reader.submit(demand)
@@ -219,7 +219,7 @@ def _read_and_compare(store, pool, experts, workers=3):
     reader = ReadPool(store, workers=workers)
     try:
         _hits, loads = pool.admit(experts)
-        jobs = store.jobs_for(pool, loads)
+        jobs = store.jobs_for(pool, pool.stage(loads))
         reader.read(jobs)
         _assert_slots_hold(pool, experts)
         return jobs

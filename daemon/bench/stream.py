@@ -124,6 +124,13 @@ SWEEP_BURST = 2  # experts per burst in the read sweep: a layer's misses in a de
     help="also measure the read path for every worker count x chunk size "
     "(how the defaults were chosen)",
 )
+@click.option(
+    "--staged-budgets",
+    default="",
+    show_default=True,
+    help="budgets also run with reads staged in host rows and scattered into device-owned pools "
+    "(experts/landing.py: an opt-in for CUDA's managed memory); empty: none",
+)
 @click.option("--seed", default=0, show_default=True, help="Seed for the weights and prompts.")
 def stream(
     layers,
@@ -146,6 +153,7 @@ def stream(
     json_out,
     sweep_reads,
     model_path,
+    staged_budgets,
     seed,
 ) -> None:
     """Expert streaming vs resident mlx-lm on a model with Qwen3.6-35B-A3B expert shapes."""
@@ -193,6 +201,10 @@ def stream(
             for budget in [b.strip() for b in spec_budgets.split(",") if b.strip()]:
                 contenders.append(
                     load_streaming(path, budget, workers, page_cache, speculative=True)
+                )
+            for budget in [b.strip() for b in staged_budgets.split(",") if b.strip()]:
+                contenders.append(
+                    load_streaming(path, budget, workers, page_cache, landing="staged")
                 )
             budget_list = [b.strip() for b in budgets.split(",") if b.strip()]
             ks = [int(k) for k in active_experts.split(",") if k.strip()]

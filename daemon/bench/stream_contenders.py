@@ -132,12 +132,14 @@ def load_streaming(
     preload_all: bool = False,
     speculative: bool = False,
     active_experts: int = 0,
+    landing: str = "direct",
 ) -> Contender:
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
     from moed.daemon.config import PageCachePolicy
     from moed.daemon.experts import StreamingConfig, install_streaming
+    from moed.daemon.experts.landing import Landing
 
     model, _ = load_model(path, lazy=True)
     streamer = install_streaming(
@@ -148,6 +150,7 @@ def load_streaming(
             prefetch_workers=workers,
             page_cache=PageCachePolicy(page_cache),
             prefetch_next=speculative,
+            landing=Landing(landing),
         ),
     )
     mx.eval(model.parameters())
@@ -165,6 +168,7 @@ def load_streaming(
     streamer.trace = [] if simulate else None
     name = budget + ("+pre" if preload_all else "") + ("+spec" if speculative else "")
     name += f",K={active_experts}" if active_experts else ""
+    name += f",{landing}" if landing != "direct" else ""
     return Contender(name, model, streamer, preloaded=preload_all, simulate=simulate)
 
 

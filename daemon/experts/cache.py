@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from moed.daemon.experts.landing import Landing, Staging
 from moed.daemon.experts.policies import EvictionPolicy
 from moed.daemon.experts.safetensors_index import CheckpointError, TensorLoc
 from moed.daemon.experts.slots import SlotTable
@@ -76,6 +77,14 @@ def _alloc(loc: TensorLoc, slots: int) -> mx.array:
     return arr
 
 
+def _alloc_on_device(loc: TensorLoc, slots: int) -> mx.array:
+    """A pool the device wrote (STAGED landing): a dense copy made by a kernel, never a buffer
+    the host filled."""
+    arr = mx.contiguous(mx.zeros((slots, *loc.shape[1:]), dtype=_pool_dtypes(loc.dtype)[1]))
+    mx.eval(arr)
+    return arr
+
+
 class LayerPool(SlotTable):
     """The slots of one MoE layer: the slot table and policy (slots.py) plus the slot arrays."""
 
@@ -86,21 +95,26 @@ class LayerPool(SlotTable):
         num_experts: int,
         slots: int,
         policy: EvictionPolicy,
+        landing: Landing = Landing.DIRECT,
     ):
         self.layer = layer
         self.tensors = tensors
+        self.staged = landing is Landing.STAGED
         self.expert_bytes = sum(t.slot_bytes for t in tensors)
         super().__init__(num_experts, slots, policy)
         self._allocate(slots)
 
     def _allocate(self, slots: int) -> None:
-        self.arrays: dict[str, mx.array] = {t.key: _alloc(t.loc, slots) for t in self.tensors}
+        alloc = _alloc_on_device if self.staged else _alloc
+        self.arrays: dict[str, mx.array] = {t.key: alloc(t.loc, slots) for t in self.tensors}
         # Byte views of each pool; workers write through these (no MLX calls off the engine thread).
-        self.views: dict[str, memoryview] = {
+        # A staged pool has none: a host view would move a CUDA array back to managed memory.
+        self.views: dict[str, memoryview] = (
+            {}
+            if self.staged
             # mx.array exports the buffer protocol; its stubs declare no __buffer__.
-            k: memoryview(a).cast("B")  # type: ignore[arg-type]
-            for k, a in self.arrays.items()
-        }
+            else {k: memoryview(a).cast("B") for k, a in self.arrays.items()}  # type: ignore[arg-type]
+        )
 
     @property
     def pool_bytes(self) -> int:
@@ -109,6 +123,36 @@ class LayerPool(SlotTable):
     def slot_view(self, tensor: PooledTensor, slot: int) -> memoryview:
         n = tensor.slot_bytes
         return self.views[tensor.key][slot * n : (slot + 1) * n]
+
+    def stage(self, loads: list[tuple[int, int]]) -> Staging:
+        """Where the reads of `loads` land: host rows for a staged pool, else the slots."""
+        staging = Staging(sorted(loads))
+        if self.staged:
+            n = len(loads)
+            for t in self.tensors:
+                shape, np_dtype = (n, *t.loc.shape[1:]), _pool_dtypes(t.loc.dtype)[0]
+                staging.buffers[t.key] = np.empty(shape, np_dtype)
+        return staging
+
+    def destination(self, staging: Staging, tensor: PooledTensor, i: int) -> memoryview:
+        """The bytes load i of `staging` reads `tensor` into."""
+        if self.staged:
+            return memoryview(staging.buffers[tensor.key][i]).cast("B")
+        return self.slot_view(tensor, staging.loads[i][1])
+
+    def land(self, staging: Staging) -> None:
+        """Reads of a staged pool all finished: one scatter per tensor into a new version of the
+        pool (lazy; graphs built before keep the old one)."""
+        if not self.staged or staging.landed or not staging.loads:
+            return
+        staging.landed = True
+        slots = mx.array(np.array([slot for _e, slot in staging.loads], dtype=np.int32))
+        for t in self.tensors:
+            rows = mx.array(staging.buffers[t.key])
+            dtype = _pool_dtypes(t.loc.dtype)[1]
+            if rows.dtype != dtype:
+                rows = rows.view(dtype)
+            self.arrays[t.key][slots] = rows
 
     @property
     def whole(self) -> bool:
@@ -128,10 +172,11 @@ class LayerPool(SlotTable):
         mx.eval(*self.arrays.values())
         for v in old_views.values():
             v.release()
-        self.views = {
-            k: memoryview(a).cast("B")  # type: ignore[arg-type]  # as in _allocate
-            for k, a in self.arrays.items()
-        }
+        if not self.staged:
+            self.views = {
+                k: memoryview(a).cast("B")  # type: ignore[arg-type]  # as in _allocate
+                for k, a in self.arrays.items()
+            }
         self.slot_of[:] = np.arange(self.num_experts)
         self.expert_in[:] = np.arange(self.num_experts)
 
@@ -145,6 +190,13 @@ class LayerPool(SlotTable):
         old_arrays, old_views = self.arrays, self.views
         moves = self.resize_table(new_slots)
         self._allocate(new_slots)
+        if self.staged and moves:  # the device moves the kept experts
+            src_slots = mx.array(np.array([m[1] for m in moves], dtype=np.int32))
+            dst_slots = mx.array(np.array([m[2] for m in moves], dtype=np.int32))
+            for k, a in self.arrays.items():
+                a[dst_slots] = mx.take(old_arrays[k], src_slots, axis=0)
+            mx.eval(*self.arrays.values())
+            moves = []
         for _expert, src, dst in moves:
             for t in self.tensors:
                 n = t.slot_bytes

@@ -94,6 +94,8 @@ class ReadPool:
                     batch, job = queue.popleft()
                     batch.started += 1
                     self._busy += 1
+                    if self._demand or self._speculative:
+                        self._cv.notify()  # wake the next worker: the engine thread woke only one
                     return batch, job
                 if self._closed:
                     return None
@@ -148,7 +150,9 @@ class ReadPool:
         with self._cv:
             queue = self._speculative if speculative else self._demand
             queue.extend((batch, job) for job in jobs)
-            self._cv.notify(len(jobs))
+            # One wake-up here; each worker that takes a job wakes the next (prefetch.py `_next`),
+            # so the engine thread pays one futex call a burst, not one per job.
+            self._cv.notify()
         return batch
 
     def promote(self, batches: list[ReadBatch]) -> None:

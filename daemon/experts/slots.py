@@ -58,22 +58,25 @@ class SlotTable:
             raise ValueError(f"{experts.size} experts do not fit {self.slots} slots")
         slot_of, policy = self.slot_of, self.policy
         resident = slot_of[experts] >= 0  # one vectorized lookup; hits keep the call's order
-        hits = experts[resident].tolist()
-        for e in hits:
-            policy.touch(e)
+        if resident.all():  # the common decode call: every expert a hit
+            policy.touch_many(experts)
+            return experts.tolist(), []
+        hit_ids = experts[resident]
+        policy.touch_many(hit_ids)
+        hits = hit_ids.tolist()
+        missing = list(dict.fromkeys(experts[~resident].tolist()))  # in order, once each
+        short = len(missing) - len(self._free)
+        # The victims are ranked once for the whole call: evicting one never reorders the rest.
+        victims = policy.victims(short, experts) if short > 0 else []
         loads = []
-        if not resident.all():
-            wanted = set(experts.tolist())
-            for e in experts[~resident].tolist():
-                if slot_of[e] >= 0:
-                    continue  # listed twice
-                if not self._free:
-                    self._evict(policy.victim(wanted))  # frees exactly one slot
-                slot = self._free.pop()
-                slot_of[e] = slot
-                self.expert_in[slot] = e
-                policy.insert(e)
-                loads.append((e, slot))
+        for e in missing:
+            if not self._free:
+                self._evict(victims.pop(0))  # frees exactly one slot
+            slot = self._free.pop()
+            slot_of[e] = slot
+            self.expert_in[slot] = e
+            policy.insert(e)
+            loads.append((e, slot))
         return hits, loads
 
     def _evict(self, expert: int) -> None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import numpy as np
 
+from moed.daemon.experts.landing import Staging
 from moed.daemon.experts.prefetch import ReadBatch
 from moed.daemon.experts.tuning import Switch
 
@@ -35,6 +36,7 @@ class Inflight:
 
     slots: dict[int, int] = field(default_factory=dict)
     batches: dict[int, ReadBatch] = field(default_factory=dict)
+    stagings: dict[int, Staging] = field(default_factory=dict)  # where each expert's reads land
 
 
 class Speculator:
@@ -48,6 +50,7 @@ class Speculator:
         self._inflight: dict[int, Inflight] = {}
         self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=ACCURACY_STEPS)
         self._step_used = self._step_guessed = 0
+        self._kept_stagings: dict[int, Staging] = {}
 
     @property
     def accuracy(self) -> float | None:
@@ -107,7 +110,8 @@ class Speculator:
         entry = Inflight()
         for e, slot in loads:  # a batch per expert: each can be cancelled on its own
             entry.slots[e] = slot
-            entry.batches[e] = s.reader.submit(s.store.jobs_for(pool, [(e, slot)]), True)
+            entry.stagings[e] = staging = pool.stage([(e, slot)])
+            entry.batches[e] = s.reader.submit(s.store.jobs_for(pool, staging), True)
         self._inflight[layer] = entry
         s.counters.prefetched += len(loads)
         self._step_guessed += len(loads)
@@ -147,18 +151,27 @@ class Speculator:
         s.pools[layer].forget(dropped)
         s.counters.prefetch_dropped += len(dropped)
         self._step_used += len(keep)
+        self._kept_stagings = {e: entry.stagings[e] for e in keep}
         return keep, batches, [(e, entry.slots[e]) for e in keep]
+
+    def stagings_of(self, loads: list[tuple[int, int]]) -> list[Staging]:
+        """Where the kept speculative loads of the last `settle` land."""
+        kept, self._kept_stagings = self._kept_stagings, {}
+        return [kept[e] for e, _slot in loads if e in kept]
 
     def drain(self) -> None:
         """Settle every layer's speculative reads (before a shed or a preload)."""
         for layer in list(self._inflight):
             _keep, batches, loads = self.settle(layer, set(self._inflight[layer].slots))
+            stagings = self.stagings_of(loads)
             try:
                 res = self.s.reader.wait(batches)
             except OSError as exc:
                 self.s.pools[layer].forget(loads)
                 log.warning("prefetch read failed: %s", exc)
                 continue
+            for staging in stagings:
+                self.s.pools[layer].land(staging)
             self.s.counters.prefetch_bytes += res.bytes_read
 
     def snapshot(self) -> dict[str, Any]:

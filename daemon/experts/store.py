@@ -25,6 +25,7 @@ from pathlib import Path
 
 from moed.daemon.config import PageCachePolicy
 from moed.daemon.experts.cache import LayerPool
+from moed.daemon.experts.landing import Staging
 
 F_NOCACHE = 48  # macOS <sys/fcntl.h>: turn data caching off for this file descriptor
 IOV_MAX = 1024  # POSIX minimum guaranteed is 16; Linux and macOS allow 1024
@@ -144,17 +145,17 @@ class ExpertStore:
         idle); O_DIRECT and macOS's F_NOCACHE keep the pages out in the first place."""
         return self.bypass and sys.platform != "darwin" and len(self.direct) < len(self.fds)
 
-    def jobs_for(self, pool: LayerPool, loads: list[tuple[int, int]]) -> list[ReadJob]:
-        """Read jobs that fill `loads` [(expert, slot)] of `pool`, adjacent experts coalesced."""
+    def jobs_for(self, pool: LayerPool, staging: Staging) -> list[ReadJob]:
+        """Read jobs that fill `staging`'s loads [(expert, slot)] of `pool` (in expert order),
+        adjacent experts coalesced."""
         jobs: list[ReadJob] = []
-        by_expert = sorted(loads)
         for tensor in pool.tensors:
             loc = tensor.loc
             fd = self.fds[loc.file]
             stride = loc.expert_stride
             job: ReadJob | None = None
             prev = None
-            for expert, slot in by_expert:
+            for i, (expert, _slot) in enumerate(staging.loads):
                 offset = loc.offset + expert * stride
                 extend = (
                     job is not None
@@ -165,7 +166,7 @@ class ExpertStore:
                 if job is None or not extend:  # (extend implies a job: this narrows it)
                     job = ReadJob(fd, offset)
                     jobs.append(job)
-                job.buffers.append(pool.slot_view(tensor, slot))
+                job.buffers.append(pool.destination(staging, tensor, i))
                 job.nbytes += stride
                 prev = expert
         return [piece for job in jobs for piece in _split(job, self.split_bytes)]

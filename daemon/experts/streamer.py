@@ -20,6 +20,7 @@ from moed.daemon.experts.cache import LayerPool
 from moed.daemon.experts.counters import Counters, LayerCounters
 from moed.daemon.experts.discover import SwitchInfo
 from moed.daemon.experts.held import DeviceTally
+from moed.daemon.experts.landing import Landing, Staging
 from moed.daemon.experts.memory_plan import ExpertLayout, MemoryPlan, _memory_override, make_plan
 from moed.daemon.experts.policies import DEFAULT_POLICY, make_policy
 from moed.daemon.experts.prefetch import ReadBatch, ReadPool, ReadResult
@@ -50,6 +51,7 @@ class StreamingConfig:
     # input. Exact either way (it only changes what is resident); costs bandwidth when wrong.
     prefetch_next: bool = False
     cache_policy: str = DEFAULT_POLICY  # a name in experts/policies (the registry)
+    landing: Landing = Landing.DIRECT  # where reads land (landing.py); STAGED: CUDA, opt-in
 
 
 @dataclass
@@ -58,11 +60,20 @@ class PendingLoad:
 
     pool: LayerPool
     experts: np.ndarray
-    ready: np.ndarray  # resident and complete (not read by this load nor in flight)
+    hits: list[int]
+    kept: set[int]  # hits that are speculative reads still landing
     loads: list[tuple[int, int]]
     demand: list[ReadBatch]
     spec_loads: list[tuple[int, int]]
     spec_batches: list[ReadBatch]
+    stagings: list[Staging]  # where the demand reads land (landing.py); landed once collected
+    spec_stagings: list[Staging]  # where the kept speculative reads land
+
+    @property
+    def ready(self) -> np.ndarray:
+        """Resident and complete: not read by this load nor in flight."""
+        hits = [e for e in self.hits if e not in self.kept] if self.kept else self.hits
+        return np.array(hits, dtype=np.int64)
 
 
 class ExpertStreamer:
@@ -100,11 +111,12 @@ class ExpertStreamer:
         self.baseline_bytes = self.plan.baseline_bytes  # measured before weights and pools exist
         self.budget_bytes = self.plan.cache_budget_bytes
         slots = self.plan.slots_per_layer
+        self.landing = Landing(cfg.landing)
         self.pools = []
         for i, s in enumerate(switches):
             n = min(slots, s.num_experts)
             policy = make_policy(cfg.cache_policy, s.num_experts, n)
-            self.pools.append(LayerPool(i, s.tensors, s.num_experts, n, policy))
+            self.pools.append(LayerPool(i, s.tensors, s.num_experts, n, policy, self.landing))
         self.bypass_page_cache = resolve_page_cache(
             cfg.page_cache, self.layout.experts_bytes, self.plan.total_memory
         )
@@ -112,6 +124,9 @@ class ExpertStreamer:
         self.reader = ReadPool(self.store, cfg.prefetch_workers)
         self.counters = Counters(layers=[LayerCounters() for _ in switches])
         self.usage = [np.zeros(s.num_experts, dtype=np.int64) for s in switches]  # host-routed
+        # Host-routed choices not yet folded into `usage`: a list append per call, one bincount
+        # per layer when usage is asked for (or the list grows long).
+        self._routed: list[list[np.ndarray]] = [[] for _ in switches]
         # Layers whose every expert is held route on the device (held.py); their usage is here.
         self._held = [False] * len(switches)
         self.tally = DeviceTally([s.num_experts for s in switches])
@@ -194,7 +209,10 @@ class ExpertStreamer:
         host = np.array(indices)
         self.spec.predicted(layer, predicted)
         flat = host.reshape(-1)
-        self.usage[layer] += np.bincount(flat, minlength=self.usage[layer].shape[0])
+        routed = self._routed[layer]
+        routed.append(flat)
+        if len(routed) >= 256:
+            self._fold_usage(layer)
         if self.trace is not None:
             if layer == 0:
                 self.trace.append([])
@@ -207,6 +225,12 @@ class ExpertStreamer:
             self.observer.on_route(layer, host)
         self.on_progress()
         return host
+
+    def _fold_usage(self, layer: int) -> None:
+        routed, self._routed[layer] = self._routed[layer], []
+        if routed:
+            u = self.usage[layer]
+            u += np.bincount(np.concatenate(routed), minlength=u.shape[0])[: u.shape[0]]
 
     def _fold_tally(self, evaluated: bool = False) -> None:
         """Held layers' hits into the host counters (no host sync: see DeviceTally.fold)."""
@@ -234,12 +258,17 @@ class ExpertStreamer:
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]:
         """Make `experts` resident in `layer`; returns (expert -> slot table, pools)."""
         pending = self.begin_load(layer, experts)
-        return self.finish_load(pending), pending.pool.arrays
+        self.finish_load(pending)
+        return self.table(pending.pool, experts), pending.pool.arrays
 
     def begin_load(self, layer: int, experts: np.ndarray) -> PendingLoad:
         """Admit `experts` and queue the reads of the missing ones without waiting for them."""
         pool = self.pools[layer]
-        kept, spec_batches, spec_loads = self.spec.settle(layer, set(experts.tolist()))
+        kept: set[int] = set()
+        spec_batches: list[ReadBatch] = []
+        spec_loads: list[tuple[int, int]] = []
+        if self.spec.inflight(layer):
+            kept, spec_batches, spec_loads = self.spec.settle(layer, set(experts.tolist()))
         hits, loads = self._admit(pool, experts)
         self.counters.prefetch_hits += len(kept)
         lc = self.counters.layers[layer]
@@ -247,20 +276,38 @@ class ExpertStreamer:
         lc.misses += len(loads)
         if self.observer is not None:  # before the read: it asks whether the pages are cached
             self.observer.on_load(layer, pool, hits, loads)
+        demand: list[ReadBatch] = []
+        stagings: list[Staging] = []
         if loads:
             self._fence(layer, loads)
-        demand = [self.reader.submit(self.store.jobs_for(pool, loads))] if loads else []
+            stagings.append(staging := pool.stage(loads))
+            demand.append(self.reader.submit(self.store.jobs_for(pool, staging)))
         self.spec.issue(layer + 1)  # queued behind every demand read
-        ready = np.array([e for e in hits if e not in kept] if kept else hits, dtype=np.int64)
-        return PendingLoad(pool, experts, ready, loads, demand, spec_loads, spec_batches)
+        spec_stagings = self.spec.stagings_of(spec_loads)
+        return PendingLoad(
+            pool,
+            experts,
+            hits,
+            kept,
+            loads,
+            demand,
+            spec_loads,
+            spec_batches,
+            stagings,
+            spec_stagings,
+        )
 
-    def finish_load(self, p: PendingLoad) -> np.ndarray:
-        """Wait for a `begin_load`'s reads; returns the expert -> slot table."""
+    def finish_load(self, p: PendingLoad) -> None:
+        """Wait for a `begin_load`'s reads: then every expert of it is in its slot."""
         if p.demand:
             self._collect(p.pool, p.loads, p.demand)
-        if p.spec_batches:
-            self._collect_speculative(p.pool, p.experts, p.spec_loads, p.spec_batches)
-        return self.table(p.pool, p.experts)
+        landed = p.stagings
+        if p.spec_batches and self._collect_speculative(
+            p.pool, p.experts, p.spec_loads, p.spec_batches
+        ):
+            landed = landed + p.spec_stagings
+        for staging in landed:
+            p.pool.land(staging)
 
     @staticmethod
     def table(pool: LayerPool, experts: np.ndarray) -> np.ndarray:
@@ -272,10 +319,14 @@ class ExpertStreamer:
         """`out` reads `slots_read` of `layer`'s pools and is not evaluated yet: it will be at the
         next router read-back, or earlier if one of those slots is about to be overwritten."""
         self._pending_outputs.append(out)
-        self._pending_reads[layer].update(slots_read.tolist())  # a set: repeats are fine
+        if not self.pools[layer].staged:  # a staged landing never overwrites what a graph reads
+            self._pending_reads[layer].update(slots_read.tolist())  # a set: repeats are fine
 
     def _fence(self, layer: int, loads: list[tuple[int, int]]) -> None:
-        """Evaluate the pending outputs before `loads` overwrite a slot one of them reads."""
+        """Evaluate the pending outputs before `loads` overwrite a slot one of them reads (a
+        staged pool's landing makes a new version instead: nothing to wait for)."""
+        if self.pools[layer].staged:
+            return
         reads = self._pending_reads[layer]
         if reads and any(slot in reads for _e, slot in loads):
             self._fence_all()
@@ -294,7 +345,8 @@ class ExpertStreamer:
     def _pending_done(self) -> None:
         self._pending_outputs = []
         for reads in self._pending_reads:
-            reads.clear()
+            if reads:
+                reads.clear()
 
     def _collect(
         self, pool: LayerPool, loads: list[tuple[int, int]], batches: list[ReadBatch]
@@ -312,9 +364,9 @@ class ExpertStreamer:
         experts: np.ndarray,
         loads: list[tuple[int, int]],
         batches: list[ReadBatch],
-    ) -> None:
+    ) -> bool:
         """Wait for the speculative reads this call needs; a failed one is read again on demand
-        (and reports its error then)."""
+        (and reports its error then). False when they were read again (their staging is void)."""
         try:
             res = self.reader.wait(batches)
         except OSError as exc:
@@ -322,9 +374,12 @@ class ExpertStreamer:
             pool.forget(loads)
             _hits, again = self._admit(pool, experts)  # the whole pass stays protected
             self._fence(pool.layer, again)
-            self._collect(pool, again, [self.reader.submit(self.store.jobs_for(pool, again))])
-            return
+            staging = pool.stage(again)
+            self._collect(pool, again, [self.reader.submit(self.store.jobs_for(pool, staging))])
+            pool.land(staging)
+            return False
         self._count_reads(res, prefetch=True)
+        return True
 
     def _admit(
         self, pool: LayerPool, experts: Iterable[int]
@@ -378,6 +433,7 @@ class ExpertStreamer:
                 "prefetch_workers": self.reader.workers,
                 "page_cache_bypass": self.bypass_page_cache,
                 "direct_io": bool(self.store.direct),
+                "landing": self.landing.value,
                 **self.spec.snapshot(),
                 "overlap_reads_active": self.overlap.active,
                 "overlap_net_ms_per_step": self.overlap.net_ms,
@@ -437,6 +493,8 @@ class ExpertStreamer:
         """Per layer and expert, the token rows routed to it (host- and device-routed calls).
         On the engine thread: it evaluates the held layers' pending tally."""
         device, _hits = self.tally.settle()
+        for layer in range(len(self.usage)):
+            self._fold_usage(layer)
         return [u + device[l, : u.shape[0]] for l, u in enumerate(self.usage)]
 
     @property
@@ -481,14 +539,17 @@ class ExpertStreamer:
                 continue
             _hits, loads = pool.admit(experts)
             if loads:
-                admitted.append((pool, loads))
-                jobs += self.store.jobs_for(pool, loads)
+                admitted.append((pool, loads, staging := pool.stage(loads)))
+                jobs += self.store.jobs_for(pool, staging)
         try:
             res = self.reader.read(jobs)
         except BaseException:
-            for pool, loads in admitted:
+            for pool, loads, _staging in admitted:
                 pool.forget(loads)
             raise
+        for pool, _loads, staging in admitted:
+            pool.land(staging)
+        mx.eval(*(a for pool, _l, _s in admitted for a in pool.arrays.values()))
         c = self.counters
         c.reads += len(jobs)
         c.read_s += res.read_s

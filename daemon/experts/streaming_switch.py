@@ -47,6 +47,15 @@ def scatter_unsort(
     return x
 
 
+def distinct(host: np.ndarray) -> np.ndarray:
+    """The call's distinct experts, ascending (np.unique; a set for a decode step's few ids,
+    several times cheaper on the hot path)."""
+    flat = host.reshape(-1)
+    if flat.size <= 64:
+        return np.array(sorted(set(flat.tolist())), dtype=flat.dtype)
+    return np.unique(flat)
+
+
 class LayerCache(Protocol):
     """What a streaming layer asks of the expert cache (experts/streamer.py ExpertStreamer)."""
 
@@ -69,7 +78,7 @@ class LayerCache(Protocol):
 
     def begin_load(self, layer: int, experts: np.ndarray) -> PendingLoad: ...
 
-    def finish_load(self, p: PendingLoad) -> np.ndarray: ...
+    def finish_load(self, p: PendingLoad) -> None: ...
 
     def table(self, pool: LayerPool, experts: np.ndarray) -> np.ndarray: ...
 
@@ -86,9 +95,13 @@ class ProjSpec:
     has_bias: bool = False  # additive bias (gpt_oss)
 
 
+_PARAMS = ("weight", "scales", "biases", "global_scale", "bias")  # a projection's pool tensors
+
+
 class StreamingSwitch(nn.Module):
     # Set with object.__setattr__ in __init__ (not module children): declared for the checker.
     _projs: dict[str, ProjSpec]
+    _keys: dict[str, tuple[str, ...]]
     _layer: int
     _streamer: LayerCache
 
@@ -106,6 +119,9 @@ class StreamingSwitch(nn.Module):
         # Plain attributes (not parameters): the pools live in the streamer, never in the model
         # tree.
         object.__setattr__(self, "_projs", projs)
+        # The pool keys of each projection, formatted once (the hot path only looks them up).
+        keys = {n: tuple(f"{n}.{p}" for p in _PARAMS) for n in projs}
+        object.__setattr__(self, "_keys", keys)
         object.__setattr__(self, "_layer", layer)
         object.__setattr__(self, "_streamer", streamer)
 
@@ -118,29 +134,30 @@ class StreamingSwitch(nn.Module):
         pools: dict[str, mx.array],
     ) -> mx.array:
         spec = self._projs[name]
+        weight, scales, biases, global_scale, bias = self._keys[name]
         if spec.quantized:
             y = mx.gather_qmm(
                 x,
-                pools[f"{name}.weight"],
-                pools[f"{name}.scales"],
-                pools.get(f"{name}.biases"),
+                pools[weight],
+                pools[scales],
+                pools.get(biases),
                 rhs_indices=idx,
                 transpose=True,
                 group_size=spec.group_size,
                 bits=spec.bits,
                 mode=spec.mode,
-                global_scale=pools.get(f"{name}.global_scale"),
+                global_scale=pools.get(global_scale),
                 sorted_indices=sorted_indices,
             )
         else:
             y = mx.gather_mm(
                 x,
-                pools[f"{name}.weight"].swapaxes(-1, -2),
+                pools[weight].swapaxes(-1, -2),
                 rhs_indices=idx,
                 sorted_indices=sorted_indices,
             )
         if spec.has_bias:
-            y = y + mx.expand_dims(pools[f"{name}.bias"][idx], -2)
+            y = y + mx.expand_dims(pools[bias][idx], -2)
         return y
 
     def _experts(
@@ -203,6 +220,16 @@ class StreamingSwitch(nn.Module):
         y = mx.concatenate(parts)[order]
         return y.reshape(*indices.shape, *y.shape[-2:])
 
+    def _one_pass(self, x: mx.array, host: np.ndarray, pending: PendingLoad) -> mx.array:
+        """All of the call's experts fit one pass: wait for its reads, then one graph whose slot
+        ids are mapped on the host (no expert -> slot table, no gather on the device)."""
+        streamer = self._streamer
+        streamer.finish_load(pending)
+        slot_of = pending.pool.slot_of
+        y = self._experts(x, mx.array(slot_of[host].astype(np.uint32)), False, pending.pool.arrays)
+        streamer.defer(self._layer, y, slot_of[pending.experts])
+        return y
+
     def _overlapped(
         self, x: mx.array, indices: mx.array, host: np.ndarray, experts: np.ndarray
     ) -> mx.array:
@@ -214,10 +241,7 @@ class StreamingSwitch(nn.Module):
         flat = host.reshape(-1)
         early = np.isin(flat, pending.ready)
         if early.all() or not early.any():
-            table = streamer.finish_load(pending)
-            y = self._experts(x, mx.array(table)[indices], False, pending.pool.arrays)
-            streamer.defer(layer, y, table[experts])
-            return y
+            return self._one_pass(x, host, pending)
         pools = pending.pool.arrays
         rows = mx.broadcast_to(x, (*indices.shape, 1, x.shape[-1])).reshape(-1, 1, x.shape[-1])
         first, rest = np.flatnonzero(early), np.flatnonzero(~early)
@@ -225,7 +249,8 @@ class StreamingSwitch(nn.Module):
         y_first = self._experts(rows[mx.array(first)], mx.array(table[flat[first]]), False, pools)
         mx.async_eval(y_first)  # runs while the reads land; not a host sync
         streamer.counters.overlapped += 1
-        table = streamer.finish_load(pending)
+        streamer.finish_load(pending)
+        table = streamer.table(pending.pool, experts)
         y_rest = self._experts(rows[mx.array(rest)], mx.array(table[flat[rest]]), False, pools)
         order = mx.array(np.argsort(np.concatenate([first, rest])))
         y = mx.concatenate([y_first, y_rest])[order]
@@ -260,19 +285,20 @@ class StreamingSwitch(nn.Module):
             streamer.counters.layer_s += time.perf_counter() - t0
             return out
         host = streamer.route(layer, indices, x)
-        needed = np.unique(host)  # the call's distinct experts, ascending
+        needed = distinct(host)
         passes = streamer.plan_passes(layer, needed)
 
         x = mx.expand_dims(x, (-2, -3))
-        indices = mx.stop_gradient(indices)
         do_sort = indices.size >= 64
         idx = indices
         inv_order: mx.array | None = None
         if do_sort:
-            x, idx, inv_order = gather_sort(x, indices)
+            x, idx, inv_order = gather_sort(x, mx.stop_gradient(indices))
 
         if not do_sort and len(passes) == 1 and streamer.overlap.active:
             out = self._overlapped(x, indices, host, passes[0])
+        elif not do_sort and len(passes) == 1:
+            out = self._one_pass(x, host, streamer.begin_load(layer, passes[0]))
         elif not do_sort and len(passes) > 1:
             out = self._rows_by_pass(x, indices, host, passes)
         else:

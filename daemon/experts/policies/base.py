@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import ClassVar
 
 
@@ -44,6 +44,22 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def victim(self, protected: Collection[int]) -> int:
         """A resident expert not in `protected` to evict."""
+
+    def touch_many(self, experts: Iterable[int]) -> None:
+        """`touch` each of `experts`, distinct ids, in order (policies with array state do it in
+        one step)."""
+        for e in experts:
+            self.touch(int(e))
+
+    def victims(self, count: int, protected: Iterable[int]) -> list[int]:
+        """The next `count` victims outside `protected`, in the order `victim` would pick them
+        while they are removed one by one (inserting protected experts never reorders them)."""
+        chosen: list[int] = []
+        excluded = {int(e) for e in protected}
+        for _ in range(count):
+            chosen.append(self.victim(excluded))
+            excluded.add(chosen[-1])
+        return chosen
 
     @abc.abstractmethod
     def order(self) -> list[int]:

@@ -6,7 +6,7 @@ comes back with its history (routing popularity is stable over a generation)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 import numpy as np
 
@@ -60,6 +60,15 @@ class LFUDecayPolicy(EvictionPolicy):
     def touch(self, expert: int) -> None:
         self._use(expert)
 
+    def touch_many(self, experts: Iterable[int]) -> None:
+        ids = np.asarray(experts, dtype=np.int64)
+        if not ids.size:
+            return
+        if int(ids.max()) >= self._score.shape[0]:
+            self._grow(int(ids.max()))
+        self._score[ids] += self._weight  # distinct ids (the slot table's calls are)
+        self._last[ids] = self._calls
+
     def remove(self, expert: int) -> None:
         if expert < self._resident.shape[0]:
             self._resident[expert] = False
@@ -69,13 +78,22 @@ class LFUDecayPolicy(EvictionPolicy):
         return experts[np.lexsort((self._last[experts], self._score[experts]))]
 
     def victim(self, protected: Collection[int]) -> int:
+        return self.victims(1, protected)[0]
+
+    def victims(self, count: int, protected: Iterable[int]) -> list[int]:
+        """The `count` least valuable residents outside `protected`: one ranking for all of them
+        (a victim's removal does not change the others' scores)."""
         candidates = self._resident.copy()
-        wanted = np.fromiter(protected, dtype=np.int64)
+        if isinstance(protected, np.ndarray):
+            wanted = protected.astype(np.int64, copy=False)
+        else:
+            wanted = np.fromiter(protected, dtype=np.int64)
         candidates[wanted[wanted < candidates.shape[0]]] = False
         idx = np.flatnonzero(candidates)
-        if not idx.size:
+        if idx.size < count:
             raise AllProtectedError("every resident expert is protected; no slot can be freed")
-        return int(self._ranked(idx)[0])
+        chosen: list[int] = self._ranked(idx)[:count].tolist()
+        return chosen
 
     def order(self) -> list[int]:
         order: list[int] = self._ranked(np.flatnonzero(self._resident)).tolist()
