@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import ErrorCode, ProtocolError
+from .messages import Message
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256  # a stop is matched against held-back text: keep the hold-back small
@@ -20,11 +21,11 @@ class Role(str, enum.Enum):
     TOOL = "tool"
 
 
-def _refuse(message: str) -> None:
+def _refuse(message: str) -> NoReturn:
     raise ProtocolError(ErrorCode.INVALID_REQUEST, message)
 
 
-def prompt_sources(msg: dict) -> list[str]:
+def prompt_sources(msg: Message) -> list[str]:
     """Which of the exclusive prompt fields a generate / count_tokens carries."""
     return [name for name in ("prompt", "prompt_ids", "messages") if msg.get(name) is not None]
 
@@ -54,7 +55,7 @@ def validate_messages(messages: Any, tools: Any, raw: Any, kind: str) -> None:
         _refuse(f"{kind}: 'tools' must be a list of maps")
 
 
-def validate_chat_fields(msg: dict, kind: str = "generate") -> None:
+def validate_chat_fields(msg: Message, kind: str = "generate") -> None:
     """`messages`, `tools`, `stop` and `logprobs` of a generate (types were checked already)."""
     if msg.get("messages") is not None:
         validate_messages(msg["messages"], msg.get("tools"), msg.get("raw"), kind)

@@ -7,6 +7,7 @@ from typing import Any
 import msgpack
 
 from .errors import ErrorCode, ProtocolError
+from .messages import Message
 
 # One frame is one message; anything larger is refused before decoding.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -18,8 +19,9 @@ _PLAIN = (str, bytes, int, float, bool, type(None))
 _PEEK_KEYS = 64
 
 
-def encode(msg: dict) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
+def encode(msg: Message) -> bytes:
+    frame: bytes = msgpack.packb(msg, use_bin_type=True)  # msgpack ships no types
+    return frame
 
 
 def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Any:

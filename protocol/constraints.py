@@ -5,9 +5,10 @@ such as `enable_thinking`). Checked here, at the edge; the daemon compiles the g
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import ErrorCode, ProtocolError
+from .messages import Message
 
 MAX_TEMPLATE_KWARGS = 16
 MAX_SCHEMA_DEPTH = 64  # a schema nested deeper is refused before any compiler sees it
@@ -24,7 +25,7 @@ class ToolChoice(str, enum.Enum):
     REQUIRED = "required"  # the answer is one or more tool calls (enforced by a grammar)
 
 
-def _refuse(message: str) -> None:
+def _refuse(message: str) -> NoReturn:
     raise ProtocolError(ErrorCode.INVALID_REQUEST, f"generate: {message}")
 
 
@@ -52,7 +53,7 @@ def validate_format(fmt: Any) -> None:
         _refuse(f"'format.schema' is nested deeper than {MAX_SCHEMA_DEPTH} levels")
 
 
-def validate_tool_fields(msg: dict) -> None:
+def validate_tool_fields(msg: Message) -> None:
     choice = msg.get("tool_choice")
     if choice is not None:
         if isinstance(choice, dict):
@@ -82,7 +83,8 @@ def tool_name(tool: Any) -> str | None:
     """The function a tool spec names ({function: {name}} or a flat {name})."""
     if not isinstance(tool, dict):
         return None
-    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    function = tool.get("function")
+    fn = function if isinstance(function, dict) else tool
     return fn.get("name")
 
 
@@ -96,7 +98,7 @@ def validate_template_kwargs(kwargs: Any) -> None:
             _refuse(f"'chat_template_kwargs.{key}' must be a bool, number, string or nil")
 
 
-def validate_constraint_fields(msg: dict, limits: Any = None) -> None:
+def validate_constraint_fields(msg: Message, limits: Any = None) -> None:
     """The cross-field check of a generate's constraint fields (types and names)."""
     if msg.get("format") is not None:
         validate_format(msg["format"])

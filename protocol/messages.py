@@ -13,6 +13,9 @@ from typing import Any
 from .errors import RETRYABLE, ErrorCode
 from .version import PROTOCOL_MAJOR
 
+# One wire message: a map with str keys (the codec refuses others), values as msgpack carries them.
+Message = dict[str, Any]
+
 
 class MessageType(str, enum.Enum):
     # client -> daemon
@@ -81,11 +84,11 @@ class PrefixCacheAction(str, enum.Enum):
     CLEAR = "clear"  # empty both tiers (owner only)
 
 
-def _base(kind: MessageType, request_id: Any) -> dict:
+def _base(kind: MessageType, request_id: Any) -> Message:
     return {"v": PROTOCOL_MAJOR, "type": kind.value, "id": request_id}
 
 
-def error(request_id: Any, code: ErrorCode, message: str) -> dict:
+def error(request_id: Any, code: ErrorCode, message: str) -> Message:
     return {
         **_base(MessageType.ERROR, request_id),
         "code": code.value,
@@ -94,7 +97,7 @@ def error(request_id: Any, code: ErrorCode, message: str) -> dict:
     }
 
 
-def result(request_id: Any, **body: Any) -> dict:
+def result(request_id: Any, **body: Any) -> Message:
     return {**_base(MessageType.RESULT, request_id), **body}
 
 
@@ -103,10 +106,10 @@ def token(
     index: int,
     ids: list[int],
     text: str,
-    logprobs: list[dict] | None = None,
-    tool_calls: list[dict] | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
     channel: Channel = Channel.ANSWER,
-) -> dict:
+) -> Message:
     msg = {**_base(MessageType.TOKEN, request_id), "index": index, "ids": ids, "text": text}
     if channel is not Channel.ANSWER:
         msg["channel"] = channel.value
@@ -117,12 +120,12 @@ def token(
     return msg
 
 
-def trace_chunk(request_id: Any, seq: int, data: bytes) -> dict:
+def trace_chunk(request_id: Any, seq: int, data: bytes) -> Message:
     """The next `data` bytes of the request's router trace file (chunks in `seq` order)."""
     return {**_base(MessageType.TRACE, request_id), "seq": seq, "data": data}
 
 
-def progress(request_id: Any, stage: str, done: float, total: float | None, unit: str) -> dict:
+def progress(request_id: Any, stage: str, done: float, total: float | None, unit: str) -> Message:
     """Load progress for a generate that waits while the model (re)loads."""
     return {
         **_base(MessageType.PROGRESS, request_id),
@@ -138,23 +141,23 @@ def progress(request_id: Any, stage: str, done: float, total: float | None, unit
 PROMPT_STAGE = "reading the prompt"
 
 
-def prompt_progress(request_id: Any, done: int, total: int) -> dict:
+def prompt_progress(request_id: Any, done: int, total: int) -> Message:
     """How many of the prompt's tokens (its context: prompt and resumed tokens) were read."""
     return progress(request_id, PROMPT_STAGE, done, total, "tokens")
 
 
-def telemetry(request_id: Any, data: dict) -> dict:
+def telemetry(request_id: Any, data: dict[str, Any]) -> Message:
     return {**_base(MessageType.TELEMETRY, request_id), "data": data}
 
 
 def done(
     request_id: Any,
     finish_reason: FinishReason,
-    usage: dict,
-    timings: dict,
-    telemetry: dict | None = None,
+    usage: dict[str, Any],
+    timings: dict[str, Any],
+    telemetry: dict[str, Any] | None = None,
     stop_sequence: str | None = None,
-) -> dict:
+) -> Message:
     msg = {
         **_base(MessageType.DONE, request_id),
         "finish_reason": finish_reason.value,
@@ -168,11 +171,11 @@ def done(
     return msg
 
 
-def welcome(request_id: Any, **body: Any) -> dict:
+def welcome(request_id: Any, **body: Any) -> Message:
     return {**_base(MessageType.WELCOME, request_id), **body}
 
 
-def request(kind: MessageType, request_id: Any, **fields: Any) -> dict:
+def request(kind: MessageType, request_id: Any, **fields: Any) -> Message:
     return {**_base(kind, request_id), **{k: v for k, v in fields.items() if v is not None}}
 
 

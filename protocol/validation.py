@@ -19,7 +19,7 @@ from .chat import prompt_sources, validate_chat_fields
 from .constraints import validate_constraint_fields, validate_template_kwargs
 from .errors import ErrorCode, ProtocolError
 from .generate import GENERATE_FIELDS, GenerateRequest
-from .messages import REQUEST_TYPES, MessageType, PrefixCacheAction, ShedLevel
+from .messages import REQUEST_TYPES, Message, MessageType, PrefixCacheAction, ShedLevel
 from .rules import (
     Bool,
     Int,
@@ -53,13 +53,13 @@ FIELDS: dict[MessageType, dict[str, Rule]] = {
 }
 
 
-def _one_prompt(msg: dict[str, Any], limits: Limits | None) -> None:
+def _one_prompt(msg: Message, limits: Limits | None) -> None:
     if len(prompt_sources(msg)) != 1:
         refuse("generate", "give exactly one of 'prompt', 'prompt_ids' or 'messages'")
     validate_chat_fields(msg)
 
 
-def _count_tokens_prompt(msg: dict[str, Any], limits: Limits | None) -> None:
+def _count_tokens_prompt(msg: Message, limits: Limits | None) -> None:
     if len(prompt_sources(msg)) != 1 or msg.get("prompt_ids") is not None:
         refuse("count_tokens", "give exactly one of 'prompt' or 'messages'")
     validate_chat_fields(msg, "count_tokens")
@@ -67,7 +67,7 @@ def _count_tokens_prompt(msg: dict[str, Any], limits: Limits | None) -> None:
         validate_template_kwargs(msg["chat_template_kwargs"])
 
 
-def _prompt_chars(msg: dict[str, Any], limits: Limits | None) -> None:
+def _prompt_chars(msg: Message, limits: Limits | None) -> None:
     # A cheap bound before tokenizing (count_tokens tokenizes on the transport thread): a token
     # is rarely more than 32 characters.
     if limits is None:
@@ -86,7 +86,7 @@ def _prompt_chars(msg: dict[str, Any], limits: Limits | None) -> None:
         )
 
 
-def _ids_within_context(msg: dict[str, Any], limits: Limits | None) -> None:
+def _ids_within_context(msg: Message, limits: Limits | None) -> None:
     if limits is None or msg.get("prompt_ids") is None:
         return  # a text prompt is checked once tokenized (check_context)
     prompt = len(msg["prompt_ids"])
@@ -94,7 +94,7 @@ def _ids_within_context(msg: dict[str, Any], limits: Limits | None) -> None:
     check_context(prompt, len(msg.get("resume_ids") or []), max_tokens, limits)
 
 
-CROSS_CHECKS: dict[MessageType, list[Callable[[dict[str, Any], Limits | None], None]]] = {
+CROSS_CHECKS: dict[MessageType, list[Callable[[Message, Limits | None], None]]] = {
     MessageType.GENERATE: [
         _one_prompt,
         _prompt_chars,

@@ -12,14 +12,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
 from moed.daemon.engine.chunk_budget import ChunkBudget
 from moed.daemon.engine.decode_mask import fit_masks
+from moed.daemon.engine.prefix_cache.entry import LayerCache
 from moed.daemon.engine.sampling import greedy
 from moed.protocol import FinishReason
+
+if TYPE_CHECKING:
+    from moed.daemon.engine.prefix_cache.cache import PrefixHit
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # (row tokens, row logits)
@@ -61,8 +67,8 @@ class SavedRow:
 
     uid: int
     tokens: list[int]
-    layers: list
-    checkpoints: dict
+    layers: list[LayerCache]
+    checkpoints: dict[int, list[LayerCache]]
 
 
 @dataclass
@@ -72,7 +78,7 @@ class _RowPrefix:
     context: list[int]
     start: int  # context tokens its caches held when it joined
     wanted: frozenset[int]  # positions to checkpoint recurrent state at
-    checkpoints: dict = field(default_factory=dict)
+    checkpoints: dict[int, list[LayerCache]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -124,7 +130,7 @@ class DecodeBatch:
 
     def __init__(
         self,
-        model,
+        model: nn.Module,
         eos_token_ids: Iterable[int],
         max_batch: int,
         prefill_chunk: int,
@@ -161,7 +167,7 @@ class DecodeBatch:
         max_new_tokens: int,
         sampler: Sampler,
         constraint: LogitsProcessor | None = None,
-        hit=None,
+        hit: PrefixHit | None = None,
         checkpoints: tuple[int, ...] = (),
     ) -> int:
         """Queue a request's context for prefill; returns its row id. A `constraint` (a grammar's
@@ -172,11 +178,13 @@ class DecodeBatch:
         cuts = [p for p in checkpoints if start < p < len(context) - 1]
         if self._trimmable is not None and len(context) - 1 > start:
             cuts.append(len(context) - 1)  # the prompt's end: the whole row is kept there
-        segments, at = [], start
+        segments: list[list[int]] = []
+        at = start
         for cut in cuts:
             segments.append(context[at:cut])
             at = cut
         segments.append(context[at:])
+        uid: int
         (uid,) = self._gen.insert_segments(
             [segments],
             max_tokens=[max_new_tokens],
@@ -204,6 +212,7 @@ class DecodeBatch:
         if uid not in caches:
             return None
         layers, tokens = caches[uid]
+        assert row is not None  # caches come back only for a row with a prefix (keep)
         if not layers or len(tokens) <= row.start:
             return None  # nothing read that the cache does not hold already
         return SavedRow(uid, list(tokens), list(layers), dict(row.checkpoints))
@@ -249,10 +258,12 @@ class DecodeBatch:
         self._fit_masks()
         return StepOutput(progress, tuple(tokens), tuple(saved))
 
-    def _capture(self, prompts) -> list[SavedRow]:
+    def _capture(self, prompts: list[Any]) -> list[SavedRow]:
         """Keep what the prefix cache asked for of the rows whose prompt segment just ended: the
         recurrent state at a checkpoint, the whole row at its prompt's end."""
-        saved = []
+        saved: list[SavedRow] = []
+        trimmable = self._trimmable
+        assert trimmable is not None  # rows have a prefix only with a prefix cache
         batch = self._gen._prompt_batch  # mlx-lm 0.32 (pinned): the rows reading their prompt
         for p in prompts:
             row = self._prefix.get(p.uid)
@@ -265,11 +276,11 @@ class DecodeBatch:
             if pos == len(row.context) - 1:
                 layers = batch.extract_cache(idx)
                 saved.append(SavedRow(p.uid, row.context[:pos], layers, dict(row.checkpoints)))
-                if not all(self._trimmable):
-                    row.checkpoints[pos] = [c for c, t in zip(layers, self._trimmable) if not t]
+                if not all(trimmable):
+                    row.checkpoints[pos] = [c for c, t in zip(layers, trimmable) if not t]
             else:
                 row.checkpoints[pos] = [
-                    c.extract(idx) for c, cut in zip(batch.prompt_cache, self._trimmable) if not cut
+                    c.extract(idx) for c, cut in zip(batch.prompt_cache, trimmable) if not cut
                 ]
         return saved
 
@@ -284,7 +295,7 @@ class DecodeBatch:
         self._gen.close()
 
 
-def _progress(progress) -> tuple[int, int]:
+def _progress(progress: object) -> tuple[int, int]:
     if isinstance(progress, tuple) and len(progress) == 2:
         return int(progress[0]), int(progress[1])
     return 0, 0

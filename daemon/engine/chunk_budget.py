@@ -9,6 +9,7 @@ memory a chunk's activations take, estimated per token from the model's config.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 # A prompt chunk's hidden-state copies alive at once in one layer (residual, norm, attention
 # and MLP outputs, the sorted rows of the expert kernels).
@@ -41,7 +42,11 @@ class ChunkBudget:
 
 
 def chunk_budget(
-    config: dict, working_bytes: int, plan_kv_tokens: int, floor: int, dtype_bytes: int = 2
+    config: dict[str, Any],
+    working_bytes: int,
+    plan_kv_tokens: int,
+    floor: int,
+    dtype_bytes: int = 2,
 ) -> ChunkBudget:
     return ChunkBudget(
         working_bytes=working_bytes,
@@ -53,18 +58,20 @@ def chunk_budget(
     )
 
 
-def _text(config: dict) -> dict:
+def _text(config: dict[str, Any]) -> dict[str, Any]:
     inner = config.get("text_config")
     return inner if isinstance(inner, dict) else config
 
 
-def kv_bytes_per_token(config: dict, dtype_bytes: int = 2) -> int:
+def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
     cfg = _text(config)
     heads = int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads") or 1)
     return 2 * int(cfg.get("num_hidden_layers") or 1) * heads * _head_dim(cfg) * dtype_bytes
 
 
-def activation_bytes_per_token(config: dict, context_tokens: int, dtype_bytes: int = 2) -> int:
+def activation_bytes_per_token(
+    config: dict[str, Any], context_tokens: int, dtype_bytes: int = 2
+) -> int:
     """One chunk token's working memory in its heaviest layer: hidden states, the routed rows
     of the expert kernels, and a row of attention scores over the whole context."""
     cfg = _text(config)
@@ -78,6 +85,6 @@ def activation_bytes_per_token(config: dict, context_tokens: int, dtype_bytes: i
     return states + experts + scores
 
 
-def _head_dim(cfg: dict) -> int:
+def _head_dim(cfg: dict[str, Any]) -> int:
     heads = int(cfg.get("num_attention_heads") or 1)
     return int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or heads) // heads))

@@ -11,11 +11,14 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.failure import is_group_failure
 from moed.daemon.distributed.spec import pipeline_enabled
-from moed.daemon.engine.batch import DecodeBatch, StepOutput
+from moed.daemon.engine.batch import DecodeBatch, SavedRow, StepOutput
 from moed.daemon.engine.commands import (
     Cancel,
     ClearPrefixCache,
@@ -27,6 +30,7 @@ from moed.daemon.engine.commands import (
 from moed.daemon.engine.heartbeat import StepHeartbeat
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.lifecycle import ModelLifecycle
+from moed.daemon.engine.prefix_cache.cache import PrefixHit
 from moed.daemon.engine.request import Emitted, GenerateJob, Generation, RequestKey
 from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Scheduler
 from moed.daemon.engine.sink import EventSink
@@ -152,6 +156,7 @@ class EngineCore(ModelLifecycle):
             if is_out_of_memory(exc):
                 self._out_of_memory(exc)
                 return
+            assert self.loaded is not None  # a batch runs on a loaded model
             if self.loaded.pipeline is not None:
                 # Any failed step, not only a lost peer: the other ranks may still be inside this
                 # step's collectives, so no new batch can start in step with them.
@@ -164,6 +169,7 @@ class EngineCore(ModelLifecycle):
     def _admit(self, job: GenerateJob) -> None:
         if self.loaded is None and not self._reload_for(job):
             return
+        assert self.loaded is not None  # loaded, or loaded again just now
         try:
             gen = Generation(job, self.loaded, self.serve, self._stream_snapshot())
             gen.trace = start_request_trace(
@@ -171,7 +177,7 @@ class EngineCore(ModelLifecycle):
                 job.request_id,
                 job.request.trace,
                 self.serve.trace_dir,
-                lambda m, i=job.identity: self.sink.emit(i, m),
+                lambda m, i=job.identity: self.sink.emit(i, m),  # type: ignore[misc]  # default arg: no inference
                 gen.prompt_tokens,
             )
         except ProtocolError as exc:
@@ -194,6 +200,7 @@ class EngineCore(ModelLifecycle):
         gen.started = time.perf_counter()
         hit, marks = self._prefix_lookup(gen.context)
         gen.cached_tokens = hit.length if hit is not None else 0
+        assert self.batch is not None  # rows join the batch of a loaded model
         gen.uid = self.batch.insert(
             gen.context, gen.max_new_tokens, gen.sampler, gen.constraint, hit, marks
         )
@@ -202,7 +209,7 @@ class EngineCore(ModelLifecycle):
         if len(self._rows) > self.status.get("peak_running_requests"):
             self.status.update(peak_running_requests=len(self._rows))
 
-    def _prefix_lookup(self, context: list[int]):
+    def _prefix_lookup(self, context: list[int]) -> tuple[PrefixHit | None, tuple[int, ...]]:
         """The prefix cache's hit for a joining row and where to checkpoint it (advisory: a
         failure here is a warning and a full prompt read)."""
         if self.prefix_cache is None:
@@ -215,7 +222,7 @@ class EngineCore(ModelLifecycle):
             log.exception("prefix cache lookup failed; reading the whole prompt")
             return None, ()
 
-    def _keep_prefix(self, row) -> None:
+    def _keep_prefix(self, row: SavedRow | None) -> None:
         if self.prefix_cache is None or row is None:
             return
         try:
@@ -224,7 +231,7 @@ class EngineCore(ModelLifecycle):
             log.exception("prefix cache store failed")
         self._publish_prefix_cache()
 
-    def clear_prefix_cache(self) -> dict:
+    def clear_prefix_cache(self) -> dict[str, Any]:
         """Empty both tiers; with no model loaded, the SSD tier's folder all the same."""
         from moed.daemon.engine.prefix_cache.disk_tier import clear_folder
         from moed.daemon.engine.prefix_cache.setup import prefix_cache_config
@@ -242,6 +249,7 @@ class EngineCore(ModelLifecycle):
         message = f"{exc.__class__.__name__}: {exc}"
         for gen in list(self._rows.values()):
             self._finish(gen, ErrorCode.INTERNAL, message)
+        assert self.batch is not None  # only a running batch fails a step
         self.batch.close()
         self.batch = self._new_batch()
 
@@ -274,7 +282,7 @@ class EngineCore(ModelLifecycle):
             elif tok.finish is not None:
                 self._finish(gen, tok.finish)
 
-    def _emit_token(self, gen: Generation, token: int, row_logprobs) -> bool:
+    def _emit_token(self, gen: Generation, token: int, row_logprobs: mx.array) -> bool:
         """Send a token (and telemetry when due); True when a stop sequence ended the text."""
         out = gen.add_token(token, row_logprobs)
         self._emit_segments(gen, [token], out)
@@ -308,7 +316,7 @@ class EngineCore(ModelLifecycle):
                 ),
             )
 
-    def _telemetry(self, gen: Generation, timings: dict | None = None) -> dict:
+    def _telemetry(self, gen: Generation, timings: dict[str, Any] | None = None) -> dict[str, Any]:
         self._refresh_ranks()
         data = {"tokens": gen.completion, **(timings or gen.timings())}
         snapshot = self._stream_snapshot()

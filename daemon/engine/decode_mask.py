@@ -8,20 +8,24 @@ same attention as none, which is what mlx-lm's own single-stream cache passes.
 
 from __future__ import annotations
 
+from typing import Any
+
 from mlx_lm.models.cache import BatchKVCache
+
+from moed.daemon.engine.prefix_cache.entry import LayerCache
 
 
 class UnpaddedBatchKVCache(BatchKVCache):
     """A BatchKVCache known to hold no left padding: a one-token step goes unmasked."""
 
-    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
         # A window or a caller asking for an array still gets the real mask.
         if N == 1 and not return_array and kwargs.get("window_size") is None:
             return None
         return super().make_mask(N, return_array=return_array, **kwargs)
 
 
-def fit_masks(layer_caches: list) -> None:
+def fit_masks(layer_caches: list[LayerCache]) -> None:
     """Mark each plain BatchKVCache of the decoding batch unpadded or not (after the batch's rows
     changed: a joining row may bring padding, a leaving one may take it away). Reads the padding
     to the host, so only when the rows change."""

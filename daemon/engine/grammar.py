@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -22,17 +22,21 @@ from moed.daemon.engine.tool_grammar import tool_call_grammar
 from moed.protocol import ErrorCode, GenerateRequest, NamedTool, ProtocolError
 from moed.protocol.constraints import FormatType, tool_name
 
+if TYPE_CHECKING:  # types only: llguidance is imported where a grammar is built
+    from llguidance import LLTokenizer
+    from llguidance._lib import JsonCompileOptions  # exported only from its stub module
+
 log = logging.getLogger("moed.engine")
 
 # Compact JSON: a model cannot spin in whitespace, so a bounded schema ends in bounded tokens.
-JSON_OPTIONS = {"whitespace_flexible": False, "coerce_one_of": True}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "coerce_one_of": True}
 ANY_OBJECT = {"type": "object"}
 
 _BITS = mx.arange(32, dtype=mx.uint32)  # bit i of a mask word is token 32 * word + i
-_LL_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LL_TOKENIZERS: weakref.WeakKeyDictionary[Any, LLTokenizer] = weakref.WeakKeyDictionary()
 
 
-def ll_tokenizer(tokenizer: Any):
+def ll_tokenizer(tokenizer: Any) -> LLTokenizer:
     """llguidance's view of the model's tokenizer, built once per loaded tokenizer (~1 s for a
     large vocabulary) from the Hugging Face fast tokenizer."""
     cached = _LL_TOKENIZERS.get(tokenizer)
@@ -102,7 +106,7 @@ class GrammarConstraint:
 
     def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
         if not self._first:  # the token sampled at the previous call ends the context
-            self._advance(int(context[-1].item()))
+            self._advance(int(context[-1].item()))  # type: ignore[arg-type]  # mlx types item() int/float/complex
         self._first = False
         if self.waiting:
             return logits

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.engine.batch import DecodeBatch
@@ -32,6 +33,9 @@ from moed.daemon.model.loader import (
 from moed.daemon.runtime.crashlog import CrashKind
 from moed.protocol import ErrorCode
 from moed.protocol import messages as wire
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
 
 log = logging.getLogger("moed.engine")
 
@@ -116,6 +120,7 @@ class ModelLifecycle:
         """Every layer of a prompt chunk and every expert read is progress (engine/heartbeat.py).
         A pipeline's leader runs the other ranks' layers through collectives: its chunks are
         watched per step, as before."""
+        assert self.loaded is not None  # called once a model is loaded
         if self.loaded.pipeline is not None:
             return
         watch_layers(self.loaded.model, self.heartbeat.layer_done)
@@ -124,10 +129,13 @@ class ModelLifecycle:
 
     def _new_batch(self) -> DecodeBatch:
         # A pipeline's leader mirrors every batch-cache change to the other ranks (cache_ops.py).
+        assert self.loaded is not None  # called once a model is loaded
         eos = getattr(self.loaded.tokenizer, "eos_token_ids", None) or []
         trimmable = self.prefix_cache.trimmable if self.prefix_cache is not None else None
         return DecodeBatch(
-            self.loaded.model,
+            # A pipeline's leader stands in for the model: it is called like one (mlx-lm types
+            # BatchGenerator's model as nn.Module).
+            cast("nn.Module", self.loaded.model),
             eos,
             self.serve.max_batch,
             self.serve.prefill_chunk,
@@ -138,6 +146,7 @@ class ModelLifecycle:
     def _open_prefix_cache(self) -> None:
         from moed.daemon.engine.prefix_cache.setup import open_prefix_cache
 
+        assert self.loaded is not None  # called once a model is loaded
         if self.prefix_cache is None:
             try:
                 self.prefix_cache = open_prefix_cache(self.serve, self.loaded, self.model_path)
@@ -226,13 +235,14 @@ class ModelLifecycle:
         self._ranks_at = now
         self.status.update(ranks=pipeline.status())
 
-    def _stream_snapshot(self) -> dict | None:
+    def _stream_snapshot(self) -> dict[str, Any] | None:
         if self.loaded is None or self.loaded.streamer is None:
             return None
-        return self.loaded.streamer.snapshot()
+        snapshot: dict[str, Any] = self.loaded.streamer.snapshot()
+        return snapshot
 
 
-def lone_chunk_budget(loaded, serve) -> ChunkBudget | None:
+def lone_chunk_budget(loaded: LoadedModel, serve: ServeConfig) -> ChunkBudget | None:
     """A lone prompt's chunk bound from the memory plan: its working memory (the streamer's, or
     the same default estimate from the resident weights) and its KV room. A pipeline's leader
     keeps `prefill_chunk`: its ranks hold the activations."""
@@ -245,7 +255,8 @@ def lone_chunk_budget(loaded, serve) -> ChunkBudget | None:
     if loaded.streamer is not None:
         working = loaded.streamer.plan.working_bytes
     else:
-        weights = sum(a.nbytes for _, a in tree_flatten(loaded.model.parameters()))
+        leaves = cast(list[tuple[str, Any]], tree_flatten(loaded.model.parameters()))  # no dest
+        weights = sum(a.nbytes for _, a in leaves)
         working = default_working_bytes(weights)
     dtype_bytes = 4 if loaded.config.get("torch_dtype") == "float32" else 2
     return chunk_budget(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.engine.reasoning import ReasoningSplit, Segment, initial_channel
@@ -21,6 +21,9 @@ from moed.daemon.telemetry.trace import TraceRecorder
 from moed.protocol import Channel, GenerateRequest
 from moed.protocol.generate import RequestId
 from moed.protocol.validation import check_context, check_token_ids, resolve_max_tokens
+
+if TYPE_CHECKING:  # types only: _constraint imports the grammar where one is asked for
+    from moed.daemon.engine.grammar import GrammarConstraint
 
 RequestKey = tuple[bytes, RequestId]  # (client identity, client-chosen request id)
 
@@ -45,8 +48,8 @@ class Emitted:
     logprobs, tool calls."""
 
     segments: tuple[Segment, ...]
-    logprobs: list[dict] | None
-    tool_calls: list[dict]
+    logprobs: list[dict[str, Any]] | None
+    tool_calls: list[dict[str, Any]]
     stopped: bool  # a stop string matched (or the one allowed tool call ended): it ends here
 
     @property
@@ -63,7 +66,7 @@ class Generation:
         job: GenerateJob,
         loaded: LoadedModel,
         serve: ServeConfig,
-        stream_snapshot: dict | None,
+        stream_snapshot: dict[str, Any] | None,
     ):
         from moed.daemon.engine.sampling import SamplingParams, make_position_sampler
 
@@ -153,11 +156,13 @@ class Generation:
         one_call_made = self.one_tool_call and self.tool_calls.made > 0
         return self.stops.matched is not None or one_call_made
 
-    def _route(self, split: list[Segment], final: bool) -> tuple[tuple[Segment, ...], list]:
+    def _route(
+        self, split: list[Segment], final: bool
+    ) -> tuple[tuple[Segment, ...], list[dict[str, Any]]]:
         """Reasoning goes out as it is; the answer passes the tool-call cutter and the stops.
         Nothing goes out once the text ended."""
         out: list[Segment] = []
-        calls: list[dict] = []
+        calls: list[dict[str, Any]] = []
         for channel, text in split:
             if self._ended:
                 break
@@ -174,7 +179,7 @@ class Generation:
             calls = calls[:1]
         return tuple((c, t) for c, t in out if t), calls
 
-    def timings(self) -> dict:
+    def timings(self) -> dict[str, Any]:
         now = time.perf_counter()
         started = self.started or now
         first = self.first_token_at or now
@@ -192,7 +197,7 @@ class Generation:
 
 def _constraint(
     req: GenerateRequest, tokenizer: Any, reasoning: ReasoningSplit, resumed: list[int]
-):
+) -> GrammarConstraint | None:
     """The row's grammar (a logits processor), when `format` or a forced tool_choice asks."""
     from moed.daemon.engine.grammar import GrammarConstraint, grammar_for
 

@@ -6,6 +6,7 @@ by position makes a seeded stream reproducible under interleaving and across a r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -24,7 +25,9 @@ def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def make_position_sampler(params: SamplingParams, first_position: int, default_seed: int):
+def make_position_sampler(
+    params: SamplingParams, first_position: int, default_seed: int
+) -> Callable[[mx.array], mx.array]:
     """A sampler for one request's rows, called once per position, in order."""
     if params.temperature == 0:
         return greedy

@@ -44,12 +44,12 @@ class StatusRecord:
     version: str | None = None
     started_at: float = field(default_factory=time.time)
     # Load.
-    model: dict | None = None
+    model: dict[str, Any] | None = None
     load_s: float | None = None
     memory_plan: str | None = None
-    streaming: dict | None = None
+    streaming: dict[str, Any] | None = None
     error: str | None = None
-    load: dict | None = None  # while loading: {stage, done, total, unit}
+    load: dict[str, Any] | None = None  # while loading: {stage, done, total, unit}
     # Keep-alive (engine/idle.py): seconds an idle model stays loaded (-1 never), when the engine
     # last went idle, and how often the model was released.
     keep_alive_s: float | None = None
@@ -69,13 +69,13 @@ class StatusRecord:
     # Memory-pressure actions and crashes.
     sheds: int = 0
     last_shed: ShedRecord | None = None
-    crashing: dict | None = None  # the crash record written while this run is failing
+    crashing: dict[str, Any] | None = None  # the crash record written while this run is failing
     # A pipeline group: every rank's host, layers, memory and expert cache (rank 0 first).
-    ranks: list | None = None
+    ranks: list[dict[str, Any]] | None = None
     # The prefix KV cache's counters and tier sizes (engine/prefix_cache/), None when it is off;
     # its entries (most recently used first) for `moe cache list`.
-    prefix_cache: dict | None = None
-    prefix_entries: list | None = None
+    prefix_cache: dict[str, Any] | None = None
+    prefix_entries: list[dict[str, Any]] | None = None
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(StatusRecord))
@@ -84,7 +84,7 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(StatusRecord))
 def _wire(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # an instance
         return dataclasses.asdict(value)
     return value
 

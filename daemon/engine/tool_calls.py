@@ -28,12 +28,13 @@ class ToolCalls:
         self._buffer = ""
         self._inside = False
 
-    def feed(self, text: str) -> tuple[str, list[dict]]:
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """(text to send now, finished calls) after the next text delta."""
         if not self.active:
             return text, []
         self._buffer += text
-        out, calls = [], []
+        out: list[str] = []
+        calls: list[dict[str, Any]] = []
         while True:
             if self._inside:
                 at = self._buffer.find(self.end)
@@ -53,7 +54,7 @@ class ToolCalls:
             self._buffer = self._buffer[at + len(self.start) :]
             self._inside = True
 
-    def flush(self) -> tuple[str, list[dict]]:
+    def flush(self) -> tuple[str, list[dict[str, Any]]]:
         """At the end: an unterminated call is parsed if it can be, else given back as text."""
         held, self._buffer = self._buffer, ""
         if not self._inside:
@@ -62,7 +63,7 @@ class ToolCalls:
         calls = self._parsed(held)
         return ("", calls) if calls else (self.start + held, [])
 
-    def _parsed(self, text: str) -> list[dict]:
+    def _parsed(self, text: str) -> list[dict[str, Any]]:
         try:
             parsed = self.parse(text, self.tools)
         except (ValueError, KeyError, json.JSONDecodeError) as exc:

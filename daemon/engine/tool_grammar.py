@@ -29,16 +29,17 @@ def call_format(tokenizer: Any) -> CallFormat | None:
         return None
 
 
-def _function(tool: dict) -> dict:
-    return tool.get("function") if isinstance(tool.get("function"), dict) else tool
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
+    function = tool.get("function")
+    return function if isinstance(function, dict) else tool
 
 
-def _params(fn: dict) -> dict:
+def _params(fn: dict[str, Any]) -> dict[str, Any]:
     params = fn.get("parameters")
     return _closed(params) if isinstance(params, dict) and params else {"type": "object"}
 
 
-def _closed(schema):
+def _closed(schema: Any) -> Any:
     """Objects admit only their declared properties unless the schema says otherwise (as
     OpenAI's strict function calling): a forced call cannot grow keys without end."""
     if isinstance(schema, list):
@@ -62,12 +63,12 @@ def _marker(tokenizer: Any, text: str) -> str:
     return f"<[{ids[0]}]>" if len(ids) == 1 else _lark_string(text)
 
 
-def _json_rule(schema: dict) -> str:
+def _json_rule(schema: dict[str, Any]) -> str:
     options = {**schema, "x-guidance": _COMPACT}
     return "%json " + json.dumps(options)
 
 
-def tool_call_grammar(tokenizer: Any, tools: list[dict], many: bool) -> str:
+def tool_call_grammar(tokenizer: Any, tools: list[dict[str, Any]], many: bool) -> str:
     """A Lark grammar (llguidance's dialect) for one call, or one or more with `many`, to one of
     `tools`, between the model's own markers."""
     from llguidance import LLMatcher
@@ -111,10 +112,11 @@ def tool_call_grammar(tokenizer: Any, tools: list[dict], many: bool) -> str:
     return LLMatcher.grammar_from_lark("\n".join(rules))
 
 
-def _xml_function(i: int, fn: dict) -> list[str]:
+def _xml_function(i: int, fn: dict[str, Any]) -> list[str]:
     """`NAME>\\n` then its parameters, the required ones always, in the schema's order."""
     params = _params(fn)
-    props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+    properties = params.get("properties")
+    props = properties if isinstance(properties, dict) else {}
     required = set(params.get("required") or ())
     items, rules = [], []
     for j, (key, schema) in enumerate(props.items()):
@@ -134,7 +136,7 @@ def _xml_function(i: int, fn: dict) -> list[str]:
     return rules
 
 
-def _raw_string(schema: dict) -> str:
+def _raw_string(schema: dict[str, Any]) -> str:
     """A string parameter as the XML format writes it: raw text on one line (the parser takes it
     up to the closing tag as it is), within the schema's enum or length bounds."""
     if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):

@@ -11,6 +11,7 @@ The names below load on first use (PEP 562), so that the MLX-free parts (`polici
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 # public name -> the module that defines it
 _EXPORTS = {
@@ -35,7 +36,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,7 +30,7 @@ class Routing:
     def lossy(self) -> bool:
         return self.active < self.native
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, int | bool]:
         return {"active_experts": self.active, "native_experts": self.native, "lossy": self.lossy}
 
 

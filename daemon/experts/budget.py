@@ -69,13 +69,13 @@ def parse_size(spec: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def _fraction(frac: float, experts_bytes: int, spec) -> int:
+def _fraction(frac: float, experts_bytes: int, spec: object) -> int:
     if not 0.0 < frac <= 1.0:
         raise BudgetError(f"cache budget fraction {spec!r} must be in (0, 1]")
     return int(frac * experts_bytes)
 
 
-def _positive(n: int, spec) -> int:
+def _positive(n: int, spec: object) -> int:
     if n <= 0:
         raise BudgetError(f"cache budget {spec!r} must be positive")
     return n

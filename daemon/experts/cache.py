@@ -20,7 +20,7 @@ from moed.daemon.experts.safetensors_index import CheckpointError, TensorLoc
 from moed.daemon.experts.slots import SlotTable
 
 # safetensors dtype -> (numpy dtype used to allocate, MLX dtype of the pool)
-_DTYPES = {
+_DTYPES: dict[str, tuple[type[np.generic], mx.Dtype]] = {
     "F32": (np.float32, mx.float32),
     "F16": (np.float16, mx.float16),
     "BF16": (np.uint16, mx.bfloat16),  # numpy has no bfloat16: allocate as uint16, view as bf16
@@ -36,7 +36,7 @@ _DTYPES = {
 }
 
 
-def _pool_dtypes(st_dtype: str) -> tuple:
+def _pool_dtypes(st_dtype: str) -> tuple[type[np.generic], mx.Dtype]:
     try:
         return _DTYPES[st_dtype]
     except KeyError:
@@ -46,7 +46,7 @@ def _pool_dtypes(st_dtype: str) -> tuple:
         ) from None
 
 
-def mlx_dtype(st_dtype: str):
+def mlx_dtype(st_dtype: str) -> mx.Dtype:
     return _pool_dtypes(st_dtype)[1]
 
 
@@ -110,7 +110,10 @@ class LayerPool(SlotTable):
         # Byte views of each pool; workers write through these (no MLX calls off the engine thread).
         # A staged pool has none: a host view would move a CUDA array back to managed memory.
         self.views: dict[str, memoryview] = (
-            {} if self.staged else {k: memoryview(a).cast("B") for k, a in self.arrays.items()}
+            {}
+            if self.staged
+            # mx.array exports the buffer protocol; its stubs declare no __buffer__.
+            else {k: memoryview(a).cast("B") for k, a in self.arrays.items()}  # type: ignore[arg-type]
         )
 
     @property
@@ -170,7 +173,10 @@ class LayerPool(SlotTable):
         for v in old_views.values():
             v.release()
         if not self.staged:
-            self.views = {k: memoryview(a).cast("B") for k, a in self.arrays.items()}
+            self.views = {
+                k: memoryview(a).cast("B")  # type: ignore[arg-type]  # as in _allocate
+                for k, a in self.arrays.items()
+            }
         self.slot_of[:] = np.arange(self.num_experts)
         self.expert_in[:] = np.arange(self.num_experts)
 
@@ -185,10 +191,10 @@ class LayerPool(SlotTable):
         moves = self.resize_table(new_slots)
         self._allocate(new_slots)
         if self.staged and moves:  # the device moves the kept experts
-            src = mx.array(np.array([m[1] for m in moves], dtype=np.int32))
-            dst = mx.array(np.array([m[2] for m in moves], dtype=np.int32))
+            src_slots = mx.array(np.array([m[1] for m in moves], dtype=np.int32))
+            dst_slots = mx.array(np.array([m[2] for m in moves], dtype=np.int32))
             for k, a in self.arrays.items():
-                a[dst] = mx.take(old_arrays[k], src, axis=0)
+                a[dst_slots] = mx.take(old_arrays[k], src_slots, axis=0)
             mx.eval(*self.arrays.values())
             moves = []
         for _expert, src, dst in moves:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Snapshot keys that accumulate (per-request telemetry reports their differences); others are
 # gauges.
@@ -82,7 +83,7 @@ class Counters:
     warm_bytes: int = 0  # read by warm(), not counted as misses
     warm_s: float = 0.0
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         hits = sum(c.all_hits for c in self.layers)
         misses = sum(c.misses for c in self.layers)
         return {

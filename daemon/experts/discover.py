@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -71,7 +71,8 @@ def _resolve(
     if missing and hasattr(model, "sanitize"):
         loaded: dict[str, mx.array] = {}
         for f in index.files:
-            loaded.update(mx.load(str(f)))  # lazy: nothing is read
+            # lazy: nothing is read; a .safetensors file loads as a dict of arrays
+            loaded.update(cast(dict[str, mx.array], mx.load(str(f))))
         by_id = {id(v): k for k, v in loaded.items()}
         try:
             sanitized = model.sanitize(dict(loaded))

@@ -8,6 +8,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import psutil
@@ -15,6 +16,9 @@ import psutil
 from moed.daemon.experts.budget import parse_budget, slots_per_layer
 from moed.daemon.experts.safetensors_index import CheckpointIndex
 from moed.protocol.units import format_bytes
+
+if TYPE_CHECKING:  # the streamer plans with this module: a cycle at run time
+    from moed.daemon.experts.streamer import StreamingConfig
 
 GB = 1e9
 LINUX_USABLE_FRACTION = 0.85  # leave the rest to the OS and other processes
@@ -164,7 +168,7 @@ def layout_from_index(index: CheckpointIndex) -> ExpertLayout:
     return ExpertLayout([v[0] for _, v in ordered], [v[1] for _, v in ordered])
 
 
-def _natural(name: str):
+def _natural(name: str) -> list[int | str]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
@@ -193,7 +197,7 @@ def auto_prefix_cache_bytes(usable_memory: int) -> int:
 def make_plan(
     layout: ExpertLayout,
     resident_bytes: int,
-    cache_budget,
+    cache_budget: str | int,
     *,
     kv_bytes: int = 0,
     working_bytes: int = 0,
@@ -236,7 +240,7 @@ def make_plan(
 
 def plan_memory(
     model_path: Path,
-    cfg,
+    cfg: StreamingConfig,
     *,
     kv_bytes: int = 0,
     working_bytes: int = 0,
@@ -259,14 +263,14 @@ def plan_memory(
     )
 
 
-def _memory_override(cfg) -> tuple[int, int, str] | None:
+def _memory_override(cfg: StreamingConfig) -> tuple[int, int, str] | None:
     if getattr(cfg, "memory_bytes", 0):
         n = int(cfg.memory_bytes)
         return n, n, "configured"
     return None
 
 
-def estimate_kv_bytes(config: dict, tokens: int, dtype_bytes: int = 2) -> int:
+def estimate_kv_bytes(config: dict[str, Any], tokens: int, dtype_bytes: int = 2) -> int:
     """Upper bound of a full-attention KV cache for `tokens` tokens (hybrid models use less)."""
     cfg = config.get("text_config", config)
     layers = int(cfg.get("num_hidden_layers", 0))

@@ -55,7 +55,7 @@ class ReadBatch:
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.left = len(self.jobs)
         if not self.left:
             self.done.set()
@@ -122,7 +122,9 @@ class ReadPool:
                 n, exc = 0, err
             self._done(batch, job, n, time.perf_counter() - t0, exc)
 
-    def _done(self, batch: ReadBatch, job: ReadJob, n: int, took: float, exc) -> None:
+    def _done(
+        self, batch: ReadBatch, job: ReadJob, n: int, took: float, exc: BaseException | None
+    ) -> None:
         with self._cv:
             res = batch.result
             res.bytes_read += n
@@ -157,7 +159,8 @@ class ReadPool:
         """Speculative jobs that turned out to be needed: move the queued ones to the front."""
         wanted = set(map(id, batches))
         with self._cv:
-            keep, moved = collections.deque(), []
+            keep: collections.deque[tuple[ReadBatch, ReadJob]] = collections.deque()
+            moved: list[tuple[ReadBatch, ReadJob]] = []
             for item in self._speculative:
                 (moved if id(item[0]) in wanted else keep).append(item)
             self._speculative = keep

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +41,7 @@ def load_profile(path: Path, num_experts: list[int]) -> list[np.ndarray] | None:
     return [np.asarray(layer, dtype=np.int64) for layer in layers]
 
 
-def _profile_shape(data) -> bool:
+def _profile_shape(data: Any) -> bool:
     layers = data.get("layers")
     return (
         isinstance(data, dict)

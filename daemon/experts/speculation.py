@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -19,6 +20,9 @@ import numpy as np
 from moed.daemon.experts.landing import Staging
 from moed.daemon.experts.prefetch import ReadBatch
 from moed.daemon.experts.tuning import Switch
+
+if TYPE_CHECKING:  # the streamer owns its Speculator: a cycle at run time
+    from moed.daemon.experts.streamer import ExpertStreamer
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ class Inflight:
 class Speculator:
     """The speculative reads of an ExpertStreamer (pools, store, reader and counters are its)."""
 
-    def __init__(self, streamer, enabled: bool):
+    def __init__(self, streamer: ExpertStreamer, enabled: bool):
         self.s = streamer
         self.enabled = enabled
         self.switch = Switch("prefetch_next", active=enabled, allowed=self._accurate)
@@ -72,13 +76,13 @@ class Speculator:
             or not self.switch.active
             or x is None
             or nxt >= len(s.pools)
-            or s.routers[nxt] is None
+            or (router := s.routers[nxt]) is None
         ):
             return None
         k = indices.shape[-1] if indices.ndim else 1
         if indices.size > 4 * k or s.pools[nxt].slots < 2 * k:
             return None  # prefill chunks route widely; tiny caches would only thrash
-        out = s.routers[nxt](x)
+        out = router(x)
         if isinstance(out, tuple):  # MoEGate returns (indices, scores)
             return mx.stop_gradient(out[0])
         return mx.argpartition(-out, kth=k - 1, axis=-1)[..., :k]
@@ -116,7 +120,9 @@ class Speculator:
         """Speculative reads into `layer` are queued or running."""
         return layer in self._inflight
 
-    def settle(self, layer: int, needed: set[int]) -> tuple[set[int], list[ReadBatch], list]:
+    def settle(
+        self, layer: int, needed: set[int]
+    ) -> tuple[set[int], list[ReadBatch], list[tuple[int, int]]]:
         """Before `layer` loads `needed`: speculative reads it needs move to the front of the
         queue; the others are cancelled (or waited for, when already running) and their experts
         given back. Returns (prefetched experts kept, their batches to wait for, their loads)."""
@@ -168,7 +174,7 @@ class Speculator:
                 self.s.pools[layer].land(staging)
             self.s.counters.prefetch_bytes += res.bytes_read
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         return {
             "prefetch_next_active": self.enabled and self.switch.active,
             "prefetch_accuracy": self.accuracy,

@@ -19,6 +19,7 @@ import mmap
 import os
 import sys
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,7 +73,7 @@ def open_for_reads(path: Path, bypass: bool) -> int:
     return fd
 
 
-def drop_page_cache(files) -> bool:
+def drop_page_cache(files: Iterable[str | os.PathLike[str]]) -> bool:
     """Evict whole files' cached pages (Linux: fsync, then fadvise DONTNEED; dirty pages cannot be
     dropped). False where the OS offers no unprivileged way (macOS: `sudo purge`)."""
     if not hasattr(os, "posix_fadvise"):
@@ -162,7 +163,7 @@ class ExpertStore:
                     and len(job.buffers) < IOV_MAX
                     and job.nbytes + stride <= max(MAX_JOB_BYTES, stride)
                 )
-                if not extend:
+                if job is None or not extend:  # (extend implies a job: this narrows it)
                     job = ReadJob(fd, offset)
                     jobs.append(job)
                 job.buffers.append(pool.destination(staging, tensor, i))
@@ -221,7 +222,8 @@ class ExpertStore:
             local.map = mmap.mmap(-1, size)
             local.view = memoryview(local.map)
             local.size = size
-        return local.view
+        view: memoryview = local.view  # a threading.local: attributes untyped
+        return view
 
     def close(self) -> None:
         for fd in [*self.fds.values(), *self._direct_fds]:

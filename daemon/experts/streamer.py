@@ -6,9 +6,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -19,10 +20,10 @@ from moed.daemon.experts.cache import LayerPool
 from moed.daemon.experts.counters import Counters, LayerCounters
 from moed.daemon.experts.discover import SwitchInfo
 from moed.daemon.experts.held import DeviceTally
-from moed.daemon.experts.landing import Landing
+from moed.daemon.experts.landing import Landing, Staging
 from moed.daemon.experts.memory_plan import ExpertLayout, MemoryPlan, _memory_override, make_plan
 from moed.daemon.experts.policies import DEFAULT_POLICY, make_policy
-from moed.daemon.experts.prefetch import ReadPool
+from moed.daemon.experts.prefetch import ReadBatch, ReadPool, ReadResult
 from moed.daemon.experts.safetensors_index import CheckpointIndex
 from moed.daemon.experts.speculation import Speculator
 from moed.daemon.experts.store import ExpertStore, resolve_page_cache
@@ -62,11 +63,11 @@ class PendingLoad:
     hits: list[int]
     kept: set[int]  # hits that are speculative reads still landing
     loads: list[tuple[int, int]]
-    demand: list
-    spec_loads: list
-    spec_batches: list
-    stagings: list  # where the demand reads land (landing.py); landed once collected
-    spec_stagings: list  # where the kept speculative reads land
+    demand: list[ReadBatch]
+    spec_loads: list[tuple[int, int]]
+    spec_batches: list[ReadBatch]
+    stagings: list[Staging]  # where the demand reads land (landing.py); landed once collected
+    spec_stagings: list[Staging]  # where the kept speculative reads land
 
     @property
     def ready(self) -> np.ndarray:
@@ -264,8 +265,8 @@ class ExpertStreamer:
         """Admit `experts` and queue the reads of the missing ones without waiting for them."""
         pool = self.pools[layer]
         kept: set[int] = set()
-        spec_batches: list = []
-        spec_loads: list = []
+        spec_batches: list[ReadBatch] = []
+        spec_loads: list[tuple[int, int]] = []
         if self.spec.inflight(layer):
             kept, spec_batches, spec_loads = self.spec.settle(layer, set(experts.tolist()))
         hits, loads = self._admit(pool, experts)
@@ -275,7 +276,8 @@ class ExpertStreamer:
         lc.misses += len(loads)
         if self.observer is not None:  # before the read: it asks whether the pages are cached
             self.observer.on_load(layer, pool, hits, loads)
-        demand, stagings = [], []
+        demand: list[ReadBatch] = []
+        stagings: list[Staging] = []
         if loads:
             self._fence(layer, loads)
             stagings.append(staging := pool.stage(loads))
@@ -346,7 +348,9 @@ class ExpertStreamer:
             if reads:
                 reads.clear()
 
-    def _collect(self, pool: LayerPool, loads: list[tuple[int, int]], batches: list) -> None:
+    def _collect(
+        self, pool: LayerPool, loads: list[tuple[int, int]], batches: list[ReadBatch]
+    ) -> None:
         try:
             res = self.reader.wait(batches)
         except BaseException:
@@ -354,7 +358,13 @@ class ExpertStreamer:
             raise
         self._count_reads(res)
 
-    def _collect_speculative(self, pool: LayerPool, experts, loads, batches: list) -> bool:
+    def _collect_speculative(
+        self,
+        pool: LayerPool,
+        experts: np.ndarray,
+        loads: list[tuple[int, int]],
+        batches: list[ReadBatch],
+    ) -> bool:
         """Wait for the speculative reads this call needs; a failed one is read again on demand
         (and reports its error then). False when they were read again (their staging is void)."""
         try:
@@ -371,7 +381,9 @@ class ExpertStreamer:
         self._count_reads(res, prefetch=True)
         return True
 
-    def _admit(self, pool: LayerPool, experts) -> tuple[list[int], list[tuple[int, int]]]:
+    def _admit(
+        self, pool: LayerPool, experts: Iterable[int]
+    ) -> tuple[list[int], list[tuple[int, int]]]:
         free_before = pool.free_slots
         hits, loads = pool.admit(experts)
         self.counters.evictions += max(
@@ -379,7 +391,7 @@ class ExpertStreamer:
         )  # loads beyond free slots evicted
         return hits, loads
 
-    def _count_reads(self, res, prefetch: bool = False) -> None:
+    def _count_reads(self, res: ReadResult, prefetch: bool = False) -> None:
         """Account reads the engine waited for (demand misses, or speculative reads it caught up
         with)."""
         c = self.counters
@@ -402,7 +414,7 @@ class ExpertStreamer:
     def resident_bytes(self) -> int:
         return sum(p.pool_bytes for p in self.pools)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         if threading.get_ident() == self._engine_thread:  # no MLX call from other threads
             self._fold_tally()
         snap = self.counters.snapshot()

@@ -12,12 +12,19 @@ pass that held its expert (`mx.where` selects, it does not add). Results stay bi
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+if TYPE_CHECKING:  # types only: the cache is reached through LayerCache (streamer imports us)
+    from moed.daemon.experts.cache import LayerPool
+    from moed.daemon.experts.counters import Counters
+    from moed.daemon.experts.streamer import PendingLoad
+    from moed.daemon.experts.tuning import Switch
 
 
 def gather_sort(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -30,7 +37,9 @@ def gather_sort(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx.
     return x.flatten(0, -3)[order // M], indices[order], inv_order
 
 
-def scatter_unsort(x: mx.array, inv_order: mx.array, shape=None) -> mx.array:
+def scatter_unsort(
+    x: mx.array, inv_order: mx.array, shape: Sequence[int] | None = None
+) -> mx.array:
     """Undo `gather_sort` (a copy of mlx-lm's `switch_layers._scatter_unsort`)."""
     x = x[inv_order]
     if shape is not None:
@@ -50,8 +59,8 @@ def distinct(host: np.ndarray) -> np.ndarray:
 class LayerCache(Protocol):
     """What a streaming layer asks of the expert cache (experts/streamer.py ExpertStreamer)."""
 
-    counters: object
-    overlap: object  # a tuning.Switch: whether to compute resident rows during the reads
+    counters: Counters
+    overlap: Switch  # whether to compute resident rows during the reads
 
     def begin_call(self, layer: int, indices: mx.array) -> None: ...
 
@@ -67,11 +76,11 @@ class LayerCache(Protocol):
 
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]: ...
 
-    def begin_load(self, layer: int, experts: np.ndarray): ...
+    def begin_load(self, layer: int, experts: np.ndarray) -> PendingLoad: ...
 
-    def finish_load(self, pending) -> None: ...
+    def finish_load(self, p: PendingLoad) -> None: ...
 
-    def table(self, pool, experts: np.ndarray) -> np.ndarray: ...
+    def table(self, pool: LayerPool, experts: np.ndarray) -> np.ndarray: ...
 
     def defer(self, layer: int, out: mx.array, slots_read: np.ndarray) -> None: ...
 
@@ -90,15 +99,21 @@ _PARAMS = ("weight", "scales", "biases", "global_scale", "bias")  # a projection
 
 
 class StreamingSwitch(nn.Module):
+    # Set with object.__setattr__ in __init__ (not module children): declared for the checker.
+    _projs: dict[str, ProjSpec]
+    _keys: dict[str, tuple[str, ...]]
+    _layer: int
+    _streamer: LayerCache
+
     def __init__(
         self,
         kind: str,
         projs: dict[str, ProjSpec],
-        activation,
+        activation: Callable[..., mx.array],
         layer: int,
         streamer: LayerCache,
-    ):
-        super().__init__()
+    ) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx: Module.__init__ unannotated
         self.kind = kind  # "glu" or "mlp"
         self.activation = activation
         # Plain attributes (not parameters): the pools live in the streamer, never in the model
@@ -110,7 +125,14 @@ class StreamingSwitch(nn.Module):
         object.__setattr__(self, "_layer", layer)
         object.__setattr__(self, "_streamer", streamer)
 
-    def _proj(self, name: str, x, idx, sorted_indices: bool, pools: dict[str, mx.array]):
+    def _proj(
+        self,
+        name: str,
+        x: mx.array,
+        idx: mx.array,
+        sorted_indices: bool,
+        pools: dict[str, mx.array],
+    ) -> mx.array:
         spec = self._projs[name]
         weight, scales, biases, global_scale, bias = self._keys[name]
         if spec.quantized:
@@ -138,7 +160,9 @@ class StreamingSwitch(nn.Module):
             y = y + mx.expand_dims(pools[bias][idx], -2)
         return y
 
-    def _experts(self, x, idx, do_sort: bool, pools):
+    def _experts(
+        self, x: mx.array, idx: mx.array, do_sort: bool, pools: dict[str, mx.array]
+    ) -> mx.array:
         if self.kind == "glu":
             x_up = self._proj("up_proj", x, idx, do_sort, pools)
             x_gate = self._proj("gate_proj", x, idx, do_sort, pools)
@@ -146,10 +170,17 @@ class StreamingSwitch(nn.Module):
         x = self._proj("fc1", x, idx, do_sort, pools)
         return self._proj("fc2", self.activation(x), idx, do_sort, pools)
 
-    def _in_passes(self, x, idx, needed: np.ndarray, passes, do_sort: bool) -> mx.array:
+    def _in_passes(
+        self,
+        x: mx.array,
+        idx: mx.array,
+        needed: np.ndarray,
+        passes: list[np.ndarray],
+        do_sort: bool,
+    ) -> mx.array:
         """One graph per pass over every row, each row kept from the pass that held its expert."""
         streamer, layer = self._streamer, self._layer
-        out = None
+        out: mx.array | None = None
         for experts in passes:
             table, pools = streamer.load(layer, experts)
             y = self._experts(x, mx.array(table)[idx], do_sort, pools)
@@ -161,9 +192,12 @@ class StreamingSwitch(nn.Module):
             # Not evaluated here: the streamer fences it before any slot it reads is reused.
             streamer.defer(layer, y, table[needed])  # (non-members read slot 0: listed too)
             out = y
+        assert out is not None  # plan_passes gives at least one pass
         return out
 
-    def _rows_by_pass(self, x, indices, host: np.ndarray, passes) -> mx.array:
+    def _rows_by_pass(
+        self, x: mx.array, indices: mx.array, host: np.ndarray, passes: list[np.ndarray]
+    ) -> mx.array:
         """Each pass computes only the (token, expert) rows of its own experts, so a batch whose
         distinct experts span several passes costs one expert computation per row, not one per
         pass; the rows are put back in order by a permutation (no arithmetic), and each row is the
@@ -171,7 +205,8 @@ class StreamingSwitch(nn.Module):
         streamer, layer = self._streamer, self._layer
         flat = host.reshape(-1)
         rows = mx.broadcast_to(x, (*indices.shape, 1, x.shape[-1])).reshape(-1, 1, x.shape[-1])
-        parts, picked = [], []
+        parts: list[mx.array] = []
+        picked: list[np.ndarray] = []
         for experts in passes:
             table, pools = streamer.load(layer, experts)
             sel = np.flatnonzero(np.isin(flat, experts))
@@ -185,7 +220,7 @@ class StreamingSwitch(nn.Module):
         y = mx.concatenate(parts)[order]
         return y.reshape(*indices.shape, *y.shape[-2:])
 
-    def _one_pass(self, x, host: np.ndarray, pending) -> mx.array:
+    def _one_pass(self, x: mx.array, host: np.ndarray, pending: PendingLoad) -> mx.array:
         """All of the call's experts fit one pass: wait for its reads, then one graph whose slot
         ids are mapped on the host (no expert -> slot table, no gather on the device)."""
         streamer = self._streamer
@@ -195,7 +230,9 @@ class StreamingSwitch(nn.Module):
         streamer.defer(self._layer, y, slot_of[pending.experts])
         return y
 
-    def _overlapped(self, x, indices, host: np.ndarray, experts: np.ndarray) -> mx.array:
+    def _overlapped(
+        self, x: mx.array, indices: mx.array, host: np.ndarray, experts: np.ndarray
+    ) -> mx.array:
         """Rows whose expert is resident are computed while the missing experts are read, then
         the rest; each (token, expert) row is the same matrix-vector product either way, and the
         two groups are put back in order by a permutation (no arithmetic)."""
@@ -221,7 +258,7 @@ class StreamingSwitch(nn.Module):
         streamer.defer(layer, y, table[experts])
         return y
 
-    def _on_device(self, x, indices, dep: mx.array | None) -> mx.array:
+    def _on_device(self, x: mx.array, indices: mx.array, dep: mx.array | None) -> mx.array:
         """Every expert is held and slot e holds expert e (held.py): mlx-lm's own SwitchGLU call
         on the pool, with the router's indices as they are on the device."""
         pools = self._streamer.pools_of(self._layer)
@@ -232,14 +269,14 @@ class StreamingSwitch(nn.Module):
         if do_sort:
             x, idx, inv_order = gather_sort(x, indices)
         out = self._experts(x, idx, do_sort, pools)
-        if do_sort:
+        if inv_order is not None:  # the rows were sorted (do_sort)
             out = scatter_unsort(out, inv_order, indices.shape)
         out = out.squeeze(-2)
         if dep is not None:  # the step's usage tally is computed with the step, not apart
             (out,) = mx.depends([out], [dep])
         return out
 
-    def __call__(self, x, indices) -> mx.array:
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         t0 = time.perf_counter()
         streamer, layer = self._streamer, self._layer
         streamer.begin_call(layer, indices)
@@ -254,7 +291,7 @@ class StreamingSwitch(nn.Module):
         x = mx.expand_dims(x, (-2, -3))
         do_sort = indices.size >= 64
         idx = indices
-        inv_order = None
+        inv_order: mx.array | None = None
         if do_sort:
             x, idx, inv_order = gather_sort(x, mx.stop_gradient(indices))
 
@@ -267,7 +304,7 @@ class StreamingSwitch(nn.Module):
         else:
             out = self._in_passes(x, idx, needed, passes, do_sort)
 
-        if do_sort:
+        if inv_order is not None:  # the rows were sorted (do_sort)
             out = scatter_unsort(out, inv_order, indices.shape)
         out = out.squeeze(-2)
         streamer.counters.layer_s += time.perf_counter() - t0

@@ -6,11 +6,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from moed.daemon.engine.prefix_cache.entry import PrefixEntry, own_arrays
+from moed.daemon.engine.prefix_cache.entry import LayerCache, PrefixEntry, own_arrays
 from moed.daemon.engine.prefix_cache.memory_tier import MemoryTier
+
+if TYPE_CHECKING:  # the SSD tier is imported only where one is opened (setup.py)
+    from moed.daemon.engine.prefix_cache.disk_tier import DiskTier
 
 log = logging.getLogger("moed.prefix_cache")
 
@@ -31,8 +35,10 @@ class PrefixCacheConfig:
 @dataclass(frozen=True)
 class PrefixHit:
     length: int  # context tokens the caches hold
-    caches: list  # fresh per-layer caches for the row
-    inherited: dict  # checkpoints (position -> untrimmable states) the row's tokens share
+    caches: list[LayerCache]  # fresh per-layer caches for the row
+    inherited: dict[
+        int, list[LayerCache]
+    ]  # checkpoints (position -> untrimmable states) the row's tokens share
 
 
 @dataclass
@@ -47,7 +53,9 @@ class PrefixCounters:
 class PrefixCache:
     """Owned by the engine thread (the SSD tier writes on a thread of its own)."""
 
-    def __init__(self, cfg: PrefixCacheConfig, trimmable: tuple[bool, ...], disk=None) -> None:
+    def __init__(
+        self, cfg: PrefixCacheConfig, trimmable: tuple[bool, ...], disk: DiskTier | None = None
+    ) -> None:
         self.cfg = cfg
         self.trimmable = trimmable
         self.memory = MemoryTier(cfg.memory_bytes, trimmable)
@@ -94,7 +102,9 @@ class PrefixCache:
         every = -(-every // self.cfg.checkpoint_every) * self.cfg.checkpoint_every
         return tuple(p for p in range(every, end, every) if p > start)
 
-    def store(self, tokens: list[int], layers: list, checkpoints: dict[int, list]) -> None:
+    def store(
+        self, tokens: list[int], layers: list[LayerCache], checkpoints: dict[int, list[LayerCache]]
+    ) -> None:
         """Keep a row's caches (its `tokens`, with recurrent-state `checkpoints`)."""
         if not tokens or not layers:
             return
@@ -116,14 +126,14 @@ class PrefixCache:
             log.warning("prefix cache: memory tier emptied (%d bytes)", released)
         return released
 
-    def clear(self) -> dict:
+    def clear(self) -> dict[str, Any]:
         memory = self.memory.clear()
         disk = self.disk.clear() if self.disk is not None else 0
         return {"memory_bytes": memory, "disk_bytes": disk}
 
-    def entries(self) -> list[dict]:
+    def entries(self) -> list[dict[str, Any]]:
         """Every entry of both tiers, most recently used first."""
-        rows = {}
+        rows: dict[str, dict[str, Any]] = {}
         if self.disk is not None:
             for rec in self.disk.records():
                 rows[rec.key] = {
@@ -150,7 +160,7 @@ class PrefixCache:
             row["last_used"] = max(row["last_used"], e.last_used)
         return sorted(rows.values(), key=lambda r: -r["last_used"])
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         c = self.counters
         snap = {
             "lookups": c.lookups,

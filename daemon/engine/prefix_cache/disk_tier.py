@@ -19,12 +19,14 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
-from moed.daemon.engine.prefix_cache.entry import PrefixEntry, resumable
+from moed.daemon.engine.prefix_cache.entry import LayerCache, PrefixEntry, resumable
 
 log = logging.getLogger("moed.prefix_cache")
 
@@ -48,16 +50,17 @@ def model_fingerprint(model_path: Path, layer_classes: list[str]) -> str:
     return h.hexdigest()[:32]
 
 
-def checksum(caches: list) -> str:
+def checksum(caches: list[LayerCache]) -> str:
     """CRC-32 of every array the caches hold, in order: safetensors has no checksum of its own,
     and a flipped bit must never reach a request as a wrong token."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     crc = 0
-    for _, a in tree_flatten([c.state for c in caches]):
+    pairs = cast(list[tuple[str, Any]], tree_flatten([c.state for c in caches]))  # no destination
+    for _, a in pairs:
         if isinstance(a, mx.array):
-            view = memoryview(a)
+            view = memoryview(a)  # type: ignore[arg-type]  # mx.array exports the buffer protocol
             crc = zlib.crc32(view.cast("B") if view.c_contiguous else view.tobytes(), crc)
     return f"{crc:08x}"
 
@@ -76,7 +79,7 @@ class DiskRecord:
         return len(self.tokens)
 
 
-def read_metadata(path: Path) -> dict:
+def read_metadata(path: Path) -> dict[str, Any]:
     """A safetensors file's own metadata, from its header alone (ValueError when unreadable)."""
     with open(path, "rb") as f:
         head = f.read(8)
@@ -109,9 +112,11 @@ class DiskTier:
         self._foreign: dict[Path, tuple[int, float]] = {}  # other models' entries: size, mtime
         self._warned: set[str] = set()
         self.loads = self.writes = self.evictions = self.skipped = self.write_errors = 0
-        self.on_written = lambda: None  # the owner republishes its counters (writer thread)
+        self.on_written: Callable[[], None] = lambda: (
+            None
+        )  # the owner republishes its counters (writer thread)
         self._scan()
-        self._queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE)
+        self._queue: queue.Queue[PrefixEntry | None] = queue.Queue(maxsize=WRITE_QUEUE)
         self._writer = threading.Thread(
             target=self._write_loop, name="moed-prefix-ssd", daemon=True
         )
@@ -151,7 +156,7 @@ class DiskTier:
             )
 
     @staticmethod
-    def _record(path: Path, meta: dict, size: int, mtime: float) -> DiskRecord:
+    def _record(path: Path, meta: dict[str, Any], size: int, mtime: float) -> DiskRecord:
         tokens = np.frombuffer(base64.b64decode(meta["tokens"]), dtype="<i4").astype(np.int32)
         checkpoints = tuple(int(p) for p in json.loads(meta["checkpoints"]))
         return DiskRecord(path.stem, path, tokens, checkpoints, size, mtime)
@@ -279,7 +284,9 @@ class DiskTier:
 
     def _enforce_budget(self) -> None:
         with self._lock:
-            files = [(r.last_used, r.nbytes, r.path, r.key) for r in self._records.values()]
+            files: list[tuple[float, int, Path, str | None]] = [
+                (r.last_used, r.nbytes, r.path, r.key) for r in self._records.values()
+            ]
             files += [(m, s, p, None) for p, (s, m) in self._foreign.items()]
         total = sum(f[1] for f in files)
         for _, size, path, key in sorted(files, key=lambda f: f[0]):
@@ -316,7 +323,7 @@ class DiskTier:
             _unlink(path)
         return sum(s for _, s in paths)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         with self._lock:
             ours = sum(r.nbytes for r in self._records.values())
             foreign = sum(s for s, _ in self._foreign.values())

@@ -10,14 +10,20 @@ from __future__ import annotations
 import copy
 import hashlib
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+# One layer's mlx-lm cache (KVCache, ArraysCache, RotatingKVCache, ...): mlx-lm duck-types them
+# (state, nbytes, keys) and annotates none, so a precise type adds nothing.
+LayerCache = Any
 
-def trimmable_layers(layer_caches: list) -> tuple[bool, ...]:
+
+def trimmable_layers(layer_caches: list[LayerCache]) -> tuple[bool, ...]:
     """Which of a model's fresh layer caches can be cut back to a shorter prefix (by type: a fresh
     RotatingKVCache says it is trimmable until its window fills)."""
     return tuple(type(c) is KVCache for c in layer_caches)
@@ -36,7 +42,9 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def resumable(length: int, checkpoints, common: int, trimmable: tuple[bool, ...]) -> int:
+def resumable(
+    length: int, checkpoints: Iterable[int], common: int, trimmable: tuple[bool, ...]
+) -> int:
     """How many of `common` matching tokens an entry of `length` tokens with recurrent-state
     `checkpoints` (positions) can resume from: all of them when every layer can be cut back,
     else the nearest checkpoint at or before them."""
@@ -47,11 +55,11 @@ def resumable(length: int, checkpoints, common: int, trimmable: tuple[bool, ...]
     return max((p for p in checkpoints if p <= common), default=0)
 
 
-def cache_nbytes(caches: list) -> int:
+def cache_nbytes(caches: list[LayerCache]) -> int:
     return sum(int(c.nbytes) for c in caches)
 
 
-def own_arrays(caches: list) -> list:
+def own_arrays(caches: list[LayerCache]) -> list[LayerCache]:
     """Evaluate the caches' arrays into buffers of their own: a row sliced out of a batch would
     otherwise keep the whole batch's buffer alive."""
     arrays = [a for c in caches for a in _arrays(c)]
@@ -59,17 +67,18 @@ def own_arrays(caches: list) -> list:
     return caches
 
 
-def _arrays(cache) -> list:
+def _arrays(cache: LayerCache) -> list[mx.array]:
     if isinstance(cache, KVCache):
         return [a for a in (cache.keys, cache.values) if a is not None]
     if isinstance(cache, ArraysCache):
-        return [a for a in cache.cache if a is not None]
+        # mlx-lm infers ArraysCache.cache as list[None] from its __init__; it holds arrays.
+        return [a for a in cache.cache if a is not None]  # type: ignore[misc]
     state = cache.state
     items = state if isinstance(state, (list, tuple)) else [state]
     return [a for a in items if isinstance(a, mx.array)]
 
 
-def _copy_layer(cache):
+def _copy_layer(cache: LayerCache) -> LayerCache:
     """A new cache object over the same (immutable) arrays: merging a row into a batch only reads
     it, and the copy keeps the entry's own object from being changed by anyone."""
     if isinstance(cache, ArraysCache):
@@ -82,14 +91,14 @@ def _copy_layer(cache):
 @dataclass
 class PrefixEntry:
     tokens: np.ndarray  # int32: what `layers` hold, position 0 on
-    layers: list  # one single-row cache per layer, at len(tokens)
+    layers: list[LayerCache]  # one single-row cache per layer, at len(tokens)
     # position -> the untrimmable layers' caches after that many tokens (in layer order)
-    checkpoints: dict[int, list] = field(default_factory=dict)
+    checkpoints: dict[int, list[LayerCache]] = field(default_factory=dict)
     last_used: float = field(default_factory=time.time)
     key: str = ""
     nbytes: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.key = self.key or tokens_key(self.tokens)
         self.nbytes = cache_nbytes(self.layers) + sum(
             cache_nbytes(c) for c in self.checkpoints.values()
@@ -99,7 +108,7 @@ class PrefixEntry:
         """The longest prefix of `common` matching tokens this entry can resume from."""
         return resumable(len(self.tokens), self.checkpoints, common, trimmable)
 
-    def resume(self, length: int, trimmable: tuple[bool, ...]) -> list:
+    def resume(self, length: int, trimmable: tuple[bool, ...]) -> list[LayerCache]:
         """Fresh per-layer caches holding the first `length` tokens (a `usable` length)."""
         whole = length == len(self.tokens)
         states = iter(() if whole or all(trimmable) else self.checkpoints[length])
@@ -115,9 +124,9 @@ class PrefixEntry:
                 out.append(_copy_layer(layer if whole else next(states)))
         return out
 
-    def checkpoints_upto(self, length: int) -> dict[int, list]:
+    def checkpoints_upto(self, length: int) -> dict[int, list[LayerCache]]:
         """The checkpoints a row resumed at `length` inherits (its tokens agree up to there)."""
         return {p: s for p, s in self.checkpoints.items() if p <= length}
 
-    def untrimmable_state(self, trimmable: tuple[bool, ...]) -> list:
+    def untrimmable_state(self, trimmable: tuple[bool, ...]) -> list[LayerCache]:
         return [c for c, cut in zip(self.layers, trimmable) if not cut]

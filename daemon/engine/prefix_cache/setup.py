@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.spec import pipeline_enabled
 from moed.daemon.engine.prefix_cache.cache import PrefixCache, PrefixCacheConfig
 from moed.daemon.experts.budget import parse_size
 
+if TYPE_CHECKING:  # types only: the functions below import what they run
+    import mlx.nn as nn
+
+    from moed.daemon.experts.memory_plan import MemoryPlan
+    from moed.daemon.model.loader import LoadedModel
+
 log = logging.getLogger("moed.prefix_cache")
 
 
-def memory_tier_bytes(serve: ServeConfig, plan) -> int:
+def memory_tier_bytes(serve: ServeConfig, plan: MemoryPlan | None) -> int:
     """The memory tier's budget: as set, or the memory plan's automatic share (`plan` None: a
     resident model, planned against the machine the same way)."""
     from moed.daemon.experts.memory_plan import auto_prefix_cache_bytes, machine_memory
@@ -26,7 +33,7 @@ def memory_tier_bytes(serve: ServeConfig, plan) -> int:
     return auto_prefix_cache_bytes(limit or machine_memory()[1])
 
 
-def prefix_cache_config(serve: ServeConfig, plan=None) -> PrefixCacheConfig:
+def prefix_cache_config(serve: ServeConfig, plan: MemoryPlan | None = None) -> PrefixCacheConfig:
     disk_dir = Path(serve.prefix_cache_dir) if serve.prefix_cache_dir else None
     return PrefixCacheConfig(
         memory_bytes=memory_tier_bytes(serve, plan),
@@ -38,7 +45,9 @@ def prefix_cache_config(serve: ServeConfig, plan=None) -> PrefixCacheConfig:
     )
 
 
-def open_prefix_cache(serve: ServeConfig, loaded, model_path: Path) -> PrefixCache | None:
+def open_prefix_cache(
+    serve: ServeConfig, loaded: LoadedModel, model_path: Path
+) -> PrefixCache | None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from moed.daemon.engine.prefix_cache.entry import trimmable_layers
@@ -50,7 +59,7 @@ def open_prefix_cache(serve: ServeConfig, loaded, model_path: Path) -> PrefixCac
     cfg = prefix_cache_config(serve, loaded.streamer.plan if loaded.streamer else None)
     if not cfg.enabled:
         return None
-    layers = make_prompt_cache(loaded.model)
+    layers = make_prompt_cache(cast("nn.Module", loaded.model))  # never a pipeline's leader here
     trimmable = trimmable_layers(layers)
     disk = None
     if cfg.disk_bytes > 0:

@@ -37,7 +37,7 @@ def policy_class(name: str) -> type[EvictionPolicy]:
         raise UnknownPolicyError(name) from None
 
 
-def make_policy(name: str, num_experts: int, slots: int, **params) -> EvictionPolicy:
+def make_policy(name: str, num_experts: int, slots: int, **params: float) -> EvictionPolicy:
     """A fresh policy for one layer's cache of `slots` slots over `num_experts` experts; `params`
     override the policy's fitted defaults (`moed bench policy` fits them)."""
     return policy_class(name)(num_experts, slots, **params)

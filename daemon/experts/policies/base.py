@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Collection, Iterable
 from typing import ClassVar
 
 
@@ -16,7 +16,7 @@ class EvictionPolicy(abc.ABC):
 
     name: str = ""  # the registry key, e.g. "lru"
     # Values of the constructor's keyword parameters that `moed bench policy` fits on traces.
-    PARAM_GRID: ClassVar[dict[str, tuple]] = {}
+    PARAM_GRID: ClassVar[dict[str, tuple[float, ...]]] = {}
 
     def __init__(self, num_experts: int, slots: int):
         self.num_experts = num_experts
@@ -42,10 +42,10 @@ class EvictionPolicy(abc.ABC):
         """`expert` left the cache."""
 
     @abc.abstractmethod
-    def victim(self, protected: Container[int]) -> int:
+    def victim(self, protected: Collection[int]) -> int:
         """A resident expert not in `protected` to evict."""
 
-    def touch_many(self, experts: Sequence[int]) -> None:
+    def touch_many(self, experts: Iterable[int]) -> None:
         """`touch` each of `experts`, distinct ids, in order (policies with array state do it in
         one step)."""
         for e in experts:

@@ -6,7 +6,7 @@ comes back with its history (routing popularity is stable over a generation)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Sequence
+from collections.abc import Collection, Iterable
 
 import numpy as np
 
@@ -60,14 +60,14 @@ class LFUDecayPolicy(EvictionPolicy):
     def touch(self, expert: int) -> None:
         self._use(expert)
 
-    def touch_many(self, experts: Sequence[int]) -> None:
-        experts = np.asarray(experts, dtype=np.int64)
-        if not experts.size:
+    def touch_many(self, experts: Iterable[int]) -> None:
+        ids = np.asarray(experts, dtype=np.int64)
+        if not ids.size:
             return
-        if int(experts.max()) >= self._score.shape[0]:
-            self._grow(int(experts.max()))
-        self._score[experts] += self._weight  # distinct ids (the slot table's calls are)
-        self._last[experts] = self._calls
+        if int(ids.max()) >= self._score.shape[0]:
+            self._grow(int(ids.max()))
+        self._score[ids] += self._weight  # distinct ids (the slot table's calls are)
+        self._last[ids] = self._calls
 
     def remove(self, expert: int) -> None:
         if expert < self._resident.shape[0]:
@@ -77,10 +77,10 @@ class LFUDecayPolicy(EvictionPolicy):
         """`experts` least valuable first: lowest score, then the older last use, then the id."""
         return experts[np.lexsort((self._last[experts], self._score[experts]))]
 
-    def victim(self, protected: Container[int]) -> int:
+    def victim(self, protected: Collection[int]) -> int:
         return self.victims(1, protected)[0]
 
-    def victims(self, count: int, protected: Container[int]) -> list[int]:
+    def victims(self, count: int, protected: Iterable[int]) -> list[int]:
         """The `count` least valuable residents outside `protected`: one ranking for all of them
         (a victim's removal does not change the others' scores)."""
         candidates = self._resident.copy()
@@ -92,7 +92,9 @@ class LFUDecayPolicy(EvictionPolicy):
         idx = np.flatnonzero(candidates)
         if idx.size < count:
             raise AllProtectedError("every resident expert is protected; no slot can be freed")
-        return self._ranked(idx)[:count].tolist()
+        chosen: list[int] = self._ranked(idx)[:count].tolist()
+        return chosen
 
     def order(self) -> list[int]:
-        return self._ranked(np.flatnonzero(self._resident)).tolist()
+        order: list[int] = self._ranked(np.flatnonzero(self._resident)).tolist()
+        return order

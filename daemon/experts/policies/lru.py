@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Collection
 
 from moed.daemon.experts.policies.base import AllProtectedError, EvictionPolicy
 
@@ -25,7 +25,7 @@ class LRUPolicy(EvictionPolicy):
     def remove(self, expert: int) -> None:
         self._order.pop(expert, None)
 
-    def victim(self, protected: Container[int]) -> int:
+    def victim(self, protected: Collection[int]) -> int:
         for expert in self._order:
             if expert not in protected:
                 return expert

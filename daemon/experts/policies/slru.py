@@ -5,7 +5,7 @@ Victims come from probation first, so experts used once cannot push out ones use
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Collection
 
 from moed.daemon.experts.policies.base import AllProtectedError, EvictionPolicy
 
@@ -53,7 +53,7 @@ class SLRUPolicy(EvictionPolicy):
         self._probation.pop(expert, None)
         self._protected.pop(expert, None)
 
-    def victim(self, protected: Container[int]) -> int:
+    def victim(self, protected: Collection[int]) -> int:
         for segment in (self._probation, self._protected):
             for expert in segment:
                 if expert not in protected:
