@@ -19,6 +19,7 @@ from moed.daemon.distributed.hostfile import Backend
 from moed.daemon.distributed.launch import RankGroup
 from moed.daemon.distributed.rank_model import PipelineUnsupported
 from moed.daemon.distributed.spec import RankSpec, group_spec, rank_spec
+from moed.daemon.model.mlx_compat import model_class_for
 
 log = logging.getLogger("moed.distributed")
 
@@ -39,12 +40,11 @@ _started: StartedGroup | None = None
 def check_supported(model_path: Path) -> None:
     """Refuse an architecture without mlx-lm pipeline support before any rank starts."""
     from mlx_lm.models.pipeline import PipelineMixin
-    from mlx_lm.utils import _get_classes
 
     from moed.daemon.distributed.rank_model import pipelined_architectures
 
     config = json.loads((model_path / "config.json").read_text())
-    model_class, _ = _get_classes(config)
+    model_class = model_class_for(config)
     modules = {model_class.__module__} | {base.__module__ for base in model_class.__mro__}
     for name in modules:
         for obj in vars(sys.modules[name]).values():

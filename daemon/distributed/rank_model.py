@@ -20,6 +20,7 @@ from moed.daemon.distributed.split import (
     even_split,
     layer_costs,
 )
+from moed.daemon.model.mlx_compat import pipeline_layers
 
 log = logging.getLogger("moed.distributed")
 
@@ -126,9 +127,7 @@ def load_rank_model(
     num_layers = len(inner.layers)
     per_rank = resolve_split(split, group.size(), path, config, num_layers)
     inner.pipeline(group, list(per_rank))
-    layers = RankLayers(
-        group.rank(), group.size(), inner.start_idx, inner.end_idx, num_layers, per_rank
-    )
+    layers = RankLayers(group.rank(), group.size(), *pipeline_layers(inner), num_layers, per_rank)
     # Lazily loaded arrays know their size: this rank's weights without reading a byte.
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     resident -= _switch_param_bytes(model)

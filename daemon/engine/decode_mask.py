@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from mlx_lm.models.cache import BatchKVCache
 
+from moed.daemon.model.mlx_compat import unpadded
+
 
 class UnpaddedBatchKVCache(BatchKVCache):
     """A BatchKVCache known to hold no left padding: a one-token step goes unmasked."""
@@ -28,5 +30,4 @@ def fit_masks(layer_caches: list) -> None:
     for cache in layer_caches:
         if type(cache) not in (BatchKVCache, UnpaddedBatchKVCache):
             continue  # rotating and other caches keep their own masks
-        unpadded = cache._right_padding is None and not any(cache.left_padding.tolist())
-        cache.__class__ = UnpaddedBatchKVCache if unpadded else BatchKVCache
+        cache.__class__ = UnpaddedBatchKVCache if unpadded(cache) else BatchKVCache
