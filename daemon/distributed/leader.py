@@ -46,8 +46,7 @@ class PipelineLeader:
         self.channel = channel
         self._ops = OpLog()
         self._lock = threading.Lock()  # one step at a time (status may come from another thread)
-        text = rank.config.get("text_config", rank.config)
-        self._hidden = int(text.get("hidden_size", 0))
+        self._hidden = rank.config.hidden_size or 0
         norm = wrap_pipeline_norm(rank.pipeline, GatherFence)
         self._act_itemsize = norm.weight.dtype.size
         self.activation_bytes = 0  # activations moved between ranks, summed over forwards

@@ -21,6 +21,7 @@ from moed.daemon.distributed.split import (
     layer_costs,
 )
 from moed.daemon.model.mlx_compat import pipeline_layers
+from moed.protocol.model_config import ModelConfig
 
 log = logging.getLogger("moed.distributed")
 
@@ -43,7 +44,7 @@ class RankLayers:
 class RankModel:
     model: Any  # the mlx-lm model, cut to this rank's layers
     tokenizer: Any
-    config: dict
+    config: ModelConfig
     path: Path
     streamer: Any  # ExpertStreamer over this rank's layers, or None when resident
     layers: RankLayers
@@ -72,12 +73,20 @@ def pipelined_architectures() -> list[str]:
     )
 
 
-def refuse_unsupported(model: nn.Module, config: dict) -> nn.Module:
+def num_layers(path: Path) -> int:
+    """The decoder layers a checkpoint names: what a pipeline's split divides."""
+    layers = ModelConfig.read(path).num_layers
+    if layers is None:
+        raise PipelineUnsupported(f"{path}/config.json names no num_hidden_layers to split")
+    return layers
+
+
+def refuse_unsupported(model: nn.Module, config: ModelConfig) -> nn.Module:
     inner = pipeline_module(model)
     if inner is None:
         import mlx_lm
 
-        kind = config.get("model_type", type(model).__module__)
+        kind = config.model_type or type(model).__module__
         raise PipelineUnsupported(
             f"model type {kind!r} has no pipeline support in mlx-lm {mlx_lm.__version__} "
             f"(no PipelineMixin); run it in one process, or use one of: "
@@ -87,7 +96,11 @@ def refuse_unsupported(model: nn.Module, config: dict) -> nn.Module:
 
 
 def resolve_split(
-    split: tuple[int, ...] | SplitMode, size: int, path: Path, config: dict, num_layers: int
+    split: tuple[int, ...] | SplitMode,
+    size: int,
+    path: Path,
+    config: ModelConfig,
+    num_layers: int,
 ) -> tuple[int, ...]:
     if isinstance(split, tuple):
         check_split(split, size, num_layers)
@@ -95,8 +108,7 @@ def resolve_split(
     if split is SplitMode.COST:
         from moed.daemon.experts import CheckpointIndex
 
-        text = config.get("text_config", config)
-        top_k = int(text.get("num_experts_per_tok") or 1)
+        top_k = config.experts_per_token or 1
         costs = layer_costs(CheckpointIndex(path), num_layers, top_k)
         return balanced_split([c.per_token_bytes for c in costs], size)
     return even_split(size, num_layers)
@@ -122,7 +134,8 @@ def load_rank_model(
     """Load lazily, keep this rank's layers, stream their experts, then materialize the rest."""
     from mlx_lm.utils import load
 
-    model, tokenizer, config = load(str(path), lazy=True, return_config=True)
+    model, tokenizer, raw = load(str(path), lazy=True, return_config=True)
+    config = ModelConfig.from_dict(raw)
     inner = refuse_unsupported(model, config)
     num_layers = len(inner.layers)
     per_rank = resolve_split(split, group.size(), path, config, num_layers)
