@@ -24,8 +24,10 @@ from moed.daemon.model.mlx_compat import (
     generation_batch,
     model_class_for,
     pipeline_layers,
+    pipelined_architectures,
     prompt_batch,
     set_prefill_step,
+    supports_pipeline,
     unpadded,
     wrap_pipeline_norm,
 )
@@ -215,6 +217,22 @@ def test_model_class_for_a_config():
         f"mlx_lm.utils._get_classes no longer returns (Model, ModelArgs) first: got {cls!r} "
         "(distributed/rank0.py's check_supported)"
     )
+
+
+def test_pipeline_support_found_in_the_sources_and_the_classes():
+    """Use 5: the architectures whose sources name PipelineMixin are those whose class
+    hierarchy's modules define a PipelineMixin module, and the reference ones are among them."""
+    named = pipelined_architectures()
+    assert {"qwen3_moe", "deepseek_v3", "qwen3_5"} <= set(named), (  # qwen3_5_moe's is qwen3_5
+        f"mlx-lm's models/*.py name PipelineMixin only in {named}: the pipeline refuses the "
+        "reference architectures now"
+    )
+    for arch in ("qwen3_moe", "deepseek_v3", "qwen3_5_moe"):
+        assert supports_pipeline(make_config(arch, vocab=VOCAB)), (
+            f"{arch}'s model class hierarchy no longer reaches a PipelineMixin module"
+        )
+    assert not supports_pipeline(make_config("mixtral", vocab=VOCAB))
+    assert "mixtral" not in named
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])

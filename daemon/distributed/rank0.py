@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import mlx_lm
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.guard import Rendezvous, new_secret, write_ring_hostfile
@@ -18,7 +19,7 @@ from moed.daemon.distributed.hostfile import Backend
 from moed.daemon.distributed.launch import RankGroup
 from moed.daemon.distributed.rank_model import PipelineUnsupported, num_layers
 from moed.daemon.distributed.spec import RankSpec, group_spec, rank_spec
-from moed.daemon.model.mlx_compat import model_class_for
+from moed.daemon.model.mlx_compat import pipelined_architectures, supports_pipeline
 from moed.protocol.model_config import ModelConfig
 
 log = logging.getLogger("moed.distributed")
@@ -39,23 +40,9 @@ _started: StartedGroup | None = None
 
 def check_supported(model_path: Path) -> None:
     """Refuse an architecture without mlx-lm pipeline support before any rank starts."""
-    from mlx_lm.models.pipeline import PipelineMixin
-
-    from moed.daemon.distributed.rank_model import pipelined_architectures
-
     config = ModelConfig.read(model_path)
-    model_class = model_class_for(dict(config.raw))
-    modules = {model_class.__module__} | {base.__module__ for base in model_class.__mro__}
-    for name in modules:
-        for obj in vars(sys.modules[name]).values():
-            if (
-                isinstance(obj, type)
-                and issubclass(obj, PipelineMixin)
-                and obj is not PipelineMixin
-            ):
-                return
-    import mlx_lm
-
+    if supports_pipeline(config.raw):
+        return
     raise PipelineUnsupported(
         f"model type {config.model_type!r} has no pipeline support in mlx-lm "
         f"{mlx_lm.__version__} (no PipelineMixin); serve it without --pipeline/--hostfile, or use "

@@ -20,7 +20,7 @@ from moed.daemon.distributed.split import (
     even_split,
     layer_costs,
 )
-from moed.daemon.model.mlx_compat import pipeline_layers
+from moed.daemon.model.mlx_compat import pipeline_layers, pipelined_architectures
 from moed.protocol.model_config import ModelConfig
 
 log = logging.getLogger("moed.distributed")
@@ -59,18 +59,6 @@ def pipeline_module(model: nn.Module) -> nn.Module | None:
         if inner is not None and callable(getattr(inner, "pipeline", None)):
             return inner
     return None
-
-
-def pipelined_architectures() -> list[str]:
-    """Model types whose mlx-lm module uses PipelineMixin (read from the installed sources)."""
-    import mlx_lm.models as models
-
-    root = Path(models.__file__).parent
-    return sorted(
-        p.stem
-        for p in root.glob("*.py")
-        if "PipelineMixin" in p.read_text() and p.stem != "pipeline"
-    )
 
 
 def num_layers(path: Path) -> int:

@@ -17,13 +17,19 @@ Reached into here:
    lengths=, right_padding=)`, `finalize`, `extract`, `copy.deepcopy`, `state`, `nbytes`,
    `empty`, `size`): distributed/cache_ops.py's CacheHandle answers them to mirror a pipeline
    batch's cache changes on the other ranks. BATCH_CACHE_CALLS names them.
-5. `mlx_lm.utils._get_classes(config)`: the model class a config.json names, to refuse an
-   architecture without PipelineMixin before any rank starts (distributed/rank0.py).
+5. `mlx_lm.utils._get_classes(config)`: the model class a config.json names, and the modules of
+   its class hierarchy, one of which defines a PipelineMixin module when the architecture can
+   pipeline (qwen3_5_moe's text model is one module down); and the sources under
+   mlx_lm/models/, whose text names PipelineMixin where it is used: an architecture without it
+   is refused before any rank starts (distributed/rank0.py, rank_model.py).
 6. PipelineMixin's module (`pipeline(group, split)`, `start_idx`, `end_idx`, `layers`) and its
    final `norm`, called once after the last layer's all_gather: the leader wraps it to evaluate
    there (distributed/leader.py).
 7. mlx_lm/utils.py lowers RLIMIT_NOFILE when imported: runtime/open_files.py keeps moed's
    raised limit through that import.
+
+Outside daemon/ (which alone may import mlx-lm): client/hub.py's `mlx_lm_knows` takes an
+architecture as known when mlx_lm/models/<model_type>.py exists, found without importing mlx-lm.
 
 Relied on elsewhere as a deliberate contract, not reached into: experts/ computes SwitchGLU's and
 SwitchMLP's function with its own streaming twin (discover.py, streaming_switch.py): the
@@ -36,11 +42,16 @@ streaming_switch.py reproduces; tests/test_mlx_compat.py checks those too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
 import mlx.nn as nn
+import mlx_lm.models
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.pipeline import PipelineMixin
 from mlx_lm.utils import _get_classes
 
 # The calls BatchGenerator makes on each layer cache of a row or a batch (use 4): a stand-in
@@ -69,10 +80,32 @@ def unpadded(cache: BatchKVCache) -> bool:
     return cache._right_padding is None and not any(cache.left_padding.tolist())
 
 
-def model_class_for(config: dict) -> type[nn.Module]:
+def model_class_for(config: Mapping[str, Any]) -> type[nn.Module]:
     """The mlx-lm model class a config.json names (use 5)."""
-    cls, _args = _get_classes(config)
+    cls, _args = _get_classes(dict(config))
     return cls
+
+
+def supports_pipeline(config: Mapping[str, Any]) -> bool:
+    """The architecture's modules define a PipelineMixin module (use 5)."""
+    cls = model_class_for(config)
+    modules = {cls.__module__} | {base.__module__ for base in cls.__mro__}
+    return any(
+        isinstance(obj, type) and issubclass(obj, PipelineMixin) and obj is not PipelineMixin
+        for name in modules
+        for obj in vars(sys.modules[name]).values()
+    )
+
+
+def pipelined_architectures() -> list[str]:
+    """Model types whose mlx-lm module uses PipelineMixin, read from the installed sources
+    (use 5)."""
+    root = Path(mlx_lm.models.__file__).parent
+    return sorted(
+        p.stem
+        for p in root.glob("*.py")
+        if "PipelineMixin" in p.read_text() and p.stem != "pipeline"
+    )
 
 
 def wrap_pipeline_norm(pipeline: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> nn.Module:
