@@ -314,3 +314,13 @@ def test_switch_sorts_from_64_routings(monkeypatch, routings, sorted_path):
         f"mlx-lm's SwitchGLU {'did not sort' if sorted_path else 'sorted'} {routings} routings: "
         "streaming_switch.py sorts from 64 on (`do_sort`), as it did"
     )
+
+
+def test_architectures_are_files_under_mlx_lm_models():
+    """client/hub.py's mlx_lm_knows finds an architecture as mlx_lm/models/<model_type>.py,
+    without importing mlx-lm (the client imports no mlx)."""
+    from moed.client.hub import mlx_lm_knows
+
+    for arch in ("qwen3_moe", "qwen3_5_moe", "mixtral", "deepseek_v3"):
+        assert mlx_lm_knows(arch), f"mlx-lm's {arch} is no longer mlx_lm/models/{arch}.py"
+    assert not mlx_lm_knows("no_such_architecture")

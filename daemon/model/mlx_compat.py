@@ -36,8 +36,11 @@ SwitchMLP's function with its own streaming twin (discover.py, streaming_switch.
 `mlx_lm.models.switch_layers` classes SwitchGLU, SwitchMLP, SwitchLinear and
 QuantizedSwitchLinear (attributes `gate_proj`/`up_proj`/`down_proj` or `fc1`/`fc2`,
 `activation`, and each linear's `weight`, `scales`, `biases`, `bias`, `group_size`, `bits`,
-`mode`), and the row order of `switch_layers._gather_sort` / `_scatter_unsort`, which
-streaming_switch.py reproduces; tests/test_mlx_compat.py checks those too.
+`mode`), the sorted path from 64 routings on and the row order of
+`switch_layers._gather_sort` / `_scatter_unsort`, which streaming_switch.py reproduces
+(tests/test_mlx_compat.py and test_switch_sort.py check them); the prefetcher's router is the
+switch's sibling module whose `weight` is (experts, hidden), called on the layer's input (a
+plain Linear, or DeepSeek's MoEGate returning (indices, scores)).
 """
 
 from __future__ import annotations
