@@ -16,6 +16,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.models.pipeline import PipelineMixin
 from mlx_lm.sample_utils import greedy_sampler
 
+from moed.client.hub import mlx_lm_knows
 from moed.daemon.distributed.cache_ops import CacheHandle, OpLog
 from moed.daemon.engine.decode_mask import UnpaddedBatchKVCache
 from moed.daemon.model import mlx_compat
@@ -319,8 +320,6 @@ def test_switch_sorts_from_64_routings(monkeypatch, routings, sorted_path):
 def test_architectures_are_files_under_mlx_lm_models():
     """client/hub.py's mlx_lm_knows finds an architecture as mlx_lm/models/<model_type>.py,
     without importing mlx-lm (the client imports no mlx)."""
-    from moed.client.hub import mlx_lm_knows
-
     for arch in ("qwen3_moe", "qwen3_5_moe", "mixtral", "deepseek_v3"):
         assert mlx_lm_knows(arch), f"mlx-lm's {arch} is no longer mlx_lm/models/{arch}.py"
     assert not mlx_lm_knows("no_such_architecture")
