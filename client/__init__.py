@@ -1,6 +1,8 @@
 """moed.client: the thin client library and the `moe` CLI. Imports no mlx."""
 
-from .client import Client, default_socket_path
+from moed.protocol.paths import default_socket_path
+
+from .client import Client
 from .errors import (
     ClientError,
     DaemonRestarted,

@@ -14,35 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from moed.protocol import GenerateRequest, MessageType, ProtocolError, decode, encode
-from moed.protocol import messages as wire
-from moed.protocol.paths import UnsafeSocketPath, check_socket, default_socket_path
+from moed.protocol import GenerateRequest, MessageType, encode
 
-from .errors import (
-    ClientError,
-    DaemonRestarted,
-    DaemonUnavailable,
-    InsecureSocket,
-    RequestFailed,
-)
+from .core import ClientCore, answer, read_frame
+from .errors import ClientError, DaemonRestarted, DaemonUnavailable, RequestFailed
 from .events import DoneEvent, Event, event_from_message
 from .inbox import Inbox, merge_tokens
-from .liveness import connection_lost, dealer_socket
 from .requests import checked_request
 
 _POLLIN = int(zmq.POLLIN)  # a plain int: the flag enum's operators cost microseconds per frame
 
 
-class AsyncClient:
+class AsyncClient(ClientCore):
     def __init__(
         self,
         socket_path: str | Path | None = None,
@@ -52,13 +42,13 @@ class AsyncClient:
         dead_after_s: float = 3.0,
         name: str = "moed.async_client",
     ):
-        self.socket_path = Path(socket_path) if socket_path else default_socket_path()
-        self.timeout = timeout
-        self.heartbeat_s = heartbeat_s
-        self.dead_after_s = dead_after_s
-        self.name = name
-        self.welcome: dict | None = None
-        self.boot_id: str | None = None
+        super().__init__(
+            socket_path,
+            timeout=timeout,
+            heartbeat_s=heartbeat_s,
+            dead_after_s=dead_after_s,
+            name=name,
+        )
         self._socket: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -67,8 +57,6 @@ class AsyncClient:
         self._tasks: list[asyncio.Task] = []
         self._connecting: asyncio.Lock | None = None
         self._last_heard = 0.0
-        self._ids = itertools.count(1)
-        self._prefix = uuid.uuid4().hex[:8]
 
     # ---- connection --------------------------------------------------------------------------
     async def connect(self) -> dict:
@@ -80,17 +68,7 @@ class AsyncClient:
         async with self._connecting:
             if self.welcome is not None:
                 return self.welcome
-            if not self.socket_path.exists():
-                raise DaemonUnavailable(f"no daemon socket at {self.socket_path}")
-            try:  # before a single byte goes out: a socket another user could own gets nothing
-                check_socket(self.socket_path)
-            except UnsafeSocketPath as exc:
-                raise InsecureSocket(str(exc)) from None
-            sock = dealer_socket(self.heartbeat_s, self.dead_after_s)
-            # The daemon's death drops the ipc connection at once, and a frozen daemon's
-            # connection misses its heartbeats (client/liveness.py): watch for that, not silence.
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            sock.connect(f"ipc://{self.socket_path}")
+            sock, monitor = self.open_socket()
             self._socket, self._monitor = sock, monitor
             self._loop = asyncio.get_running_loop()
             self._loop.add_reader(sock.FD, self._read_ready)
@@ -101,13 +79,11 @@ class AsyncClient:
             self._last_heard = time.monotonic()
             self._tasks = [asyncio.create_task(self._heartbeat_loop())]
             try:
-                msg = await self._call_raw(MessageType.HELLO, client=self.name)
+                request_id, frame = self.hello()
+                return self.welcomed(await self._exchange(request_id, frame))
             except BaseException:
                 self._drop(None)
                 raise
-            self.welcome = msg
-            self.boot_id = msg.get("boot_id")
-            return msg
 
     async def close(self) -> None:
         self._drop(None)
@@ -160,21 +136,21 @@ class AsyncClient:
 
     async def _call(self, kind: MessageType, **fields: Any) -> dict:
         await self.connect()
-        msg = await self._call_raw(kind, **fields)
+        request_id = self.next_id(kind.value)
+        msg = await self._exchange(request_id, self.frame(kind, request_id, **fields))
         self._check_boot(msg.get("boot_id"))
         return msg
 
-    async def _call_raw(self, kind: MessageType, **fields: Any) -> dict:
-        request_id = self._next_id(kind.value)
+    async def _exchange(self, request_id: Any, frame: bytes) -> dict:
+        """Send one frame and wait for its one reply (an `error` or a connection failure
+        raises)."""
         queue = self._open(request_id)
         try:
-            self._send(wire.request(kind, request_id, **fields))
+            self._send(frame)
             try:
                 msg = await asyncio.wait_for(queue.get(), self.timeout)
             except TimeoutError:
-                raise DaemonUnavailable(
-                    f"no answer from the daemon at {self.socket_path} within {self.timeout:.1f}s"
-                ) from None
+                raise self.no_answer() from None
         finally:
             self._routes.pop(request_id, None)
         return _unwrap(msg)
@@ -200,11 +176,11 @@ class AsyncClient:
         elif fields:
             raise TypeError("give a request or its fields, not both")
         await self.connect()
-        request_id = request_id if request_id is not None else self._next_id("gen")
+        request_id = request_id if request_id is not None else self.next_id("gen")
         queue = self._open(request_id)
         ended = False
         try:
-            self._send(request.to_wire(request_id))
+            self._send(encode(request.to_wire(request_id)))
             while True:
                 msg = _unwrap(await queue.get())
                 if coalesce and msg.get("type") == MessageType.TOKEN.value:
@@ -223,24 +199,19 @@ class AsyncClient:
             self._routes.pop(request_id, None)
             if not ended and self._socket is not None:
                 # The caller went away (an HTTP client disconnected): stop generating for nobody.
-                self._send(
-                    wire.request(MessageType.CANCEL, self._next_id("cancel"), target=request_id)
-                )
+                self._send(self.cancel_frame(request_id))
 
     # ---- plumbing ----------------------------------------------------------------------------
-    def _next_id(self, kind: str) -> str:
-        return f"{self._prefix}-{kind}-{next(self._ids)}"
-
     def _open(self, request_id: Any) -> Inbox:
         inbox = Inbox()
         self._routes[request_id] = inbox
         return inbox
 
-    def _send(self, msg: dict) -> None:
+    def _send(self, frame: bytes) -> None:
         if self._socket is None:
             raise DaemonUnavailable(f"not connected to the daemon at {self.socket_path}")
         # A DEALER with room in its pipe never blocks: send without awaiting, in order.
-        self._socket.send(encode(msg), zmq.NOBLOCK)
+        self._socket.send(frame, zmq.NOBLOCK)
         # A send can consume the edge that would have woken the reader (ZMQ_FD is
         # edge-triggered): look for replies once more on the next loop turn.
         if not self._drain_scheduled:
@@ -248,11 +219,10 @@ class AsyncClient:
             self._loop.call_soon(self._read_ready)
 
     def _check_boot(self, boot_id: str | None) -> None:
-        if boot_id and self.boot_id and boot_id != self.boot_id:
-            old = self.boot_id
-            error = DaemonRestarted(f"the daemon restarted (boot {old} → {boot_id})", old, boot_id)
-            self._drop(error)
-            raise error
+        restart = self.restart_of(boot_id)
+        if restart is not None:
+            self._drop(restart)
+            raise restart
 
     def _read_ready(self) -> None:
         """Route every reply waiting on the socket to its request's inbox (ZMQ_FD only says that
@@ -265,11 +235,8 @@ class AsyncClient:
         while sock.get(zmq.EVENTS) & _POLLIN:
             frame = sock.recv(zmq.NOBLOCK)
             self._last_heard = time.monotonic()
-            try:
-                msg = decode(frame)
-            except ProtocolError:
-                continue  # not ours to answer; the replies behind it still get through
-            if not isinstance(msg, dict):
+            msg = read_frame(frame)
+            if msg is None:
                 continue
             inbox = routes.get(msg.get("id"))
             if inbox is not None:
@@ -289,8 +256,7 @@ class AsyncClient:
         if self._socket is not sock:
             return  # already dropped (and maybe reconnected)
         self._read_ready()
-        pid = (self.welcome or {}).get("pid")
-        self._drop(DaemonUnavailable(connection_lost(self.socket_path, pid, self.dead_after_s)))
+        self._drop(self.lost())
 
     async def _heartbeat_loop(self) -> None:
         """While requests are open, ping after `heartbeat_s` of silence: a ping answered by a new
@@ -303,9 +269,9 @@ class AsyncClient:
                 continue
             silent = time.monotonic() - self._last_heard
             if silent > self.heartbeat_s:
-                ping_id = self._next_id("hb")
+                ping_id = self.next_id("hb")
                 queue = self._open(ping_id)
-                self._send(wire.request(MessageType.PING, ping_id))
+                self._send(self.frame(MessageType.PING, ping_id))
                 with contextlib.suppress(TimeoutError):
                     reply = await asyncio.wait_for(queue.get(), self.dead_after_s)
                     if isinstance(reply, dict):
@@ -315,9 +281,8 @@ class AsyncClient:
 
 
 def _unwrap(msg: dict | ClientError) -> dict:
-    """A queued message, or the connection failure that was queued in its place."""
+    """A queued message (an `error` raises RequestFailed), or the connection failure that was
+    queued in its place."""
     if isinstance(msg, ClientError):
         raise msg
-    if msg.get("type") == MessageType.ERROR.value:
-        raise RequestFailed.from_message(msg)
-    return msg
+    return answer(msg)

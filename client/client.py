@@ -10,11 +10,9 @@ DaemonRestarted; never as a hang.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import os
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -22,25 +20,19 @@ from typing import Any
 
 import zmq
 
-from moed.protocol import ErrorCode, GenerateRequest, MessageType, decode, encode
-from moed.protocol import messages as wire
-from moed.protocol.paths import (
-    UnsafeSocketPath,
-    check_socket,
-    control_token_path,
-    default_socket_path,
-)
+from moed.protocol import ErrorCode, GenerateRequest, MessageType, encode
+from moed.protocol.paths import control_token_path
 
-from .errors import DaemonRestarted, DaemonUnavailable, InsecureSocket, RequestFailed
+from .core import ClientCore, answer, read_frame
+from .errors import DaemonUnavailable, RequestFailed
 from .events import DoneEvent, Event, TokenEvent, event_from_message
-from .liveness import connection_lost, dealer_socket
 from .requests import checked_request
 
 log = logging.getLogger("moed.client")
 _POLLIN = int(zmq.POLLIN)
 
 
-class Client:
+class Client(ClientCore):
     def __init__(
         self,
         socket_path: str | Path | None = None,
@@ -50,52 +42,36 @@ class Client:
         dead_after_s: float = 3.0,
         name: str = "moed.client",
     ):
-        self.socket_path = Path(socket_path) if socket_path else default_socket_path()
-        self.timeout = timeout
-        self.heartbeat_s = heartbeat_s
-        self.dead_after_s = dead_after_s
-        self.name = name
-        self.welcome: dict | None = None
-        self.boot_id: str | None = None
+        super().__init__(
+            socket_path,
+            timeout=timeout,
+            heartbeat_s=heartbeat_s,
+            dead_after_s=dead_after_s,
+            name=name,
+        )
         self._socket: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._buffered: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
         self._streams: set[Any] = set()  # generate ids being read: only their messages are kept
-        self._ids = itertools.count(1)
-        self._prefix = uuid.uuid4().hex[:8]
 
     # ---- connection --------------------------------------------------------------------------
     def connect(self) -> dict:
         """Connect and handshake; returns the daemon's `welcome`."""
         if self.welcome is not None:
             return self.welcome
-        if not self.socket_path.exists():
-            raise DaemonUnavailable(f"no daemon socket at {self.socket_path}")
-        try:  # before a single byte goes out: a socket another user could own gets no prompt
-            check_socket(self.socket_path)
-        except UnsafeSocketPath as exc:
-            raise InsecureSocket(str(exc)) from None
-        sock = dealer_socket(self.heartbeat_s, self.dead_after_s)
-        # The daemon's death drops the ipc connection at once, and a frozen daemon's connection
-        # misses its heartbeats (client/liveness.py): watch for that, not for silence.
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(f"ipc://{self.socket_path}")
-        self._socket = sock
+        self._socket, self._monitor = self.open_socket()
         self._poller = zmq.Poller()  # built once: the wait for the next token is the hot path
-        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._socket, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         try:  # a handshake that fails must not leave its two sockets open (the context has 1023)
-            request_id = self._next_id("hello")
-            self._send(wire.request(MessageType.HELLO, request_id, client=self.name))
-            msg = self._recv_for(request_id, time.monotonic() + self.timeout, heartbeat=False)
-            if msg.get("type") == MessageType.ERROR.value:
-                raise RequestFailed.from_message(msg)
+            request_id, frame = self.hello()
+            self._send(frame)
+            return self.welcomed(
+                self._recv_for(request_id, time.monotonic() + self.timeout, heartbeat=False)
+            )
         except BaseException:
             self.close()
             raise
-        self.welcome = msg
-        self.boot_id = msg.get("boot_id")
-        return msg
 
     def close(self) -> None:
         if self._socket is not None:
@@ -271,9 +247,9 @@ class Client:
     def _generate_once(self, request_id: Any, request: GenerateRequest) -> Iterator[Event]:
         """One generate request on the current connection."""
         self.connect()
-        request_id = request_id if request_id is not None else self._next_id("gen")
+        request_id = request_id if request_id is not None else self.next_id("gen")
         self.last_request_id = request_id
-        self._send(request.to_wire(request_id))
+        self._send(encode(request.to_wire(request_id)))
         self._streams.add(request_id)
         ended = False
         try:
@@ -292,39 +268,27 @@ class Client:
             self._streams.discard(request_id)
             self._buffered.pop(request_id, None)
             if not ended and self._socket is not None:
-                # The caller stopped reading: stop the daemon generating for nobody (no reply
-                # awaited).
-                self._send(
-                    wire.request(MessageType.CANCEL, self._next_id("cancel"), target=request_id)
-                )
+                # The caller stopped reading: stop the daemon generating for nobody.
+                self._send(self.cancel_frame(request_id))
 
     # ---- plumbing ----------------------------------------------------------------------------
-    def _next_id(self, kind: str) -> str:
-        return f"{self._prefix}-{kind}-{next(self._ids)}"
-
     def _call(self, kind: MessageType, **fields: Any) -> dict:
         self.connect()
-        request_id = self._next_id(kind.value)
-        self._send(wire.request(kind, request_id, **fields))
-        msg = self._recv_for(request_id, time.monotonic() + self.timeout, heartbeat=False)
-        if msg.get("type") == MessageType.ERROR.value:
-            raise RequestFailed.from_message(msg)
+        request_id = self.next_id(kind.value)
+        self._send(self.frame(kind, request_id, **fields))
+        msg = answer(self._recv_for(request_id, time.monotonic() + self.timeout, heartbeat=False))
         self._check_boot(msg.get("boot_id"))
         return msg
 
-    def _lost(self) -> str:
-        pid = (self.welcome or {}).get("pid")
-        return connection_lost(self.socket_path, pid, self.dead_after_s)
-
-    def _send(self, msg: dict) -> None:
+    def _send(self, frame: bytes) -> None:
         assert self._socket is not None
-        self._socket.send(encode(msg))
+        self._socket.send(frame)
 
     def _check_boot(self, boot_id: str | None) -> None:
-        if boot_id and self.boot_id and boot_id != self.boot_id:
-            old = self.boot_id
+        restart = self.restart_of(boot_id)
+        if restart is not None:
             self.close()
-            raise DaemonRestarted(f"the daemon restarted (boot {old} → {boot_id})", old, boot_id)
+            raise restart
 
     def _recv_for(self, request_id: Any, deadline: float | None, heartbeat: bool) -> dict:
         """The next message for request_id; other ids' messages are kept for their readers."""
@@ -340,12 +304,10 @@ class Client:
         while True:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                raise DaemonUnavailable(
-                    f"no answer from the daemon at {self.socket_path} within {self.timeout:.1f}s"
-                )
+                raise self.no_answer()
             if heartbeat and ping_id is None and now - last_heard > self.heartbeat_s:
-                ping_id = self._next_id("hb")
-                self._send(wire.request(MessageType.PING, ping_id))
+                ping_id = self.next_id("hb")
+                self._send(self.frame(MessageType.PING, ping_id))
             # A frame already waiting skips the poll; asking is cheaper than a zmq.Again raised
             # by a recv that finds nothing (most tokens are awaited: the daemon is the slow side).
             if self._socket.get(zmq.EVENTS) & _POLLIN:
@@ -361,13 +323,13 @@ class Client:
                     frame = self._socket.recv()
                 elif self._monitor in ready:
                     if self._monitor.recv_multipart() and not self._socket.poll(0):
-                        raise DaemonUnavailable(self._lost()) from None
+                        raise self.lost() from None
                     continue
                 else:
                     continue
-            msg = decode(frame)
+            msg = read_frame(frame)
             last_heard = time.monotonic()
-            if not isinstance(msg, dict):
+            if msg is None:
                 continue
             msg_id = msg.get("id")
             if msg_id == ping_id:

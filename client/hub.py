@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from moed.protocol.model_config import ModelConfig
+
 from .hub_names import UnsafeName, check_repo_id, check_revision
 from .hub_verify import (
     MAX_CONFIG_BYTES,
@@ -176,29 +178,6 @@ class CachedModel:
         }
 
 
-def moe_shape(config: dict) -> tuple[int | None, int | None]:
-    """(routed experts, experts per token) from a config.json; (None, None) for a dense model."""
-    text = config.get("text_config")
-    merged = {**config, **(text if isinstance(text, dict) else {})}
-    experts = next(
-        (
-            merged[k]
-            for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-            if isinstance(merged.get(k), int) and merged[k] > 1
-        ),
-        None,
-    )
-    top_k = next(
-        (
-            merged[k]
-            for k in ("num_experts_per_tok", "experts_per_token", "moe_top_k")
-            if isinstance(merged.get(k), int)
-        ),
-        None,
-    )
-    return experts, (top_k if experts else None)
-
-
 def mlx_lm_knows(model_type: str) -> bool:
     """Whether the installed mlx-lm has this architecture (models/<type>.py); imports nothing."""
     spec = importlib.util.find_spec("mlx_lm")
@@ -212,15 +191,12 @@ def mlx_lm_knows(model_type: str) -> bool:
 
 def describe_folder(repo_id: str, folder: Path, size_bytes: int) -> CachedModel:
     why = None
-    config: dict = {}
-    try:
-        config = read_json_file(folder / "config.json")  # bounded: never a 1 GiB load
+    config = ModelConfig.from_dict({})
+    try:  # bounded: never a 1 GiB load
+        config = ModelConfig.from_dict(read_json_file(folder / "config.json"))
     except PullError as exc:
         why = str(exc)
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str):
-        model_type = None
-    experts, top_k = moe_shape(config)
+    model_type, experts, top_k = config.model_type, config.num_experts, config.experts_per_token
     if why is None and not any(folder.glob("model*.safetensors")):
         why = "no model*.safetensors"
     if why is None and not (model_type and model_type.isidentifier() and mlx_lm_knows(model_type)):

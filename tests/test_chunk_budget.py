@@ -10,19 +10,23 @@ from moed.daemon.engine.chunk_budget import (
     chunk_budget,
     kv_bytes_per_token,
 )
+from moed.protocol.model_config import ModelConfig
 
 # Qwen3.6-35B-A3B's text config (the shapes that matter here).
-QWEN36 = {
-    "text_config": {
-        "hidden_size": 2048,
-        "num_hidden_layers": 40,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 2,
-        "head_dim": 256,
-        "num_experts_per_tok": 8,
-        "moe_intermediate_size": 512,
+QWEN36 = ModelConfig.from_dict(
+    {
+        "text_config": {
+            "hidden_size": 2048,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "num_experts": 256,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512,
+        }
     }
-}
+)
 MiB = 2**20
 
 

@@ -14,6 +14,7 @@ from moed.daemon.config import ServeConfig
 from moed.daemon.model.limits import UNKNOWN_CONTEXT_MAX_TOKENS, limits_for
 from moed.gateway import anthropic_api, openai_api
 from moed.gateway.token_budget import BudgetError, Overrun
+from moed.protocol.model_config import ModelConfig
 
 CONTEXT = 4096  # max_position_embeddings of tests/fixtures' qwen3_moe
 
@@ -121,7 +122,10 @@ def test_a_max_tokens_over_the_daemons_limit_is_named_in_each_apis_words():
 
 
 def test_max_tokens_limit_defaults_to_the_models_context():
-    assert limits_for(ServeConfig(), {"max_position_embeddings": 131072}).max_tokens == 131072
-    assert limits_for(ServeConfig(), {}).max_tokens == UNKNOWN_CONTEXT_MAX_TOKENS
+    long = ModelConfig.from_dict({"max_position_embeddings": 131072})
+    assert limits_for(ServeConfig(), long).max_tokens == 131072
+    assert limits_for(ServeConfig(), ModelConfig.from_dict({})).max_tokens == (
+        UNKNOWN_CONTEXT_MAX_TOKENS
+    )
     capped = ServeConfig(max_tokens_limit=100)
-    assert limits_for(capped, {"max_position_embeddings": 131072}).max_tokens == 100
+    assert limits_for(capped, long).max_tokens == 100

@@ -13,6 +13,7 @@ from moed.daemon.distributed.rank0 import check_supported
 from moed.daemon.distributed.rank_model import PipelineUnsupported
 from moed.daemon.distributed.split import SplitError, balanced_split, layer_costs, parse_split
 from moed.daemon.experts import CheckpointIndex
+from moed.protocol.model_config import ModelConfig
 
 
 def test_mlx_launch_hostfile_with_moed_extras(tmp_path):
@@ -138,7 +139,7 @@ def test_rank_spec_from_a_hostfile_and_the_cost_split(checkpoint_factory, tmp_pa
         )
     )
     serve = ServeConfig(hostfile=str(hosts), cache_budget="25%")
-    config = json.loads((path / "config.json").read_text())
+    config = ModelConfig.read(path)
     spec = RankSpec.from_json(rank_spec(serve, group_spec(serve), path, config).to_json())
     assert spec.budgets == ["25%", "2GB"]  # a host's own budget wins over the daemon's
     assert spec.control == [False, True]  # only the other host binds its own moed socket

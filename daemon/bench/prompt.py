@@ -16,6 +16,7 @@ import click
 import numpy as np
 
 from moed.daemon.bench.bench_model import _same_config, bench_config, write_bench_model
+from moed.protocol.model_config import ModelConfig
 
 PLAN = "plan"
 DEFAULT_PREFILL_CHUNK = 256  # ServeConfig's prefill_chunk: the plan's floor
@@ -35,7 +36,9 @@ class PromptRun:
         return self.bytes_read / prompt_tokens
 
 
-def _read_prompt(path: Path, config: dict, budget: str, page_cache: str, prompt, chunk: int, plan):
+def _read_prompt(
+    path: Path, config: ModelConfig, budget: str, page_cache: str, prompt, chunk: int, plan
+):
     """A fresh streaming model (a cold cache) reads the prompt in chunks of `chunk` tokens."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
@@ -82,10 +85,10 @@ class _Plan:
     floor: int
 
 
-def _plan_chunk(config: dict, working_bytes: int, plan: _Plan, prompt_tokens: int) -> int:
+def _plan_chunk(config: ModelConfig, working_bytes: int, plan: _Plan, prompt_tokens: int) -> int:
     from moed.daemon.engine.chunk_budget import chunk_budget
 
-    dtype_bytes = 4 if config.get("torch_dtype") == "float32" else 2
+    dtype_bytes = 4 if config.torch_dtype == "float32" else 2
     budget = chunk_budget(config, working_bytes, plan.plan_kv_tokens, plan.floor, dtype_bytes)
     return budget.alone(prompt_tokens + 1, prompt_tokens + 1)
 
@@ -176,8 +179,8 @@ def prompt_bench(
         if model_path is None and not (existing.exists() and _same_config(existing, config, dtype)):
             click.echo(f"writing the benchmark model to {path} ...", err=True)
             write_bench_model(path, config, dtype, seed)
-        config = json.loads((path / "config.json").read_text())
-        vocab_size = int(config.get("vocab_size") or vocab)
+        config = ModelConfig.read(path)
+        vocab_size = config.vocab_size or vocab
         rng = np.random.default_rng(seed)
         prompt = [int(t) for t in rng.integers(3, vocab_size, size=prompt_tokens)]
         runs = []

@@ -3,7 +3,6 @@ decoded one token at a time, interleaved, so that all see the same machine condi
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 from moed.client.progress import Progress, progress_mode
 from moed.daemon.bench.stream_report import RunResult
 from moed.daemon.telemetry.analyze import simulate_layers
+from moed.protocol.model_config import ModelConfig
 
 # Raw pread is also sampled between decode rounds: on a shared machine (or a VM whose disk sits in
 # the host's cache) the device's bandwidth drifts, and only samples taken among the tokens see the
@@ -157,9 +157,7 @@ def load_streaming(
     if active_experts:
         from moed.daemon.experts.active_experts import limit_active_experts
 
-        cfg = json.loads((path / "config.json").read_text())
-        native = cfg.get("num_experts_per_tok") or cfg.get("text_config", {})["num_experts_per_tok"]
-        limit_active_experts(model, native, active_experts)
+        limit_active_experts(model, ModelConfig.read(path).experts_per_token, active_experts)
     if preload_all:
         streamer.preload([list(range(n)) for n in streamer.layout.num_experts])
     simulate = not (preload_all or speculative)

@@ -64,7 +64,8 @@ class OpLog:
 
 
 class CacheHandle:
-    """The last element of rank 0's cache lists: names the followers' twin of the list."""
+    """The last element of rank 0's cache lists: names the followers' twin of the list. Answers
+    every call mlx-lm's BatchGenerator makes on a layer cache (model/mlx_compat.py, use 4)."""
 
     def __init__(self, handle: int, log: OpLog | None):
         self.handle = handle  # 0: a detached copy (extract) that no follower holds

@@ -60,12 +60,15 @@ def join_ring(spec, rank: int, secret: bytes) -> str | None:
 
 def run_follower(spec, expected_rank: int, secret: bytes, heartbeat=None) -> int:
     """A follower process: join the group, load this rank's layers, follow until told to stop."""
-    import json
     import shutil
     from pathlib import Path
 
     from moed.daemon.distributed.guard import GuardRefused
-    from moed.daemon.distributed.rank_model import PipelineUnsupported, load_rank_model
+    from moed.daemon.distributed.rank_model import (
+        PipelineUnsupported,
+        load_rank_model,
+        num_layers,
+    )
     from moed.daemon.exit_codes import DaemonExit
     from moed.daemon.model.loader import MemoryPlanRefused
 
@@ -87,12 +90,9 @@ def run_follower(spec, expected_rank: int, secret: bytes, heartbeat=None) -> int
         log.error("MLX_RANK says %d, rank 0 started rank %d", group.rank(), expected_rank)
         return DaemonExit.CONFIG
     path = Path(spec.model_path)
-    config = json.loads((path / "config.json").read_text())
-    num_layers = int(config.get("text_config", config)["num_hidden_layers"])
     try:
-        rank = load_rank_model(
-            path, group, spec.split_for(group.size(), num_layers), spec.streaming(group.rank())
-        )
+        split = spec.split_for(group.size(), num_layers(path))
+        rank = load_rank_model(path, group, split, spec.streaming(group.rank()))
     except PipelineUnsupported as exc:
         log.error("%s", exc)
         return DaemonExit.CONFIG

@@ -21,6 +21,7 @@ from moed.daemon.distributed.cache_ops import CacheHandle, OpLog
 from moed.daemon.distributed.protocol import Step, StepChannel, StepOp
 from moed.daemon.distributed.rank_model import RankModel
 from moed.daemon.distributed.rank_status import rank_status
+from moed.daemon.model.mlx_compat import wrap_pipeline_norm
 
 
 class GatherFence(nn.Module):
@@ -45,10 +46,9 @@ class PipelineLeader:
         self.channel = channel
         self._ops = OpLog()
         self._lock = threading.Lock()  # one step at a time (status may come from another thread)
-        text = rank.config.get("text_config", rank.config)
-        self._hidden = int(text.get("hidden_size", 0))
-        self._act_itemsize = rank.pipeline.norm.weight.dtype.size
-        rank.pipeline.norm = GatherFence(rank.pipeline.norm)
+        self._hidden = rank.config.hidden_size or 0
+        norm = wrap_pipeline_norm(rank.pipeline, GatherFence)
+        self._act_itemsize = norm.weight.dtype.size
         self.activation_bytes = 0  # activations moved between ranks, summed over forwards
         self.forward_tokens = 0
 

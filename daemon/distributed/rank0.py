@@ -6,19 +6,21 @@ layers, samples, and drives the other ranks through `PipelineLeader`.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import mlx_lm
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.guard import Rendezvous, new_secret, write_ring_hostfile
 from moed.daemon.distributed.hostfile import Backend
 from moed.daemon.distributed.launch import RankGroup
-from moed.daemon.distributed.rank_model import PipelineUnsupported
+from moed.daemon.distributed.rank_model import PipelineUnsupported, num_layers
 from moed.daemon.distributed.spec import RankSpec, group_spec, rank_spec
+from moed.daemon.model.mlx_compat import pipelined_architectures, supports_pipeline
+from moed.protocol.model_config import ModelConfig
 
 log = logging.getLogger("moed.distributed")
 
@@ -38,26 +40,11 @@ _started: StartedGroup | None = None
 
 def check_supported(model_path: Path) -> None:
     """Refuse an architecture without mlx-lm pipeline support before any rank starts."""
-    from mlx_lm.models.pipeline import PipelineMixin
-    from mlx_lm.utils import _get_classes
-
-    from moed.daemon.distributed.rank_model import pipelined_architectures
-
-    config = json.loads((model_path / "config.json").read_text())
-    model_class, _ = _get_classes(config)
-    modules = {model_class.__module__} | {base.__module__ for base in model_class.__mro__}
-    for name in modules:
-        for obj in vars(sys.modules[name]).values():
-            if (
-                isinstance(obj, type)
-                and issubclass(obj, PipelineMixin)
-                and obj is not PipelineMixin
-            ):
-                return
-    import mlx_lm
-
+    config = ModelConfig.read(model_path)
+    if supports_pipeline(config.raw):
+        return
     raise PipelineUnsupported(
-        f"model type {config.get('model_type')!r} has no pipeline support in mlx-lm "
+        f"model type {config.model_type!r} has no pipeline support in mlx-lm "
         f"{mlx_lm.__version__} (no PipelineMixin); serve it without --pipeline/--hostfile, or use "
         f"one of: {', '.join(pipelined_architectures())}"
     )
@@ -67,8 +54,7 @@ def start_group(serve: ServeConfig, model_path: Path) -> RankGroup:
     """Start ranks 1..N-1 and set rank 0's own environment for mx.distributed.init."""
     check_supported(model_path)
     group = group_spec(serve)
-    config = json.loads((model_path / "config.json").read_text())
-    spec = rank_spec(serve, group, model_path, config)
+    spec = rank_spec(serve, group, model_path, ModelConfig.read(model_path))
     ranks = RankGroup(group, serve.rank_timeout_s)
     secret = new_secret()
     # Listening before any follower starts: the published port is the guard, not the ring.
@@ -112,8 +98,3 @@ def load_leader(serve: ServeConfig, path: Path):
     leader = PipelineLeader(rank, StepChannel(group))
     # The engine drives the leader as its model: every forward is broadcast to the group first.
     return LoadedModel(leader, rank.tokenizer, path, rank.config, rank.streamer, leader)
-
-
-def num_layers(path: Path) -> int:
-    config = json.loads((path / "config.json").read_text())
-    return int(config.get("text_config", config)["num_hidden_layers"])

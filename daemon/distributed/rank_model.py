@@ -20,6 +20,8 @@ from moed.daemon.distributed.split import (
     even_split,
     layer_costs,
 )
+from moed.daemon.model.mlx_compat import pipeline_layers, pipelined_architectures
+from moed.protocol.model_config import ModelConfig
 
 log = logging.getLogger("moed.distributed")
 
@@ -42,7 +44,7 @@ class RankLayers:
 class RankModel:
     model: Any  # the mlx-lm model, cut to this rank's layers
     tokenizer: Any
-    config: dict
+    config: ModelConfig
     path: Path
     streamer: Any  # ExpertStreamer over this rank's layers, or None when resident
     layers: RankLayers
@@ -59,24 +61,20 @@ def pipeline_module(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def pipelined_architectures() -> list[str]:
-    """Model types whose mlx-lm module uses PipelineMixin (read from the installed sources)."""
-    import mlx_lm.models as models
-
-    root = Path(models.__file__).parent
-    return sorted(
-        p.stem
-        for p in root.glob("*.py")
-        if "PipelineMixin" in p.read_text() and p.stem != "pipeline"
-    )
+def num_layers(path: Path) -> int:
+    """The decoder layers a checkpoint names: what a pipeline's split divides."""
+    layers = ModelConfig.read(path).num_layers
+    if layers is None:
+        raise PipelineUnsupported(f"{path}/config.json names no num_hidden_layers to split")
+    return layers
 
 
-def refuse_unsupported(model: nn.Module, config: dict) -> nn.Module:
+def refuse_unsupported(model: nn.Module, config: ModelConfig) -> nn.Module:
     inner = pipeline_module(model)
     if inner is None:
         import mlx_lm
 
-        kind = config.get("model_type", type(model).__module__)
+        kind = config.model_type or type(model).__module__
         raise PipelineUnsupported(
             f"model type {kind!r} has no pipeline support in mlx-lm {mlx_lm.__version__} "
             f"(no PipelineMixin); run it in one process, or use one of: "
@@ -86,7 +84,11 @@ def refuse_unsupported(model: nn.Module, config: dict) -> nn.Module:
 
 
 def resolve_split(
-    split: tuple[int, ...] | SplitMode, size: int, path: Path, config: dict, num_layers: int
+    split: tuple[int, ...] | SplitMode,
+    size: int,
+    path: Path,
+    config: ModelConfig,
+    num_layers: int,
 ) -> tuple[int, ...]:
     if isinstance(split, tuple):
         check_split(split, size, num_layers)
@@ -94,8 +96,7 @@ def resolve_split(
     if split is SplitMode.COST:
         from moed.daemon.experts import CheckpointIndex
 
-        text = config.get("text_config", config)
-        top_k = int(text.get("num_experts_per_tok") or 1)
+        top_k = config.experts_per_token or 1
         costs = layer_costs(CheckpointIndex(path), num_layers, top_k)
         return balanced_split([c.per_token_bytes for c in costs], size)
     return even_split(size, num_layers)
@@ -121,14 +122,13 @@ def load_rank_model(
     """Load lazily, keep this rank's layers, stream their experts, then materialize the rest."""
     from mlx_lm.utils import load
 
-    model, tokenizer, config = load(str(path), lazy=True, return_config=True)
+    model, tokenizer, raw = load(str(path), lazy=True, return_config=True)
+    config = ModelConfig.from_dict(raw)
     inner = refuse_unsupported(model, config)
     num_layers = len(inner.layers)
     per_rank = resolve_split(split, group.size(), path, config, num_layers)
     inner.pipeline(group, list(per_rank))
-    layers = RankLayers(
-        group.rank(), group.size(), inner.start_idx, inner.end_idx, num_layers, per_rank
-    )
+    layers = RankLayers(group.rank(), group.size(), *pipeline_layers(inner), num_layers, per_rank)
     # Lazily loaded arrays know their size: this rank's weights without reading a byte.
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     resident -= _switch_param_bytes(model)

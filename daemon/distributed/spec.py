@@ -9,6 +9,7 @@ from pathlib import Path
 from moed.daemon.config import PageCachePolicy, ServeConfig
 from moed.daemon.distributed.hostfile import GroupSpec, load_hostfile, local_group
 from moed.daemon.distributed.split import SplitMode, parse_split
+from moed.protocol.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def group_spec(serve: ServeConfig) -> GroupSpec:
 
 
 def rank_spec(
-    serve: ServeConfig, group: GroupSpec, model_path: Path, model_config: dict
+    serve: ServeConfig, group: GroupSpec, model_path: Path, model_config: ModelConfig
 ) -> RankSpec:
     from moed.daemon.experts import estimate_kv_bytes
 

@@ -22,6 +22,7 @@ from moed.daemon.engine.chunk_budget import ChunkBudget
 from moed.daemon.engine.decode_mask import fit_masks
 from moed.daemon.engine.prefix_cache.entry import LayerCache
 from moed.daemon.engine.sampling import greedy
+from moed.daemon.model.mlx_compat import generation_batch, prompt_batch, set_prefill_step
 from moed.protocol import FinishReason
 
 if TYPE_CHECKING:
@@ -226,10 +227,10 @@ class DecodeBatch:
 
     def step(self) -> StepOutput:
         """One decode step for the decoding rows, then one prefill chunk for the prompting rows."""
-        # BatchGenerator reads its prefill_step_size at every step.
         prompting = len(self._live) - len(self._decoding)
         longest = max(self._kv.values(), default=0)  # the batch pads every row to it
-        self._gen.prefill_step_size = self._sizer.chunk(bool(self._decoding), prompting, longest)
+        chunk = self._sizer.chunk(bool(self._decoding), prompting, longest)
+        set_prefill_step(self._gen, chunk)
         t0 = time.perf_counter()
         prompts, generated = self._gen.next()
         step_s = time.perf_counter() - t0
@@ -264,7 +265,7 @@ class DecodeBatch:
         saved: list[SavedRow] = []
         trimmable = self._trimmable
         assert trimmable is not None  # rows have a prefix only with a prefix cache
-        batch = self._gen._prompt_batch  # mlx-lm 0.32 (pinned): the rows reading their prompt
+        batch = prompt_batch(self._gen)
         for p in prompts:
             row = self._prefix.get(p.uid)
             if row is None or not p.end_of_segment or p.uid not in batch.uids:
@@ -285,8 +286,7 @@ class DecodeBatch:
         return saved
 
     def _fit_masks(self) -> None:
-        # mlx-lm 0.32's decoding batch (the version is pinned): its rows and per-layer caches.
-        decoding = self._gen._generation_batch
+        decoding = generation_batch(self._gen)  # its rows and per-layer caches
         if tuple(decoding.uids) != self._rows_seen:
             self._rows_seen = tuple(decoding.uids)
             fit_masks(decoding.prompt_cache)

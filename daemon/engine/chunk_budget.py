@@ -8,8 +8,11 @@ memory a chunk's activations take, estimated per token from the model's config.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from moed.protocol.model_config import ModelConfig
 
 # A prompt chunk's hidden-state copies alive at once in one layer (residual, norm, attention
 # and MLP outputs, the sorted rows of the expert kernels).
@@ -42,41 +45,32 @@ class ChunkBudget:
 
 
 def chunk_budget(
-    config: dict[str, Any],
-    working_bytes: int,
-    plan_kv_tokens: int,
-    floor: int,
-    dtype_bytes: int = 2,
+    config: ModelConfig, working_bytes: int, plan_kv_tokens: int, floor: int, dtype_bytes: int = 2
 ) -> ChunkBudget:
     return ChunkBudget(
         working_bytes=working_bytes,
         kv_bytes_per_token=kv_bytes_per_token(config, dtype_bytes),
         plan_kv_tokens=plan_kv_tokens,
         state_bytes=activation_bytes_per_token(config, 0, dtype_bytes),
-        score_bytes=int(_text(config).get("num_attention_heads") or 1) * _SCORE_BYTES,
+        score_bytes=config.int_of("num_attention_heads", 1) * _SCORE_BYTES,
         floor=floor,
     )
 
 
-def _text(config: dict[str, Any]) -> dict[str, Any]:
-    inner = config.get("text_config")
-    return inner if isinstance(inner, dict) else config
-
-
-def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
-    cfg = _text(config)
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2) -> int:
+    cfg = config.text
     heads = int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads") or 1)
     return 2 * int(cfg.get("num_hidden_layers") or 1) * heads * _head_dim(cfg) * dtype_bytes
 
 
 def activation_bytes_per_token(
-    config: dict[str, Any], context_tokens: int, dtype_bytes: int = 2
+    config: ModelConfig, context_tokens: int, dtype_bytes: int = 2
 ) -> int:
     """One chunk token's working memory in its heaviest layer: hidden states, the routed rows
     of the expert kernels, and a row of attention scores over the whole context."""
-    cfg = _text(config)
-    hidden = int(cfg.get("hidden_size") or 1)
-    top_k = int(cfg.get("num_experts_per_tok") or 1)
+    cfg = config.text
+    hidden = config.hidden_size or 1
+    top_k = config.experts_per_token or 1
     width = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or hidden)
     heads = int(cfg.get("num_attention_heads") or 1)
     states = _HIDDEN_COPIES * hidden * dtype_bytes
@@ -85,6 +79,6 @@ def activation_bytes_per_token(
     return states + experts + scores
 
 
-def _head_dim(cfg: dict[str, Any]) -> int:
+def _head_dim(cfg: Mapping[str, Any]) -> int:
     heads = int(cfg.get("num_attention_heads") or 1)
     return int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or heads) // heads))

@@ -13,6 +13,7 @@ from typing import Any
 from mlx_lm.models.cache import BatchKVCache
 
 from moed.daemon.engine.prefix_cache.entry import LayerCache
+from moed.daemon.model.mlx_compat import unpadded
 
 
 class UnpaddedBatchKVCache(BatchKVCache):
@@ -32,5 +33,4 @@ def fit_masks(layer_caches: list[LayerCache]) -> None:
     for cache in layer_caches:
         if type(cache) not in (BatchKVCache, UnpaddedBatchKVCache):
             continue  # rotating and other caches keep their own masks
-        unpadded = cache._right_padding is None and not any(cache.left_padding.tolist())
-        cache.__class__ = UnpaddedBatchKVCache if unpadded else BatchKVCache
+        cache.__class__ = UnpaddedBatchKVCache if unpadded(cache) else BatchKVCache

@@ -258,7 +258,7 @@ def lone_chunk_budget(loaded: LoadedModel, serve: ServeConfig) -> ChunkBudget | 
         leaves = cast(list[tuple[str, Any]], tree_flatten(loaded.model.parameters()))  # no dest
         weights = sum(a.nbytes for _, a in leaves)
         working = default_working_bytes(weights)
-    dtype_bytes = 4 if loaded.config.get("torch_dtype") == "float32" else 2
+    dtype_bytes = 4 if loaded.config.torch_dtype == "float32" else 2
     return chunk_budget(
         loaded.config, working, serve.plan_context_tokens, serve.prefill_chunk, dtype_bytes
     )

@@ -8,13 +8,14 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import psutil
 
 from moed.daemon.experts.budget import parse_budget, slots_per_layer
 from moed.daemon.experts.safetensors_index import CheckpointIndex
+from moed.protocol.model_config import ModelConfig
 from moed.protocol.units import format_bytes
 
 if TYPE_CHECKING:  # the streamer plans with this module: a cycle at run time
@@ -270,10 +271,10 @@ def _memory_override(cfg: StreamingConfig) -> tuple[int, int, str] | None:
     return None
 
 
-def estimate_kv_bytes(config: dict[str, Any], tokens: int, dtype_bytes: int = 2) -> int:
+def estimate_kv_bytes(config: ModelConfig, tokens: int, dtype_bytes: int = 2) -> int:
     """Upper bound of a full-attention KV cache for `tokens` tokens (hybrid models use less)."""
-    cfg = config.get("text_config", config)
-    layers = int(cfg.get("num_hidden_layers", 0))
+    cfg = config.text
+    layers = config.num_layers or 0
     heads = int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 0))
     head_dim = int(
         cfg.get("head_dim")

@@ -105,8 +105,7 @@ class Speculator:
         wanted = [int(e) for e in experts if pool.slot_of[e] < 0]
         if not wanted or layer in self._inflight:
             return
-        _hits, loads = s._admit(pool, wanted)
-        s._fence(layer, loads)
+        loads = s.claim_slots(layer, wanted)
         entry = Inflight()
         for e, slot in loads:  # a batch per expert: each can be cancelled on its own
             entry.slots[e] = slot

@@ -322,6 +322,13 @@ class ExpertStreamer:
         if not self.pools[layer].staged:  # a staged landing never overwrites what a graph reads
             self._pending_reads[layer].update(slots_read.tolist())  # a set: repeats are fine
 
+    def claim_slots(self, layer: int, experts: Iterable[int]) -> list[tuple[int, int]]:
+        """Give `experts` (not resident) slots of `layer`'s pool for reads the caller issues, once
+        the pending outputs that read those slots are evaluated; returns (expert, slot) loads."""
+        _hits, loads = self._admit(self.pools[layer], experts)
+        self._fence(layer, loads)
+        return loads
+
     def _fence(self, layer: int, loads: list[tuple[int, int]]) -> None:
         """Evaluate the pending outputs before `loads` overwrite a slot one of them reads (a
         staged pool's landing makes a new version instead: nothing to wait for)."""

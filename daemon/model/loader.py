@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.model.demo import demo_model_path
+from moed.protocol.model_config import ModelConfig
 
 if TYPE_CHECKING:  # types only: loading them would import mlx before it is needed
     import mlx.nn as nn
@@ -31,7 +32,7 @@ class LoadedModel:
     model: nn.Module | PipelineLeader
     tokenizer: TokenizerWrapper  # mlx-lm's wrapper: detokenizer, chat template, markers
     path: Path
-    config: dict[str, Any]  # the checkpoint's config.json
+    config: ModelConfig  # the checkpoint's config.json, parsed once
     streamer: ExpertStreamer | None  # None when resident
     pipeline: PipelineLeader | None = None  # when this daemon is rank 0 of a pipeline group
     routing: Routing | None = None  # experts per token, native and active
@@ -60,7 +61,8 @@ def load_model(
 
     report = on_progress or (lambda *_: None)
     report("reading the checkpoint", 0, 1, "steps")
-    model, tokenizer, config = load(str(path), lazy=True, return_config=True)
+    model, tokenizer, raw = load(str(path), lazy=True, return_config=True)
+    config = ModelConfig.from_dict(raw)
     check_tokenizer(tokenizer, config)
     routing = limit_routing(model, config, serve.max_active_experts)
     streamer = None
@@ -80,13 +82,12 @@ def load_model(
     return LoadedModel(model, tokenizer, path, config, streamer, routing=routing)
 
 
-def limit_routing(model: Any, config: dict, max_active_experts: int):
+def limit_routing(model: Any, config: ModelConfig, max_active_experts: int):
     """The model's experts per token, reduced to `max_active_experts` when that is set (lossy)."""
     from moed.daemon.experts.active_experts import ActiveExpertsError, limit_active_experts
 
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    native = config.get("num_experts_per_tok") or text.get("num_experts_per_tok")
-    if not isinstance(native, int) or native < 1:
+    native = config.experts_per_token
+    if native is None:
         if max_active_experts:
             raise ActiveExpertsError(
                 "max_active_experts is set but the checkpoint names no experts per token "
@@ -121,7 +122,7 @@ def materialize(model: Any, report: LoadProgress) -> None:
             report("loading weights", done, total, "bytes")
 
 
-def streaming_config(serve: ServeConfig, model_config: dict):
+def streaming_config(serve: ServeConfig, model_config: ModelConfig):
     """The expert-streaming settings of a daemon configuration, with room for its KV cache."""
     from moed.daemon.experts import StreamingConfig, estimate_kv_bytes
 
@@ -153,7 +154,7 @@ class CheckpointUnusable(RuntimeError):
     """The checkpoint loads but cannot serve a prompt (no tokenizer): refused at load."""
 
 
-def check_tokenizer(tokenizer: Any, config: dict) -> None:
+def check_tokenizer(tokenizer: Any, config: ModelConfig) -> None:
     """Text must tokenize to ids the embedding holds, or every prompt would fail later."""
     try:
         ids = list(tokenizer.encode("Hello, world.", add_special_tokens=False))
@@ -163,9 +164,8 @@ def check_tokenizer(tokenizer: Any, config: dict) -> None:
         raise CheckpointUnusable(
             "the checkpoint's tokenizer encodes text to nothing (tokenizer.json missing or empty?)"
         )
-    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    vocab = config.get("vocab_size") or text_config.get("vocab_size")
-    if isinstance(vocab, int) and max(ids) >= vocab:
+    vocab = config.vocab_size
+    if vocab is not None and max(ids) >= vocab:
         raise CheckpointUnusable(
             f"the checkpoint's tokenizer gives id {max(ids)}, "
             f"outside the model's vocabulary ({vocab})"
@@ -178,13 +178,12 @@ class MemoryPlanRefused(RuntimeError):
 
 def describe_model(loaded: LoadedModel) -> dict:
     cfg = loaded.config
-    text_cfg = cfg.get("text_config", {}) if isinstance(cfg.get("text_config"), dict) else {}
     return {
         "path": str(loaded.path),
         "name": loaded.path.name,
-        "model_type": cfg.get("model_type"),
-        "num_layers": cfg.get("num_hidden_layers") or text_cfg.get("num_hidden_layers"),
-        "quantization": cfg.get("quantization"),
+        "model_type": cfg.model_type,
+        "num_layers": cfg.num_layers,
+        "quantization": dict(cfg.quantization) if cfg.quantization is not None else None,
         "streaming": loaded.streamer is not None,
         **(loaded.routing.describe() if loaded.routing is not None else {}),
         "chat_template": bool(getattr(loaded.tokenizer, "has_chat_template", False)),

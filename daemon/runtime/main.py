@@ -116,8 +116,8 @@ def _hold_exit_code() -> None:
 def _check_pipeline(serve, model_path) -> str | None:
     """Why a configured pipeline cannot start (before anything binds or spawns), else None."""
     from moed.daemon.distributed.hostfile import HostfileError
-    from moed.daemon.distributed.rank0 import check_supported, num_layers
-    from moed.daemon.distributed.rank_model import PipelineUnsupported
+    from moed.daemon.distributed.rank0 import check_supported
+    from moed.daemon.distributed.rank_model import PipelineUnsupported, num_layers
     from moed.daemon.distributed.spec import group_spec
     from moed.daemon.distributed.split import SplitError, parse_split
 

@@ -132,7 +132,8 @@ def _keep_open_file_limit():
 
 
 class _KeepLimitThroughImport(importlib.abc.MetaPathFinder):
-    """Runs mlx_lm/utils.py with its RLIMIT_NOFILE call kept from lowering moed's limit."""
+    """Runs mlx_lm/utils.py with its RLIMIT_NOFILE call kept from lowering moed's limit
+    (model/mlx_compat.py, use 7)."""
 
     def find_spec(self, name, path, target=None):
         if name != "mlx_lm.utils":

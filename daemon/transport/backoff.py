@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import replace
 from pathlib import Path
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.runtime import crashlog
+from moed.protocol.model_config import ModelConfig
 
 log = logging.getLogger("moed.server")
 
@@ -26,7 +26,7 @@ def back_off_budget(
         from moed.daemon.experts import plan_memory
         from moed.daemon.model.loader import streaming_config
 
-        model_config = json.loads((model_path / "config.json").read_text())
+        model_config = ModelConfig.read(model_path)
         full = plan_memory(model_path, streaming_config(serve, model_config)).cache_budget_bytes
     except Exception as exc:  # a model that cannot be planned fails at load with a better message
         log.warning("cache budget backoff skipped: %s", exc)

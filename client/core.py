@@ -1,0 +1,122 @@
+"""What the sync and the asyncio client share: where the daemon listens, the connection and its
+handshake, request ids, frames out and in, and what a reply means (an `error` is RequestFailed, a
+new boot_id DaemonRestarted, no answer DaemonUnavailable). The two differ only in how they wait
+for the socket (client.py polls it, async_client.py reads it from a file-descriptor callback).
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from moed.protocol import MessageType, ProtocolError, decode, encode
+from moed.protocol import messages as wire
+from moed.protocol.paths import UnsafeSocketPath, check_socket, default_socket_path, endpoint_for
+
+from .errors import DaemonRestarted, DaemonUnavailable, InsecureSocket, RequestFailed
+from .liveness import connection_lost, dealer_socket
+
+
+class ClientCore:
+    """One client's view of one daemon: the connection's settings and the daemon it met."""
+
+    def __init__(
+        self,
+        socket_path: str | Path | None,
+        *,
+        timeout: float,
+        heartbeat_s: float,
+        dead_after_s: float,
+        name: str,
+    ):
+        self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+        self.timeout = timeout
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self.name = name
+        self.welcome: dict | None = None
+        self.boot_id: str | None = None
+        self._ids = itertools.count(1)
+        self._prefix = uuid.uuid4().hex[:8]
+
+    # ---- the connection ------------------------------------------------------------------------
+    def open_socket(self) -> tuple[zmq.Socket, zmq.Socket]:
+        """A DEALER connected to the daemon, and its disconnect monitor. Nothing is sent to a
+        socket that is missing or that another user could own."""
+        if not self.socket_path.exists():
+            raise DaemonUnavailable(f"no daemon socket at {self.socket_path}")
+        try:
+            check_socket(self.socket_path)
+            endpoint = endpoint_for(self.socket_path)
+        except UnsafeSocketPath as exc:
+            raise InsecureSocket(str(exc)) from None
+        except ValueError as exc:  # a path no daemon can bind
+            raise DaemonUnavailable(str(exc)) from None
+        sock = dealer_socket(self.heartbeat_s, self.dead_after_s)
+        # The daemon's death drops the ipc connection at once, and a frozen daemon's connection
+        # misses its heartbeats (client/liveness.py): watch for that, not for silence.
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(endpoint)
+        return sock, monitor
+
+    def hello(self) -> tuple[Any, bytes]:
+        """The handshake's id and frame."""
+        request_id = self.next_id(MessageType.HELLO.value)
+        return request_id, self.frame(MessageType.HELLO, request_id, client=self.name)
+
+    def welcomed(self, reply: dict) -> dict:
+        """Take the handshake's answer (an `error` raises RequestFailed)."""
+        msg = answer(reply)
+        self.welcome = msg
+        self.boot_id = msg.get("boot_id")
+        return msg
+
+    # ---- frames ----------------------------------------------------------------------------------
+    def next_id(self, kind: str) -> str:
+        return f"{self._prefix}-{kind}-{next(self._ids)}"
+
+    def frame(self, kind: MessageType, request_id: Any, **fields: Any) -> bytes:
+        return encode(wire.request(kind, request_id, **fields))
+
+    def cancel_frame(self, target: Any) -> bytes:
+        """Stop the daemon generating for nobody (no reply awaited)."""
+        return self.frame(MessageType.CANCEL, self.next_id("cancel"), target=target)
+
+    # ---- what a reply means ------------------------------------------------------------------
+    def restart_of(self, boot_id: str | None) -> DaemonRestarted | None:
+        """The restart a reply's boot_id reveals, if any."""
+        if boot_id and self.boot_id and boot_id != self.boot_id:
+            old = self.boot_id
+            return DaemonRestarted(f"the daemon restarted (boot {old} → {boot_id})", old, boot_id)
+        return None
+
+    def no_answer(self) -> DaemonUnavailable:
+        return DaemonUnavailable(
+            f"no answer from the daemon at {self.socket_path} within {self.timeout:.1f}s"
+        )
+
+    def lost(self) -> DaemonUnavailable:
+        """The connection closed: the process is gone, or frozen past its heartbeats."""
+        pid = (self.welcome or {}).get("pid")
+        return DaemonUnavailable(connection_lost(self.socket_path, pid, self.dead_after_s))
+
+
+def read_frame(frame: bytes) -> dict | None:
+    """A reply frame as a message; None for what is no message of ours (the replies behind it
+    still get through)."""
+    try:
+        msg = decode(frame)
+    except ProtocolError:
+        return None
+    return msg if isinstance(msg, dict) else None
+
+
+def answer(msg: dict) -> dict:
+    """A reply, or RequestFailed when it is an `error`."""
+    if msg.get("type") == MessageType.ERROR.value:
+        raise RequestFailed.from_message(msg)
+    return msg

@@ -1,0 +1,123 @@
+"""The one module that reaches past mlx-lm's documented API (mlx-lm 0.32; pyproject.toml pins the
+minor version). Each use has a test in tests/test_mlx_compat.py that fails, saying what changed,
+when an mlx-lm upgrade changes the thing relied on.
+
+Reached into here:
+1. BatchGenerator's two stages, `_prompt_batch` (the rows reading their prompt: `uids`,
+   `prompt_cache`, `extract_cache(idx)`) and `_generation_batch` (the decoding rows: `uids`,
+   `prompt_cache`): the prefix cache keeps a row's state at a segment's end, the decode masks
+   follow the decoding rows (engine/batch.py).
+2. BatchGenerator's `prefill_step_size`, read again at every `next()`: the chunk sizer steers it
+   step by step (engine/batch.py).
+3. BatchKVCache's `_right_padding` (None unless `prepare` right-padded rows) beside its public
+   `left_padding`, and `make_mask(N, return_array=..., window_size=...)`, which
+   engine/decode_mask.py's UnpaddedBatchKVCache overrides (it swaps `__class__` in place).
+4. The list-wide cache calls BatchGenerator makes on every element of a row's cache list
+   (`merge` as a classmethod taking the list, `extend`, `filter`, `prepare(left_padding=,
+   lengths=, right_padding=)`, `finalize`, `extract`, `copy.deepcopy`, `state`, `nbytes`,
+   `empty`, `size`): distributed/cache_ops.py's CacheHandle answers them to mirror a pipeline
+   batch's cache changes on the other ranks. BATCH_CACHE_CALLS names them.
+5. `mlx_lm.utils._get_classes(config)`: the model class a config.json names, and the modules of
+   its class hierarchy, one of which defines a PipelineMixin module when the architecture can
+   pipeline (qwen3_5_moe's text model is one module down); and the sources under
+   mlx_lm/models/, whose text names PipelineMixin where it is used: an architecture without it
+   is refused before any rank starts (distributed/rank0.py, rank_model.py).
+6. PipelineMixin's module (`pipeline(group, split)`, `start_idx`, `end_idx`, `layers`) and its
+   final `norm`, called once after the last layer's all_gather: the leader wraps it to evaluate
+   there (distributed/leader.py).
+7. mlx_lm/utils.py lowers RLIMIT_NOFILE when imported: runtime/open_files.py keeps moed's
+   raised limit through that import.
+
+Outside daemon/ (which alone may import mlx-lm): client/hub.py's `mlx_lm_knows` takes an
+architecture as known when mlx_lm/models/<model_type>.py exists, found without importing mlx-lm.
+
+Relied on elsewhere as a deliberate contract, not reached into: experts/ computes SwitchGLU's and
+SwitchMLP's function with its own streaming twin (discover.py, streaming_switch.py): the
+`mlx_lm.models.switch_layers` classes SwitchGLU, SwitchMLP, SwitchLinear and
+QuantizedSwitchLinear (attributes `gate_proj`/`up_proj`/`down_proj` or `fc1`/`fc2`,
+`activation`, and each linear's `weight`, `scales`, `biases`, `bias`, `group_size`, `bits`,
+`mode`), the sorted path from 64 routings on and the row order of
+`switch_layers._gather_sort` / `_scatter_unsort`, which streaming_switch.py reproduces
+(tests/test_mlx_compat.py and test_switch_sort.py check them); the prefetcher's router is the
+switch's sibling module whose `weight` is (experts, hidden), called on the layer's input (a
+plain Linear, or DeepSeek's MoEGate returning (indices, scores)).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import mlx.nn as nn
+import mlx_lm.models
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.pipeline import PipelineMixin
+from mlx_lm.utils import _get_classes
+
+# The calls BatchGenerator makes on each layer cache of a row or a batch (use 4): a stand-in
+# for a layer cache (distributed/cache_ops.CacheHandle) answers every one.
+BATCH_CACHE_CALLS = ("merge", "extend", "filter", "prepare", "finalize", "extract")
+
+
+def prompt_batch(gen: BatchGenerator) -> PromptProcessingBatch:
+    """The rows reading their prompt (use 1)."""
+    return gen._prompt_batch
+
+
+def generation_batch(gen: BatchGenerator) -> GenerationBatch:
+    """The decoding rows (use 1)."""
+    return gen._generation_batch
+
+
+def set_prefill_step(gen: BatchGenerator, tokens: int) -> None:
+    """The prompt chunk of the generator's next step (use 2)."""
+    gen.prefill_step_size = tokens
+
+
+def unpadded(cache: BatchKVCache) -> bool:
+    """No row of this batch cache is padded, left or right (use 3). Reads the padding to the
+    host."""
+    return cache._right_padding is None and not any(cache.left_padding.tolist())
+
+
+def model_class_for(config: Mapping[str, Any]) -> type[nn.Module]:
+    """The mlx-lm model class a config.json names (use 5)."""
+    cls, _args = _get_classes(dict(config))
+    return cls
+
+
+def supports_pipeline(config: Mapping[str, Any]) -> bool:
+    """The architecture's modules define a PipelineMixin module (use 5)."""
+    cls = model_class_for(config)
+    modules = {cls.__module__} | {base.__module__ for base in cls.__mro__}
+    return any(
+        isinstance(obj, type) and issubclass(obj, PipelineMixin) and obj is not PipelineMixin
+        for name in modules
+        for obj in vars(sys.modules[name]).values()
+    )
+
+
+def pipelined_architectures() -> list[str]:
+    """Model types whose mlx-lm module uses PipelineMixin, read from the installed sources
+    (use 5)."""
+    root = Path(mlx_lm.models.__file__).parent
+    return sorted(
+        p.stem
+        for p in root.glob("*.py")
+        if "PipelineMixin" in p.read_text() and p.stem != "pipeline"
+    )
+
+
+def wrap_pipeline_norm(pipeline: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """Replace the pipeline module's final norm with `wrap(norm)`; returns the norm (use 6)."""
+    norm = pipeline.norm
+    pipeline.norm = wrap(norm)
+    return norm
+
+
+def pipeline_layers(pipeline: nn.Module) -> tuple[int, int]:
+    """The decoder layers this rank runs after `pipeline(group, split)`: [start, end) (use 6)."""
+    return int(pipeline.start_idx), int(pipeline.end_idx)
