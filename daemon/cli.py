@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from moed.client.cli_common import CONTEXT_SETTINGS, add_global_options
-from moed.daemon.runtime.open_files import raise_open_file_limit
+from moed.daemon.ground.open_files import raise_open_file_limit
 
 # First: before any subcommand's imports reach mlx-lm, which would cap the limit at 2048.
 raise_open_file_limit()

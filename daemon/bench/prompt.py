@@ -41,8 +41,8 @@ def _read_prompt(path: Path, config: dict, budget: str, page_cache: str, prompt,
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model
 
-    from moed.daemon.config import PageCachePolicy
     from moed.daemon.experts import StreamingConfig, estimate_kv_bytes, install_streaming
+    from moed.daemon.experts.store import PageCachePolicy
 
     model, _ = load_model(path, lazy=True)
     cfg = StreamingConfig(

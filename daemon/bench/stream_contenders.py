@@ -136,8 +136,8 @@ def load_streaming(
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
-    from moed.daemon.config import PageCachePolicy
     from moed.daemon.experts import StreamingConfig, install_streaming
+    from moed.daemon.experts.store import PageCachePolicy
 
     model, _ = load_model(path, lazy=True)
     streamer = install_streaming(

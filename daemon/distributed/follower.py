@@ -66,7 +66,7 @@ def run_follower(spec, expected_rank: int, secret: bytes, heartbeat=None) -> int
 
     from moed.daemon.distributed.guard import GuardRefused
     from moed.daemon.distributed.rank_model import PipelineUnsupported, load_rank_model
-    from moed.daemon.exit_codes import DaemonExit
+    from moed.daemon.ground.exit_codes import DaemonExit
     from moed.daemon.model.loader import MemoryPlanRefused
 
     try:
@@ -121,7 +121,7 @@ def _start_control(rank: RankModel, channel: StepChannel):
     import os
 
     from moed.daemon.distributed.control import RankControl
-    from moed.daemon.exit_codes import DaemonExit
+    from moed.daemon.ground.exit_codes import DaemonExit
     from moed.protocol.paths import default_socket_path
 
     def leave(reason: str) -> None:

@@ -6,9 +6,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moed.daemon.config import PageCachePolicy, ServeConfig
+from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.hostfile import GroupSpec, load_hostfile, local_group
 from moed.daemon.distributed.split import SplitMode, parse_split
+from moed.daemon.experts.store import PageCachePolicy
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,6 @@ class RankSpec:
             memory_bytes=self.memory_limit_bytes,
             kv_bytes=self.kv_bytes,
         )
-
-
-def pipeline_enabled(serve: ServeConfig) -> bool:
-    return bool(serve.pipeline or serve.hostfile)
 
 
 def group_spec(serve: ServeConfig) -> GroupSpec:

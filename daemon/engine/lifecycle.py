@@ -7,21 +7,23 @@ from __future__ import annotations
 import logging
 import time
 
+from moed.daemon.distributed.rank0 import load_leader
 from moed.daemon.engine.batch import DecodeBatch
 from moed.daemon.engine.chunk_budget import ChunkBudget, chunk_budget
 from moed.daemon.engine.request import GenerateJob
 from moed.daemon.engine.status import DaemonState
-from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.experts.active_experts import ActiveExpertsError
+from moed.daemon.ground.crashlog import CrashKind
+from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.model.layer_progress import watch_layers
 from moed.daemon.model.loader import (
     CheckpointUnusable,
+    LoadedModel,
     LoadProgress,
     MemoryPlanRefused,
     describe_model,
     load_model,
 )
-from moed.daemon.runtime.crashlog import CrashKind
 from moed.protocol import ErrorCode
 from moed.protocol import messages as wire
 
@@ -50,7 +52,7 @@ class ModelLifecycle:
                 on_progress(stage, done, total, unit)
 
         try:
-            self.loaded = load_model(self.serve, self.model_path, progress)
+            self.loaded = self._load_model(progress)
         except BaseException as exc:  # a model that cannot load is fatal for the daemon
             log.exception("model load failed")
             self._record_crash(CrashKind.LOAD_FAILED, f"{exc.__class__.__name__}: {exc}")
@@ -83,6 +85,15 @@ class ModelLifecycle:
         self.keep_alive.became_idle()
         log.info("model loaded from %s in %.2fs", self.model_path, time.perf_counter() - t0)
         return True
+
+    def _load_model(self, progress: LoadProgress) -> LoadedModel:
+        """The load choice: rank 0 of a pipeline loads its own layers (the group follows); a
+        daemon alone loads the whole model."""
+        if not self.serve.pipelined:
+            return load_model(self.serve, self.model_path, progress)
+        if self.serve.max_active_experts:
+            raise ActiveExpertsError("max_active_experts is not supported with a pipeline yet")
+        return load_leader(self.serve, self.model_path)
 
     def _watch_progress(self) -> None:
         """Every layer of a prompt chunk and every expert read is progress (engine/heartbeat.py).

@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import psutil
 
-from moed.daemon.experts.budget import parse_budget, slots_per_layer
+from moed.daemon.experts.budget import CacheBudget, slots_per_layer
 from moed.daemon.experts.safetensors_index import CheckpointIndex
 from moed.protocol.units import format_bytes
 
@@ -210,7 +210,9 @@ def make_plan(
     baseline = process_rss() if baseline_bytes is None else baseline_bytes
     experts = layout.experts_bytes
     auto = usable - baseline - resident_bytes - kv_bytes - prefix_cache_bytes - working
-    budget = parse_budget(cache_budget, experts, auto_bytes=max(0, auto))
+    if not isinstance(cache_budget, CacheBudget):  # a StreamingConfig given text (bench, tests)
+        cache_budget = CacheBudget.parse(cache_budget)
+    budget = cache_budget.resolve(experts, auto_bytes=max(0, auto))
     slots = (
         slots_per_layer(budget, layout.expert_bytes, layout.num_experts)
         if layout.num_experts

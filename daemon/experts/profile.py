@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moed.daemon.runtime.state_files import read_json, save_json
+from moed.daemon.ground.state_files import read_json, save_json
 
 VERSION = 1
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from moed.daemon import __version__
 from moed.daemon.engine.status import DaemonState
-from moed.daemon.watchdog.events import read_state as read_watchdog_state
+from moed.daemon.ground.watchdog_state import read_state as read_watchdog_state
 from moed.protocol import MAX_FRAME_BYTES, PROTOCOL_MAJOR, PROTOCOL_MINOR
 from moed.protocol.codec import MAX_DEPTH
 

@@ -10,7 +10,7 @@ import click
 
 from moed.client.cli_common import global_options, log_level_option, log_to_stderr
 from moed.daemon.config import ConfigError, load_config
-from moed.daemon.runtime.cli import ConfigExit
+from moed.daemon.ground.exit_codes import ConfigExit
 
 
 @click.command()

@@ -6,7 +6,6 @@ import logging
 from pathlib import Path
 
 from moed.daemon.config import ServeConfig
-from moed.daemon.distributed.spec import pipeline_enabled
 from moed.daemon.engine.prefix_cache.cache import PrefixCache, PrefixCacheConfig
 from moed.daemon.experts.budget import parse_size
 
@@ -43,7 +42,7 @@ def open_prefix_cache(serve: ServeConfig, loaded, model_path: Path) -> PrefixCac
 
     from moed.daemon.engine.prefix_cache.entry import trimmable_layers
 
-    if pipeline_enabled(serve):
+    if serve.pipelined:
         # Each rank would have to cache its own layers in step with rank 0; not built yet.
         log.info("prefix cache off: not supported under a pipeline")
         return None
