@@ -7,7 +7,11 @@ import itertools
 import time
 from pathlib import Path
 
-from moed.daemon.bench.serve import RunTiming, decode_tps
+from moed.daemon.bench.run_timing import RunTiming, decode_tps
+from moed.daemon.config import ServeConfig
+from moed.daemon.engine.status import EngineStatus
+from moed.protocol import MessageType, validate_request
+from moed.protocol import messages as wire
 
 
 class _StampSink:
@@ -28,9 +32,7 @@ class InProcessCore:
     the engine thread drives it, one generate at a time."""
 
     def __init__(self, model_path: Path, state_dir: Path):
-        from moed.daemon.config import ServeConfig
         from moed.daemon.engine.core import EngineCore
-        from moed.daemon.engine.status import EngineStatus
 
         self.sink = _StampSink()
         serve = ServeConfig(model=str(model_path), state_dir=state_dir, resident=True)
@@ -42,8 +44,6 @@ class InProcessCore:
     def time(self, prompt_ids: list[int], max_tokens: int) -> RunTiming:
         from moed.daemon.engine.commands import Submit
         from moed.daemon.engine.request import GenerateJob
-        from moed.protocol import MessageType, validate_request
-        from moed.protocol import messages as wire
 
         self.sink.stamps, self.sink.tokens = [], []
         msg = wire.request(

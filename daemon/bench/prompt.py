@@ -16,6 +16,8 @@ import click
 import numpy as np
 
 from moed.daemon.bench.bench_model import _same_config, bench_config, write_bench_model
+from moed.daemon.engine.chunk_budget import chunk_budget
+from moed.daemon.experts.store import PageCachePolicy
 
 PLAN = "plan"
 DEFAULT_PREFILL_CHUNK = 256  # ServeConfig's prefill_chunk: the plan's floor
@@ -42,7 +44,6 @@ def _read_prompt(path: Path, config: dict, budget: str, page_cache: str, prompt,
     from mlx_lm.utils import load_model
 
     from moed.daemon.experts import StreamingConfig, estimate_kv_bytes, install_streaming
-    from moed.daemon.experts.store import PageCachePolicy
 
     model, _ = load_model(path, lazy=True)
     cfg = StreamingConfig(
@@ -83,8 +84,6 @@ class _Plan:
 
 
 def _plan_chunk(config: dict, working_bytes: int, plan: _Plan, prompt_tokens: int) -> int:
-    from moed.daemon.engine.chunk_budget import chunk_budget
-
     dtype_bytes = 4 if config.get("torch_dtype") == "float32" else 2
     budget = chunk_budget(config, working_bytes, plan.plan_kv_tokens, plan.floor, dtype_bytes)
     return budget.alone(prompt_tokens + 1, prompt_tokens + 1)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from moed.client.progress import Progress, progress_mode
 from moed.daemon.bench.stream_report import RunResult
+from moed.daemon.experts import CUMULATIVE_KEYS
+from moed.daemon.experts.store import PageCachePolicy, drop_page_cache
 from moed.daemon.telemetry.analyze import simulate_layers
 
 # Raw pread is also sampled between decode rounds: on a shared machine (or a VM whose disk sits in
@@ -84,7 +86,6 @@ class Contender:
         )
         if self.streamer is None:
             return res
-        from moed.daemon.experts import CUMULATIVE_KEYS
 
         self.streamer.usage_counts()
         end = self.streamer.snapshot()
@@ -137,7 +138,6 @@ def load_streaming(
     from mlx_lm.utils import load_model
 
     from moed.daemon.experts import StreamingConfig, install_streaming
-    from moed.daemon.experts.store import PageCachePolicy
 
     model, _ = load_model(path, lazy=True)
     streamer = install_streaming(
@@ -180,8 +180,6 @@ def measure(
     """Warm up, then decode every contender one token at a time in turn (a round: one token each,
     in an order rotating by round); `between(i)` runs every RAW_EVERY rounds, outside every
     contender's timing."""
-    from moed.daemon.experts.store import drop_page_cache
-
     drop_page_cache(files)
     for c in contenders:
         c.warm_up(warm_prompt, warmup)

@@ -20,6 +20,7 @@ from moed.daemon.distributed.split import (
     even_split,
     layer_costs,
 )
+from moed.daemon.experts import CheckpointIndex
 
 log = logging.getLogger("moed.distributed")
 
@@ -92,8 +93,6 @@ def resolve_split(
         check_split(split, size, num_layers)
         return split
     if split is SplitMode.COST:
-        from moed.daemon.experts import CheckpointIndex
-
         text = config.get("text_config", config)
         top_k = int(text.get("num_experts_per_tok") or 1)
         costs = layer_costs(CheckpointIndex(path), num_layers, top_k)

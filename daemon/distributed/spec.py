@@ -8,6 +8,7 @@ from pathlib import Path
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.hostfile import GroupSpec, load_hostfile, local_group
+from moed.daemon.distributed.launch import free_port_run
 from moed.daemon.distributed.split import SplitMode, parse_split
 from moed.daemon.experts.store import PageCachePolicy
 
@@ -57,8 +58,6 @@ class RankSpec:
 
 def group_spec(serve: ServeConfig) -> GroupSpec:
     """The group a daemon configuration asks for (`--hostfile` wins over `--pipeline N`)."""
-    from moed.daemon.distributed.launch import free_port_run
-
     if serve.hostfile:
         return load_hostfile(Path(serve.hostfile).expanduser(), serve.pipeline_port or 32323)
     return local_group(serve.pipeline, serve.pipeline_port or free_port_run(serve.pipeline))

@@ -123,6 +123,11 @@ def prefix_cache_memory_bytes(serve: ServeConfig) -> int | None:
     return None if serve.prefix_cache_bytes == "auto" else parse_size(serve.prefix_cache_bytes)
 
 
+def load_tokenizer(path: Path) -> Any:
+    """The checkpoint's tokenizer alone (`count_tokens` while the model is unloaded)."""
+    return mlx_lm.utils.load_tokenizer(path)
+
+
 class CheckpointUnusable(RuntimeError):
     """The checkpoint loads but cannot serve a prompt (no tokenizer): refused at load."""
 

@@ -13,6 +13,7 @@ from moed.daemon.config import ConfigError, load_config
 from moed.daemon.experts.policies import DEFAULT_POLICY, policy_names
 from moed.daemon.experts.store import PageCachePolicy
 from moed.daemon.ground.exit_codes import ConfigExit, for_supervisor
+from moed.daemon.ground.open_files import OpenFileLimitTooLow, require_open_files
 
 
 @click.command()
@@ -172,7 +173,6 @@ def serve(
         )
     except ConfigError as exc:
         raise ConfigExit(exc) from None
-    from moed.daemon.ground.open_files import OpenFileLimitTooLow, require_open_files
 
     try:
         require_open_files()

@@ -10,8 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from moed.daemon.model.loader import describe_model
 from moed.daemon.telemetry.trace import SUFFIX, TraceRecorder, trace_header
 from moed.daemon.telemetry.trace_file import open_trace_file
+from moed.protocol import messages as wire
 
 log = logging.getLogger("moed.telemetry.trace")
 
@@ -42,8 +44,6 @@ def start_request_trace(
             req.get("id"),
         )
         return None
-    from moed.protocol import messages as wire
-
     sinks: list[Callable[[bytes], None]] = []
     if to_client:
         seq = iter(range(1 << 62))
@@ -59,8 +59,6 @@ def start_request_trace(
         sinks.append(file_sink.write)
     if not sinks:
         return None
-    from moed.daemon.model.loader import describe_model
-
     header = trace_header(
         streamer, describe_model(loaded), {"id": str(req.get("id")), "prompt_tokens": prompt_tokens}
     )

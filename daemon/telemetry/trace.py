@@ -44,6 +44,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from moed.daemon import __version__
+from moed.daemon.telemetry.residency import PageCacheProbe
+
 log = logging.getLogger("moed.telemetry.trace")
 
 FORMAT = "moed-trace"
@@ -187,8 +190,6 @@ class TraceRecorder:
         write: Callable[[bytes], None],
         chunk_bytes: int = CHUNK_BYTES,
     ):
-        from moed.daemon.telemetry.residency import PageCacheProbe
-
         self.streamer = streamer
         self.layers = len(streamer.pools)
         self.header = header
@@ -305,8 +306,6 @@ class TraceRecorder:
 
 
 def trace_header(streamer: Any, model: dict, request: dict) -> dict:
-    from moed.daemon import __version__
-
     pools = streamer.pools
     return {
         "format": FORMAT,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moed.daemon import __version__
 from moed.daemon.engine.prefix_cache.entry import PrefixEntry, resumable
 
 log = logging.getLogger("moed.prefix_cache")
@@ -37,8 +38,6 @@ _MAX_HEADER = 64 << 20
 
 def model_fingerprint(model_path: Path, layer_classes: list[str]) -> str:
     """The model's files (names, sizes, mtimes), moed's version and the cache layout, hashed."""
-    from moed.daemon import __version__
-
     h = hashlib.sha256(f"{FORMAT} {LAYOUT_VERSION} moed {__version__}\n".encode())
     for f in sorted(Path(model_path).iterdir()):
         if f.is_file():
