@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+import mlx.core as mx
+
 from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.failure import is_group_failure
 from moed.daemon.engine.batch import DecodeBatch, StepOutput
@@ -27,6 +29,8 @@ from moed.daemon.engine.commands import (
 from moed.daemon.engine.heartbeat import StepHeartbeat
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.lifecycle import ModelLifecycle
+from moed.daemon.engine.prefix_cache.disk_tier import clear_folder
+from moed.daemon.engine.prefix_cache.setup import prefix_cache_config
 from moed.daemon.engine.request import Emitted, GenerateJob, Generation, RequestKey
 from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Scheduler
 from moed.daemon.engine.status import DaemonState, EngineStatus, ShedRecord
@@ -230,9 +234,6 @@ class EngineCore(ModelLifecycle):
 
     def clear_prefix_cache(self) -> dict:
         """Empty both tiers; with no model loaded, the SSD tier's folder all the same."""
-        from moed.daemon.engine.prefix_cache.disk_tier import clear_folder
-        from moed.daemon.engine.prefix_cache.setup import prefix_cache_config
-
         if self.prefix_cache is not None:
             released = self.prefix_cache.clear()
         else:
@@ -427,8 +428,6 @@ class EngineCore(ModelLifecycle):
             log.exception("could not record the crash")
 
     def _shed(self, level: ShedLevel) -> None:
-        import mlx.core as mx
-
         released = 0
         if self.prefix_cache is not None:  # cached prefixes go first: no request loses anything
             released += self.prefix_cache.shed()

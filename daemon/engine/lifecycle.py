@@ -4,15 +4,21 @@ snapshot, the pipeline ranks). A mixin of EngineCore, split out to keep one conc
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from moed.daemon.distributed.rank0 import load_leader
 from moed.daemon.engine.batch import DecodeBatch
 from moed.daemon.engine.chunk_budget import ChunkBudget, chunk_budget
+from moed.daemon.engine.prefix_cache.setup import open_prefix_cache
 from moed.daemon.engine.request import GenerateJob
 from moed.daemon.engine.status import DaemonState
 from moed.daemon.experts.active_experts import ActiveExpertsError
+from moed.daemon.experts.memory_plan import default_working_bytes
 from moed.daemon.ground.crashlog import CrashKind
 from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.model.layer_progress import watch_layers
@@ -119,8 +125,6 @@ class ModelLifecycle:
         )
 
     def _open_prefix_cache(self) -> None:
-        from moed.daemon.engine.prefix_cache.setup import open_prefix_cache
-
         if self.prefix_cache is None:
             try:
                 self.prefix_cache = open_prefix_cache(self.serve, self.loaded, self.model_path)
@@ -149,10 +153,6 @@ class ModelLifecycle:
 
     def unload(self) -> None:
         """Release the model and the expert cache (state `idle`); the next request reloads them."""
-        import gc
-
-        import mlx.core as mx
-
         self.close()  # saves the usage profile (the reload warms from it), closes the streamer
         self.loaded = None
         self.keep_alive.idle_since = None
@@ -221,9 +221,6 @@ def lone_chunk_budget(loaded, serve) -> ChunkBudget | None:
     keeps `prefill_chunk`: its ranks hold the activations."""
     if loaded.pipeline is not None:
         return None
-    from mlx.utils import tree_flatten
-
-    from moed.daemon.experts.memory_plan import default_working_bytes
 
     if loaded.streamer is not None:
         working = loaded.streamer.plan.working_bytes

@@ -22,10 +22,13 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from moed.daemon import __version__
-from moed.daemon.engine.prefix_cache.entry import PrefixEntry, resumable
+from moed.daemon.engine.prefix_cache.entry import PrefixEntry, common_prefix, resumable
 
 log = logging.getLogger("moed.prefix_cache")
 
@@ -50,9 +53,6 @@ def model_fingerprint(model_path: Path, layer_classes: list[str]) -> str:
 def checksum(caches: list) -> str:
     """CRC-32 of every array the caches hold, in order: safetensors has no checksum of its own,
     and a flipped bit must never reach a request as a wrong token."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     crc = 0
     for _, a in tree_flatten([c.state for c in caches]):
         if isinstance(a, mx.array):
@@ -160,8 +160,6 @@ class DiskTier:
             return list(self._records.values())
 
     def best(self, context: np.ndarray, limit: int) -> tuple[DiskRecord | None, int]:
-        from moed.daemon.engine.prefix_cache.entry import common_prefix
-
         found, length = None, 0
         for rec in self.records():
             common = min(common_prefix(rec.tokens, context), limit)
@@ -184,8 +182,6 @@ class DiskTier:
     # ---- reading ------------------------------------------------------------------------------
     def load(self, rec: DiskRecord) -> PrefixEntry | None:
         """The entry of `rec`, or None (with a warning, the file removed) when it cannot be read."""
-        from mlx_lm.models.cache import load_prompt_cache
-
         try:
             caches, meta = load_prompt_cache(str(rec.path), return_metadata=True)
             if meta.get("fingerprint") != self.fingerprint or meta.get("format") != FORMAT:
@@ -229,8 +225,6 @@ class DiskTier:
                 self._queue.task_done()
 
     def _write(self, entry: PrefixEntry) -> None:
-        from mlx_lm.models.cache import save_prompt_cache
-
         final = self.dir / (entry.key + SUFFIX)
         tmp = self.dir / f".{entry.key}.{os.getpid()}.tmp{SUFFIX}"
         positions = sorted(entry.checkpoints)
