@@ -5,15 +5,17 @@ from __future__ import annotations
 import logging
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from moed.daemon.distributed.cache_ops import MirroredCaches
 from moed.daemon.distributed.control import RankControl
 from moed.daemon.distributed.guard import GuardRefused, join, write_ring_hostfile
 from moed.daemon.distributed.hostfile import Backend, RankHost
 from moed.daemon.distributed.protocol import ProtocolMismatch, StepChannel, StepOp
-from moed.daemon.distributed.rank_model import RankModel
+from moed.daemon.distributed.rank_model import PipelineUnsupported, RankModel, load_rank_model
 from moed.daemon.distributed.rank_status import rank_status
 from moed.daemon.ground.exit_codes import DaemonExit
+from moed.daemon.model.loader import MemoryPlanRefused
 from moed.protocol.paths import default_socket_path
 
 log = logging.getLogger("moed.distributed")
@@ -21,8 +23,6 @@ log = logging.getLogger("moed.distributed")
 
 def follow(rank: RankModel, channel: StepChannel) -> int:
     """Run every step rank 0 broadcasts; returns the number of steps run."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     caches = MirroredCaches(lambda: make_prompt_cache(rank.model))
     while True:
         step = channel.receive()
@@ -65,9 +65,6 @@ def run_follower(spec, expected_rank: int, secret: bytes, heartbeat=None) -> int
     import json
     import shutil
     from pathlib import Path
-
-    from moed.daemon.distributed.rank_model import PipelineUnsupported, load_rank_model
-    from moed.daemon.model.loader import MemoryPlanRefused
 
     try:
         folder = join_ring(spec, expected_rank, secret)

@@ -13,12 +13,24 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.models.pipeline import PipelineMixin
+from mlx_lm.utils import _get_classes
+
 from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.guard import Rendezvous, new_secret, write_ring_hostfile
 from moed.daemon.distributed.hostfile import Backend
 from moed.daemon.distributed.launch import RankGroup
-from moed.daemon.distributed.rank_model import PipelineUnsupported
+from moed.daemon.distributed.leader import PipelineLeader
+from moed.daemon.distributed.protocol import StepChannel
+from moed.daemon.distributed.rank_model import (
+    PipelineUnsupported,
+    load_rank_model,
+    pipelined_architectures,
+)
 from moed.daemon.distributed.spec import RankSpec, group_spec, rank_spec
+from moed.daemon.model.loader import LoadedModel
 
 log = logging.getLogger("moed.distributed")
 
@@ -38,11 +50,6 @@ _started: StartedGroup | None = None
 
 def check_supported(model_path: Path) -> None:
     """Refuse an architecture without mlx-lm pipeline support before any rank starts."""
-    from mlx_lm.models.pipeline import PipelineMixin
-    from mlx_lm.utils import _get_classes
-
-    from moed.daemon.distributed.rank_model import pipelined_architectures
-
     config = json.loads((model_path / "config.json").read_text())
     model_class, _ = _get_classes(config)
     modules = {model_class.__module__} | {base.__module__ for base in model_class.__mro__}
@@ -54,7 +61,6 @@ def check_supported(model_path: Path) -> None:
                 and obj is not PipelineMixin
             ):
                 return
-    import mlx_lm
 
     raise PipelineUnsupported(
         f"model type {config.get('model_type')!r} has no pipeline support in mlx-lm "
@@ -88,13 +94,6 @@ def start_group(serve: ServeConfig, model_path: Path) -> RankGroup:
 
 def load_leader(serve: ServeConfig, path: Path):
     """Join the group as rank 0 and load its layers; returns the engine's LoadedModel."""
-    import mlx.core as mx
-
-    from moed.daemon.distributed.leader import PipelineLeader
-    from moed.daemon.distributed.protocol import StepChannel
-    from moed.daemon.distributed.rank_model import load_rank_model
-    from moed.daemon.model.loader import LoadedModel
-
     if _started is None:
         raise RuntimeError("load_leader before start_group")
     spec, ranks, guard = _started.spec, _started.ranks, _started.guard

@@ -11,7 +11,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_lm
+import mlx_lm.models as models
 from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.utils import load
 
 from moed.daemon.distributed.split import (
     SplitMode,
@@ -20,7 +24,8 @@ from moed.daemon.distributed.split import (
     even_split,
     layer_costs,
 )
-from moed.daemon.experts import CheckpointIndex
+from moed.daemon.experts import CheckpointIndex, install_streaming
+from moed.daemon.model.loader import MemoryPlanRefused
 
 log = logging.getLogger("moed.distributed")
 
@@ -62,8 +67,6 @@ def pipeline_module(model: nn.Module) -> nn.Module | None:
 
 def pipelined_architectures() -> list[str]:
     """Model types whose mlx-lm module uses PipelineMixin (read from the installed sources)."""
-    import mlx_lm.models as models
-
     root = Path(models.__file__).parent
     return sorted(
         p.stem
@@ -75,8 +78,6 @@ def pipelined_architectures() -> list[str]:
 def refuse_unsupported(model: nn.Module, config: dict) -> nn.Module:
     inner = pipeline_module(model)
     if inner is None:
-        import mlx_lm
-
         kind = config.get("model_type", type(model).__module__)
         raise PipelineUnsupported(
             f"model type {kind!r} has no pipeline support in mlx-lm {mlx_lm.__version__} "
@@ -101,8 +102,6 @@ def resolve_split(
 
 
 def _switch_param_bytes(model: nn.Module) -> int:
-    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-
     return sum(
         v.nbytes
         for _, m in model.named_modules()
@@ -118,8 +117,6 @@ def load_rank_model(
     streaming=None,  # a StreamingConfig, or None to keep every expert resident
 ) -> RankModel:
     """Load lazily, keep this rank's layers, stream their experts, then materialize the rest."""
-    from mlx_lm.utils import load
-
     model, tokenizer, config = load(str(path), lazy=True, return_config=True)
     inner = refuse_unsupported(model, config)
     num_layers = len(inner.layers)
@@ -133,9 +130,6 @@ def load_rank_model(
     resident -= _switch_param_bytes(model)
     streamer = None
     if streaming is not None:
-        from moed.daemon.experts import install_streaming
-        from moed.daemon.model.loader import MemoryPlanRefused
-
         share = (layers.end - layers.start) / num_layers  # the KV cache is per layer too
         cfg = dataclasses.replace(streaming, kv_bytes=int(streaming.kv_bytes * share))
         streamer = install_streaming(model, path, cfg, resident_weight_bytes=resident)
