@@ -222,6 +222,7 @@ def bench_agent(
 ) -> None:
     """A growing agent conversation through the gateway, resident and streaming, beside
     mlx_lm.server; then continued after a daemon restart. TTFT per turn and the ratios."""
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import httpx
     from mlx_lm.utils import load_tokenizer
 

@@ -32,6 +32,7 @@ class InProcessCore:
     the engine thread drives it, one generate at a time."""
 
     def __init__(self, model_path: Path, state_dir: Path):
+        # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
         from moed.daemon.engine.core import EngineCore
 
         self.sink = _StampSink()
@@ -42,6 +43,7 @@ class InProcessCore:
         self._ids = itertools.count()
 
     def time(self, prompt_ids: list[int], max_tokens: int) -> RunTiming:
+        # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
         from moed.daemon.engine.commands import Submit
         from moed.daemon.engine.request import GenerateJob
 

@@ -151,6 +151,7 @@ def pipeline(
 ) -> None:
     """1 process vs N local ranks (ring over loopback): tok/s of one client and of concurrent
     clients, memory per rank, bytes per token."""
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     path = resolve_model(model)

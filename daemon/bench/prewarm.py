@@ -119,6 +119,7 @@ def _load(model_path: Path, budget: str, page_cache: str, state_dir: Path | None
     import mlx.core as mx
     from mlx_lm.utils import load
 
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from moed.daemon.experts import PageCachePolicy, StreamingConfig, install_streaming
 
     model, tokenizer = load(str(model_path), lazy=True)
@@ -139,6 +140,7 @@ def record_trace(
     """A trace of one generation on a fresh model (what `moe run --trace` records)."""
     import io
 
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
@@ -212,6 +214,7 @@ def measure(
 
 
 def _encode(tokenizer_path: Path, text: str) -> list[int]:
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from mlx_lm.utils import load_tokenizer
 
     return list(load_tokenizer(tokenizer_path).encode(text))

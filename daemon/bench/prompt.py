@@ -39,10 +39,12 @@ class PromptRun:
 
 def _read_prompt(path: Path, config: dict, budget: str, page_cache: str, prompt, chunk: int, plan):
     """A fresh streaming model (a cold cache) reads the prompt in chunks of `chunk` tokens."""
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model
 
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from moed.daemon.experts import StreamingConfig, estimate_kv_bytes, install_streaming
 
     model, _ = load_model(path, lazy=True)
@@ -158,6 +160,7 @@ def prompt_bench(
     plan_context_tokens, page_cache, model_path, model_dir, json_out, seed,
 ) -> None:  # fmt: skip
     """Bytes read per prompt token at several prefill chunk sizes, under expert streaming."""
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
 
     dtype = "bfloat16" if mx.metal.is_available() else "float32"

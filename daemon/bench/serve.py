@@ -32,6 +32,7 @@ from moed.daemon.model.source import resolve_model
 
 def time_in_process(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> RunTiming:
     """mlx-lm's own streaming loop (tokens and text), as a script using mlx-lm directly runs it."""
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from mlx_lm import stream_generate
 
     t0 = time.perf_counter()
@@ -78,6 +79,7 @@ def time_through_daemon(client, prompt_ids: list[int], max_tokens: int) -> RunTi
 def bench_serve(model: str, max_tokens: int, runs: int, prompt: str, engine_core: bool) -> None:
     """Daemon + client and gateway + openai SDK vs in-process mlx-lm: decode tok/s ratios and
     extra time to first token."""
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from mlx_lm import load
 
     path = resolve_model(model)

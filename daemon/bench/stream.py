@@ -151,6 +151,7 @@ def stream(
 ) -> None:
     """Expert streaming vs resident mlx-lm on a model with Qwen3.6-35B-A3B expert shapes."""
     if dtype == "auto":
+        # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
         import mlx.core as mx
 
         dtype = "bfloat16" if mx.metal.is_available() else "float32"

@@ -40,6 +40,7 @@ class Contender:
         self.first: dict | None = None
 
     def warm_up(self, prompt: list[int], n: int) -> None:
+        # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
         import mlx.core as mx
         from mlx_lm.generate import generate_step
 
@@ -47,6 +48,7 @@ class Contender:
             pass
 
     def start(self, prompt: list[int], n: int) -> None:
+        # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
         import mlx.core as mx
         from mlx_lm.generate import generate_step
 
@@ -71,6 +73,7 @@ class Contender:
 
     @staticmethod
     def _sync() -> None:
+        # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
         import mlx.core as mx
         from mlx_lm.generate import generation_stream
 
@@ -119,6 +122,7 @@ class Contender:
 
 
 def load_resident(path: Path) -> Contender:
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from mlx_lm.utils import load_model
 
     model, _ = load_model(path)
@@ -134,9 +138,11 @@ def load_streaming(
     speculative: bool = False,
     active_experts: int = 0,
 ) -> Contender:
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from moed.daemon.experts import StreamingConfig, install_streaming
 
     model, _ = load_model(path, lazy=True)
@@ -152,6 +158,7 @@ def load_streaming(
     )
     mx.eval(model.parameters())
     if active_experts:
+        # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
         from moed.daemon.experts.active_experts import limit_active_experts
 
         cfg = json.loads((path / "config.json").read_text())

@@ -19,6 +19,7 @@ from moed.daemon.distributed.spec import RankSpec
 def rank(spec_json: str, rank: int, log_level: str) -> None:
     """Follow rank 0's steps through this rank's layers."""
     log_to_stderr(log_level, tag=f"rank{rank} ")
+    # the model (mlx-lm) only in a rank process: every `moed` command registers `rank`
     from moed.daemon.distributed.follower import run_follower
 
     # Rank 0 decides when the group ends: a Ctrl-C in its terminal reaches this process group

@@ -42,6 +42,7 @@ class RankSpec:
 
     def streaming(self, rank: int):
         """This rank's StreamingConfig, or None when its experts stay resident."""
+        # the streamer (mlx-lm) on use: `moed rank`, registered in every `moed` command, reads this
         from moed.daemon.experts import StreamingConfig
 
         budget = self.budgets[rank]
@@ -66,6 +67,7 @@ def group_spec(serve: ServeConfig) -> GroupSpec:
 def rank_spec(
     serve: ServeConfig, group: GroupSpec, model_path: Path, model_config: dict
 ) -> RankSpec:
+    # the streamer (mlx-lm) on use: `moed rank`, registered in every `moed` command, reads this
     from moed.daemon.experts import estimate_kv_bytes
 
     split: list[int] | str = serve.pipeline_split

@@ -178,6 +178,7 @@ def serve(
         require_open_files()
     except OpenFileLimitTooLow as exc:
         raise ConfigExit(exc) from None
+    # the daemon (engine, mlx-lm) only when serving: every `moed` command imports this module
     from moed.daemon.runtime.main import run_daemon
 
     sys.exit(for_supervisor(run_daemon(config)))
