@@ -29,7 +29,7 @@ from moed.daemon.ground.live_probe import probe_live_daemon
 from moed.daemon.model.limits import read_limits
 from moed.daemon.telemetry import LiveTelemetry
 from moed.daemon.transport.admission import DuplicateId, TokenCounter, check_model_name
-from moed.daemon.transport.bodies import status_body, welcome_body
+from moed.daemon.transport.bodies import prefix_cache_reply, status_body, welcome_body
 from moed.daemon.transport.connections import ConnectionCount, connection_limit
 from moed.daemon.transport.control import ControlToken
 from moed.daemon.transport.outbound import Outbound
@@ -46,7 +46,6 @@ from moed.protocol import (
     MAX_FRAME_BYTES,
     ErrorCode,
     MessageType,
-    PrefixCacheAction,
     ProtocolError,
     ShedLevel,
     decode,
@@ -335,24 +334,8 @@ class Server:
         if kind is MessageType.COUNT_TOKENS:
             return wire.result(req_id, tokens=self.token_counter.count(msg))
         if kind is MessageType.PREFIX_CACHE:
-            return self._prefix_cache(req_id, msg)
+            return prefix_cache_reply(self, req_id, msg)
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{kind.value!r} is not handled")
-
-    def _prefix_cache(self, req_id, msg: dict) -> dict:
-        """List the prefix cache from the engine's last published view, or queue its clearing
-        (the engine thread owns the tiers; a later list shows it empty)."""
-        action = PrefixCacheAction(msg.get("action") or PrefixCacheAction.LIST.value)
-        if action is PrefixCacheAction.CLEAR:
-            self.control_token.require("prefix_cache clear", msg.get("token"))
-            self.engine.clear_prefix_cache()
-            return wire.result(req_id, accepted=True, action=action.value)
-        stats = self.status.get("prefix_cache")
-        return wire.result(
-            req_id,
-            enabled=stats is not None,
-            stats=stats,
-            entries=self.status.get("prefix_entries") or [],
-        )
 
     def _admit(self, identity: bytes, msg: dict) -> dict | None:
         key = (identity, msg["id"])
