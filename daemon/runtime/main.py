@@ -1,4 +1,5 @@
-"""Daemon lifecycle: resolve the model, bind, serve, drain. Returns the process exit code."""
+"""Daemon lifecycle: resolve the model, plan the start, compose the engine and the transport, bind,
+serve, drain. Returns the process exit code."""
 
 from __future__ import annotations
 
