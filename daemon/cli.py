@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from moed.client.cli_common import CONTEXT_SETTINGS, add_global_options
-from moed.daemon.runtime.open_files import raise_open_file_limit
+from moed.daemon.ground.open_files import raise_open_file_limit
 
 # First: before any subcommand's imports reach mlx-lm, which would cap the limit at 2048.
 raise_open_file_limit()
@@ -21,28 +21,18 @@ def main() -> None:
 
 
 def _register() -> None:
-    # Each subcommand lives beside the code it drives; import errors surface at startup, not later.
-    from moed.daemon.runtime.cli import serve
-
-    main.add_command(serve)
-    from moed.daemon.watchdog.cli import watchdog
-
-    main.add_command(watchdog)
-    from moed.daemon.service.cli import service
-
-    main.add_command(service)
+    # Each subcommand lives beside the code it drives; imported here, after
+    # raise_open_file_limit() above (mlx-lm, imported first, would cap the limit at 2048).
     from moed.daemon.bench.cli import bench
-
-    main.add_command(bench)
+    from moed.daemon.distributed.cli import rank
+    from moed.daemon.runtime.cli import serve
+    from moed.daemon.service.cli import service
     from moed.daemon.telemetry.cli import trace
-
-    main.add_command(trace)
+    from moed.daemon.watchdog.cli import watchdog
     from moed.gateway.cli import gateway  # imports no mlx: the gateway is a client of the daemon
 
-    main.add_command(gateway)
-    from moed.daemon.distributed.cli import rank
-
-    main.add_command(rank)
+    for command in (serve, watchdog, service, bench, trace, gateway, rank):
+        main.add_command(command)
 
 
 _register()

@@ -18,17 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moed.daemon.experts.budget import BudgetError, CacheBudget, parse_size
 from moed.daemon.experts.policies import DEFAULT_POLICY, policy_names
+from moed.daemon.experts.store import PageCachePolicy
+from moed.daemon.ground.faults import Faults
 from moed.protocol import paths
 from moed.protocol.units import parse_keep_alive
 
 DEMO_MODEL = "demo"  # resolved to the embedded demo checkpoint
-
-
-class PageCachePolicy(str, enum.Enum):
-    AUTO = "auto"  # bypass when the experts are much larger than RAM, trust otherwise
-    BYPASS = "bypass"  # F_NOCACHE on macOS, POSIX_FADV_DONTNEED / O_DIRECT on Linux
-    TRUST = "trust"
 
 
 @dataclass(frozen=True)
@@ -38,9 +35,8 @@ class ServeConfig:
     state_dir: Path = field(default_factory=paths.state_dir)
     log_dir: Path = field(default_factory=paths.log_dir)
     resident: bool = False  # keep every expert in memory (plain mlx-lm path)
-    cache_budget: str = (
-        "auto"  # bytes ("3000000"), "12GB", a fraction of the experts ("25%", "0.25"), or "auto"
-    )
+    # bytes ("3000000"), "12GB", a fraction of the experts ("25%", "0.25"), or "auto"
+    cache_budget: CacheBudget = field(default_factory=lambda: CacheBudget.parse("auto"))
     prefetch_workers: int = 0  # 0: sized to the machine
     page_cache: PageCachePolicy = PageCachePolicy.AUTO
     prefetch_next: bool = False  # read the next layer's likely experts during this layer's compute
@@ -89,6 +85,11 @@ class ServeConfig:
     prefix_checkpoint_tokens: int = 1024
 
     def __post_init__(self):
+        if not isinstance(self.cache_budget, CacheBudget):  # built in code with the text form
+            try:
+                object.__setattr__(self, "cache_budget", CacheBudget.parse(self.cache_budget))
+            except BudgetError as exc:
+                raise ConfigError(f"setting 'cache_budget': {exc}") from None
         if self.cache_policy not in policy_names():
             raise ConfigError(
                 f"setting 'cache_policy': {self.cache_policy!r} is not a cache policy "
@@ -108,6 +109,11 @@ class ServeConfig:
     def keep_alive_s(self) -> float | None:
         """Seconds an idle model stays loaded; None: forever."""
         return parse_keep_alive(self.keep_alive)
+
+    @property
+    def pipelined(self) -> bool:
+        """This daemon is rank 0 of a pipeline group (`--pipeline N` or `--hostfile`)."""
+        return bool(self.pipeline or self.hostfile)
 
 
 @dataclass(frozen=True)
@@ -251,6 +257,13 @@ def _checked(name: str, source: str, hint: Any, raw: Any) -> Any:
             value = hint(raw)
         except ValueError:
             raise refuse() from None
+    elif hint is CacheBudget:  # parsed here once; the memory plan resolves it to bytes
+        if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
+            raise refuse()
+        try:
+            value = CacheBudget.parse(str(raw))
+        except BudgetError:
+            raise refuse() from None
     elif hint is str:
         # TOML may give a budget or a keep-alive as a number (cache_budget = 3000000).
         if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
@@ -271,24 +284,13 @@ def _passes(check: Callable[[Any], bool], value: Any) -> bool:
         return False
 
 
-def _budget_syntax(spec: str) -> bool:
-    from moed.daemon.experts.budget import parse_budget
-
-    parse_budget(spec, experts_bytes=1 << 30, auto_bytes=0)  # raises BudgetError (a ValueError)
-    return True
-
-
 def _size_syntax(spec: str) -> bool:
-    from moed.daemon.experts.budget import parse_size
-
     if spec != "auto":
         parse_size(spec)  # raises BudgetError (a ValueError)
     return True
 
 
 def _faults_syntax(spec: str) -> bool:
-    from moed.daemon.runtime.faults import Faults
-
     Faults.parse(spec)
     return True
 
@@ -296,7 +298,8 @@ def _faults_syntax(spec: str) -> bool:
 _KIND = {int: "an integer", float: "a finite number", bool: "true or false", Path: "a path"}
 # name -> (check of the coerced value, what is allowed); fields not listed only need their type.
 RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "cache_budget": (_budget_syntax, "bytes (3000000), a size (12GB, 512MiB), 25%, 0.25 or auto"),
+    # Checked as it is parsed (_checked): this is what its refusal says is allowed.
+    "cache_budget": (bool, "bytes (3000000), a size (12GB, 512MiB), 25%, 0.25 or auto"),
     "prefix_cache_bytes": (_size_syntax, "auto, a size (1GB, 512MiB, bytes), 0 for none"),
     "prefix_cache_disk_bytes": (_size_syntax, "a size (10GB, 512MiB, bytes), 0 for no SSD tier"),
     "prefix_checkpoint_tokens": (lambda v: v >= 1, "an integer >= 1 (tokens)"),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from moed.daemon.config import ConfigError, load_config
-from moed.daemon.exit_codes import PERMANENT_EXITS, DaemonExit, for_supervisor
+from moed.daemon.ground.exit_codes import PERMANENT_EXITS, DaemonExit, for_supervisor
 
 CASES = [
     # (flags, environment, config file, words the message must hold)

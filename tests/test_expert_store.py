@@ -12,13 +12,18 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 from safetensors import safe_open
 
-from moed.daemon.config import PageCachePolicy
 from moed.daemon.experts import CheckpointIndex, StreamingConfig, install_streaming
 from moed.daemon.experts.cache import LayerPool, PooledTensor, _alloc
 from moed.daemon.experts.policies import LRUPolicy
 from moed.daemon.experts.prefetch import ReadPool
 from moed.daemon.experts.safetensors_index import TensorLoc
-from moed.daemon.experts.store import ExpertStore, _advance, open_direct, resolve_page_cache
+from moed.daemon.experts.store import (
+    ExpertStore,
+    PageCachePolicy,
+    _advance,
+    open_direct,
+    resolve_page_cache,
+)
 
 MEMORY = 8 << 30
 

@@ -13,7 +13,7 @@ import pytest
 from daemon_harness import serve_command, short_socket_path, start_daemon
 
 from moed.client import Client, RequestFailed
-from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.ground.exit_codes import DaemonExit
 from moed.protocol import ErrorCode
 
 CONNECTIONS = 2500  # over mlx-lm's cap of 2048
@@ -54,7 +54,7 @@ def test_the_limit_is_raised_past_mlx_lms_cap_and_children_get_theirs_back(tmp_p
     target = 1 << 16 if hard == resource.RLIM_INFINITY else hard
     probe = (
         "import resource, subprocess, sys\n"
-        "from moed.daemon.runtime.open_files import raise_open_file_limit, restore_for_child\n"
+        "from moed.daemon.ground.open_files import raise_open_file_limit, restore_for_child\n"
         "raise_open_file_limit()\n"
         "import mlx_lm.utils\n"  # whose import used to set (2048, 4096)
         "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"

@@ -15,7 +15,7 @@ from daemon_harness import run_together, start_daemon
 from mlx_lm.utils import load
 
 from moed.client import Client, DoneEvent, RequestFailed, TokenEvent
-from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.ground.exit_codes import DaemonExit
 from moed.protocol import ErrorCode
 
 sys.path.insert(0, str(Path(__file__).parent))

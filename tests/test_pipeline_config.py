@@ -110,7 +110,7 @@ def test_service_install_runs_the_group(tmp_path):
     from click.testing import CliRunner
 
     from moed.daemon.cli import main
-    from moed.daemon.exit_codes import DaemonExit
+    from moed.daemon.ground.exit_codes import DaemonExit
 
     args = ["service", "install", "--dry-run", "--platform", "linux", "--pipeline", "2"]
     result = CliRunner().invoke(main, [*args, "--config", str(tmp_path / "moed.toml")])

@@ -21,8 +21,8 @@ from moed.client import Client, DoneEvent, RequestFailed, TokenEvent
 from moed.daemon.distributed.guard import GuardRefused, Rendezvous, join, new_secret
 from moed.daemon.distributed.hostfile import LOOPBACK, RankHost
 from moed.daemon.distributed.launch import free_port_run
-from moed.daemon.exit_codes import DaemonExit
-from moed.daemon.runtime import crashlog
+from moed.daemon.ground import crashlog
+from moed.daemon.ground.exit_codes import DaemonExit
 from moed.protocol import ErrorCode
 
 pytestmark = pytest.mark.timeout(240)

@@ -23,7 +23,7 @@ from test_watchdog_runner import ScriptedProbe, _config
 
 from moed.client import Client, RequestFailed, TokenEvent
 from moed.daemon.distributed.launch import free_port_run
-from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.watchdog.policy import Action
 from moed.daemon.watchdog.runner import Watchdog
 from moed.protocol import ErrorCode

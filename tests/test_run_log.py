@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from moed.daemon.runtime.run_log import read_start_records
+from moed.daemon.ground.run_log import read_start_records
 
 
 def test_start_records_carry_model_budget_and_previous_exit(daemon_factory, tiny_model, tmp_path):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from moed.daemon.runtime.run_log import RotatingLog, read_start_records, record_start
+from moed.daemon.ground.run_log import RotatingLog, read_start_records, record_start
 
 
 def test_rotates_by_size_and_keeps_a_few_generations(tmp_path):
@@ -79,7 +79,7 @@ def test_stdio_follows_rotation(tmp_path):
     script = textwrap.dedent(
         f"""
         import os, sys
-        from moed.daemon.runtime.run_log import record_start
+        from moed.daemon.ground.run_log import record_start
         log = record_start(
             {str(tmp_path)!r}, "0.1.0", "demo", "auto", None, max_bytes=200, backups=2
         )
@@ -104,7 +104,7 @@ def test_adopt_logging_avoids_duplicates_when_stderr_is_the_log(tmp_path):
     script = textwrap.dedent(
         f"""
         import logging, sys
-        from moed.daemon.runtime.run_log import record_start
+        from moed.daemon.ground.run_log import record_start
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
         log = record_start({str(tmp_path)!r}, "0.1.0", "demo", "auto", None)
         assert log.owns_stderr()

@@ -15,7 +15,7 @@ import pytest
 
 from moed.client import DoneEvent, TelemetryEvent, TokenEvent
 from moed.daemon.experts.profile import profile_path
-from moed.daemon.watchdog.events import state_file_path
+from moed.daemon.ground.watchdog_state import state_file_path
 
 
 @pytest.fixture

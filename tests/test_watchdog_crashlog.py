@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from moed.daemon.runtime.crashlog import (
+from moed.daemon.ground.crashlog import (
     CrashKind,
     begin_run,
     end_run,
@@ -15,7 +15,7 @@ from moed.daemon.runtime.crashlog import (
     plan_start,
     record_crash,
 )
-from moed.daemon.runtime.faults import METAL_OOM_MESSAGE, Fault, Faults
+from moed.daemon.ground.faults import METAL_OOM_MESSAGE, Fault, Faults
 
 WINDOW = 600.0
 DEAD = lambda pid: False  # noqa: E731

@@ -31,7 +31,7 @@ from daemon_harness import (
 )
 
 from moed.client import Client, DaemonUnavailable, DoneEvent, RequestFailed, TokenEvent
-from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.watchdog.events import read_events
 from moed.protocol import ErrorCode
 

@@ -14,8 +14,9 @@ from dataclasses import replace
 from daemon_harness import stop_process, watchdog_command
 
 from moed.daemon.config import WatchdogConfig
+from moed.daemon.ground.watchdog_state import read_state
 from moed.daemon.platform import Footprint, MemoryProbe, PressureLevel
-from moed.daemon.watchdog.events import EventLog, read_events, read_state
+from moed.daemon.watchdog.events import EventLog, read_events
 from moed.daemon.watchdog.policy import Action
 from moed.daemon.watchdog.runner import Watchdog
 from moed.daemon.watchdog.sampler import Target

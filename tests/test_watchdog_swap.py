@@ -25,7 +25,8 @@ from daemon_harness import start_daemon, start_watchdog, stop_process
 from fixtures.cgroups import MemoryCgroup
 
 from moed.client import RequestFailed, TokenEvent
-from moed.daemon.watchdog.events import read_events, read_state
+from moed.daemon.ground.watchdog_state import read_state
+from moed.daemon.watchdog.events import read_events
 
 pytestmark = [
     pytest.mark.skipif(

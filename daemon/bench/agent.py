@@ -20,7 +20,11 @@ from pathlib import Path
 
 import click
 
+from moed.client import Client
+from moed.client.autostart import start_daemon, wait_until_ready
 from moed.daemon.bench.agent_report import print_report
+from moed.daemon.bench.gateway_timing import start_gateway
+from moed.daemon.model.source import resolve_model
 
 
 @dataclass(frozen=True)
@@ -116,9 +120,6 @@ class MoedSide:
         self.url = ""
 
     def start(self) -> None:
-        from moed.client.autostart import start_daemon, wait_until_ready
-        from moed.daemon.bench.gateway_timing import start_gateway
-
         state = ("--state-dir", str(self.dir / "state"), "--log-level", "WARNING")
         self.daemon = start_daemon(
             self.socket, str(self.model), (*state, *self.args), env={"MOED_LOG_DIR": str(self.dir)}
@@ -127,14 +128,10 @@ class MoedSide:
         self.gateway, self.url = start_gateway(self.socket, self.dir / "gateway.log")
 
     def read_bytes(self) -> int:
-        from moed.client import Client
-
         with Client(self.socket, timeout=10.0) as c:
             return int((c.stats().get("experts") or {}).get("bytes_read") or 0)
 
     def stop(self) -> None:
-        from moed.client import Client
-
         for proc in (self.gateway, self.daemon):
             if proc is None or proc.poll() is not None:
                 continue
@@ -225,10 +222,9 @@ def bench_agent(
 ) -> None:
     """A growing agent conversation through the gateway, resident and streaming, beside
     mlx_lm.server; then continued after a daemon restart. TTFT per turn and the ratios."""
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import httpx
     from mlx_lm.utils import load_tokenizer
-
-    from moed.daemon.model.source import resolve_model
 
     path = resolve_model(model)
     tokenizer = load_tokenizer(path)

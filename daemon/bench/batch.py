@@ -20,6 +20,8 @@ from pathlib import Path
 
 import click
 
+from moed.client import Client, DaemonUnavailable
+from moed.client.autostart import start_daemon, wait_until_ready
 from moed.client.progress import Progress, progress_mode
 from moed.daemon.bench.batch_clients import (
     ClientJob,
@@ -37,6 +39,7 @@ from moed.daemon.bench.batch_report import (
     print_exactness,
     print_long,
 )
+from moed.daemon.model.source import resolve_model
 
 # One prompt per client (code and prose, the demo model's material); client i sends PROMPTS[i].
 PROMPTS = (
@@ -83,9 +86,6 @@ def _long_jobs(long_ids: tuple[int, ...]) -> list[ClientJob]:
 
 
 def _start(sides: list[Side], model: str, run_dir: Path, extra: tuple[str, ...]) -> list:
-    from moed.client import DaemonUnavailable
-    from moed.client.autostart import start_daemon, wait_until_ready
-
     procs = []
     for side in sides:
         # Its own state and log dirs: a benchmark leaves no trace in the user's daemon or profile.
@@ -113,8 +113,6 @@ def _start(sides: list[Side], model: str, run_dir: Path, extra: tuple[str, ...])
 
 
 def _stop(sides: list[Side], procs: list) -> None:
-    from moed.client import Client
-
     for side, proc in zip(sides, procs):
         if proc.poll() is None:
             try:
@@ -199,9 +197,6 @@ def bench_batch(
 ) -> None:
     """1, 2, 4, 8 concurrent clients, resident and streaming: total and per-client tok/s, gaps
     between tokens, time to first token, a long prompt among decoding streams, exactness."""
-    from moed.client import Client
-    from moed.daemon.model.source import resolve_model
-
     counts = sorted({int(c) for c in _csv(clients)})
     if not counts or counts[0] < 1 or counts[-1] > len(PROMPTS):
         raise click.BadParameter(f"between 1 and {len(PROMPTS)} clients", param_hint="--clients")

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moed.client import Client, TokenEvent
+
 # Telemetry messages at most once per stream: the client side stays cheap (2-core machines).
 QUIET_TELEMETRY = 1 << 30
 STALL_LIMIT_S = 60.0
@@ -45,8 +47,6 @@ class ClientJob:
 
 def run_clients(socket: Path, jobs: list[ClientJob]) -> list[StreamRecord]:
     """Each job from its own client connection, started together (or after a token count)."""
-    from moed.client import Client, TokenEvent
-
     records = [StreamRecord() for _ in jobs]
     ready = threading.Barrier(len(jobs))
     # Set once the first stream has `start_after` tokens (or ended): late jobs start then.

@@ -54,6 +54,7 @@ def write_bench_model(dest: Path, config: dict, dtype: str, seed: int = 0) -> Pa
     """Non-expert weights from the mlx-lm model class; expert tensors written directly in the
     quantized layout (random packed weights, scales and biases), one shard per layer, so the
     full-precision experts never exist in memory."""
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
     import mlx.nn as nn
     import numpy as np

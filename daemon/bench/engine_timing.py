@@ -7,7 +7,10 @@ import itertools
 import time
 from pathlib import Path
 
-from moed.daemon.bench.serve import RunTiming, decode_tps
+from moed.daemon.bench.run_timing import RunTiming, decode_tps
+from moed.daemon.config import ServeConfig
+from moed.daemon.engine.status import EngineStatus
+from moed.protocol import GenerateRequest, validate_generate
 
 
 class _StampSink:
@@ -28,9 +31,8 @@ class InProcessCore:
     the engine thread drives it, one generate at a time."""
 
     def __init__(self, model_path: Path, state_dir: Path):
-        from moed.daemon.config import ServeConfig
+        # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
         from moed.daemon.engine.core import EngineCore
-        from moed.daemon.engine.status import EngineStatus
 
         self.sink = _StampSink()
         serve = ServeConfig(model=str(model_path), state_dir=state_dir, resident=True)
@@ -40,9 +42,9 @@ class InProcessCore:
         self._ids = itertools.count()
 
     def time(self, prompt_ids: list[int], max_tokens: int) -> RunTiming:
+        # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
         from moed.daemon.engine.commands import Submit
         from moed.daemon.engine.request import GenerateJob
-        from moed.protocol import GenerateRequest, validate_generate
 
         self.sink.stamps, self.sink.tokens = [], []
         request_id = f"core-{next(self._ids)}"

@@ -9,6 +9,7 @@ from moed.daemon.bench.stream_report import RunResult
 def native_agreement(model, prompt: list[int], native_tokens: list[int]) -> float:
     """Teacher-forced over native routing's own generation: the share of positions where the
     reduced model's greedy next token is native's (one forward pass, no cache)."""
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
 
     seq = prompt + native_tokens[:-1]

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import click
 
+from moed.client import Client, DaemonUnavailable
+from moed.client.autostart import start_daemon, wait_until_ready
 from moed.daemon.bench.batch import PROMPTS
 from moed.daemon.bench.batch_clients import ClientJob, run_clients, summarize
 from moed.daemon.bench.serve import time_through_daemon
+from moed.daemon.model.source import resolve_model
 from moed.protocol.units import format_bytes
 
 
@@ -61,8 +64,6 @@ class Setup:
     """A daemon of `ranks` ranks on its own socket, state and log dirs."""
 
     def __init__(self, path: Path, ranks: int, budget: str):
-        from moed.client.autostart import start_daemon
-
         self.ranks = ranks
         self.tmp = Path(tempfile.mkdtemp(prefix="moed-bench-", dir="/tmp"))
         self.socket = self.tmp / "s.sock"
@@ -78,9 +79,6 @@ class Setup:
         self.batched: list = []  # StreamRecord lists, one per concurrent run
 
     def connect(self) -> None:
-        from moed.client import Client, DaemonUnavailable
-        from moed.client.autostart import wait_until_ready
-
         try:
             wait_until_ready(self.socket, self.daemon, 300)
         except DaemonUnavailable as exc:
@@ -153,9 +151,8 @@ def pipeline(
 ) -> None:
     """1 process vs N local ranks (ring over loopback): tok/s of one client and of concurrent
     clients, memory per rank, bytes per token."""
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    from moed.daemon.model.source import resolve_model
 
     path = resolve_model(model)
     prompt_ids = list(load_tokenizer(path).encode(prompt))

@@ -29,6 +29,18 @@ import click
 import numpy as np
 
 from moed.client.progress import Progress, progress_mode
+from moed.daemon.bench.serve import time_in_process
+from moed.daemon.experts import profile as profile_mod
+from moed.daemon.experts.store import drop_page_cache
+from moed.daemon.model.source import ModelNotFound, resolve_model
+from moed.daemon.telemetry.residency import PageCacheProbe
+from moed.daemon.telemetry.trace import (
+    TraceRecorder,
+    parse_trace,
+    read_trace,
+    record_steps,
+    trace_header,
+)
 from moed.protocol.units import format_bytes
 
 SCENARIOS = ("cold", "warm page cache", "prewarm")
@@ -72,8 +84,6 @@ def fill_page_cache(path: Path) -> None:
 
 def experts_cached_share(streamer) -> float | None:
     """Share of the experts' pages in the page cache (mincore), sampled over every expert."""
-    from moed.daemon.telemetry.residency import PageCacheProbe
-
     probe = PageCacheProbe()
     try:
         fractions = []
@@ -105,9 +115,11 @@ def hot_counts(traces, layers: int, experts: list[int]) -> list[np.ndarray]:
 
 
 def _load(model_path: Path, budget: str, page_cache: str, state_dir: Path | None):
+    # mlx-lm (and transformers under it) on use: every `moed` command imports this module
     import mlx.core as mx
     from mlx_lm.utils import load
 
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from moed.daemon.experts import PageCachePolicy, StreamingConfig, install_streaming
 
     model, tokenizer = load(str(model_path), lazy=True)
@@ -128,10 +140,9 @@ def record_trace(
     """A trace of one generation on a fresh model (what `moe run --trace` records)."""
     import io
 
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
     from mlx_lm.generate import generate_step
-
-    from moed.daemon.telemetry.trace import TraceRecorder, parse_trace, record_steps, trace_header
 
     model, _tok, streamer = _load(model_path, budget, page_cache, None)
     buf = io.BytesIO()
@@ -162,10 +173,6 @@ def measure(
     max_tokens: int,
     counts: list[np.ndarray] | None,
 ) -> Run:
-    from moed.daemon.bench.serve import time_in_process
-    from moed.daemon.experts import profile as profile_mod
-    from moed.daemon.experts.store import drop_page_cache
-
     with tempfile.TemporaryDirectory(prefix="moed-prewarm-") as tmp:
         state_dir = Path(tmp) if scenario == "prewarm" else None
         if (
@@ -207,6 +214,7 @@ def measure(
 
 
 def _encode(tokenizer_path: Path, text: str) -> list[int]:
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from mlx_lm.utils import load_tokenizer
 
     return list(load_tokenizer(tokenizer_path).encode(text))
@@ -272,9 +280,6 @@ def prewarm(
     """Pre-load a trace's hot experts vs a cold start vs a warm page cache: TTFT and decode
     tok/s."""
     import json
-
-    from moed.daemon.model.source import ModelNotFound, resolve_model
-    from moed.daemon.telemetry.trace import read_trace
 
     try:
         path = resolve_model(model)

@@ -16,6 +16,8 @@ import click
 import numpy as np
 
 from moed.daemon.bench.bench_model import _same_config, bench_config, write_bench_model
+from moed.daemon.engine.chunk_budget import chunk_budget
+from moed.daemon.experts.store import PageCachePolicy
 from moed.protocol.model_config import ModelConfig
 
 PLAN = "plan"
@@ -40,11 +42,12 @@ def _read_prompt(
     path: Path, config: ModelConfig, budget: str, page_cache: str, prompt, chunk: int, plan
 ):
     """A fresh streaming model (a cold cache) reads the prompt in chunks of `chunk` tokens."""
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model
 
-    from moed.daemon.config import PageCachePolicy
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from moed.daemon.experts import StreamingConfig, estimate_kv_bytes, install_streaming
 
     model, _ = load_model(path, lazy=True)
@@ -86,8 +89,6 @@ class _Plan:
 
 
 def _plan_chunk(config: ModelConfig, working_bytes: int, plan: _Plan, prompt_tokens: int) -> int:
-    from moed.daemon.engine.chunk_budget import chunk_budget
-
     dtype_bytes = 4 if config.torch_dtype == "float32" else 2
     budget = chunk_budget(config, working_bytes, plan.plan_kv_tokens, plan.floor, dtype_bytes)
     return budget.alone(prompt_tokens + 1, prompt_tokens + 1)
@@ -162,6 +163,7 @@ def prompt_bench(
     plan_context_tokens, page_cache, model_path, model_dir, json_out, seed,
 ) -> None:  # fmt: skip
     """Bytes read per prompt token at several prefill chunk sizes, under expert streaming."""
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
 
     dtype = "bfloat16" if mx.metal.is_available() else "float32"

@@ -11,33 +11,28 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
+from moed.client import Client, DaemonUnavailable, TokenEvent
+from moed.client.autostart import start_daemon, wait_until_ready
 from moed.client.progress import Progress, progress_mode
-
-
-@dataclass(frozen=True)
-class RunTiming:
-    ttft_s: float
-    decode_tps: float
-    tokens: list[int]
-    text: str = ""
-    cpu_s: float = 0.0  # CPU time of the reading thread (the client library's share)
-
-
-def decode_tps(stamps: list[float]) -> float:
-    return (
-        (len(stamps) - 1) / (stamps[-1] - stamps[0])
-        if len(stamps) > 1 and stamps[-1] > stamps[0]
-        else 0.0
-    )
+from moed.daemon.bench.engine_timing import InProcessCore
+from moed.daemon.bench.gateway_timing import (
+    cpu_seconds,
+    openai_client,
+    start_gateway,
+    thread_cpu_seconds,
+    time_through_gateway,
+)
+from moed.daemon.bench.run_timing import RunTiming, decode_tps
+from moed.daemon.model.source import resolve_model
 
 
 def time_in_process(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> RunTiming:
     """mlx-lm's own streaming loop (tokens and text), as a script using mlx-lm directly runs it."""
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from mlx_lm import stream_generate
 
     t0 = time.perf_counter()
@@ -53,8 +48,6 @@ def time_in_process(model, tokenizer, prompt_ids: list[int], max_tokens: int) ->
 
 
 def time_through_daemon(client, prompt_ids: list[int], max_tokens: int) -> RunTiming:
-    from moed.client import TokenEvent
-
     cpu0 = time.thread_time()
     t0 = time.perf_counter()
     stamps, tokens, parts = [], [], []
@@ -86,18 +79,8 @@ def time_through_daemon(client, prompt_ids: list[int], max_tokens: int) -> RunTi
 def bench_serve(model: str, max_tokens: int, runs: int, prompt: str, engine_core: bool) -> None:
     """Daemon + client and gateway + openai SDK vs in-process mlx-lm: decode tok/s ratios and
     extra time to first token."""
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from mlx_lm import load
-
-    from moed.client import Client, DaemonUnavailable
-    from moed.client.autostart import start_daemon, wait_until_ready
-    from moed.daemon.bench.gateway_timing import (
-        cpu_seconds,
-        openai_client,
-        start_gateway,
-        thread_cpu_seconds,
-        time_through_gateway,
-    )
-    from moed.daemon.model.source import resolve_model
 
     path = resolve_model(model)
     click.echo(f"model {path}  max_tokens {max_tokens}  runs {runs} (alternating)", err=True)
@@ -128,8 +111,6 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str, engine_core
         local, remote, http, cores = [], [], [], []
         core = None
         if engine_core:
-            from moed.daemon.bench.engine_timing import InProcessCore
-
             core = InProcessCore(path, sock_dir / "core-state")
             core.time(prompt_ids, 8)
         # A bar on a terminal only: the report on stdout stays clean for BENCHMARKS.md.

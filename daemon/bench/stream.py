@@ -25,6 +25,7 @@ from moed.daemon.bench.k_reduction import k_lines, native_agreement
 from moed.daemon.bench.reads import raw_pread_bandwidth, sweep, sweep_report
 from moed.daemon.bench.stream_contenders import _prompt, load_resident, load_streaming, measure
 from moed.daemon.bench.stream_report import paired_speed, report
+from moed.daemon.experts.prefetch import default_workers
 
 SWEEP_BURST = 2  # experts per burst in the read sweep: a layer's misses in a decode step at 25%
 
@@ -157,9 +158,8 @@ def stream(
     seed,
 ) -> None:
     """Expert streaming vs resident mlx-lm on a model with Qwen3.6-35B-A3B expert shapes."""
-    from moed.daemon.experts.prefetch import default_workers
-
     if dtype == "auto":
+        # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
         import mlx.core as mx
 
         dtype = "bfloat16" if mx.metal.is_available() else "float32"

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from moed.client.progress import Progress, progress_mode
 from moed.daemon.bench.stream_report import RunResult
+from moed.daemon.experts import CUMULATIVE_KEYS
+from moed.daemon.experts.store import PageCachePolicy, drop_page_cache
 from moed.daemon.telemetry.analyze import simulate_layers
 from moed.protocol.model_config import ModelConfig
 
@@ -38,6 +40,7 @@ class Contender:
         self.first: dict | None = None
 
     def warm_up(self, prompt: list[int], n: int) -> None:
+        # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
         import mlx.core as mx
         from mlx_lm.generate import generate_step
 
@@ -45,6 +48,7 @@ class Contender:
             pass
 
     def start(self, prompt: list[int], n: int) -> None:
+        # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
         import mlx.core as mx
         from mlx_lm.generate import generate_step
 
@@ -69,6 +73,7 @@ class Contender:
 
     @staticmethod
     def _sync() -> None:
+        # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
         import mlx.core as mx
         from mlx_lm.generate import generation_stream
 
@@ -84,7 +89,6 @@ class Contender:
         )
         if self.streamer is None:
             return res
-        from moed.daemon.experts import CUMULATIVE_KEYS
 
         self.streamer.usage_counts()
         end = self.streamer.snapshot()
@@ -118,6 +122,7 @@ class Contender:
 
 
 def load_resident(path: Path) -> Contender:
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from mlx_lm.utils import load_model
 
     model, _ = load_model(path)
@@ -134,10 +139,11 @@ def load_streaming(
     active_experts: int = 0,
     landing: str = "direct",
 ) -> Contender:
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
-    from moed.daemon.config import PageCachePolicy
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from moed.daemon.experts import StreamingConfig, install_streaming
     from moed.daemon.experts.landing import Landing
 
@@ -155,6 +161,7 @@ def load_streaming(
     )
     mx.eval(model.parameters())
     if active_experts:
+        # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
         from moed.daemon.experts.active_experts import limit_active_experts
 
         limit_active_experts(model, ModelConfig.read(path).experts_per_token, active_experts)
@@ -182,8 +189,6 @@ def measure(
     """Warm up, then decode every contender one token at a time in turn (a round: one token each,
     in an order rotating by round); `between(i)` runs every RAW_EVERY rounds, outside every
     contender's timing."""
-    from moed.daemon.experts.store import drop_page_cache
-
     drop_page_cache(files)
     for c in contenders:
         c.warm_up(warm_prompt, warmup)

@@ -15,6 +15,7 @@ import click
 
 from moed.daemon.bench.batch import PROMPTS, Side, _start, _stop
 from moed.daemon.bench.batch_clients import ClientJob, StreamRecord, run_clients
+from moed.daemon.model.source import resolve_model
 
 # Many required items: the grammar cannot end before max_tokens, so both sides decode as long.
 SCHEMA = {
@@ -59,8 +60,6 @@ def bench_format(
 ) -> None:
     """Decode tok/s with a JSON schema against without, side by side; with --clients N, also a
     mixed batch (half the rows under the schema) whose plain rows must keep their tokens."""
-    from moed.daemon.model.source import resolve_model
-
     if not 1 <= clients <= len(PROMPTS):
         raise click.BadParameter(f"must be in 1..{len(PROMPTS)}", param_hint="--clients")
     path = resolve_model(model)

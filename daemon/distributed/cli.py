@@ -8,6 +8,8 @@ import sys
 import click
 
 from moed.client.cli_common import log_level_option, log_to_stderr
+from moed.daemon.distributed.launch import Heartbeat, read_secret
+from moed.daemon.distributed.spec import RankSpec
 
 
 @click.command(hidden=True)
@@ -17,9 +19,8 @@ from moed.client.cli_common import log_level_option, log_to_stderr
 def rank(spec_json: str, rank: int, log_level: str) -> None:
     """Follow rank 0's steps through this rank's layers."""
     log_to_stderr(log_level, tag=f"rank{rank} ")
+    # the model (mlx-lm) only in a rank process: every `moed` command registers `rank`
     from moed.daemon.distributed.follower import run_follower
-    from moed.daemon.distributed.launch import Heartbeat, read_secret
-    from moed.daemon.distributed.spec import RankSpec
 
     # Rank 0 decides when the group ends: a Ctrl-C in its terminal reaches this process group
     # too, and must not kill a rank mid-step before rank 0 has said goodbye.

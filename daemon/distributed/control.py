@@ -19,6 +19,7 @@ from pathlib import Path
 import zmq
 
 from moed.daemon import __version__
+from moed.daemon.ground.live_probe import probe_live_daemon
 from moed.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_MAJOR,
@@ -59,8 +60,6 @@ class RankControl:
         self._thread = threading.Thread(target=self._run, name="rank-control", daemon=True)
 
     def start(self) -> None:
-        from moed.daemon.transport.server import probe_live_daemon
-
         ensure_private_dir(self.socket_path.parent)
         endpoint = endpoint_for(self.socket_path)
         if self.socket_path.exists():

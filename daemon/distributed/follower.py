@@ -5,19 +5,29 @@ from __future__ import annotations
 import logging
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from moed.daemon.distributed.cache_ops import MirroredCaches
+from moed.daemon.distributed.control import RankControl
+from moed.daemon.distributed.guard import GuardRefused, join, write_ring_hostfile
+from moed.daemon.distributed.hostfile import Backend, RankHost
 from moed.daemon.distributed.protocol import ProtocolMismatch, StepChannel, StepOp
-from moed.daemon.distributed.rank_model import RankModel
+from moed.daemon.distributed.rank_model import (
+    PipelineUnsupported,
+    RankModel,
+    load_rank_model,
+    num_layers,
+)
 from moed.daemon.distributed.rank_status import rank_status
+from moed.daemon.ground.exit_codes import DaemonExit
+from moed.daemon.model.loader import MemoryPlanRefused
+from moed.protocol.paths import default_socket_path
 
 log = logging.getLogger("moed.distributed")
 
 
 def follow(rank: RankModel, channel: StepChannel) -> int:
     """Run every step rank 0 broadcasts; returns the number of steps run."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     caches = MirroredCaches(lambda: make_prompt_cache(rank.model))
     while True:
         step = channel.receive()
@@ -45,9 +55,6 @@ def join_ring(spec, rank: int, secret: bytes) -> str | None:
     import os
     import tempfile
 
-    from moed.daemon.distributed.guard import join, write_ring_hostfile
-    from moed.daemon.distributed.hostfile import Backend, RankHost
-
     host, port = spec.guard.rsplit(":", 1)
     own = RankHost(rank, "", tuple(spec.rank_ips[rank]))
     ring = join((host, int(port)), rank, own, secret)
@@ -62,15 +69,6 @@ def run_follower(spec, expected_rank: int, secret: bytes, heartbeat=None) -> int
     """A follower process: join the group, load this rank's layers, follow until told to stop."""
     import shutil
     from pathlib import Path
-
-    from moed.daemon.distributed.guard import GuardRefused
-    from moed.daemon.distributed.rank_model import (
-        PipelineUnsupported,
-        load_rank_model,
-        num_layers,
-    )
-    from moed.daemon.exit_codes import DaemonExit
-    from moed.daemon.model.loader import MemoryPlanRefused
 
     try:
         folder = join_ring(spec, expected_rank, secret)
@@ -119,10 +117,6 @@ def run_follower(spec, expected_rank: int, secret: bytes, heartbeat=None) -> int
 def _start_control(rank: RankModel, channel: StepChannel):
     """This host's moed socket, for its watchdog (shed, status, leave the group)."""
     import os
-
-    from moed.daemon.distributed.control import RankControl
-    from moed.daemon.exit_codes import DaemonExit
-    from moed.protocol.paths import default_socket_path
 
     def leave(reason: str) -> None:
         # The main thread may sit in a collective: leave at once; rank 0 restarts the group.

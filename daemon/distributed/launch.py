@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moed.daemon.distributed.hostfile import LOOPBACK, GroupSpec, RankHost
-from moed.daemon.exit_codes import PERMANENT_EXITS, DaemonExit
-from moed.daemon.runtime.open_files import restore_for_child
+from moed.daemon.ground.exit_codes import PERMANENT_EXITS, DaemonExit
+from moed.daemon.ground.open_files import restore_for_child
 
 log = logging.getLogger("moed.distributed")
 

@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
 from moed.daemon.distributed.cache_ops import CacheHandle, OpLog
 from moed.daemon.distributed.protocol import Step, StepChannel, StepOp
@@ -69,8 +70,6 @@ class PipelineLeader:
 
     def make_cache(self) -> list:
         """This rank's layer caches and, last, the handle of the followers' twin list."""
-        from mlx_lm.models.cache import make_prompt_cache
-
         return [*make_prompt_cache(self.model), self._ops.new_handle()]
 
     def __getattr__(self, name: str) -> Any:  # layers, args, parameters(), ... of the real model

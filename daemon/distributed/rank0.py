@@ -11,14 +11,18 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 import mlx_lm
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.guard import Rendezvous, new_secret, write_ring_hostfile
 from moed.daemon.distributed.hostfile import Backend
 from moed.daemon.distributed.launch import RankGroup
-from moed.daemon.distributed.rank_model import PipelineUnsupported, num_layers
+from moed.daemon.distributed.leader import PipelineLeader
+from moed.daemon.distributed.protocol import StepChannel
+from moed.daemon.distributed.rank_model import PipelineUnsupported, load_rank_model, num_layers
 from moed.daemon.distributed.spec import RankSpec, group_spec, rank_spec
+from moed.daemon.model.loader import LoadedModel
 from moed.daemon.model.mlx_compat import pipelined_architectures, supports_pipeline
 from moed.protocol.model_config import ModelConfig
 
@@ -72,15 +76,8 @@ def start_group(serve: ServeConfig, model_path: Path) -> RankGroup:
     return ranks
 
 
-def load_leader(serve: ServeConfig, path: Path):
+def load_leader(serve: ServeConfig, path: Path) -> LoadedModel:
     """Join the group as rank 0 and load its layers; returns the engine's LoadedModel."""
-    import mlx.core as mx
-
-    from moed.daemon.distributed.leader import PipelineLeader
-    from moed.daemon.distributed.protocol import StepChannel
-    from moed.daemon.distributed.rank_model import load_rank_model
-    from moed.daemon.model.loader import LoadedModel
-
     if _started is None:
         raise RuntimeError("load_leader before start_group")
     spec, ranks, guard = _started.spec, _started.ranks, _started.guard

@@ -11,7 +11,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_lm
 from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.utils import load
 
 from moed.daemon.distributed.split import (
     SplitMode,
@@ -20,6 +23,8 @@ from moed.daemon.distributed.split import (
     even_split,
     layer_costs,
 )
+from moed.daemon.experts import CheckpointIndex, install_streaming
+from moed.daemon.model.loader import MemoryPlanRefused
 from moed.daemon.model.mlx_compat import pipeline_layers, pipelined_architectures
 from moed.protocol.model_config import ModelConfig
 
@@ -72,8 +77,6 @@ def num_layers(path: Path) -> int:
 def refuse_unsupported(model: nn.Module, config: ModelConfig) -> nn.Module:
     inner = pipeline_module(model)
     if inner is None:
-        import mlx_lm
-
         kind = config.model_type or type(model).__module__
         raise PipelineUnsupported(
             f"model type {kind!r} has no pipeline support in mlx-lm {mlx_lm.__version__} "
@@ -94,8 +97,6 @@ def resolve_split(
         check_split(split, size, num_layers)
         return split
     if split is SplitMode.COST:
-        from moed.daemon.experts import CheckpointIndex
-
         top_k = config.experts_per_token or 1
         costs = layer_costs(CheckpointIndex(path), num_layers, top_k)
         return balanced_split([c.per_token_bytes for c in costs], size)
@@ -103,8 +104,6 @@ def resolve_split(
 
 
 def _switch_param_bytes(model: nn.Module) -> int:
-    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-
     return sum(
         v.nbytes
         for _, m in model.named_modules()
@@ -120,8 +119,6 @@ def load_rank_model(
     streaming=None,  # a StreamingConfig, or None to keep every expert resident
 ) -> RankModel:
     """Load lazily, keep this rank's layers, stream their experts, then materialize the rest."""
-    from mlx_lm.utils import load
-
     model, tokenizer, raw = load(str(path), lazy=True, return_config=True)
     config = ModelConfig.from_dict(raw)
     inner = refuse_unsupported(model, config)
@@ -134,9 +131,6 @@ def load_rank_model(
     resident -= _switch_param_bytes(model)
     streamer = None
     if streaming is not None:
-        from moed.daemon.experts import install_streaming
-        from moed.daemon.model.loader import MemoryPlanRefused
-
         share = (layers.end - layers.start) / num_layers  # the KV cache is per layer too
         cfg = dataclasses.replace(streaming, kv_bytes=int(streaming.kv_bytes * share))
         streamer = install_streaming(model, path, cfg, resident_weight_bytes=resident)

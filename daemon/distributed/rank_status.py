@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import socket
 
+import mlx.core as mx
+
 from moed.daemon.distributed.rank_model import RankModel
 
 _STREAM_KEYS = (
@@ -25,7 +27,6 @@ _STREAM_KEYS = (
 def rank_status(rank: RankModel, link: dict, cache_lists: int | None = None) -> dict:
     """`cache_lists`: the batch cache lists this rank holds (rank 0's live, a follower's twins);
     0 once every request has ended."""
-    import mlx.core as mx
     import psutil
 
     out = {

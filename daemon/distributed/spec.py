@@ -6,9 +6,11 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moed.daemon.config import PageCachePolicy, ServeConfig
+from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.hostfile import GroupSpec, load_hostfile, local_group
+from moed.daemon.distributed.launch import free_port_run
 from moed.daemon.distributed.split import SplitMode, parse_split
+from moed.daemon.experts.store import PageCachePolicy
 from moed.protocol.model_config import ModelConfig
 
 
@@ -41,6 +43,7 @@ class RankSpec:
 
     def streaming(self, rank: int):
         """This rank's StreamingConfig, or None when its experts stay resident."""
+        # the streamer (mlx-lm) on use: `moed rank`, registered in every `moed` command, reads this
         from moed.daemon.experts import StreamingConfig
 
         budget = self.budgets[rank]
@@ -55,14 +58,8 @@ class RankSpec:
         )
 
 
-def pipeline_enabled(serve: ServeConfig) -> bool:
-    return bool(serve.pipeline or serve.hostfile)
-
-
 def group_spec(serve: ServeConfig) -> GroupSpec:
     """The group a daemon configuration asks for (`--hostfile` wins over `--pipeline N`)."""
-    from moed.daemon.distributed.launch import free_port_run
-
     if serve.hostfile:
         return load_hostfile(Path(serve.hostfile).expanduser(), serve.pipeline_port or 32323)
     return local_group(serve.pipeline, serve.pipeline_port or free_port_run(serve.pipeline))
@@ -71,6 +68,7 @@ def group_spec(serve: ServeConfig) -> GroupSpec:
 def rank_spec(
     serve: ServeConfig, group: GroupSpec, model_path: Path, model_config: ModelConfig
 ) -> RankSpec:
+    # the streamer (mlx-lm) on use: `moed rank`, registered in every `moed` command, reads this
     from moed.daemon.experts import estimate_kv_bytes
 
     split: list[int] | str = serve.pipeline_split

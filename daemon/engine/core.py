@@ -17,7 +17,6 @@ import mlx.core as mx
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.failure import is_group_failure
-from moed.daemon.distributed.spec import pipeline_enabled
 from moed.daemon.engine.batch import DecodeBatch, SavedRow, StepOutput
 from moed.daemon.engine.commands import (
     Cancel,
@@ -31,16 +30,18 @@ from moed.daemon.engine.heartbeat import StepHeartbeat
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.lifecycle import ModelLifecycle
 from moed.daemon.engine.prefix_cache.cache import PrefixHit
+from moed.daemon.engine.prefix_cache.disk_tier import clear_folder
+from moed.daemon.engine.prefix_cache.setup import prefix_cache_config
 from moed.daemon.engine.request import Emitted, GenerateJob, Generation, RequestKey
 from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Scheduler
 from moed.daemon.engine.sink import EventSink
 from moed.daemon.engine.status import DaemonState, EngineStatus, ShedRecord
-from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.ground.crashlog import CrashKind, is_out_of_memory
+from moed.daemon.ground.exit_codes import DaemonExit
+from moed.daemon.ground.faults import Faults
 from moed.daemon.model.loader import (
     LoadedModel,
 )
-from moed.daemon.runtime.crashlog import CrashKind, is_out_of_memory
-from moed.daemon.runtime.faults import Faults
 from moed.daemon.telemetry.delta import cache_state, request_counters
 from moed.daemon.telemetry.request_trace import finish_request_trace, start_request_trace
 from moed.daemon.telemetry.trace import recording_all
@@ -91,7 +92,7 @@ class EngineCore(ModelLifecycle):
         self.faults = faults if faults is not None else Faults.parse(serve.debug_faults)
         self.heartbeat = StepHeartbeat(status, self.faults)  # progress inside a step
         # A pipeline's other ranks hold their layers for the group's life: only one process unloads.
-        self.keep_alive = KeepAlive(None if pipeline_enabled(serve) else serve.keep_alive_s)
+        self.keep_alive = KeepAlive(None if serve.pipelined else serve.keep_alive_s)
         self.status.update(keep_alive_s=self.keep_alive.seconds)
         self._ranks_at = 0.0  # when the pipeline ranks' status was last gathered
         self.prefix_cache = None  # a PrefixCache while a model is loaded and the cache is on
@@ -233,9 +234,6 @@ class EngineCore(ModelLifecycle):
 
     def clear_prefix_cache(self) -> dict[str, Any]:
         """Empty both tiers; with no model loaded, the SSD tier's folder all the same."""
-        from moed.daemon.engine.prefix_cache.disk_tier import clear_folder
-        from moed.daemon.engine.prefix_cache.setup import prefix_cache_config
-
         if self.prefix_cache is not None:
             released = self.prefix_cache.clear()
         else:
@@ -431,8 +429,6 @@ class EngineCore(ModelLifecycle):
             log.exception("could not record the crash")
 
     def _shed(self, level: ShedLevel) -> None:
-        import mlx.core as mx
-
         released = 0
         if self.prefix_cache is not None:  # cached prefixes go first: no request loses anything
             released += self.prefix_cache.shed()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from moed.daemon.engine.status import EngineStatus
-from moed.daemon.runtime.faults import Faults
+from moed.daemon.ground.faults import Faults
 
 # Beats closer than this update the status once: a decode step of a streamed model beats per
 # layer, and the deadline is measured in seconds.

@@ -4,23 +4,31 @@ snapshot, the pipeline ranks). A mixin of EngineCore, split out to keep one conc
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
 from moed.daemon.config import ServeConfig
+from moed.daemon.distributed.rank0 import load_leader
 from moed.daemon.engine.batch import DecodeBatch
 from moed.daemon.engine.chunk_budget import ChunkBudget, chunk_budget
 from moed.daemon.engine.heartbeat import StepHeartbeat
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.prefix_cache.cache import PrefixCache
+from moed.daemon.engine.prefix_cache.setup import open_prefix_cache
 from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
 from moed.daemon.engine.sink import EventSink
 from moed.daemon.engine.status import DaemonState, EngineStatus
-from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.experts.active_experts import ActiveExpertsError
+from moed.daemon.experts.memory_plan import default_working_bytes
+from moed.daemon.ground.crashlog import CrashKind
+from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.model.layer_progress import watch_layers
 from moed.daemon.model.loader import (
     CheckpointUnusable,
@@ -30,7 +38,6 @@ from moed.daemon.model.loader import (
     describe_model,
     load_model,
 )
-from moed.daemon.runtime.crashlog import CrashKind
 from moed.protocol import ErrorCode
 from moed.protocol import messages as wire
 
@@ -82,7 +89,7 @@ class ModelLifecycle:
                 on_progress(stage, done, total, unit)
 
         try:
-            self.loaded = load_model(self.serve, self.model_path, progress)
+            self.loaded = self._load_model(progress)
         except BaseException as exc:  # a model that cannot load is fatal for the daemon
             log.exception("model load failed")
             self._record_crash(CrashKind.LOAD_FAILED, f"{exc.__class__.__name__}: {exc}")
@@ -116,6 +123,15 @@ class ModelLifecycle:
         log.info("model loaded from %s in %.2fs", self.model_path, time.perf_counter() - t0)
         return True
 
+    def _load_model(self, progress: LoadProgress) -> LoadedModel:
+        """The load choice: rank 0 of a pipeline loads its own layers (the group follows); a
+        daemon alone loads the whole model."""
+        if not self.serve.pipelined:
+            return load_model(self.serve, self.model_path, progress)
+        if self.serve.max_active_experts:
+            raise ActiveExpertsError("max_active_experts is not supported with a pipeline yet")
+        return load_leader(self.serve, self.model_path)
+
     def _watch_progress(self) -> None:
         """Every layer of a prompt chunk and every expert read is progress (engine/heartbeat.py).
         A pipeline's leader runs the other ranks' layers through collectives: its chunks are
@@ -144,8 +160,6 @@ class ModelLifecycle:
         )
 
     def _open_prefix_cache(self) -> None:
-        from moed.daemon.engine.prefix_cache.setup import open_prefix_cache
-
         assert self.loaded is not None  # called once a model is loaded
         if self.prefix_cache is None:
             try:
@@ -175,10 +189,6 @@ class ModelLifecycle:
 
     def unload(self) -> None:
         """Release the model and the expert cache (state `idle`); the next request reloads them."""
-        import gc
-
-        import mlx.core as mx
-
         self.close()  # saves the usage profile (the reload warms from it), closes the streamer
         self.loaded = None
         self.keep_alive.idle_since = None
@@ -248,9 +258,6 @@ def lone_chunk_budget(loaded: LoadedModel, serve: ServeConfig) -> ChunkBudget | 
     keeps `prefill_chunk`: its ranks hold the activations."""
     if loaded.pipeline is not None:
         return None
-    from mlx.utils import tree_flatten
-
-    from moed.daemon.experts.memory_plan import default_working_bytes
 
     if loaded.streamer is not None:
         working = loaded.streamer.plan.working_bytes

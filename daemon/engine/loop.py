@@ -25,10 +25,10 @@ from moed.daemon.engine.core import EngineCore
 from moed.daemon.engine.request import GenerateJob, RequestKey
 from moed.daemon.engine.sink import EventSink
 from moed.daemon.engine.status import EngineStatus
-from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.ground.crashlog import CrashKind
+from moed.daemon.ground.exit_codes import DaemonExit
+from moed.daemon.ground.faults import Faults
 from moed.daemon.model.loader import LoadedModel
-from moed.daemon.runtime.crashlog import CrashKind
-from moed.daemon.runtime.faults import Faults
 from moed.protocol import ErrorCode, ShedLevel
 
 log = logging.getLogger("moed.engine")

@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from moed.daemon.config import ServeConfig
+from moed.daemon.engine.grammar import GrammarConstraint, grammar_for
+from moed.daemon.engine.logprobs import token_logprobs
 from moed.daemon.engine.reasoning import ReasoningSplit, Segment, initial_channel
+from moed.daemon.engine.sampling import SamplingParams, make_position_sampler
 from moed.daemon.engine.stop_sequences import StopSequences
 from moed.daemon.engine.tool_calls import ToolCalls
 from moed.daemon.model.chat_template import prompt_token_ids
@@ -68,8 +71,6 @@ class Generation:
         serve: ServeConfig,
         stream_snapshot: dict[str, Any] | None,
     ):
-        from moed.daemon.engine.sampling import SamplingParams, make_position_sampler
-
         req = job.request
         self.job = job
         self.tokenizer = loaded.tokenizer
@@ -136,8 +137,6 @@ class Generation:
         segments, calls = self._route(self.reasoning.feed(self.detokenizer.last_segment), False)
         entries = None
         if self.top_logprobs is not None:
-            from moed.daemon.engine.logprobs import token_logprobs
-
             entries = [token_logprobs(logprobs, token, self.top_logprobs, self.tokenizer)]
         return Emitted(segments, entries, calls, self._ended)
 
@@ -199,8 +198,6 @@ def _constraint(
     req: GenerateRequest, tokenizer: Any, reasoning: ReasoningSplit, resumed: list[int]
 ) -> GrammarConstraint | None:
     """The row's grammar (a logits processor), when `format` or a forced tool_choice asks."""
-    from moed.daemon.engine.grammar import GrammarConstraint, grammar_for
-
     grammar = grammar_for(req, tokenizer)
     if grammar is None:
         return None

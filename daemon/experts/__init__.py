@@ -30,7 +30,7 @@ _EXPORTS = {
     "install_streaming": "moed.daemon.experts.install",
     "EvictionPolicy": "moed.daemon.experts.policies",
     "LRUPolicy": "moed.daemon.experts.policies",
-    "PageCachePolicy": "moed.daemon.config",
+    "PageCachePolicy": "moed.daemon.experts.store",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -6,7 +6,9 @@ bytes (`25%`, `0.25`), or `auto` (what the memory plan leaves free).
 
 from __future__ import annotations
 
+import enum
 import re
+from dataclasses import dataclass
 
 _UNITS = {
     "": 1,
@@ -31,34 +33,70 @@ class BudgetError(ValueError):
     pass
 
 
-def parse_budget(spec: str | int | float, experts_bytes: int, auto_bytes: int | None = None) -> int:
-    """Budget in bytes. `experts_bytes` is the size of all routed experts (what 100% means)."""
-    if isinstance(spec, bool):
-        raise BudgetError(f"invalid cache budget {spec!r}")
-    if isinstance(spec, int):
-        return _positive(spec, spec)
-    if isinstance(spec, float):
-        return _fraction(spec, experts_bytes, spec)
-    text = str(spec).strip().lower()
-    if text == "auto":
+class BudgetKind(enum.Enum):
+    BYTES = "bytes"
+    FRACTION = "fraction"  # of all routed experts' bytes
+    AUTO = "auto"  # what the memory plan leaves free
+
+
+@dataclass(frozen=True)
+class CacheBudget:
+    """A cache budget parsed once (at the configuration's edge); the memory plan resolves it to
+    bytes. `text` is the budget as given, for logs and a follower's spec."""
+
+    kind: BudgetKind
+    amount: float = 0.0  # bytes, or the fraction
+    text: str = "auto"
+
+    @classmethod
+    def parse(cls, spec: str | int | float) -> CacheBudget:
+        if isinstance(spec, bool):
+            raise BudgetError(f"invalid cache budget {spec!r}")
+        if isinstance(spec, int):
+            return cls(BudgetKind.BYTES, _positive(spec, spec), str(spec))
+        if isinstance(spec, float):
+            return cls(BudgetKind.FRACTION, _fraction(spec, spec), str(spec))
+        text = str(spec).strip().lower()
+        if text == "auto":
+            return cls(BudgetKind.AUTO, 0.0, str(spec))
+        if text.endswith("%"):
+            try:
+                frac = float(text[:-1]) / 100.0
+            except ValueError:
+                raise BudgetError(f"invalid cache budget {spec!r}") from None
+            return cls(BudgetKind.FRACTION, _fraction(frac, spec), str(spec))
+        m = _SIZE.match(text)
+        if not m or m.group(2) not in _UNITS:
+            raise BudgetError(
+                f"invalid cache budget {spec!r} (use bytes, 12GB, 512MiB, 25%, 0.25 or auto)"
+            )
+        number, unit = float(m.group(1)), m.group(2)
+        # A bare number below or at 1 is a fraction ("0.25"); anything else is bytes.
+        if unit == "" and number <= 1.0 and "." in m.group(1):
+            return cls(BudgetKind.FRACTION, _fraction(number, spec), str(spec))
+        return cls(BudgetKind.BYTES, _positive(int(number * _UNITS[unit]), spec), str(spec))
+
+    @classmethod
+    def of_bytes(cls, n: int) -> CacheBudget:
+        return cls(BudgetKind.BYTES, _positive(int(n), n), str(int(n)))
+
+    def resolve(self, experts_bytes: int, auto_bytes: int | None = None) -> int:
+        """Bytes. `experts_bytes` is the size of all routed experts (what 100% means)."""
+        if self.kind is BudgetKind.BYTES:
+            return int(self.amount)
+        if self.kind is BudgetKind.FRACTION:
+            return int(self.amount * experts_bytes)
         if auto_bytes is None:
             raise BudgetError("cache budget 'auto' needs a memory plan")
         return max(0, int(auto_bytes))
-    if text.endswith("%"):
-        try:
-            return _fraction(float(text[:-1]) / 100.0, experts_bytes, spec)
-        except ValueError:
-            raise BudgetError(f"invalid cache budget {spec!r}") from None
-    m = _SIZE.match(text)
-    if not m or m.group(2) not in _UNITS:
-        raise BudgetError(
-            f"invalid cache budget {spec!r} (use bytes, 12GB, 512MiB, 25%, 0.25 or auto)"
-        )
-    number, unit = float(m.group(1)), m.group(2)
-    # A bare number below or at 1 is a fraction ("0.25"); anything else is bytes.
-    if unit == "" and number <= 1.0 and "." in m.group(1):
-        return _fraction(number, experts_bytes, spec)
-    return _positive(int(number * _UNITS[unit]), spec)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def parse_budget(spec: str | int | float, experts_bytes: int, auto_bytes: int | None = None) -> int:
+    """Budget in bytes. `experts_bytes` is the size of all routed experts (what 100% means)."""
+    return CacheBudget.parse(spec).resolve(experts_bytes, auto_bytes)
 
 
 def parse_size(spec: str | int) -> int:
@@ -69,10 +107,10 @@ def parse_size(spec: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def _fraction(frac: float, experts_bytes: int, spec: object) -> int:
+def _fraction(frac: float, spec: object) -> float:
     if not 0.0 < frac <= 1.0:
         raise BudgetError(f"cache budget fraction {spec!r} must be in (0, 1]")
-    return int(frac * experts_bytes)
+    return frac
 
 
 def _positive(n: int, spec: object) -> int:

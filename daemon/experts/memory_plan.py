@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import psutil
 
-from moed.daemon.experts.budget import parse_budget, slots_per_layer
+from moed.daemon.experts.budget import CacheBudget, slots_per_layer
 from moed.daemon.experts.safetensors_index import CheckpointIndex
 from moed.protocol.model_config import ModelConfig
 from moed.protocol.units import format_bytes
@@ -198,7 +198,7 @@ def auto_prefix_cache_bytes(usable_memory: int) -> int:
 def make_plan(
     layout: ExpertLayout,
     resident_bytes: int,
-    cache_budget: str | int,
+    cache_budget: CacheBudget | str | int,
     *,
     kv_bytes: int = 0,
     working_bytes: int = 0,
@@ -215,7 +215,9 @@ def make_plan(
     baseline = process_rss() if baseline_bytes is None else baseline_bytes
     experts = layout.experts_bytes
     auto = usable - baseline - resident_bytes - kv_bytes - prefix_cache_bytes - working
-    budget = parse_budget(cache_budget, experts, auto_bytes=max(0, auto))
+    if not isinstance(cache_budget, CacheBudget):  # a StreamingConfig given text (bench, tests)
+        cache_budget = CacheBudget.parse(cache_budget)
+    budget = cache_budget.resolve(experts, auto_bytes=max(0, auto))
     slots = (
         slots_per_layer(budget, layout.expert_bytes, layout.num_experts)
         if layout.num_experts

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from moed.daemon.runtime.state_files import read_json, save_json
+from moed.daemon.ground.state_files import read_json, save_json
 
 VERSION = 1
 

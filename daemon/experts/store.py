@@ -13,6 +13,7 @@ read pool drops what a burst read.
 
 from __future__ import annotations
 
+import enum
 import errno
 import logging
 import mmap
@@ -22,10 +23,12 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from moed.daemon.config import PageCachePolicy
-from moed.daemon.experts.cache import LayerPool
 from moed.daemon.experts.landing import Staging
+
+if TYPE_CHECKING:  # a type only: cache.py imports mlx, and the configuration imports this module
+    from moed.daemon.experts.cache import LayerPool
 
 F_NOCACHE = 48  # macOS <sys/fcntl.h>: turn data caching off for this file descriptor
 IOV_MAX = 1024  # POSIX minimum guaranteed is 16; Linux and macOS allow 1024
@@ -39,6 +42,12 @@ SPLIT_BYTES = 1024 * 1024
 DIRECT_ALIGN = 4096
 
 log = logging.getLogger("moed.experts")
+
+
+class PageCachePolicy(str, enum.Enum):
+    AUTO = "auto"  # bypass when the experts are much larger than RAM, trust otherwise
+    BYPASS = "bypass"  # F_NOCACHE on macOS, POSIX_FADV_DONTNEED / O_DIRECT on Linux
+    TRUST = "trust"
 
 
 @dataclass

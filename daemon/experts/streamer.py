@@ -14,8 +14,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from moed.daemon.config import PageCachePolicy
 from moed.daemon.experts import profile as profile_mod
+from moed.daemon.experts.budget import CacheBudget
 from moed.daemon.experts.cache import LayerPool
 from moed.daemon.experts.counters import Counters, LayerCounters
 from moed.daemon.experts.discover import SwitchInfo
@@ -26,7 +26,7 @@ from moed.daemon.experts.policies import DEFAULT_POLICY, make_policy
 from moed.daemon.experts.prefetch import ReadBatch, ReadPool, ReadResult
 from moed.daemon.experts.safetensors_index import CheckpointIndex
 from moed.daemon.experts.speculation import Speculator
-from moed.daemon.experts.store import ExpertStore, resolve_page_cache
+from moed.daemon.experts.store import ExpertStore, PageCachePolicy, resolve_page_cache
 from moed.daemon.experts.tuning import StepTuner, Switch
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,9 @@ def _no_progress() -> None:
 
 @dataclass(frozen=True)
 class StreamingConfig:
-    cache_budget: str | int = "auto"  # bytes, "12GB", "25%", "0.25" or "auto"
+    # parsed (CacheBudget) by the daemon's configuration; text from bench and tests: bytes, "12GB",
+    # "25%", "0.25" or "auto"
+    cache_budget: CacheBudget | str | int = "auto"
     prefetch_workers: int = 0  # 0: sized to the machine
     page_cache: PageCachePolicy = PageCachePolicy.AUTO
     state_dir: Path | None = None  # where the usage profile lives; None: no profile

@@ -9,7 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
+import mlx_lm.utils
+from mlx.utils import tree_flatten
+
 from moed.daemon.config import ServeConfig
+from moed.daemon.experts.active_experts import ActiveExpertsError, limit_active_experts
+from moed.daemon.experts.budget import parse_size
+from moed.daemon.experts.install import install_streaming
+from moed.daemon.experts.memory_plan import estimate_kv_bytes
+from moed.daemon.experts.streamer import StreamingConfig
 from moed.daemon.model.demo import demo_model_path
 from moed.protocol.model_config import ModelConfig
 
@@ -45,30 +54,16 @@ LoadProgress = Callable[[str, float, float, str], None]
 def load_model(
     serve: ServeConfig, path: Path, on_progress: LoadProgress | None = None
 ) -> LoadedModel:
-    """Load lazily, swap in the streaming experts, then materialize only what stays resident."""
-    from mlx_lm.utils import load
-
-    from moed.daemon.distributed.spec import pipeline_enabled
-
-    if pipeline_enabled(serve):  # this daemon is rank 0: its layers only, the group follows
-        if serve.max_active_experts:
-            from moed.daemon.experts.active_experts import ActiveExpertsError
-
-            raise ActiveExpertsError("max_active_experts is not supported with a pipeline yet")
-        from moed.daemon.distributed.rank0 import load_leader
-
-        return load_leader(serve, path)
-
+    """Load the whole model in this process lazily, swap in the streaming experts, then
+    materialize only what stays resident (a pipeline's rank 0 loads through distributed/rank0)."""
     report = on_progress or (lambda *_: None)
     report("reading the checkpoint", 0, 1, "steps")
-    model, tokenizer, raw = load(str(path), lazy=True, return_config=True)
+    model, tokenizer, raw = mlx_lm.utils.load(str(path), lazy=True, return_config=True)
     config = ModelConfig.from_dict(raw)
     check_tokenizer(tokenizer, config)
     routing = limit_routing(model, config, serve.max_active_experts)
     streamer = None
     if not serve.resident:
-        from moed.daemon.experts import install_streaming
-
         streamer = install_streaming(model, path, streaming_config(serve, config))
         if not streamer.plan.fits:
             streamer.close()
@@ -84,8 +79,6 @@ def load_model(
 
 def limit_routing(model: Any, config: ModelConfig, max_active_experts: int):
     """The model's experts per token, reduced to `max_active_experts` when that is set (lossy)."""
-    from moed.daemon.experts.active_experts import ActiveExpertsError, limit_active_experts
-
     native = config.experts_per_token
     if native is None:
         if max_active_experts:
@@ -104,9 +97,6 @@ LOAD_STEPS = 20
 def materialize(model: Any, report: LoadProgress) -> None:
     """Evaluate the resident weights in batches (the same arrays as one mx.eval of all of them),
     reporting bytes as they land."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     arrays = [a for _, a in tree_flatten(model.parameters())]
     total = sum(a.nbytes for a in arrays)  # from shapes: no evaluation
     step = max(total // LOAD_STEPS, 1)
@@ -124,8 +114,6 @@ def materialize(model: Any, report: LoadProgress) -> None:
 
 def streaming_config(serve: ServeConfig, model_config: ModelConfig):
     """The expert-streaming settings of a daemon configuration, with room for its KV cache."""
-    from moed.daemon.experts import StreamingConfig, estimate_kv_bytes
-
     return StreamingConfig(
         cache_budget=serve.cache_budget,
         prefetch_workers=serve.prefetch_workers,
@@ -142,12 +130,14 @@ def streaming_config(serve: ServeConfig, model_config: ModelConfig):
 def prefix_cache_memory_bytes(serve: ServeConfig) -> int | None:
     """The prefix cache's memory tier as the plan counts it: None for the plan's automatic share,
     0 under a pipeline (where it is off)."""
-    from moed.daemon.distributed.spec import pipeline_enabled
-    from moed.daemon.experts.budget import parse_size
-
-    if pipeline_enabled(serve):
+    if serve.pipelined:
         return 0
     return None if serve.prefix_cache_bytes == "auto" else parse_size(serve.prefix_cache_bytes)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The checkpoint's tokenizer alone (`count_tokens` while the model is unloaded)."""
+    return mlx_lm.utils.load_tokenizer(path)
 
 
 class CheckpointUnusable(RuntimeError):

@@ -10,6 +10,7 @@ from pathlib import Path
 from moed.client.hub import HF_ALLOW_PATTERNS as PULL_PATTERNS
 from moed.daemon.config import DEMO_MODEL
 from moed.daemon.model.checkpoint_files import UnreadableCheckpoint, check_text_files
+from moed.daemon.model.demo import demo_model_path
 
 # What a stock mlx-lm checkpoint needs on disk: the same list `moe pull` downloads.
 HF_ALLOW_PATTERNS = list(PULL_PATTERNS)
@@ -25,8 +26,6 @@ class ModelUnreadable(Exception):
 
 def resolve_model(spec: str) -> Path:
     if spec == DEMO_MODEL:
-        from moed.daemon.model.demo import demo_model_path
-
         return _check_folder(demo_model_path(), spec)
     path = Path(spec).expanduser()
     if path.exists() or spec.startswith((".", "/", "~")):

@@ -49,10 +49,12 @@ class MemoryProbe(abc.ABC):
 def probe_for_platform(platform: str | None = None) -> MemoryProbe:
     platform = platform or sys.platform
     if platform == "darwin":
+        # this OS's twin only: the other one's modules may not exist here
         from moed.daemon.platform.macos import MacOSProbe
 
         return MacOSProbe()
     if platform.startswith("linux"):
+        # this OS's twin only: the other one's modules may not exist here
         from moed.daemon.platform.linux import LinuxProbe
 
         return LinuxProbe()

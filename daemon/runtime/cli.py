@@ -9,17 +9,11 @@ from pathlib import Path
 import click
 
 from moed.client.cli_common import global_options, log_level_option, log_to_stderr
-from moed.daemon.config import ConfigError, PageCachePolicy, load_config
-from moed.daemon.exit_codes import DaemonExit, for_supervisor
+from moed.daemon.config import ConfigError, load_config
 from moed.daemon.experts.policies import DEFAULT_POLICY, policy_names
-
-
-class ConfigExit(click.ClickException):
-    """A configuration error: one line on stderr, exit 2 (a unit does not restart on it)."""
-
-    def __init__(self, error: Exception):
-        super().__init__(f"configuration: {error}")
-        self.exit_code = for_supervisor(DaemonExit.CONFIG)
+from moed.daemon.experts.store import PageCachePolicy
+from moed.daemon.ground.exit_codes import ConfigExit, for_supervisor
+from moed.daemon.ground.open_files import OpenFileLimitTooLow, require_open_files
 
 
 @click.command()
@@ -179,12 +173,12 @@ def serve(
         )
     except ConfigError as exc:
         raise ConfigExit(exc) from None
-    from moed.daemon.runtime.open_files import OpenFileLimitTooLow, require_open_files
 
     try:
         require_open_files()
     except OpenFileLimitTooLow as exc:
         raise ConfigExit(exc) from None
+    # the daemon (engine, mlx-lm) only when serving: every `moed` command imports this module
     from moed.daemon.runtime.main import run_daemon
 
     sys.exit(for_supervisor(run_daemon(config)))

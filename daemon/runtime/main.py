@@ -1,4 +1,5 @@
-"""Daemon lifecycle: resolve the model, bind, serve, drain. Returns the process exit code."""
+"""Daemon lifecycle: resolve the model, plan the start, compose the engine and the transport, bind,
+serve, drain. Returns the process exit code."""
 
 from __future__ import annotations
 
@@ -10,12 +11,29 @@ from pathlib import Path
 
 import zmq
 
-from moed.daemon.config import Config
-from moed.daemon.distributed.spec import pipeline_enabled
-from moed.daemon.exit_codes import DaemonExit, for_supervisor
+from moed.daemon import __version__
+from moed.daemon.config import Config, ServeConfig
+from moed.daemon.distributed.hostfile import HostfileError
+from moed.daemon.distributed.rank0 import check_supported, num_layers, start_group
+from moed.daemon.distributed.rank_model import PipelineUnsupported
+from moed.daemon.distributed.spec import group_spec
+from moed.daemon.distributed.split import SplitError, parse_split
+from moed.daemon.engine.loop import Engine
+from moed.daemon.engine.status import EngineStatus
+from moed.daemon.ground.exit_codes import DaemonExit, for_supervisor
+from moed.daemon.ground.run_log import (
+    DAEMON_LOG,
+    RotatingLog,
+    previous_run_end,
+    read_start_records,
+    record_start,
+)
 from moed.daemon.model.source import ModelNotFound, ModelUnreadable, resolve_model
 from moed.daemon.runtime.load_progress import show_load_progress
-from moed.daemon.runtime.run_log import RotatingLog
+from moed.daemon.runtime.start_plan import plan_start
+from moed.daemon.service.launchctl import previous_exit as previous_exit_from_launchd
+from moed.daemon.telemetry.http import start_metrics_server
+from moed.daemon.transport.pipes import ZmqEventSink
 from moed.daemon.transport.server import AlreadyRunning, Server
 from moed.protocol.paths import UnsafeSocketPath
 
@@ -32,17 +50,15 @@ def run_daemon(config: Config) -> int:
     except ModelUnreadable as exc:  # fix the file: a restart cannot help
         print(f"moed: model: {exc}", file=sys.stderr)
         return DaemonExit.MODEL_UNUSABLE
-    if pipeline_enabled(serve) and (why := _check_pipeline(serve, model_path)):
+    if serve.pipelined and (why := _check_pipeline(serve, model_path)):
         print(f"moed: pipeline: {why}", file=sys.stderr)
         return DaemonExit.CONFIG
     try:
-        server = Server(serve, model_path)
+        server = _compose(serve, model_path)
     except ValueError as exc:  # e.g. a malformed debug_faults or cache budget setting
         print(f"moed: configuration: {exc}", file=sys.stderr)
         return DaemonExit.CONFIG
     if serve.metrics_port:
-        from moed.daemon.telemetry.http import start_metrics_server
-
         try:
             start_metrics_server(serve.metrics_port, server.telemetry.metrics_text)
         except OSError as exc:  # port taken: refuse to start rather than run without metrics
@@ -63,9 +79,7 @@ def run_daemon(config: Config) -> int:
         print(f"moed: socket {serve.socket}: {exc}", file=sys.stderr)
         return DaemonExit.CONFIG
     group = None
-    if pipeline_enabled(server.serve):
-        from moed.daemon.distributed.rank0 import start_group
-
+    if server.serve.pipelined:
         group = start_group(server.serve, model_path)
         group.on_failure = lambda reason: setattr(server, "group_failure", reason)
     server.install_signal_handlers()
@@ -103,6 +117,15 @@ def run_daemon(config: Config) -> int:
     return code
 
 
+def _compose(serve: ServeConfig, model_path: Path) -> Server:
+    """The process: this start's plan, the engine that serves it, the transport in front."""
+    plan = plan_start(serve, model_path)
+    status = EngineStatus()
+    # The engine thread's end of the event pipe (ZMQ sockets are per thread; one context).
+    sink = lambda: ZmqEventSink(zmq.Context.instance())  # noqa: E731
+    return Server(plan, Engine(plan.serve, model_path, sink, status), status)
+
+
 def _hold_exit_code() -> None:
     """The exit code is decided (5 after a watchdog's shutdown, recorded in crash.json): from here
     on a SIGTERM must not replace it. Python restores SIGTERM's default action early in its
@@ -115,12 +138,6 @@ def _hold_exit_code() -> None:
 
 def _check_pipeline(serve, model_path) -> str | None:
     """Why a configured pipeline cannot start (before anything binds or spawns), else None."""
-    from moed.daemon.distributed.hostfile import HostfileError
-    from moed.daemon.distributed.rank0 import check_supported
-    from moed.daemon.distributed.rank_model import PipelineUnsupported, num_layers
-    from moed.daemon.distributed.spec import group_spec
-    from moed.daemon.distributed.split import SplitError, parse_split
-
     try:
         check_supported(model_path)
         group = group_spec(serve)
@@ -136,15 +153,6 @@ def _check_pipeline(serve, model_path) -> str | None:
 def _open_run_log(server: Server, model_path) -> RotatingLog:
     """The rotating daemon.log: a start record (version, model, budget, why the last run ended),
     then logging."""
-    from moed.daemon import __version__
-    from moed.daemon.runtime.run_log import (
-        DAEMON_LOG,
-        previous_run_end,
-        read_start_records,
-        record_start,
-    )
-    from moed.daemon.service.launchctl import previous_exit as previous_exit_from_launchd
-
     log_path = Path(server.serve.log_dir) / DAEMON_LOG
     starts = read_start_records(log_path)
     previous_pid = starts[-1].get("pid") if starts else None

@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.service import launchctl, systemd
 from moed.daemon.service.executor import CommandFailed, Executor, Result
 from moed.daemon.service.render import (

@@ -18,8 +18,8 @@ from moed.client import Client
 from moed.client.cli_common import global_options
 from moed.client.errors import DaemonUnavailable
 from moed.daemon.config import ConfigError, load_config, to_toml
-from moed.daemon.runtime import run_log as service_logs
-from moed.daemon.runtime.cli import ConfigExit
+from moed.daemon.ground import run_log as service_logs
+from moed.daemon.ground.exit_codes import ConfigExit
 from moed.daemon.service.backend import BACKENDS, RoleStatus, ServiceBackend
 from moed.daemon.service.executor import CommandFailed, Executor
 from moed.daemon.service.render import (

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from moed.daemon.runtime.state_files import write_atomic
+from moed.daemon.ground.state_files import write_atomic
 
 HEREDOC_END = "MOED_EOF"
 

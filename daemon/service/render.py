@@ -20,7 +20,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from moed.daemon.config import Config
-from moed.daemon.exit_codes import PERMANENT_EXITS
+from moed.daemon.ground.exit_codes import PERMANENT_EXITS
 
 # launchd sends SIGKILL this long after SIGTERM if the drain has not finished.
 STOP_MARGIN_S = 15

@@ -35,6 +35,7 @@ def analyze_cmd(
 ) -> None:
     """Distinct experts, popularity, reuse and hit rate vs cache size (every registered eviction
     policy, Belady's optimum)."""
+    # the analysis (numpy, matplotlib) on use: every `moed` command imports this module
     from moed.daemon.telemetry.analyze import analyze, default_sizes, format_report
     from moed.daemon.telemetry.analyze_plots import write_plots
     from moed.daemon.telemetry.trace import TraceFormatError, read_trace

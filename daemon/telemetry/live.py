@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from moed.daemon.platform import probe_for_platform
+from moed.daemon.telemetry.metrics import render_metrics
 
 log = logging.getLogger("moed.telemetry")
 
@@ -263,8 +264,6 @@ class LiveTelemetry:
         )
 
     def metrics_text(self) -> str:
-        from moed.daemon.telemetry.metrics import render_metrics
-
         return render_metrics(self.stats())
 
     def close(self) -> None:

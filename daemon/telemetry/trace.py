@@ -44,6 +44,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from moed.daemon import __version__
+from moed.daemon.telemetry.residency import PageCacheProbe
 from moed.daemon.telemetry.trace_file import TraceFile
 
 log = logging.getLogger("moed.telemetry.trace")
@@ -193,8 +195,6 @@ class TraceRecorder:
         chunk_bytes: int = CHUNK_BYTES,
         file: TraceFile | None = None,
     ):
-        from moed.daemon.telemetry.residency import PageCacheProbe
-
         self.streamer = streamer
         self.layers = len(streamer.pools)
         self.header = header
@@ -312,8 +312,6 @@ class TraceRecorder:
 
 
 def trace_header(streamer: Any, model: dict, request: dict) -> dict:
-    from moed.daemon import __version__
-
     pools = streamer.pools
     return {
         "format": FORMAT,

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from moed.daemon.model.chat_template import prompt_token_ids
+from moed.daemon.model.loader import load_tokenizer
 from moed.protocol import ErrorCode, GenerateRequest, ProtocolError
 
 
@@ -46,7 +47,5 @@ class TokenCounter:
             if loaded is not None:
                 self._tokenizer = loaded.tokenizer
             else:
-                from mlx_lm.utils import load_tokenizer
-
                 self._tokenizer = load_tokenizer(self._model_path)
         return len(prompt_token_ids(self._tokenizer, prompt))

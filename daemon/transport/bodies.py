@@ -9,8 +9,9 @@ from typing import Any
 
 from moed.daemon import __version__
 from moed.daemon.engine.status import DaemonState
-from moed.daemon.watchdog.events import read_state as read_watchdog_state
-from moed.protocol import MAX_FRAME_BYTES, PROTOCOL_MAJOR, PROTOCOL_MINOR
+from moed.daemon.ground.watchdog_state import read_state as read_watchdog_state
+from moed.protocol import MAX_FRAME_BYTES, PROTOCOL_MAJOR, PROTOCOL_MINOR, PrefixCacheAction
+from moed.protocol import messages as wire
 from moed.protocol.codec import MAX_DEPTH
 
 
@@ -69,3 +70,20 @@ def status_body(self) -> dict[str, Any]:
     snap["watchdog"] = watchdog_summary(self.serve.state_dir)
     snap.update(self.extra_welcome)
     return snap
+
+
+def prefix_cache_reply(self, req_id, msg: dict) -> dict:
+    """`prefix_cache`: list the cache from the engine's last published view, or queue its clearing
+    (the engine thread owns the tiers; a later list shows it empty). `self` is the Server."""
+    action = PrefixCacheAction(msg.get("action") or PrefixCacheAction.LIST.value)
+    if action is PrefixCacheAction.CLEAR:
+        self.control_token.require("prefix_cache clear", msg.get("token"))
+        self.engine.clear_prefix_cache()
+        return wire.result(req_id, accepted=True, action=action.value)
+    stats = self.status.get("prefix_cache")
+    return wire.result(
+        req_id,
+        enabled=stats is not None,
+        stats=stats,
+        entries=self.status.get("prefix_entries") or [],
+    )

@@ -14,7 +14,7 @@ import threading
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from moed.daemon.runtime.open_files import current as open_file_limit
+from moed.daemon.ground.open_files import current as open_file_limit
 from moed.protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("moed.transport")

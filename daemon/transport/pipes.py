@@ -1,4 +1,4 @@
-"""The inproc pipe from the engine thread to the transport, and the probe of a live daemon."""
+"""The inproc pipe from the engine thread to the transport."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import struct
 
 import zmq
 
-from moed.protocol import MessageType, decode, encode
-from moed.protocol import messages as wire
+from moed.protocol import encode
 
 EVENTS_ENDPOINT = "inproc://moed-events"
 # An event's flag: how the transport treats it without decoding the message.
@@ -46,17 +45,3 @@ class ZmqEventSink:
         flag = TERMINAL_FLAG if terminal else TOKEN_FLAG if msg["type"] == "token" else OTHER_FLAG
         # The request id is encoded apart, so the transport never decodes a message.
         self.socket.send(pack_event(flag, identity, encode(msg["id"]), encode(msg)))
-
-
-def probe_live_daemon(endpoint: str, context: zmq.Context, timeout_s: float = 0.5) -> dict | None:
-    """Ping whoever owns the endpoint; return its answer, or None when nobody answers."""
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(encode(wire.request(MessageType.PING, "probe")))
-        if sock.poll(int(timeout_s * 1000)):
-            return decode(sock.recv())
-        return None
-    finally:
-        sock.close()

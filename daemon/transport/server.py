@@ -14,24 +14,22 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import psutil
 import zmq
 
 from moed.daemon import __version__
-from moed.daemon.config import ServeConfig
 from moed.daemon.engine.loop import Engine
 from moed.daemon.engine.request import GenerateJob
 from moed.daemon.engine.status import DaemonState, EngineStatus
-from moed.daemon.exit_codes import DaemonExit
+from moed.daemon.ground import crashlog
+from moed.daemon.ground.exit_codes import DaemonExit
+from moed.daemon.ground.live_probe import probe_live_daemon
 from moed.daemon.model.limits import read_limits
-from moed.daemon.runtime import crashlog
 from moed.daemon.telemetry import LiveTelemetry
 from moed.daemon.transport.admission import DuplicateId, TokenCounter, check_model_name
-from moed.daemon.transport.backoff import back_off_budget
-from moed.daemon.transport.bodies import status_body, welcome_body
+from moed.daemon.transport.bodies import prefix_cache_reply, status_body, welcome_body
 from moed.daemon.transport.connections import ConnectionCount, connection_limit
 from moed.daemon.transport.control import ControlToken
 from moed.daemon.transport.outbound import Outbound
@@ -39,10 +37,9 @@ from moed.daemon.transport.pipes import (
     EVENTS_ENDPOINT,
     TERMINAL_FLAG,
     TOKEN_FLAG,
-    ZmqEventSink,
-    probe_live_daemon,
     unpack_event,
 )
+from moed.daemon.transport.plan import ServerPlan
 from moed.daemon.transport.progress import ProgressMonitor
 from moed.daemon.transport.streams import RequestKey, StreamTable
 from moed.protocol import (
@@ -50,7 +47,6 @@ from moed.protocol import (
     ErrorCode,
     GenerateRequest,
     MessageType,
-    PrefixCacheAction,
     ProtocolError,
     ShedLevel,
     decode,
@@ -79,13 +75,17 @@ class AlreadyRunning(RuntimeError):
 
 @dataclass
 class Server:
-    serve: ServeConfig
-    model_path: Path
+    """Serves one start's final plan (runtime/start_plan.py) with an engine built for it."""
+
+    plan: ServerPlan
+    engine: Engine
+    status: EngineStatus
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    status: EngineStatus = field(default_factory=EngineStatus)
     extra_welcome: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.serve, self.model_path = self.plan.serve, self.plan.model_path
+        self.start_plan, self.budget_backoff = self.plan.crashes, self.plan.budget_backoff
         self.context = zmq.Context.instance()
         self.endpoint = endpoint_for(self.serve.socket)
         self.limits = read_limits(self.serve, self.model_path)
@@ -100,15 +100,6 @@ class Server:
         self._stop_requested = threading.Event()
         # Set by a pipeline group's monitor thread (a GroupFailure): another rank died or stalled.
         self.group_failure: Any = None
-        # After crashes: count an unclean previous exit, back the cache budget off, or refuse to
-        # start.
-        self.start_plan = crashlog.plan_start(
-            self.serve.state_dir, self.serve.restart_budget, self.serve.restart_window_s
-        )
-        self.budget_backoff = self._back_off_budget()
-        self.engine = Engine(
-            self.serve, self.model_path, lambda: ZmqEventSink(self.context), self.status
-        )
         self.engine.on_crash = self._record_crash
         self._process = psutil.Process()
         self.telemetry = LiveTelemetry(
@@ -150,10 +141,6 @@ class Server:
             socket=str(self.serve.socket),
             version=__version__,
         )
-
-    def _back_off_budget(self) -> dict | None:
-        self.serve, info = back_off_budget(self.serve, self.model_path, self.start_plan)
-        return info
 
     def _record_crash(self, kind: crashlog.CrashKind, message: str) -> None:
         extra = {"budget_backoff": self.budget_backoff} if self.budget_backoff else None
@@ -353,24 +340,8 @@ class Server:
             prompt = GenerateRequest.from_checked(msg)
             return wire.result(req_id, tokens=self.token_counter.count(prompt))
         if kind is MessageType.PREFIX_CACHE:
-            return self._prefix_cache(req_id, msg)
+            return prefix_cache_reply(self, req_id, msg)
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{kind.value!r} is not handled")
-
-    def _prefix_cache(self, req_id, msg: dict) -> dict:
-        """List the prefix cache from the engine's last published view, or queue its clearing
-        (the engine thread owns the tiers; a later list shows it empty)."""
-        action = PrefixCacheAction(msg.get("action") or PrefixCacheAction.LIST.value)
-        if action is PrefixCacheAction.CLEAR:
-            self.control_token.require("prefix_cache clear", msg.get("token"))
-            self.engine.clear_prefix_cache()
-            return wire.result(req_id, accepted=True, action=action.value)
-        stats = self.status.get("prefix_cache")
-        return wire.result(
-            req_id,
-            enabled=stats is not None,
-            stats=stats,
-            entries=self.status.get("prefix_entries") or [],
-        )
 
     def _admit(self, identity: bytes, msg: dict, request: GenerateRequest) -> dict | None:
         """A validated generate (`msg` its wire map, `request` its typed form) to the engine, or

@@ -10,7 +10,8 @@ import click
 
 from moed.client.cli_common import global_options, log_level_option, log_to_stderr
 from moed.daemon.config import ConfigError, load_config
-from moed.daemon.runtime.cli import ConfigExit
+from moed.daemon.ground.exit_codes import ConfigExit
+from moed.daemon.watchdog.runner import Watchdog
 
 
 @click.command()
@@ -68,8 +69,6 @@ def watchdog(
         ).watchdog
     except ConfigError as exc:
         raise ConfigExit(exc) from None
-
-    from moed.daemon.watchdog.runner import Watchdog
 
     dog = Watchdog(config, pid_override=pid)
     if once:

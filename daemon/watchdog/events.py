@@ -1,8 +1,8 @@
-"""What the watchdog did and why: a JSON-lines event log and a state file for `moe status`.
+"""What the watchdog did and why: a JSON-lines event log (its state file for `moe status` is
+ground/watchdog_state.py, read by the daemon too).
 
 The log is append-only, one line per decision, each written with a single write() on an O_APPEND
-descriptor (so a crash never leaves half a line mid-file). The state file is rewritten atomically
-(temp file + rename) so a reader never sees a torn file.
+descriptor (so a crash never leaves half a line mid-file).
 """
 
 from __future__ import annotations
@@ -14,31 +14,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from moed.daemon.runtime.state_files import open_nofollow, read_json, save_json
+from moed.daemon.ground.state_files import open_nofollow
+from moed.daemon.ground.watchdog_state import jsonable
 
 log = logging.getLogger("moed.watchdog")
 
 EVENT_LOG_NAME = "watchdog.jsonl"
-STATE_FILE_NAME = "watchdog.json"
 MAX_LOG_BYTES = 8 * 1024 * 1024  # rotated to .1 on open beyond this
 
 
 def default_event_log(state_dir: Path) -> Path:
     return state_dir / EVENT_LOG_NAME
-
-
-def state_file_path(state_dir: Path) -> Path:
-    return state_dir / STATE_FILE_NAME
-
-
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "value") and not isinstance(value, (int, float, str)):
-        return value.value  # enums
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
 class EventLog:
@@ -69,7 +55,7 @@ class EventLog:
             "event": event,
             **fields,
         }
-        line = json.dumps(record, default=_jsonable, sort_keys=False) + "\n"
+        line = json.dumps(record, default=jsonable, sort_keys=False) + "\n"
         if self._fd >= 0:
             try:
                 os.write(self._fd, line.encode())
@@ -110,30 +96,3 @@ def read_events(path: Path) -> list[dict]:
         except ValueError:
             continue
     return out
-
-
-def write_state(path: Path, state: dict) -> None:
-    save_json(path, json.loads(json.dumps(state, default=_jsonable)))
-
-
-def _state_shape(state) -> bool:
-    numbers = ("updated_at", "heartbeat_s")
-    return isinstance(state, dict) and all(
-        state.get(k) is None
-        or (isinstance(state[k], (int, float)) and not isinstance(state[k], bool))
-        for k in numbers
-    )
-
-
-def read_state(state_dir: Path, stale_after_s: float = 30.0) -> dict | None:
-    """The watchdog's last published state, with `running` judged from its pid and freshness."""
-    state = read_json(state_file_path(state_dir), shape=_state_shape)
-    if state is None:
-        return None
-    pid = state.get("pid")
-    alive = isinstance(pid, int) and psutil.pid_exists(pid)
-    fresh = time.time() - float(state.get("updated_at") or 0) <= max(
-        stale_after_s, 3 * float(state.get("heartbeat_s") or 0)
-    )
-    state["running"] = bool(alive and fresh and not state.get("stopped_at"))
-    return state

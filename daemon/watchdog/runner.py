@@ -17,8 +17,9 @@ from dataclasses import asdict
 from typing import Any
 
 from moed.daemon.config import WatchdogConfig
+from moed.daemon.ground.watchdog_state import state_file_path, write_state
 from moed.daemon.platform import MemoryProbe, probe_for_platform
-from moed.daemon.watchdog.events import EventLog, default_event_log, state_file_path, write_state
+from moed.daemon.watchdog.events import EventLog, default_event_log
 from moed.daemon.watchdog.policy import Action, Decision, Policy, PolicyParams
 from moed.daemon.watchdog.sampler import DaemonLink, Sampler, Target
 from moed.protocol import ShedLevel

@@ -15,6 +15,8 @@ from typing import Any
 
 import psutil
 
+from moed.client import Client
+from moed.client.errors import ClientError, DaemonRestarted
 from moed.daemon.platform import MemoryProbe
 from moed.daemon.watchdog.policy import DaemonReading, Sample
 
@@ -62,8 +64,6 @@ class DaemonLink:
     def _connect(self) -> Any:
         if self._client is None:
             if self._factory is None:
-                from moed.client import Client
-
                 self._factory = Client
             self._client = self._factory(
                 self.socket_path, timeout=self.timeout_s, name="moed.watchdog"
@@ -80,8 +80,6 @@ class DaemonLink:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> dict:
         """Call a control method; a restarted daemon is re-handshaken once, a silent one raises."""
-        from moed.client.errors import ClientError, DaemonRestarted
-
         for attempt in (1, 2):
             try:
                 return getattr(self._connect(), method)(*args, **kwargs)
@@ -95,8 +93,6 @@ class DaemonLink:
         raise AssertionError("unreachable")
 
     def status(self) -> dict | None:
-        from moed.client.errors import ClientError
-
         try:
             return self.call("status")
         except ClientError:

@@ -24,9 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from moed.daemon.engine.prefix_cache.entry import LayerCache, PrefixEntry, resumable
+from moed.daemon import __version__
+from moed.daemon.engine.prefix_cache.entry import LayerCache, PrefixEntry, common_prefix, resumable
 
 log = logging.getLogger("moed.prefix_cache")
 
@@ -39,8 +43,6 @@ _MAX_HEADER = 64 << 20
 
 def model_fingerprint(model_path: Path, layer_classes: list[str]) -> str:
     """The model's files (names, sizes, mtimes), moed's version and the cache layout, hashed."""
-    from moed.daemon import __version__
-
     h = hashlib.sha256(f"{FORMAT} {LAYOUT_VERSION} moed {__version__}\n".encode())
     for f in sorted(Path(model_path).iterdir()):
         if f.is_file():
@@ -53,9 +55,6 @@ def model_fingerprint(model_path: Path, layer_classes: list[str]) -> str:
 def checksum(caches: list[LayerCache]) -> str:
     """CRC-32 of every array the caches hold, in order: safetensors has no checksum of its own,
     and a flipped bit must never reach a request as a wrong token."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     crc = 0
     pairs = cast(list[tuple[str, Any]], tree_flatten([c.state for c in caches]))  # no destination
     for _, a in pairs:
@@ -166,8 +165,6 @@ class DiskTier:
             return list(self._records.values())
 
     def best(self, context: np.ndarray, limit: int) -> tuple[DiskRecord | None, int]:
-        from moed.daemon.engine.prefix_cache.entry import common_prefix
-
         found, length = None, 0
         for rec in self.records():
             common = min(common_prefix(rec.tokens, context), limit)
@@ -190,8 +187,6 @@ class DiskTier:
     # ---- reading ------------------------------------------------------------------------------
     def load(self, rec: DiskRecord) -> PrefixEntry | None:
         """The entry of `rec`, or None (with a warning, the file removed) when it cannot be read."""
-        from mlx_lm.models.cache import load_prompt_cache
-
         try:
             caches, meta = load_prompt_cache(str(rec.path), return_metadata=True)
             if meta.get("fingerprint") != self.fingerprint or meta.get("format") != FORMAT:
@@ -235,8 +230,6 @@ class DiskTier:
                 self._queue.task_done()
 
     def _write(self, entry: PrefixEntry) -> None:
-        from mlx_lm.models.cache import save_prompt_cache
-
         final = self.dir / (entry.key + SUFFIX)
         tmp = self.dir / f".{entry.key}.{os.getpid()}.tmp{SUFFIX}"
         positions = sorted(entry.checkpoints)

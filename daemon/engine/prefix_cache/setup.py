@@ -6,10 +6,14 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+from mlx_lm.models.cache import make_prompt_cache
+
 from moed.daemon.config import ServeConfig
-from moed.daemon.distributed.spec import pipeline_enabled
 from moed.daemon.engine.prefix_cache.cache import PrefixCache, PrefixCacheConfig
+from moed.daemon.engine.prefix_cache.disk_tier import DiskTier, model_fingerprint
+from moed.daemon.engine.prefix_cache.entry import trimmable_layers
 from moed.daemon.experts.budget import parse_size
+from moed.daemon.experts.memory_plan import auto_prefix_cache_bytes, machine_memory
 
 if TYPE_CHECKING:  # types only: the functions below import what they run
     import mlx.nn as nn
@@ -23,8 +27,6 @@ log = logging.getLogger("moed.prefix_cache")
 def memory_tier_bytes(serve: ServeConfig, plan: MemoryPlan | None) -> int:
     """The memory tier's budget: as set, or the memory plan's automatic share (`plan` None: a
     resident model, planned against the machine the same way)."""
-    from moed.daemon.experts.memory_plan import auto_prefix_cache_bytes, machine_memory
-
     if serve.prefix_cache_bytes != "auto":
         return parse_size(serve.prefix_cache_bytes)
     if plan is not None:
@@ -48,11 +50,7 @@ def prefix_cache_config(serve: ServeConfig, plan: MemoryPlan | None = None) -> P
 def open_prefix_cache(
     serve: ServeConfig, loaded: LoadedModel, model_path: Path
 ) -> PrefixCache | None:
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from moed.daemon.engine.prefix_cache.entry import trimmable_layers
-
-    if pipeline_enabled(serve):
+    if serve.pipelined:
         # Each rank would have to cache its own layers in step with rank 0; not built yet.
         log.info("prefix cache off: not supported under a pipeline")
         return None
@@ -63,8 +61,6 @@ def open_prefix_cache(
     trimmable = trimmable_layers(layers)
     disk = None
     if cfg.disk_bytes > 0:
-        from moed.daemon.engine.prefix_cache.disk_tier import DiskTier, model_fingerprint
-
         fingerprint = model_fingerprint(model_path, [type(c).__name__ for c in layers])
         disk = DiskTier(cfg.disk_dir, cfg.disk_bytes, fingerprint, trimmable)
     return PrefixCache(cfg, trimmable, disk)

@@ -6,6 +6,8 @@ import enum
 import os
 from collections.abc import Mapping
 
+import click
+
 
 class DaemonExit(enum.IntEnum):
     OK = 0  # clean shutdown (also: restart budget exhausted, so KeepAlive does not loop)
@@ -35,3 +37,12 @@ def for_supervisor(code: int, environ: Mapping[str, str] | None = None) -> int:
     if environ.get("MOED_SUPERVISOR") == "launchd" and code in PERMANENT_EXITS:
         return DaemonExit.OK
     return code
+
+
+class ConfigExit(click.ClickException):
+    """A configuration error on a `moed` command: one line on stderr, exit 2 (a unit does not
+    restart on it)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(f"configuration: {error}")
+        self.exit_code = for_supervisor(DaemonExit.CONFIG)

@@ -18,7 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
-from moed.daemon.runtime.state_files import open_nofollow
+from moed.daemon.ground.state_files import open_nofollow
 
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
 DEFAULT_BACKUPS = 3  # daemon.log, daemon.log.1 .. daemon.log.3

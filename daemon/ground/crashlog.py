@@ -27,7 +27,7 @@ from typing import Any
 
 import psutil
 
-from moed.daemon.runtime.state_files import read_json, save_json
+from moed.daemon.ground.state_files import read_json, save_json
 from moed.protocol import encode
 
 CRASH_FILE = "crash.json"
