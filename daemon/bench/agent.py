@@ -1,8 +1,9 @@
-"""`moed bench agent`: a growing agent conversation (a long system prompt, then turns that each send
+"""`moed bench agent`: growing agent conversations (a long system prompt, then turns that each send
 the whole history again) through `moed gateway`, resident and at a streaming budget, beside
-mlx_lm.server (its own prompt cache) started on the same checkpoint; then the same conversation
+mlx_lm.server (its own prompt cache) started on the same checkpoint; then each conversation
 continued after a daemon restart. Time to first token per turn, tokens reused, expert bytes read
-per prompt token read, and the issue's ratios, measured in one run.
+per prompt token read, and the issue's ratios, measured in one run: several conversations (other
+text, the same shape) per side, medians, so one disturbed turn on a shared machine moves nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Conversation:
     system: str  # the long system prompt (tool definitions in a real agent)
     users: tuple[str, ...]  # one user message per turn, the last one for the turn after a restart
     max_tokens: int
+    warm_up: str = ""  # unrelated text of about a turn's new tokens (a restarted daemon's first)
 
 
 @dataclass
@@ -39,14 +41,25 @@ class TurnResult:
 
 
 @dataclass
-class SideResult:
-    name: str
+class Run:
+    """One conversation on one side."""
+
     turns: list[TurnResult] = field(default_factory=list)
     new_only: TurnResult | None = None  # only the last turn's new text, alone
-    restarted: TurnResult | None = None  # the next turn, first after a daemon restart
+    restarted: TurnResult | None = None  # the next turn, the first after a daemon restart
+    last_prompt: str = ""  # the last turn's prompt and its new text (for the model's bound)
+    new_text: str = ""
 
 
-def make_conversation(tokenizer, system_tokens: int, turns: int, user_tokens: int, seed: int):
+@dataclass
+class SideResult:
+    name: str
+    runs: list[Run] = field(default_factory=list)
+
+
+def make_conversation(
+    tokenizer, system_tokens: int, turns: int, user_tokens: int, max_tokens: int, seed: int
+) -> Conversation:
     """Text decoded from seeded token ids (no special tokens), so any tokenizer has words."""
     rng = random.Random(seed)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
@@ -56,7 +69,8 @@ def make_conversation(tokenizer, system_tokens: int, turns: int, user_tokens: in
         return tokenizer.decode([rng.choice(vocab) for _ in range(n)])
 
     users = tuple(f"\nUser: {text(user_tokens)}\nAssistant:" for _ in range(turns + 1))
-    return Conversation(text(system_tokens), users, 0)
+    system = text(system_tokens)
+    return Conversation(system, users, max_tokens, text(user_tokens + max_tokens))
 
 
 def stream_completion(http, url: str, model: str | None, prompt: str, max_tokens: int):
@@ -174,27 +188,38 @@ def start_mlx_lm_server(model: Path, log_path: Path, prefill_chunk: int):
     raise click.ClickException("mlx_lm.server did not answer within 300s")
 
 
-def run_moed_side(http, side: MoedSide, conv: Conversation, turns: int, streaming: bool):
+def run_moed_side(http, side: MoedSide, convs: list[Conversation], turns: int, streaming: bool):
+    """Every conversation on one daemon, each with its last turn's new text alone; then, for
+    each, a daemon restart and that conversation's next turn."""
     result = SideResult(side.name)
     side.start()
     try:
         model = http.get(f"{side.url}/v1/models").json()["data"][0]["id"]
         reads = side.read_bytes if streaming else None
-        result.turns, prompts, history = converse(http, side.url, model, conv, turns, reads)
-        # The last turn's new text alone (the answer before it and its user message): what the
-        # prefix cache leaves that turn to read, with nothing before it.
-        new_text = prompts[-1][len(prompts[-2]) :] if turns > 1 else prompts[-1]
-        ttft, _, usage = stream_completion(http, side.url, model, new_text, conv.max_tokens)
-        result.new_only = _result(ttft, usage, None, None)
-        side.stop()
-        side.start()  # a new daemon process: its memory tier is empty, the SSD tier is not
-        # A short request first, so that a new process's one-time costs (the first graphs, the
-        # gateway's first connection) are not counted as the prefix cache's.
-        stream_completion(http, side.url, model, conv.users[0][:8], 1)
-        before = side.read_bytes() if streaming else None
-        prompt = history + conv.users[turns]
-        ttft, _, usage = stream_completion(http, side.url, model, prompt, conv.max_tokens)
-        result.restarted = _result(ttft, usage, before, reads)
+        histories = []
+        for conv in convs:
+            run = Run()
+            run.turns, prompts, history = converse(http, side.url, model, conv, turns, reads)
+            # The last turn's new text alone (the answer before it and its user message): what
+            # the prefix cache leaves that turn to read, with nothing before it; the same path,
+            # the same daemon, right after that turn.
+            run.last_prompt = prompts[-1]
+            run.new_text = prompts[-1][len(prompts[-2]) :] if turns > 1 else prompts[-1]
+            ttft, _, usage = stream_completion(http, side.url, model, run.new_text, conv.max_tokens)
+            run.new_only = _result(ttft, usage, None, None)
+            result.runs.append(run)
+            histories.append(history)
+        for conv, run, history in zip(convs, result.runs, histories):
+            side.stop()
+            side.start()  # a new daemon process: its memory tier is empty, the SSD tier is not
+            # The model warmed, not the cache: unrelated text as long as a turn's new tokens and
+            # two tokens out, so a new process's one-time costs (first kernels, allocations, the
+            # gateway's first connection) are not counted as the prefix cache's.
+            stream_completion(http, side.url, model, conv.warm_up, 2)
+            before = side.read_bytes() if streaming else None
+            prompt = history + conv.users[turns]
+            ttft, _, usage = stream_completion(http, side.url, model, prompt, conv.max_tokens)
+            run.restarted = _result(ttft, usage, before, reads)
     finally:
         side.stop()
     return result
@@ -208,8 +233,19 @@ def run_moed_side(http, side: MoedSide, conv: Conversation, turns: int, streamin
 @click.option("--max-tokens", default=16, show_default=True, help="Tokens generated per turn.")
 @click.option("--budget", default="25%", show_default=True, help="The streaming side's budget.")
 @click.option("--prefill-chunk", default=256, show_default=True, help="Both servers' chunk.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the conversation's text.")
-@click.option("--no-mlx-lm", is_flag=True, help="Skip the mlx_lm.server column.")
+@click.option(
+    "--repeats",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Conversations per side (other text, one restart each); the report shows medians.",
+)
+@click.option("--seed", default=0, show_default=True, help="Seed of the first conversation's text.")
+@click.option(
+    "--no-mlx-lm",
+    is_flag=True,
+    help="Skip the mlx_lm.server column and the plain mlx-lm floor (both hold the whole model).",
+)
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Also write JSON here.")
 def bench_agent(
     model,
@@ -219,21 +255,26 @@ def bench_agent(
     max_tokens,
     budget,
     prefill_chunk,
+    repeats,
     seed,
     no_mlx_lm,
     json_out,
 ) -> None:
-    """A growing agent conversation through the gateway, resident and streaming, beside
-    mlx_lm.server; then continued after a daemon restart. TTFT per turn and the ratios."""
+    """Growing agent conversations through the gateway, resident and streaming, beside
+    mlx_lm.server; each continued after a daemon restart. TTFT per turn (medians) and the
+    ratios."""
     import httpx
     from mlx_lm.utils import load_tokenizer
 
+    from moed.daemon.bench.agent_bound import measure_bound
     from moed.daemon.model.source import resolve_model
 
     path = resolve_model(model)
     tokenizer = load_tokenizer(path)
-    conv = make_conversation(tokenizer, system_tokens, turns, user_tokens, seed)
-    conv = Conversation(conv.system, conv.users, max_tokens)
+    convs = [
+        make_conversation(tokenizer, system_tokens, turns, user_tokens, max_tokens, seed + k)
+        for k in range(repeats)
+    ]
     run_dir = Path(tempfile.mkdtemp(prefix="moed-bench-agent-", dir="/tmp"))
     chunk = ("--prefill-chunk", str(prefill_chunk))
     sides = [
@@ -241,21 +282,33 @@ def bench_agent(
         (MoedSide(budget, path, run_dir, ("--cache-budget", budget, *chunk)), True),
     ]
     results: list[SideResult] = []
+    bound = None
     try:
         with httpx.Client() as http:
             for side, streaming in sides:
-                click.echo(f"moed {side.name}: {turns} turns, a restart, one more turn", err=True)
-                results.append(run_moed_side(http, side, conv, turns, streaming))
+                click.echo(
+                    f"moed {side.name}: {repeats} x ({turns} turns, a restart, one more turn)",
+                    err=True,
+                )
+                results.append(run_moed_side(http, side, convs, turns, streaming))
             if not no_mlx_lm:
-                click.echo("mlx_lm.server: the same conversation", err=True)
+                click.echo(f"mlx_lm.server: the same {repeats} conversations", err=True)
                 proc, url = start_mlx_lm_server(path, run_dir / "mlx_lm.log", prefill_chunk)
                 try:
                     mlx = SideResult("mlx_lm.server")
-                    mlx.turns, _, _ = converse(http, url, None, conv, turns)
+                    for conv in convs:
+                        mlx.runs.append(Run(converse(http, url, None, conv, turns)[0]))
                     results.append(mlx)
                 finally:
                     proc.terminate()
                     proc.wait(30)
+        if not no_mlx_lm:
+            click.echo(
+                "plain mlx-lm: the last turns' new tokens, after their context and alone", err=True
+            )
+            resident = results[0].runs
+            cases = [(r.last_prompt, r.turns[-1].cached_tokens or 0, r.new_text) for r in resident]
+            bound = measure_bound(path, cases, prefill_chunk)
     finally:
         for side, _ in sides:
             side.stop()
@@ -267,7 +320,10 @@ def bench_agent(
         "user_tokens": user_tokens,
         "max_tokens": max_tokens,
         "prefill_chunk": prefill_chunk,
+        "repeats": repeats,
     }
-    print_report(header, results)
+    print_report(header, results, bound)
     if json_out:
-        json_out.write_text(json.dumps({**header, "sides": [asdict(r) for r in results]}, indent=1))
+        report = {**header, "sides": [asdict(r) for r in results]}
+        report["model_bound"] = {**asdict(bound), "ratio": bound.ratio} if bound else None
+        json_out.write_text(json.dumps(report, indent=1))
