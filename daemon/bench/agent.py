@@ -38,6 +38,9 @@ class TurnResult:
     prompt_tokens: int | None
     cached_tokens: int | None
     read_bytes: int | None = None  # expert bytes the daemon read for this turn (streaming)
+    # ... of them by the first token (read when it arrives: a decode step already under way
+    # may add a little); what the time to first token waits for
+    first_read_bytes: int | None = None
 
 
 @dataclass
@@ -73,14 +76,24 @@ def make_conversation(
     return Conversation(system, users, max_tokens, text(user_tokens + max_tokens))
 
 
-def stream_completion(http, url: str, model: str | None, prompt: str, max_tokens: int):
-    """One streamed /v1/completions call: (time to the first text, the text, the usage)."""
+@dataclass(frozen=True)
+class Completion:
+    ttft_s: float
+    text: str
+    usage: dict
+    at_first: int | None  # what `at_first` answered when the first text came
+
+
+def stream_completion(
+    http, url: str, model: str | None, prompt: str, max_tokens: int, at_first=None
+) -> Completion:
+    """One streamed /v1/completions call, `at_first()` asked as its first text arrives."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
     body["stream_options"] = {"include_usage": True}
     if model is not None:
         body["model"] = model
     t0 = time.perf_counter()
-    first, parts, usage = None, [], None
+    first, parts, usage, mark = None, [], None, None
     with http.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as resp:
         if resp.status_code != 200:  # e.g. 413: the conversation outgrew the model's context
             raise click.ClickException(
@@ -94,9 +107,11 @@ def stream_completion(http, url: str, model: str | None, prompt: str, max_tokens
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:
                 if choice.get("text"):
-                    first = first or time.perf_counter()
+                    if first is None:
+                        first = time.perf_counter()
+                        mark = at_first() if at_first else None
                     parts.append(choice["text"])
-    return (first or time.perf_counter()) - t0, "".join(parts), usage or {}
+    return Completion((first or time.perf_counter()) - t0, "".join(parts), usage or {}, mark)
 
 
 def converse(http, url, model, conv: Conversation, turns: int, read_bytes=None) -> tuple:
@@ -105,18 +120,26 @@ def converse(http, url, model, conv: Conversation, turns: int, read_bytes=None) 
     history, results, prompts = conv.system, [], []
     for k in range(turns):
         prompt = history + conv.users[k]
-        before = read_bytes() if read_bytes else None
-        ttft, answer, usage = stream_completion(http, url, model, prompt, conv.max_tokens)
-        results.append(_result(ttft, usage, before, read_bytes))
+        result, answer = timed_turn(http, url, model, prompt, conv.max_tokens, read_bytes)
+        results.append(result)
         prompts.append(prompt)
         history = prompt + answer
     return results, prompts, history
 
 
-def _result(ttft, usage, before, read_bytes) -> TurnResult:
-    details = usage.get("prompt_tokens_details") or {}
-    read = read_bytes() - before if read_bytes and before is not None else None
-    return TurnResult(ttft, usage.get("prompt_tokens"), details.get("cached_tokens"), read)
+def timed_turn(
+    http, url, model, prompt: str, max_tokens: int, read_bytes=None
+) -> tuple[TurnResult, str]:
+    """One turn and its answer, with the expert bytes it read (by its first token and in all)
+    when `read_bytes` (the daemon's counter) is given."""
+    before = read_bytes() if read_bytes else None
+    done = stream_completion(http, url, model, prompt, max_tokens, read_bytes)
+    details = done.usage.get("prompt_tokens_details") or {}
+    result = TurnResult(done.ttft_s, done.usage.get("prompt_tokens"), details.get("cached_tokens"))
+    if before is not None:
+        result.read_bytes = read_bytes() - before
+        result.first_read_bytes = done.at_first - before if done.at_first is not None else None
+    return result, done.text
 
 
 class MoedSide:
@@ -205,8 +228,9 @@ def run_moed_side(http, side: MoedSide, convs: list[Conversation], turns: int, s
             # the same daemon, right after that turn.
             run.last_prompt = prompts[-1]
             run.new_text = prompts[-1][len(prompts[-2]) :] if turns > 1 else prompts[-1]
-            ttft, _, usage = stream_completion(http, side.url, model, run.new_text, conv.max_tokens)
-            run.new_only = _result(ttft, usage, None, None)
+            run.new_only = timed_turn(http, side.url, model, run.new_text, conv.max_tokens, reads)[
+                0
+            ]
             result.runs.append(run)
             histories.append(history)
         for conv, run, history in zip(convs, result.runs, histories):
@@ -216,10 +240,8 @@ def run_moed_side(http, side: MoedSide, convs: list[Conversation], turns: int, s
             # two tokens out, so a new process's one-time costs (first kernels, allocations, the
             # gateway's first connection) are not counted as the prefix cache's.
             stream_completion(http, side.url, model, conv.warm_up, 2)
-            before = side.read_bytes() if streaming else None
             prompt = history + conv.users[turns]
-            ttft, _, usage = stream_completion(http, side.url, model, prompt, conv.max_tokens)
-            run.restarted = _result(ttft, usage, before, reads)
+            run.restarted = timed_turn(http, side.url, model, prompt, conv.max_tokens, reads)[0]
     finally:
         side.stop()
     return result

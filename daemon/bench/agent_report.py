@@ -58,10 +58,16 @@ def print_report(header: dict, results: list, bound=None) -> None:
         r for r in results if any(t.read_bytes is not None for x in r.runs for t in x.turns)
     ]
     if streamed:
-        click.echo("\nexpert bytes read per prompt token read (streaming, median)")
+        click.echo(
+            "\nexpert bytes read by the first token, per prompt token read (streaming, median); "
+            "in all by the first token"
+        )
+        click.echo(f"{'':<16}" + "".join(f"{c:>10}" for c in cols))
         for r in streamed:
-            cells = [_median(_per_token(t) for t in _column(r, pick)) for pick in picks[: n + 1]]
+            cells = [_median(_per_token(t) for t in _column(r, pick)) for pick in picks]
             click.echo(f"{r.name:<16}" + "".join(f"{_bytes(c):>10}" for c in cells))
+            cells = [_median(_first_bytes(t) for t in _column(r, pick)) for pick in picks]
+            click.echo(f"{'':<16}" + "".join(f"{_bytes(c):>10}" for c in cells))
     mlx = next((r for r in results if r.name == "mlx_lm.server"), None)
     mlx_last = _ttft(_column(mlx, picks[n - 1])) if mlx else None
     click.echo(
@@ -110,10 +116,14 @@ def _cached(t) -> str:
     return f"{t.cached_tokens if t.cached_tokens is not None else '-'}/{t.prompt_tokens}"
 
 
+def _first_bytes(t) -> float | None:
+    return None if t is None else t.first_read_bytes
+
+
 def _per_token(t) -> float | None:
-    if t is None or t.read_bytes is None or t.prompt_tokens is None:
+    if t is None or t.first_read_bytes is None or t.prompt_tokens is None:
         return None
-    return t.read_bytes / max(t.prompt_tokens - (t.cached_tokens or 0), 1)
+    return t.first_read_bytes / max(t.prompt_tokens - (t.cached_tokens or 0), 1)
 
 
 def _bytes(x: float | None) -> str:
