@@ -19,8 +19,10 @@ def test_bench_agent_runs_a_conversation_and_a_restart_beside_mlx_lm(tiny_model,
     assert "the model's own floor" in done.stdout
     report = json.loads(out.read_text())
     sides = {s["name"]: s for s in report["sides"]}
-    assert set(sides) == {"resident", "25%", "mlx_lm.server"}
+    assert set(sides) == {"resident", "25%"}
     assert all(len(s["runs"]) == 2 for s in sides.values())
+    # mlx_lm.server's turns of the same conversations, sent beside each side's
+    assert all(len(s["beside"]) == 2 and len(s["beside"][0]["turns"]) == 2 for s in sides.values())
     for name in ("resident", "25%"):
         for run in sides[name]["runs"]:  # two conversations, each continued after a restart
             turns = run["turns"]

@@ -58,6 +58,9 @@ class Run:
 class SideResult:
     name: str
     runs: list[Run] = field(default_factory=list)
+    # mlx_lm.server's turns of the same conversations, each sent right beside this side's turn
+    # (the order alternating), so that both see the same load
+    beside: list[Run] = field(default_factory=list)
 
 
 def make_conversation(
@@ -114,17 +117,32 @@ def stream_completion(
     return Completion((first or time.perf_counter()) - t0, "".join(parts), usage or {}, mark)
 
 
-def converse(http, url, model, conv: Conversation, turns: int, read_bytes=None) -> tuple:
-    """`turns` turns, each sending the whole history: the results, each turn's prompt, and the
-    history after the last answer."""
+def converse(
+    http, url, model, conv: Conversation, turns: int, read_bytes=None, peer: str | None = None
+) -> tuple:
+    """`turns` turns, each sending the whole history: the results, each turn's prompt, the
+    history after the last answer, and the `peer` server's results of the same conversation (its
+    own history), each turn sent right before or after ours, alternately."""
     history, results, prompts = conv.system, [], []
+    peer_history, peer_results = conv.system, []
     for k in range(turns):
         prompt = history + conv.users[k]
+        if peer is not None and k % 2:
+            peer_history = _peer_turn(http, peer, conv, k, peer_history, peer_results)
         result, answer = timed_turn(http, url, model, prompt, conv.max_tokens, read_bytes)
+        if peer is not None and not k % 2:
+            peer_history = _peer_turn(http, peer, conv, k, peer_history, peer_results)
         results.append(result)
         prompts.append(prompt)
         history = prompt + answer
-    return results, prompts, history
+    return results, prompts, history, peer_results
+
+
+def _peer_turn(http, url: str, conv: Conversation, k: int, history: str, out: list) -> str:
+    prompt = history + conv.users[k]
+    result, answer = timed_turn(http, url, None, prompt, conv.max_tokens)
+    out.append(result)
+    return prompt + answer
 
 
 def timed_turn(
@@ -211,9 +229,12 @@ def start_mlx_lm_server(model: Path, log_path: Path, prefill_chunk: int):
     raise click.ClickException("mlx_lm.server did not answer within 300s")
 
 
-def run_moed_side(http, side: MoedSide, convs: list[Conversation], turns: int, streaming: bool):
-    """Every conversation on one daemon, each with its last turn's new text alone; then, for
-    each, a daemon restart and that conversation's next turn."""
+def run_moed_side(
+    http, side: MoedSide, convs: list[Conversation], turns: int, streaming: bool, peer=None
+):
+    """Every conversation on one daemon (and turn by turn beside it on the `peer` server), each
+    with its last turn's new text alone; then, for each, a daemon restart and that conversation's
+    next turn."""
     result = SideResult(side.name)
     side.start()
     try:
@@ -222,7 +243,11 @@ def run_moed_side(http, side: MoedSide, convs: list[Conversation], turns: int, s
         histories = []
         for conv in convs:
             run = Run()
-            run.turns, prompts, history = converse(http, side.url, model, conv, turns, reads)
+            run.turns, prompts, history, beside = converse(
+                http, side.url, model, conv, turns, reads, peer
+            )
+            if peer is not None:
+                result.beside.append(Run(beside))
             # The last turn's new text alone (the answer before it and its user message): what
             # the prefix cache leaves that turn to read, with nothing before it; the same path,
             # the same daemon, right after that turn.
@@ -305,26 +330,23 @@ def bench_agent(
     ]
     results: list[SideResult] = []
     bound = None
+    proc = None
     try:
         with httpx.Client() as http:
+            peer = None
+            if not no_mlx_lm:  # up beside both sides: each turn of theirs is sent beside ours
+                proc, peer = start_mlx_lm_server(path, run_dir / "mlx_lm.log", prefill_chunk)
             for side, streaming in sides:
                 click.echo(
-                    f"moed {side.name}: {repeats} x ({turns} turns, a restart, one more turn)",
+                    f"moed {side.name}: {repeats} x ({turns} turns, a restart, one more turn)"
+                    + (", mlx_lm.server's turns beside" if peer else ""),
                     err=True,
                 )
-                results.append(run_moed_side(http, side, convs, turns, streaming))
-            if not no_mlx_lm:
-                click.echo(f"mlx_lm.server: the same {repeats} conversations", err=True)
-                proc, url = start_mlx_lm_server(path, run_dir / "mlx_lm.log", prefill_chunk)
-                try:
-                    mlx = SideResult("mlx_lm.server")
-                    for conv in convs:
-                        mlx.runs.append(Run(converse(http, url, None, conv, turns)[0]))
-                    results.append(mlx)
-                finally:
-                    proc.terminate()
-                    proc.wait(30)
-        if not no_mlx_lm:
+                results.append(run_moed_side(http, side, convs, turns, streaming, peer))
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+            proc = None
             click.echo(
                 "plain mlx-lm: the last turns' new tokens, after their context and alone", err=True
             )
@@ -332,6 +354,9 @@ def bench_agent(
             cases = [(r.last_prompt, r.turns[-1].cached_tokens or 0, r.new_text) for r in resident]
             bound = measure_bound(path, cases, prefill_chunk)
     finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
         for side, _ in sides:
             side.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
