@@ -1,8 +1,9 @@
-"""`moed bench agent`: a growing agent conversation (a long system prompt, then turns that each send
+"""`moed bench agent`: growing agent conversations (a long system prompt, then turns that each send
 the whole history again) through `moed gateway`, resident and at a streaming budget, beside
-mlx_lm.server (its own prompt cache) started on the same checkpoint; then the same conversation
+mlx_lm.server (its own prompt cache) started on the same checkpoint; then each conversation
 continued after a daemon restart. Time to first token per turn, tokens reused, expert bytes read
-per prompt token read, and the issue's ratios, measured in one run.
+per prompt token read, and the issue's ratios, measured in one run: several conversations (other
+text, the same shape) per side, medians, so one disturbed turn on a shared machine moves nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import click
 
 from moed.client import Client
 from moed.client.autostart import start_daemon, wait_until_ready
+from moed.daemon.bench.agent_bound import measure_bound
 from moed.daemon.bench.agent_report import print_report
 from moed.daemon.bench.gateway_timing import start_gateway
 from moed.daemon.model.source import resolve_model
@@ -32,6 +34,7 @@ class Conversation:
     system: str  # the long system prompt (tool definitions in a real agent)
     users: tuple[str, ...]  # one user message per turn, the last one for the turn after a restart
     max_tokens: int
+    warm_up: str = ""  # unrelated text of about a turn's new tokens (a restarted daemon's first)
 
 
 @dataclass
@@ -40,17 +43,34 @@ class TurnResult:
     prompt_tokens: int | None
     cached_tokens: int | None
     read_bytes: int | None = None  # expert bytes the daemon read for this turn (streaming)
+    # ... of them by the first token (read when it arrives: a decode step already under way
+    # may add a little); what the time to first token waits for
+    first_read_bytes: int | None = None
+
+
+@dataclass
+class Run:
+    """One conversation on one side."""
+
+    turns: list[TurnResult] = field(default_factory=list)
+    new_only: TurnResult | None = None  # only the last turn's new text, alone
+    restarted: TurnResult | None = None  # the next turn, the first after a daemon restart
+    last_prompt: str = ""  # the last turn's prompt and its new text (for the model's bound)
+    new_text: str = ""
 
 
 @dataclass
 class SideResult:
     name: str
-    turns: list[TurnResult] = field(default_factory=list)
-    new_only: TurnResult | None = None  # only the last turn's new text, alone
-    restarted: TurnResult | None = None  # the next turn, first after a daemon restart
+    runs: list[Run] = field(default_factory=list)
+    # mlx_lm.server's turns of the same conversations, each sent right beside this side's turn
+    # (the order alternating), so that both see the same load
+    beside: list[Run] = field(default_factory=list)
 
 
-def make_conversation(tokenizer, system_tokens: int, turns: int, user_tokens: int, seed: int):
+def make_conversation(
+    tokenizer, system_tokens: int, turns: int, user_tokens: int, max_tokens: int, seed: int
+) -> Conversation:
     """Text decoded from seeded token ids (no special tokens), so any tokenizer has words."""
     rng = random.Random(seed)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
@@ -60,17 +80,28 @@ def make_conversation(tokenizer, system_tokens: int, turns: int, user_tokens: in
         return tokenizer.decode([rng.choice(vocab) for _ in range(n)])
 
     users = tuple(f"\nUser: {text(user_tokens)}\nAssistant:" for _ in range(turns + 1))
-    return Conversation(text(system_tokens), users, 0)
+    system = text(system_tokens)
+    return Conversation(system, users, max_tokens, text(user_tokens + max_tokens))
 
 
-def stream_completion(http, url: str, model: str | None, prompt: str, max_tokens: int):
-    """One streamed /v1/completions call: (time to the first text, the text, the usage)."""
+@dataclass(frozen=True)
+class Completion:
+    ttft_s: float
+    text: str
+    usage: dict
+    at_first: int | None  # what `at_first` answered when the first text came
+
+
+def stream_completion(
+    http, url: str, model: str | None, prompt: str, max_tokens: int, at_first=None
+) -> Completion:
+    """One streamed /v1/completions call, `at_first()` asked as its first text arrives."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
     body["stream_options"] = {"include_usage": True}
     if model is not None:
         body["model"] = model
     t0 = time.perf_counter()
-    first, parts, usage = None, [], None
+    first, parts, usage, mark = None, [], None, None
     with http.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as resp:
         if resp.status_code != 200:  # e.g. 413: the conversation outgrew the model's context
             raise click.ClickException(
@@ -84,29 +115,54 @@ def stream_completion(http, url: str, model: str | None, prompt: str, max_tokens
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:
                 if choice.get("text"):
-                    first = first or time.perf_counter()
+                    if first is None:
+                        first = time.perf_counter()
+                        mark = at_first() if at_first else None
                     parts.append(choice["text"])
-    return (first or time.perf_counter()) - t0, "".join(parts), usage or {}
+    return Completion((first or time.perf_counter()) - t0, "".join(parts), usage or {}, mark)
 
 
-def converse(http, url, model, conv: Conversation, turns: int, read_bytes=None) -> tuple:
-    """`turns` turns, each sending the whole history: the results, each turn's prompt, and the
-    history after the last answer."""
+def converse(
+    http, url, model, conv: Conversation, turns: int, read_bytes=None, peer: str | None = None
+) -> tuple:
+    """`turns` turns, each sending the whole history: the results, each turn's prompt, the
+    history after the last answer, and the `peer` server's results of the same conversation (its
+    own history), each turn sent right before or after ours, alternately."""
     history, results, prompts = conv.system, [], []
+    peer_history, peer_results = conv.system, []
     for k in range(turns):
         prompt = history + conv.users[k]
-        before = read_bytes() if read_bytes else None
-        ttft, answer, usage = stream_completion(http, url, model, prompt, conv.max_tokens)
-        results.append(_result(ttft, usage, before, read_bytes))
+        if peer is not None and k % 2:
+            peer_history = _peer_turn(http, peer, conv, k, peer_history, peer_results)
+        result, answer = timed_turn(http, url, model, prompt, conv.max_tokens, read_bytes)
+        if peer is not None and not k % 2:
+            peer_history = _peer_turn(http, peer, conv, k, peer_history, peer_results)
+        results.append(result)
         prompts.append(prompt)
         history = prompt + answer
-    return results, prompts, history
+    return results, prompts, history, peer_results
 
 
-def _result(ttft, usage, before, read_bytes) -> TurnResult:
-    details = usage.get("prompt_tokens_details") or {}
-    read = read_bytes() - before if read_bytes and before is not None else None
-    return TurnResult(ttft, usage.get("prompt_tokens"), details.get("cached_tokens"), read)
+def _peer_turn(http, url: str, conv: Conversation, k: int, history: str, out: list) -> str:
+    prompt = history + conv.users[k]
+    result, answer = timed_turn(http, url, None, prompt, conv.max_tokens)
+    out.append(result)
+    return prompt + answer
+
+
+def timed_turn(
+    http, url, model, prompt: str, max_tokens: int, read_bytes=None
+) -> tuple[TurnResult, str]:
+    """One turn and its answer, with the expert bytes it read (by its first token and in all)
+    when `read_bytes` (the daemon's counter) is given."""
+    before = read_bytes() if read_bytes else None
+    done = stream_completion(http, url, model, prompt, max_tokens, read_bytes)
+    details = done.usage.get("prompt_tokens_details") or {}
+    result = TurnResult(done.ttft_s, done.usage.get("prompt_tokens"), details.get("cached_tokens"))
+    if before is not None:
+        result.read_bytes = read_bytes() - before
+        result.first_read_bytes = done.at_first - before if done.at_first is not None else None
+    return result, done.text
 
 
 class MoedSide:
@@ -171,27 +227,44 @@ def start_mlx_lm_server(model: Path, log_path: Path, prefill_chunk: int):
     raise click.ClickException("mlx_lm.server did not answer within 300s")
 
 
-def run_moed_side(http, side: MoedSide, conv: Conversation, turns: int, streaming: bool):
+def run_moed_side(
+    http, side: MoedSide, convs: list[Conversation], turns: int, streaming: bool, peer=None
+):
+    """Every conversation on one daemon (and turn by turn beside it on the `peer` server), each
+    with its last turn's new text alone; then, for each, a daemon restart and that conversation's
+    next turn."""
     result = SideResult(side.name)
     side.start()
     try:
         model = http.get(f"{side.url}/v1/models").json()["data"][0]["id"]
         reads = side.read_bytes if streaming else None
-        result.turns, prompts, history = converse(http, side.url, model, conv, turns, reads)
-        # The last turn's new text alone (the answer before it and its user message): what the
-        # prefix cache leaves that turn to read, with nothing before it.
-        new_text = prompts[-1][len(prompts[-2]) :] if turns > 1 else prompts[-1]
-        ttft, _, usage = stream_completion(http, side.url, model, new_text, conv.max_tokens)
-        result.new_only = _result(ttft, usage, None, None)
-        side.stop()
-        side.start()  # a new daemon process: its memory tier is empty, the SSD tier is not
-        # A short request first, so that a new process's one-time costs (the first graphs, the
-        # gateway's first connection) are not counted as the prefix cache's.
-        stream_completion(http, side.url, model, conv.users[0][:8], 1)
-        before = side.read_bytes() if streaming else None
-        prompt = history + conv.users[turns]
-        ttft, _, usage = stream_completion(http, side.url, model, prompt, conv.max_tokens)
-        result.restarted = _result(ttft, usage, before, reads)
+        histories = []
+        for conv in convs:
+            run = Run()
+            run.turns, prompts, history, beside = converse(
+                http, side.url, model, conv, turns, reads, peer
+            )
+            if peer is not None:
+                result.beside.append(Run(beside))
+            # The last turn's new text alone (the answer before it and its user message): what
+            # the prefix cache leaves that turn to read, with nothing before it; the same path,
+            # the same daemon, right after that turn.
+            run.last_prompt = prompts[-1]
+            run.new_text = prompts[-1][len(prompts[-2]) :] if turns > 1 else prompts[-1]
+            run.new_only = timed_turn(http, side.url, model, run.new_text, conv.max_tokens, reads)[
+                0
+            ]
+            result.runs.append(run)
+            histories.append(history)
+        for conv, run, history in zip(convs, result.runs, histories):
+            side.stop()
+            side.start()  # a new daemon process: its memory tier is empty, the SSD tier is not
+            # The model warmed, not the cache: unrelated text as long as a turn's new tokens and
+            # two tokens out, so a new process's one-time costs (first kernels, allocations, the
+            # gateway's first connection) are not counted as the prefix cache's.
+            stream_completion(http, side.url, model, conv.warm_up, 2)
+            prompt = history + conv.users[turns]
+            run.restarted = timed_turn(http, side.url, model, prompt, conv.max_tokens, reads)[0]
     finally:
         side.stop()
     return result
@@ -205,8 +278,19 @@ def run_moed_side(http, side: MoedSide, conv: Conversation, turns: int, streamin
 @click.option("--max-tokens", default=16, show_default=True, help="Tokens generated per turn.")
 @click.option("--budget", default="25%", show_default=True, help="The streaming side's budget.")
 @click.option("--prefill-chunk", default=256, show_default=True, help="Both servers' chunk.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the conversation's text.")
-@click.option("--no-mlx-lm", is_flag=True, help="Skip the mlx_lm.server column.")
+@click.option(
+    "--repeats",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Conversations per side (other text, one restart each); the report shows medians.",
+)
+@click.option("--seed", default=0, show_default=True, help="Seed of the first conversation's text.")
+@click.option(
+    "--no-mlx-lm",
+    is_flag=True,
+    help="Skip the mlx_lm.server column and the plain mlx-lm floor (both hold the whole model).",
+)
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Also write JSON here.")
 def bench_agent(
     model,
@@ -216,20 +300,24 @@ def bench_agent(
     max_tokens,
     budget,
     prefill_chunk,
+    repeats,
     seed,
     no_mlx_lm,
     json_out,
 ) -> None:
-    """A growing agent conversation through the gateway, resident and streaming, beside
-    mlx_lm.server; then continued after a daemon restart. TTFT per turn and the ratios."""
+    """Growing agent conversations through the gateway, resident and streaming, beside
+    mlx_lm.server; each continued after a daemon restart. TTFT per turn (medians) and the
+    ratios."""
     # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import httpx
     from mlx_lm.utils import load_tokenizer
 
     path = resolve_model(model)
     tokenizer = load_tokenizer(path)
-    conv = make_conversation(tokenizer, system_tokens, turns, user_tokens, seed)
-    conv = Conversation(conv.system, conv.users, max_tokens)
+    convs = [
+        make_conversation(tokenizer, system_tokens, turns, user_tokens, max_tokens, seed + k)
+        for k in range(repeats)
+    ]
     run_dir = Path(tempfile.mkdtemp(prefix="moed-bench-agent-", dir="/tmp"))
     chunk = ("--prefill-chunk", str(prefill_chunk))
     sides = [
@@ -237,22 +325,34 @@ def bench_agent(
         (MoedSide(budget, path, run_dir, ("--cache-budget", budget, *chunk)), True),
     ]
     results: list[SideResult] = []
+    bound = None
+    proc = None
     try:
         with httpx.Client() as http:
+            peer = None
+            if not no_mlx_lm:  # up beside both sides: each turn of theirs is sent beside ours
+                proc, peer = start_mlx_lm_server(path, run_dir / "mlx_lm.log", prefill_chunk)
             for side, streaming in sides:
-                click.echo(f"moed {side.name}: {turns} turns, a restart, one more turn", err=True)
-                results.append(run_moed_side(http, side, conv, turns, streaming))
-            if not no_mlx_lm:
-                click.echo("mlx_lm.server: the same conversation", err=True)
-                proc, url = start_mlx_lm_server(path, run_dir / "mlx_lm.log", prefill_chunk)
-                try:
-                    mlx = SideResult("mlx_lm.server")
-                    mlx.turns, _, _ = converse(http, url, None, conv, turns)
-                    results.append(mlx)
-                finally:
-                    proc.terminate()
-                    proc.wait(30)
+                click.echo(
+                    f"moed {side.name}: {repeats} x ({turns} turns, a restart, one more turn)"
+                    + (", mlx_lm.server's turns beside" if peer else ""),
+                    err=True,
+                )
+                results.append(run_moed_side(http, side, convs, turns, streaming, peer))
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+            proc = None
+            click.echo(
+                "plain mlx-lm: the last turns' new tokens, after their context and alone", err=True
+            )
+            resident = results[0].runs
+            cases = [(r.last_prompt, r.turns[-1].cached_tokens or 0, r.new_text) for r in resident]
+            bound = measure_bound(path, cases, prefill_chunk)
     finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
         for side, _ in sides:
             side.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -263,7 +363,10 @@ def bench_agent(
         "user_tokens": user_tokens,
         "max_tokens": max_tokens,
         "prefill_chunk": prefill_chunk,
+        "repeats": repeats,
     }
-    print_report(header, results)
+    print_report(header, results, bound)
     if json_out:
-        json_out.write_text(json.dumps({**header, "sides": [asdict(r) for r in results]}, indent=1))
+        report = {**header, "sides": [asdict(r) for r in results]}
+        report["model_bound"] = {**asdict(bound), "ratio": bound.ratio} if bound else None
+        json_out.write_text(json.dumps(report, indent=1))

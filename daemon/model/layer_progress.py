@@ -6,6 +6,11 @@ The hook changes no weight and no module path: each layer's class becomes a subc
 `on_layer`. Evaluating a layer's output early computes the same values with the same kernels
 (mlx-lm's forward is not compiled); a decode step (one position per row) is left as it was, one
 graph, with no extra host sync.
+
+The last layer's output is never forced: a prompt chunk keeps only the caches (mlx-lm evaluates
+their state, not the logits), and the last layer's cache needs its key/value projections alone,
+so forcing its output would compute its attention over the whole context and its experts for
+nothing (a quarter of the demo model's chunk). Whoever wants that output evaluates it.
 """
 
 from __future__ import annotations
@@ -21,24 +26,26 @@ _HOOKED = "_moed_layer_hook"  # marks a hooked subclass: hooking twice wraps onc
 def watch_layers(model: Any, on_layer: Callable[[], None]) -> int:
     """Hook every decoder layer of an mlx-lm model (its `layers`); returns how many."""
     layers = list(getattr(model, "layers", None) or [])
-    hooked: dict[type, type] = {}
-    for layer in layers:
+    hooked: dict[tuple[type, bool], type] = {}
+    for i, layer in enumerate(layers):
         base = type(layer)
         if getattr(base, _HOOKED, False):
             base = base.__mro__[1]
-        sub = hooked.get(base)
+        last = i == len(layers) - 1
+        sub = hooked.get((base, last))
         if sub is None:
-            sub = hooked[base] = _hooked_class(base, on_layer)
+            sub = hooked[base, last] = _hooked_class(base, on_layer, force=not last)
         layer.__class__ = sub
     return len(layers)
 
 
-def _hooked_class(base: type, on_layer: Callable[[], None]) -> type:
+def _hooked_class(base: type, on_layer: Callable[[], None], force: bool) -> type:
     def __call__(self, x, *args, **kwargs):
         out = base.__call__(self, x, *args, **kwargs)
         # (batch, positions, hidden): more than one position is a prompt chunk.
         if getattr(x, "ndim", 0) >= 3 and x.shape[-2] > 1:
-            mx.eval(out)
+            if force:
+                mx.eval(out)
             on_layer()
         return out
 
