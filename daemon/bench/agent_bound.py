@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moed.daemon.model.chat_template import prompt_token_ids
+from moed.protocol import GenerateRequest
 
 REPEATS = 3  # each reading timed this many times, alternating, the median kept
 
@@ -39,7 +40,7 @@ def measure_bound(model_path: Path, cases: list[tuple[str, int, str]], chunk: in
     model, tokenizer = load(str(model_path))
 
     def ids(text: str) -> list[int]:  # as the daemon tokenizes /v1/completions (raw text)
-        return prompt_token_ids(tokenizer, {"prompt": text, "raw": True})
+        return prompt_token_ids(tokenizer, GenerateRequest(prompt=text, raw=True))
 
     def read(context: list[int], new: list[int]) -> float:
         cache = make_prompt_cache(model)
