@@ -5,15 +5,11 @@ from __future__ import annotations
 import inspect
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-# `fixtures` is imported as a top-level package from tests/, even if tests/ becomes a package.
-sys.path.insert(0, str(Path(__file__).parent))
-
-from fixtures.checkpoints import write_checkpoint  # noqa: E402
+from tests.fixtures.checkpoints import write_checkpoint
 
 # --- isolation from the user's own moed ------------------------------------------------------
 
@@ -80,7 +76,7 @@ def tiny_model(checkpoint_factory) -> Path:
 
 # --- real daemon processes ------------------------------------------------------------------
 
-from daemon_harness import DaemonProcess, Supervisor, start_daemon  # noqa: E402
+from tests.fixtures.daemon_harness import DaemonProcess, Supervisor, start_daemon  # noqa: E402
 
 
 @pytest.fixture
@@ -126,7 +122,7 @@ def supervisor(tmp_path):
 
 # --- memory cgroups (root-only Linux tests) ---------------------------------------------------
 
-from fixtures.cgroups import MemoryCgroup  # noqa: E402
+from tests.fixtures.cgroups import MemoryCgroup  # noqa: E402
 
 
 @pytest.fixture
@@ -152,7 +148,7 @@ def memory_cgroup():
 
 # --- the HTTP gateway in front of a real daemon ----------------------------------------------
 
-from gateway_harness import GatewayProcess, start_gateway  # noqa: E402
+from tests.fixtures.gateway_harness import GatewayProcess, start_gateway  # noqa: E402
 
 
 @pytest.fixture(scope="module")
