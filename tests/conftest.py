@@ -11,6 +11,26 @@ import pytest
 
 from tests.fixtures.checkpoints import write_checkpoint
 
+# --- markers: a test that starts a daemon says so ------------------------------------------
+
+# make test-fast leaves out `process` tests; one that asks for a daemon without saying so would
+# slip into the edit loop (and its two minutes).
+PROCESS_FIXTURES = frozenset({"daemon", "daemon_factory", "supervisor", "gateway_stack"})
+
+
+def pytest_collection_modifyitems(config, items):
+    unmarked = [
+        item.nodeid
+        for item in items
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))
+        and item.get_closest_marker("process") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "these tests start a daemon but are not marked `process`: " + ", ".join(unmarked)
+        )
+
+
 # --- isolation from the user's own moed ------------------------------------------------------
 
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.fixtures.daemon_harness import moed
+
+pytestmark = pytest.mark.process
 
 
 def test_bench_agent_runs_a_conversation_and_a_restart_beside_mlx_lm(tiny_model, tmp_path):

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.fixtures.daemon_harness import moed
+
+pytestmark = pytest.mark.process
 
 
 def test_bench_format_prints_the_ratio_and_the_mixed_batch_check(tiny_model):

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.fixtures.daemon_harness import moed
+
+pytestmark = pytest.mark.process
 
 
 def test_bench_prompt_json_and_table(tiny_model, tmp_path):

@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from tests.fixtures.daemon_harness import moed
+
+pytestmark = pytest.mark.process
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from moed.client import DoneEvent, TokenEvent
 from moed.client.async_client import AsyncClient
 from moed.client.inbox import merge_tokens
@@ -25,6 +27,7 @@ async def _read(socket, coalesce: bool, stall_s: float) -> tuple[list[TokenEvent
         return tokens, done
 
 
+@pytest.mark.process
 def test_coalesced_stream_equals_the_one_by_one_stream(daemon):
     one_by_one, done_a = asyncio.run(_read(daemon.socket, False, 0.0))
     coalesced, done_b = asyncio.run(_read(daemon.socket, True, 1.0))

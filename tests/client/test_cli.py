@@ -16,6 +16,7 @@ from moed.client.exit_codes import ExitCode
 from tests.fixtures.daemon_harness import moe, moe_command
 
 
+@pytest.mark.process
 def test_run_json_stream_shape(daemon):
     out = moe(daemon.socket, "run", "--json", "--raw", "--max-tokens", "6", "--no-start", "def f")
     assert out.returncode == ExitCode.OK, out.stderr
@@ -27,12 +28,14 @@ def test_run_json_stream_shape(daemon):
     assert all(isinstance(t["text"], str) for t in tokens)
 
 
+@pytest.mark.process
 def test_run_text_and_summary_and_stdin(daemon):
     out = moe(daemon.socket, "run", "--raw", "--max-tokens", "5", "--no-start", "-", input="hello")
     assert out.returncode == 0, out.stderr
     assert "[moe] 5 tokens" in out.stderr and "tok/s" in out.stderr
 
 
+@pytest.mark.process
 def test_run_error_is_typed_json_and_exit_code(daemon):
     out = moe(daemon.socket, "run", "--json", "--no-start", "--top-p", "3", "hi")
     assert out.returncode == ExitCode.REQUEST_FAILED
@@ -40,6 +43,7 @@ def test_run_error_is_typed_json_and_exit_code(daemon):
     assert last["type"] == "error" and last["code"] == "invalid_request"
 
 
+@pytest.mark.process
 def test_a_capped_max_tokens_is_said(daemon_factory, tiny_model):
     d = daemon_factory(tiny_model, "--resident", env={"MOED_MAX_TOKENS_LIMIT": "4"})
     out = moe(d.socket, "run", "--raw", "--no-start", "--json", "--max-tokens", "50", "def f")
@@ -50,6 +54,7 @@ def test_a_capped_max_tokens_is_said(daemon_factory, tiny_model):
     assert quiet.returncode == 0 and "capped" not in quiet.stderr
 
 
+@pytest.mark.process
 def test_status_json_and_stop(daemon):
     out = moe(daemon.socket, "status", "--json")
     assert out.returncode == 0, out.stderr
@@ -61,6 +66,7 @@ def test_status_json_and_stop(daemon):
     assert daemon.proc.wait(20) == 0
 
 
+@pytest.mark.process
 def test_no_daemon_exit_codes(tmp_path):
     sock = Path(f"/tmp/moedt-none-{os.getpid()}/s.sock")
     assert moe(sock, "status").returncode == ExitCode.DAEMON_UNAVAILABLE
@@ -69,6 +75,7 @@ def test_no_daemon_exit_codes(tmp_path):
     assert json.loads(out.stdout.splitlines()[-1])["code"] == "daemon_unavailable"
 
 
+@pytest.mark.process
 def test_help_and_round_trip_never_import_mlx(daemon):
     probe = (
         "import sys\n"
@@ -100,6 +107,7 @@ def test_help_and_round_trip_never_import_mlx(daemon):
     assert not [m for m in imported if m.startswith("moed.daemon")], imported
 
 
+@pytest.mark.process
 def test_run_autostarts_a_daemon(tiny_model, tmp_path):
     sock_dir = Path(f"/tmp/moedt-auto-{os.getpid()}")
     sock = sock_dir / "s.sock"
@@ -139,6 +147,7 @@ def test_model_from_local_hugging_face_cache(tiny_model, tmp_path, monkeypatch):
         resolve_model("mlx-community/Absent-Model")
 
 
+@pytest.mark.process
 def test_ctrl_c_cancels_the_request(daemon):
     import signal
 
@@ -157,6 +166,7 @@ def test_ctrl_c_cancels_the_request(daemon):
     assert "cancelled" in proc.stderr.read().decode()
 
 
+@pytest.mark.process
 def test_status_offline_reports_last_crash_and_watchdog(daemon_factory, tiny_model, tmp_path):
     d = daemon_factory(tiny_model, "--resident", env={"MOED_DEBUG_FAULTS": "oom_after=2"})
     with d.client() as c:
@@ -171,6 +181,7 @@ def test_status_offline_reports_last_crash_and_watchdog(daemon_factory, tiny_mod
     assert body["last_crash"]["kind"] == "out_of_memory"
 
 
+@pytest.mark.process
 def test_run_model_names_the_served_model_in_any_spelling(daemon, tiny_model):
     """`--model ./folder` from another directory names the same served model: no refusal."""
     out = subprocess.run(

@@ -14,6 +14,8 @@ import pytest
 from moed.client.exit_codes import ExitCode
 from tests.fixtures.fake_hub import FakeHub
 
+pytestmark = pytest.mark.process
+
 REPO = "tiny-org/tiny-moe"
 
 

@@ -16,6 +16,8 @@ import sys
 import termios
 import time
 
+import pytest
+
 from moed.client.progress import Progress, ProgressMode, StagedProgress, Unit
 from tests.client.test_models_cli import REPO, hf_env, hub, moe  # noqa: F401  (fixtures re-used)
 
@@ -46,6 +48,7 @@ def run_in_pty(args: list[str], env: dict, timeout_s: float = 120) -> tuple[int,
     return proc.wait(timeout=10), b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.process
 def test_pull_draws_a_bar_on_a_terminal_and_nothing_in_a_pipe(hub, hf_env):  # noqa: F811
     code, drawn = run_in_pty([sys.executable, "-m", "moed.client.cli", "pull", REPO], hf_env)
     assert code == 0, drawn
@@ -89,6 +92,7 @@ def test_off_mode_writes_nothing_and_stages_get_their_own_task():
     assert {e["unit"] for e in events if e["task"].endswith("weights")} == {"bytes"}
 
 
+@pytest.mark.process
 def test_moe_run_shows_the_load_of_the_daemon_it_starts(tiny_model, tmp_path):
     from tests.fixtures.daemon_harness import short_socket_path
 
@@ -115,6 +119,7 @@ def test_moe_run_shows_the_load_of_the_daemon_it_starts(tiny_model, tmp_path):
         shutil.rmtree(socket.parent, ignore_errors=True)
 
 
+@pytest.mark.process
 def test_moed_serve_in_a_terminal_draws_the_model_load(tiny_model, tmp_path):
     import signal
     import threading

@@ -18,6 +18,8 @@ from moed.client.async_client import AsyncClient
 from moed.protocol.messages import PROMPT_STAGE
 from tests.fixtures.daemon_harness import moe_command
 
+pytestmark = pytest.mark.process
+
 CHUNK = 4  # --prefill-chunk
 PLAN_TOKENS = 16  # plan_context_tokens: the lone prompt's chunk (the tiny model's activations
 # per token are small, so the KV room the plan keeps binds first)

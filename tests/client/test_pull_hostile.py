@@ -19,6 +19,8 @@ from moed.client.exit_codes import ExitCode
 from tests.client.test_models_cli import REPO, json_lines, moe
 from tests.fixtures.fake_hub import FakeHub
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture
 def hub(tiny_model):

@@ -17,7 +17,7 @@ from moed.protocol import ErrorCode
 from tests.fixtures import pipeline_worker
 from tests.fixtures.daemon_harness import run_together, start_daemon
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
 
 # An idle daemon gathers requests arriving within this window into one batch: every run of the
 # same requests has the same batch composition, one process or two.

@@ -155,6 +155,7 @@ def test_rank_spec_from_a_hostfile_and_the_cost_split(checkpoint_factory, tmp_pa
     assert slowest(cost_split) <= slowest(resolve_split(SplitMode.EVEN, 2, path, config, 4))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "script,code",
     [

@@ -16,6 +16,8 @@ from moed.daemon.experts import StreamingConfig, install_streaming
 from moed.protocol import ErrorCode
 from tests.fixtures.daemon_harness import moed_command, short_socket_path
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture
 def rank_control(tiny_model):

@@ -23,7 +23,7 @@ from moed.protocol import ErrorCode
 from tests.fixtures import pipeline_worker
 from tests.fixtures.daemon_harness import Supervisor, moe_command, serve_command, short_socket_path
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(240)]
 
 PROMPT_IDS = [(7 * i + 3) % 300 + 3 for i in range(40)]
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 7}

@@ -107,6 +107,7 @@ def test_a_rank_must_name_the_addresses_its_hostfile_gives():
         guard.close()
 
 
+@pytest.mark.process
 def test_another_user_on_the_ports_while_the_group_starts_does_not_fail_it(
     other_user,  # noqa: F811
     supervisor,
@@ -163,6 +164,7 @@ def test_rank_failures_never_make_a_request_poison_or_spend_the_restart_budget(t
     assert fp in crashlog.plan_start(tmp_path, restart_budget=5, window_s=600).poison
 
 
+@pytest.mark.process
 def test_the_rank_environment_carries_no_spec_or_secret(supervisor, checkpoint_factory):
     """MOED_RANK_SPEC is gone: what rank 0 decided reaches a follower as an argument, the secret
     on its stdin; neither is in any rank's environment."""
@@ -179,6 +181,7 @@ def test_the_rank_environment_carries_no_spec_or_secret(supervisor, checkpoint_f
     assert os.environ.get("MOED_RANK_SPEC") is None
 
 
+@pytest.mark.process
 def test_a_rank_killed_twice_leaves_the_request_retryable_and_the_budget_whole(
     supervisor, checkpoint_factory
 ):

@@ -22,6 +22,8 @@ from moed.daemon.distributed.launch import free_port_run
 from moed.daemon.experts import CheckpointIndex, StreamingConfig, install_streaming, parse_budget
 from tests.fixtures import pipeline_worker
 
+pytestmark = pytest.mark.process
+
 WORKER = Path(pipeline_worker.__file__)
 # qwen3_5_moe mixes linear-attention layers (ArraysCache rows) with full attention (KV rows).
 ARCHS = ["qwen3_moe", "deepseek_v3", "qwen3_5_moe"]

@@ -37,6 +37,7 @@ def batched_daemon(daemon_factory, model, *extra, env=None):
     )
 
 
+@pytest.mark.process
 def test_streaming_batch_equals_resident_batch_at_any_budget(daemon_factory, tiny_model):
     resident = batched_daemon(daemon_factory, tiny_model, "--resident")
     expected = [got for got, _ in run_together(resident, REQUESTS)]
@@ -55,6 +56,7 @@ def test_streaming_batch_equals_resident_batch_at_any_budget(daemon_factory, tin
         d.stop()
 
 
+@pytest.mark.process
 def test_cancel_in_a_batch_ends_only_that_stream(daemon_factory, tiny_model):
     d = batched_daemon(daemon_factory, tiny_model, "--resident")
     # The victim runs long, so the cancel lands while it still generates (40 tokens took 60 ms).
@@ -101,6 +103,7 @@ def test_cancel_in_a_batch_ends_only_that_stream(daemon_factory, tiny_model):
     assert [results[0][0], results[2][0]] == [expected[0][0], expected[2][0]]
 
 
+@pytest.mark.process
 def test_a_crash_fails_every_request_of_the_batch_and_each_resumes(
     daemon_factory, tiny_model, tmp_path
 ):
@@ -124,6 +127,7 @@ def test_a_crash_fails_every_request_of_the_batch_and_each_resumes(
     assert [p + got for p, (got, _) in zip(partial, rest)] == expected
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("chunk", [256])
 def test_a_long_prompt_is_read_between_decode_steps_of_another_stream(
     chunk, daemon_factory, tiny_model

@@ -51,6 +51,7 @@ def wait_for_state(client, state: str, timeout_s: float = 30.0) -> dict:
     raise AssertionError(f"state is {status['state']!r}, not {state!r}, after {timeout_s}s")
 
 
+@pytest.mark.process
 def test_idle_unload_releases_memory_and_reload_gives_the_same_tokens(daemon_factory, mid_model):
     d = daemon_factory(mid_model, "--cache-budget", "100%", "--keep-alive", "1s")
     with d.client(timeout=30) as c:
@@ -84,6 +85,7 @@ def test_idle_unload_releases_memory_and_reload_gives_the_same_tokens(daemon_fac
         assert again["rss_bytes"] - idle["rss_bytes"] >= cache_bytes / 2
 
 
+@pytest.mark.process
 def test_keep_alive_zero_unloads_at_once_and_moe_run_json_shows_progress(
     daemon_factory, tiny_model
 ):
@@ -117,6 +119,7 @@ def test_keep_alive_zero_unloads_at_once_and_moe_run_json_shows_progress(
     assert "idle" in table and "released" in table and "unloaded" in table
 
 
+@pytest.mark.process
 def test_a_bad_keep_alive_is_a_typed_error(daemon):
     with daemon.client() as c, pytest.raises(RequestFailed) as err:
         list(c.generate("x", max_tokens=1, keep_alive="soon"))

@@ -9,11 +9,14 @@ import time
 from pathlib import Path
 
 import msgpack
+import pytest
 import zmq
 
 from moed.client import DoneEvent, RequestFailed, TokenEvent
 from moed.protocol import ErrorCode
 from tests.fixtures.daemon_harness import moe
+
+pytestmark = pytest.mark.process
 
 SYSTEM = [(11 * i) % 220 + 3 for i in range(48)]
 TURNS = [SYSTEM + [5, 6], SYSTEM + [5, 6, 7, 8, 9], SYSTEM + [5, 6, 7, 8, 9, 10, 12]]

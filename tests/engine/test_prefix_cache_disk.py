@@ -149,6 +149,7 @@ def tiny_mount(tmp_path):
         subprocess.run(["umount", str(point)], check=False)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("where", ["full", "read_only"])
 def test_a_full_disk_or_read_only_folder_warns_once_and_serves(
     tiny_model, tmp_path, expected, tiny_mount, caplog, where

@@ -94,6 +94,7 @@ def two_channel(agent_stack) -> tuple[str, Split]:
     pytest.fail("no greedy answer of 24 prompts left the reasoning")
 
 
+@pytest.mark.process
 def test_channels_arrive_apart_and_concatenate_to_the_generation(agent_stack):
     daemon, _, tok = agent_stack
     seen_both = 0
@@ -114,6 +115,7 @@ def test_channels_arrive_apart_and_concatenate_to_the_generation(agent_stack):
     assert seen_both  # the fixture's prompts do leave the reasoning (greedy or seeded)
 
 
+@pytest.mark.process
 def test_enable_thinking_false_starts_in_the_answer(agent_stack):
     daemon, _, tok = agent_stack
     messages = [{"role": "user", "content": prompts(1)[0]}]
@@ -147,6 +149,7 @@ def _sse(response: httpx.Response) -> list[dict]:
     ]
 
 
+@pytest.mark.process
 def test_openai_reasoning_content(agent_stack, two_channel):
     _, gateway, _ = agent_stack
     prompt, direct = two_channel
@@ -175,6 +178,7 @@ def test_openai_reasoning_content(agent_stack, two_channel):
     assert off["usage"] == first["usage"]
 
 
+@pytest.mark.process
 def test_openai_history_renders_reasoning_back(agent_stack):
     _, gateway, _ = agent_stack
     url = f"{gateway.url}/v1/chat/completions"
@@ -193,6 +197,7 @@ def test_openai_history_renders_reasoning_back(agent_stack):
     assert prompt_tokens({"reasoning": "the user greets"}) > plain
 
 
+@pytest.mark.process
 def test_ollama_thinking(agent_stack, two_channel):
     _, gateway, _ = agent_stack
     prompt, direct = two_channel
@@ -217,6 +222,7 @@ def test_ollama_thinking(agent_stack, two_channel):
     )
 
 
+@pytest.mark.process
 def test_anthropic_thinking_blocks(agent_stack, two_channel):
     _, gateway, _ = agent_stack
     prompt, direct = two_channel
@@ -272,6 +278,7 @@ def test_anthropic_thinking_blocks(agent_stack, two_channel):
     assert tokens[0]["usage"]["input_tokens"] > tokens[1]["usage"]["input_tokens"]
 
 
+@pytest.mark.process
 def test_a_resumed_stream_continues_in_its_channel(agent_stack, two_channel):
     daemon, _, tok = agent_stack
     prompt, direct = two_channel
@@ -285,6 +292,7 @@ def test_a_resumed_stream_continues_in_its_channel(agent_stack, two_channel):
     assert direct.text("answer").endswith(rest.text("answer"))
 
 
+@pytest.mark.process
 def test_moe_run_writes_the_reasoning_to_stderr(agent_stack, two_channel):
     from tests.fixtures.daemon_harness import moe
 
@@ -296,6 +304,7 @@ def test_moe_run_writes_the_reasoning_to_stderr(agent_stack, two_channel):
     assert direct.text("reasoning") in out.stderr
 
 
+@pytest.mark.process
 def test_a_schema_holds_the_answer_after_the_reasoning(agent_stack, two_channel):
     daemon, _, tok = agent_stack
     prompt, direct = two_channel
@@ -320,12 +329,14 @@ def test_a_schema_holds_the_answer_after_the_reasoning(agent_stack, two_channel)
     assert got.done.finish_reason == "stop"
 
 
+@pytest.mark.process
 def test_ollama_show_lists_thinking_and_tools(agent_stack):
     _, gateway, _ = agent_stack
     shown = httpx.post(f"{gateway.url}/api/show", json={"model": gateway.model}, timeout=30)
     assert {"thinking", "tools"} <= set(shown.json()["capabilities"])
 
 
+@pytest.mark.process
 def test_responses_reasoning_items_and_json_schema(agent_stack, two_channel):
     """POST /v1/responses: the reasoning as a reasoning item (whole and streamed, apart from the
     message), `reasoning.effort` none switches it off, and `text.format` json_schema holds the

@@ -79,6 +79,7 @@ def answer_text(daemon, request: dict) -> tuple[str, list[int], str]:
     return "".join(parts), ids, finish
 
 
+@pytest.mark.process
 def test_schema_rows_always_validate_and_plain_rows_are_untouched(daemon_factory, tiny_model):
     # The smallest expert cache ("1" byte: multi-pass reads) against the resident model.
     budget = "1"
@@ -122,6 +123,7 @@ class _Detok:
         return self.tok.decode(ids)
 
 
+@pytest.mark.process
 def test_a_schema_that_cannot_compile_is_a_typed_error(daemon_factory, tiny_model):
     d = daemon_factory(tiny_model, "--resident")
     with d.client() as c:
@@ -148,6 +150,7 @@ def stack(gateway_stack):
         return gateway, c.welcome["model"]["name"]
 
 
+@pytest.mark.process
 def test_openai_response_format_json_schema_with_the_sdk(stack):
     import openai
 
@@ -180,6 +183,7 @@ def test_openai_response_format_json_schema_with_the_sdk(stack):
     assert "frob" in str(refused.value)
 
 
+@pytest.mark.process
 def test_ollama_format_schema_and_json(stack):
     gateway, model = stack
     url = f"{gateway.url}/api/chat"

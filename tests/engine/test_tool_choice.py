@@ -14,6 +14,8 @@ from moed.client import DoneEvent, RequestFailed, TokenEvent
 from moed.protocol import ErrorCode
 from tests.fixtures.tokenizer import ChatStyle
 
+pytestmark = pytest.mark.process
+
 # Bounded parameters, so that a forced call always ends within MAX_TOKENS.
 WEATHER = {
     "type": "function",

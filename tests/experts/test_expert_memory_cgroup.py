@@ -21,6 +21,8 @@ from tests.fixtures.checkpoints import write_large_checkpoint
 from tests.fixtures.daemon_harness import start_daemon
 
 pytestmark = [
+    pytest.mark.serial,
+    pytest.mark.process,
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux cgroups"),
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a cgroup"),
 ]

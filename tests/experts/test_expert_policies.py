@@ -38,6 +38,7 @@ def test_config_accepts_registered_names_and_rejects_others(tmp_path):
         make_policy("nope", 8, 2)
 
 
+@pytest.mark.process
 def test_serve_flag_lists_the_policies():
     out = moed("serve", "--cache-policy", "nope", timeout=60)
     assert out.returncode == 2 and all(name in out.stderr for name in policy_names())

@@ -25,6 +25,8 @@ import pytest
 from tests.fixtures.daemon_harness import start_daemon
 from tests.fixtures.gateway_harness import start_gateway
 
+pytestmark = pytest.mark.process
+
 CLIENTS = Path(os.environ.get("MOED_TEST_CLIENTS", Path.home() / ".cache/moed/test-clients"))
 NPM_BIN = CLIENTS / "npm/node_modules/.bin"
 CONTEXT = 131072

@@ -25,6 +25,7 @@ def stack(gateway_stack):
     return gateway, name
 
 
+@pytest.mark.process
 def test_the_context_length_is_in_models_and_show(stack):
     gateway, name = stack
     oai = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
@@ -35,6 +36,7 @@ def test_the_context_length_is_in_models_and_show(stack):
     assert shown.modelinfo["qwen3_moe.context_length"] == CONTEXT
 
 
+@pytest.mark.process
 def test_max_tokens_past_the_context_is_a_400_in_each_api(stack):
     gateway, name = stack
     messages = [{"role": "user", "content": "Hello!"}]
@@ -58,6 +60,7 @@ def test_max_tokens_past_the_context_is_a_400_in_each_api(stack):
     assert chat_ollama.value.status_code == 400 and str(CONTEXT) in chat_ollama.value.error
 
 
+@pytest.mark.process
 def test_anthropic_reports_input_tokens_first_and_folds_system_entries(stack):
     """message_start carries the prompt's tokens (counted before the first event); a `system`
     entry inside `messages` reads as the same prompt as top-level system blocks."""
@@ -97,6 +100,7 @@ def test_anthropic_reports_input_tokens_first_and_folds_system_entries(stack):
     assert folded.json()["usage"]["input_tokens"] == counted.input_tokens
 
 
+@pytest.mark.process
 def test_what_cannot_be_honoured_is_refused(stack):
     gateway, name = stack
     claude = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0)

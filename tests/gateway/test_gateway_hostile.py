@@ -68,6 +68,7 @@ def _chat(model: str, **extra) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
 
 
+@pytest.mark.process
 def test_refused_frames_name_their_request(daemon):
     """A frame refused before decoding (nested too deep, over the frame limit) is answered with
     its own id, so a client that multiplexes requests can route the error."""
@@ -94,6 +95,7 @@ def test_refused_frames_name_their_request(daemon):
         assert c.status()["state"] == "ready"
 
 
+@pytest.mark.process
 def test_hung_up_requests_with_deep_tool_schemas_leave_the_gateway_serving(gateway, model_name):
     """66 chats carrying a legal tool schema nested 20 deep, whose clients hang up at once: once
     they are gone /health is 200 and others are served; a schema nested past the daemon's limit
@@ -138,6 +140,7 @@ def test_hung_up_requests_with_deep_tool_schemas_leave_the_gateway_serving(gatew
     _served(gateway.url, model_name)
 
 
+@pytest.mark.process
 def test_a_body_that_grows_past_the_frame_limit_when_encoded_is_413(gateway, model_name):
     """3.6 MiB of floats in `tools` pass the 4 MiB body cap but take twice that as msgpack."""
     floats = [0.5] * 900_000  # "0.5," is 4 bytes of JSON, 9 of msgpack
@@ -182,6 +185,7 @@ HOSTILE_BODIES = [
 ]
 
 
+@pytest.mark.process
 def test_integers_out_of_range_are_400_in_each_apis_shape(gateway, model_name):
     for path, fields, shape in HOSTILE_BODIES:
         body = {"model": model_name, **fields}
@@ -195,6 +199,7 @@ def test_integers_out_of_range_are_400_in_each_apis_shape(gateway, model_name):
     _served(gateway.url, model_name)
 
 
+@pytest.mark.process
 def test_lone_surrogates_and_deep_json_are_400(gateway, model_name):
     surrogate = (
         b'{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
@@ -240,6 +245,7 @@ def _closed_by_server(tricklers: list[socket.socket]) -> None:
         assert answer in (b"", *_TIMEOUT_ANSWERS), answer
 
 
+@pytest.mark.process
 def test_trickled_headers_do_not_starve_health(gateway, model_name):
     """70 connections sending their headers a byte at a time: /health and a real request are still
     served, and each trickler is cut off at the header deadline."""
@@ -253,6 +259,7 @@ def test_trickled_headers_do_not_starve_health(gateway, model_name):
             s.close()
 
 
+@pytest.mark.process
 def test_trickled_bodies_are_cut_off_and_free_their_slots(daemon, model_name, tmp_path):
     """Requests whose bodies stall after the first bytes take this client's whole share of the
     API (48 in flight; the next is a 429): /health still answers, and at the body timeout each is
@@ -288,6 +295,7 @@ def test_trickled_bodies_are_cut_off_and_free_their_slots(daemon, model_name, tm
         gateway.stop()
 
 
+@pytest.mark.process
 def test_headers_past_the_size_limit_are_431(gateway, model_name):
     with socket.create_connection(("127.0.0.1", gateway.port)) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 70_000)
@@ -299,6 +307,7 @@ def test_headers_past_the_size_limit_are_431(gateway, model_name):
     _served(gateway.url, model_name)
 
 
+@pytest.mark.process
 def test_at_the_connection_cap_idle_connections_make_room(daemon, model_name, tmp_path):
     """More tricklers than the gateway keeps sockets open: the oldest idle one is closed for each
     new connection, so a real client still gets in."""
@@ -329,6 +338,7 @@ def _recv(s: socket.socket) -> bytes:
         return b""
 
 
+@pytest.mark.process
 def test_a_request_the_daemon_does_not_answer_gets_504_by_the_deadline(
     daemon, model_name, tmp_path
 ):
@@ -359,6 +369,7 @@ def test_a_request_the_daemon_does_not_answer_gets_504_by_the_deadline(
         gateway.stop()
 
 
+@pytest.mark.process
 def test_limits_that_leave_no_room_for_health_are_refused(tmp_path):
     out = subprocess.run(
         gateway_command(tmp_path / "d.sock", 0, "--max-open-connections", "10"),

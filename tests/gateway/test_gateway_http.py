@@ -21,6 +21,7 @@ def stack(gateway_stack):
     return gateway_stack
 
 
+@pytest.mark.process
 def test_health_is_json_and_ready(stack):
     daemon, gateway = stack
     response = httpx.get(f"{gateway.url}/health")
@@ -30,6 +31,7 @@ def test_health_is_json_and_ready(stack):
     assert body["daemon"]["pid"] == daemon.proc.pid
 
 
+@pytest.mark.process
 def test_metrics_hold_daemon_and_gateway_series(stack):
     _, gateway = stack
     httpx.get(f"{gateway.url}/v1/models")
@@ -48,6 +50,7 @@ def test_metrics_hold_daemon_and_gateway_series(stack):
     assert any(s.name.endswith("_bucket") for s in latency.samples)
 
 
+@pytest.mark.process
 def test_model_listings(stack):
     daemon, gateway = stack
     name = daemon.client().connect()["model"]["name"]
@@ -64,6 +67,7 @@ def test_model_listings(stack):
     assert httpx.get(f"{gateway.url}/api/version").json()["version"]
 
 
+@pytest.mark.process
 def test_malformed_json_gets_each_apis_error_shape(stack):
     _, gateway = stack
     bad = b'{"model": "m", "messages": ['
@@ -78,6 +82,7 @@ def test_malformed_json_gets_each_apis_error_shape(stack):
     assert ollama_error.status_code == 400 and isinstance(ollama_error.json()["error"], str)
 
 
+@pytest.mark.process
 def test_wrong_types_through_the_sdks(stack):
     daemon, gateway = stack
     name = daemon.client().connect()["model"]["name"]
@@ -103,6 +108,7 @@ def test_wrong_types_through_the_sdks(stack):
     assert failed.value.status_code == 400
 
 
+@pytest.mark.process
 def test_too_long_prompt_is_400_context_length_exceeded(stack):
     """A prompt over the daemon's limit (512 tokens here) is OpenAI's 400 context_length_exceeded
     (not 413, which clients read as a body too large), with or without max_tokens."""
@@ -115,6 +121,7 @@ def test_too_long_prompt_is_400_context_length_exceeded(stack):
         assert err.value.code == "context_length_exceeded"
 
 
+@pytest.mark.process
 def test_off_loopback_needs_an_api_key(stack):
     daemon, _ = stack
     refused = subprocess.run(
@@ -127,6 +134,7 @@ def test_off_loopback_needs_an_api_key(stack):
     assert "--api-key-file" in refused.stderr
 
 
+@pytest.mark.process
 def test_api_key_is_enforced(stack, tmp_path):
     daemon, _ = stack
     key = "k" * 12 + "-secret-" + "z" * 12
@@ -181,6 +189,7 @@ def test_api_key_is_enforced(stack, tmp_path):
         gateway.stop()
 
 
+@pytest.mark.process
 def test_gateway_imports_no_mlx():
     probe = (
         "import sys, moed.gateway.app, moed.gateway.cli, moed.client.async_client; "

@@ -15,6 +15,8 @@ from moed.gateway.generation import KEEPALIVE_S
 from tests.fixtures.daemon_harness import start_daemon
 from tests.fixtures.gateway_harness import start_gateway
 
+pytestmark = pytest.mark.process
+
 # Each of the tiny checkpoint's two layers of a prompt chunk sleeps this long: one chunk takes
 # longer than READ_TIMEOUT_S, and no gap between keep-alives comes near it.
 LAYER_DELAY_MS = 4000

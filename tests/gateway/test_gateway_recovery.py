@@ -14,6 +14,8 @@ import pytest
 from tests.fixtures.daemon_harness import Supervisor
 from tests.fixtures.gateway_harness import start_gateway
 
+pytestmark = pytest.mark.process
+
 
 def test_a_full_daemon_is_429_in_each_apis_shape(daemon_factory, tiny_model, tmp_path):
     daemon = daemon_factory(tiny_model, "--resident", env={"MOED_MAX_PENDING": "1"})

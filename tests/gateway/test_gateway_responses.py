@@ -31,6 +31,7 @@ def chat_text(oai, model, messages) -> str:
     return done.choices[0].message.content
 
 
+@pytest.mark.process
 def test_text_input_streamed_and_not_equals_the_chat_completion(oai, model_name):
     expected = chat_text(oai, model_name, [{"role": "user", "content": "Hello!"}])
     assert expected
@@ -68,6 +69,7 @@ def test_text_input_streamed_and_not_equals_the_chat_completion(oai, model_name)
     ]
 
 
+@pytest.mark.process
 def test_items_with_instructions_and_function_calls_render_as_the_chat_turns(oai, model_name):
     """instructions, a developer message, a function call and its output become the same chat
     turns (and so the same tokens) as the Chat Completions messages."""
@@ -108,6 +110,7 @@ def test_items_with_instructions_and_function_calls_render_as_the_chat_turns(oai
     assert done.output_text == expected
 
 
+@pytest.mark.process
 def test_stored_state_and_custom_tools_are_refused_not_ignored(oai, model_name):
     with pytest.raises(openai.BadRequestError) as stateful:
         oai.responses.create(model=model_name, input="hi", previous_response_id="resp_1")

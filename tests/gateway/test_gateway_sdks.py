@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fixtures.daemon_harness import moe
 
+pytestmark = pytest.mark.process
+
 PROMPT = "The quick brown fox"
 QUESTION = "What is the capital of France?"
 N = 10  # tokens per generation: enough text to compare, few enough to stay fast

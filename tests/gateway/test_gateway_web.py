@@ -35,6 +35,7 @@ def model_name(daemon) -> str:
         return c.connect()["model"]["name"]
 
 
+@pytest.mark.process
 def test_foreign_host_names_are_refused(daemon, model_name, tmp_path):
     """DNS rebinding: a page at evil.example whose name now resolves to 127.0.0.1 sends
     `Host: evil.example`; only loopback names and --allow-host ones are served."""
@@ -57,6 +58,7 @@ def test_foreign_host_names_are_refused(daemon, model_name, tmp_path):
         gateway.stop()
 
 
+@pytest.mark.process
 def test_a_cross_origin_post_runs_nothing(daemon, model_name, tmp_path):
     """A page's `text/plain` POST needs no preflight: it is refused before it runs, so the ollama
     `keep_alive: 0` it carries does not unload the model. An origin given with --cors-origin is
@@ -117,6 +119,7 @@ def _post_as(user, port: int, body: str, auth: str | None = None) -> tuple[int, 
     return int(status), text
 
 
+@pytest.mark.process
 def test_another_local_user_is_refused_by_uid(other_user, daemon, model_name, tmp_path):  # noqa: F811
     """The daemon's 0700 socket keeps other users out; the keyless loopback gateway does too (the
     peer's uid, looked up from the connection), while its own user is served."""
@@ -131,6 +134,7 @@ def test_another_local_user_is_refused_by_uid(other_user, daemon, model_name, tm
         gateway.stop()
 
 
+@pytest.mark.process
 def test_key_mode_writes_a_private_key_that_other_users_cannot_use(
     other_user,  # noqa: F811
     daemon,
@@ -161,6 +165,7 @@ def test_key_mode_writes_a_private_key_that_other_users_cannot_use(
         gateway.stop()
 
 
+@pytest.mark.process
 def test_access_log_names_each_request_but_not_its_prompt(daemon, model_name, tmp_path):
     gateway = start_gateway(tmp_path / "loud", daemon.socket)
     quiet = start_gateway(tmp_path / "quiet", daemon.socket, "--quiet")

@@ -11,6 +11,8 @@ import pytest
 
 from tests.fixtures.daemon_harness import serve_command, short_socket_path
 
+pytestmark = pytest.mark.process
+
 BROKEN = [
     ("config.json", b'{"model_type": "qwen3_moe", "name": "\xff\xfe"}', "not UTF-8"),
     ("tokenizer_config.json", b'{"unterminated": ', "not valid JSON"),

@@ -85,6 +85,7 @@ def test_probe_reads_through_sysctl(monkeypatch):
     assert probe.pressure_level() is PressureLevel.CRITICAL
 
 
+@pytest.mark.process
 def test_probe_degrades_when_sysctl_fails(monkeypatch):
     def fail(name):
         raise subprocess.CalledProcessError(1, ["sysctl", name])

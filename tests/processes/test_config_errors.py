@@ -32,6 +32,7 @@ CASES = [
 ]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("flags,env,toml,words", CASES, ids=[" ".join(c[3][:2]) for c in CASES])
 def test_config_error_exits_2_with_key_value_and_allowed(tmp_path, flags, env, toml, words):
     config = tmp_path / "config.toml"
@@ -80,6 +81,7 @@ def test_permanent_failures_are_not_restarted_by_either_service_manager():
     assert for_supervisor(DaemonExit.CONFIG, {}) == DaemonExit.CONFIG
 
 
+@pytest.mark.process
 def test_config_error_under_launchd_exits_0_after_saying_why(tmp_path):
     out = subprocess.run(
         [

@@ -13,6 +13,8 @@ import pytest
 from moed.client import DoneEvent, TokenEvent
 from tests.fixtures.checkpoints import ARCHS
 
+pytestmark = pytest.mark.process
+
 PROMPT = "def fibonacci(n):"
 # On the seed-0 tiny qwen3_moe fixture, greedy decoding of this prompt meets no EOS for 3000 tokens.
 LONG_PROMPT = "hello"

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 CHILD = """
 import signal, sys, time
 from moed.daemon.runtime.main import _hold_exit_code

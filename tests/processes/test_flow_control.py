@@ -46,6 +46,7 @@ def _gen(request_id, **fields) -> bytes:
     return msgpack.packb({**body, **fields})
 
 
+@pytest.mark.process
 def test_a_client_that_does_not_read_loses_its_streams_not_the_daemons_memory(bounded_daemon):
     d = bounded_daemon
     with d.client() as c:  # warm up first: the comparison is about the flood, not the first run
@@ -96,6 +97,7 @@ def test_a_client_that_does_not_read_loses_its_streams_not_the_daemons_memory(bo
         assert c.status()["pending_requests"] == 0
 
 
+@pytest.mark.process
 def test_one_connection_cannot_hold_every_pending_slot(bounded_daemon):
     d = bounded_daemon
     greedy = _raw(d)
@@ -114,12 +116,14 @@ def test_one_connection_cannot_hold_every_pending_slot(bounded_daemon):
     greedy.close()
 
 
+@pytest.mark.process
 def test_owner_token_stops_the_daemon(bounded_daemon):
     with bounded_daemon.client() as c:
         assert c.shutdown("test")["accepted"] is True
     assert bounded_daemon.proc.wait(30) == 0
 
 
+@pytest.mark.process
 def test_metrics_port_over_range_is_a_config_error(tmp_path, tiny_model):
     from tests.fixtures.daemon_harness import serve_command
 
@@ -141,6 +145,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.process
 def test_metrics_endpoint_serves_the_daemon(daemon_factory, tiny_model):
     port = _free_port()
     daemon_factory(tiny_model, "--resident", "--metrics-port", str(port))

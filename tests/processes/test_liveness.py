@@ -18,6 +18,8 @@ import pytest
 from moed.client import DaemonUnavailable, DoneEvent
 from moed.client.async_client import AsyncClient
 
+pytestmark = [pytest.mark.serial, pytest.mark.process]
+
 # Each of the tiny checkpoint's two layers of a prompt chunk holds the GIL this long: the
 # transport thread answers nothing for longer than a client's 3 s `dead_after_s`.
 GIL_HOLD_MS = 4000

@@ -16,6 +16,8 @@ from moed.daemon.exit_codes import DaemonExit
 from moed.protocol import ErrorCode
 from tests.fixtures.daemon_harness import serve_command, short_socket_path, start_daemon
 
+pytestmark = pytest.mark.process
+
 CONNECTIONS = 2500  # over mlx-lm's cap of 2048
 
 

@@ -11,6 +11,8 @@ from moed.client import DaemonUnavailable, RequestFailed, TokenEvent
 from moed.protocol import ErrorCode
 from tests.fixtures.daemon_harness import start_daemon
 
+pytestmark = pytest.mark.process
+
 POISON = {"prompt_ids": [5, 6, 7], "max_tokens": 12}
 
 

@@ -10,6 +10,8 @@ import pytest
 from moed.client import RequestFailed, TokenEvent
 from moed.protocol import ErrorCode
 
+pytestmark = pytest.mark.process
+
 DEADLINE_S = 1.0
 
 

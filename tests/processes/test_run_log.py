@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import signal
 
+import pytest
+
 from moed.daemon.runtime.run_log import read_start_records
+
+pytestmark = pytest.mark.process
 
 
 def test_start_records_carry_model_budget_and_previous_exit(daemon_factory, tiny_model, tmp_path):

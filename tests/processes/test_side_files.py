@@ -17,6 +17,8 @@ from moed.client import DoneEvent, TelemetryEvent, TokenEvent
 from moed.daemon.experts.profile import profile_path
 from moed.daemon.watchdog.events import state_file_path
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture
 def tmpfs(tmp_path):

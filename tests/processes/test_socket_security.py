@@ -21,6 +21,8 @@ from moed.client import Client, InsecureSocket
 from moed.client.async_client import AsyncClient
 from tests.fixtures.daemon_harness import serve_command
 
+pytestmark = pytest.mark.process
+
 # A fake daemon in the other user's directory: binds the socket and prints whatever arrives. (It
 # runs as this user: the other one cannot read this venv, and the directory's owner is the point.)
 LISTENER = """

@@ -36,6 +36,8 @@ from tests.fixtures.daemon_harness import (
 )
 
 pytestmark = [
+    pytest.mark.serial,
+    pytest.mark.process,
     pytest.mark.skipif(
         not sys.platform.startswith("linux") and sys.platform != "darwin", reason="POSIX signals"
     ),

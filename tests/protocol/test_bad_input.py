@@ -20,6 +20,8 @@ from tests.fixtures.daemon_harness import (
     start_daemon,
 )
 
+pytestmark = pytest.mark.process
+
 SPEC = Path(__file__).parents[2] / "protocol" / "PROTOCOL.md"
 
 

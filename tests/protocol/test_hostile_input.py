@@ -14,6 +14,8 @@ import zmq
 
 from tests.fixtures.daemon_harness import start_daemon
 
+pytestmark = pytest.mark.process
+
 GENERATE = {"v": 1, "type": "generate", "raw": True}
 
 

@@ -63,6 +63,7 @@ def _until_terminal(sock, request_id) -> list[dict]:
     raise AssertionError(f"no terminal for {request_id}: {out[-3:]}")
 
 
+@pytest.mark.process
 def test_cancel_result_comes_before_done_and_no_token_after_it(daemon):
     raw = _connect(daemon)  # no max_tokens limit: the stream is still running at the cancel
     _send(raw, type="generate", id="g", prompt="hello", raw=True, max_tokens=4000)
@@ -96,6 +97,7 @@ def _until_terminal_result(sock, request_id) -> dict:
     raise AssertionError("no result")
 
 
+@pytest.mark.process
 def test_over_limit_max_tokens_is_capped_with_a_notice(raw):
     _send(raw, type="generate", id="big", prompt_ids=[5, 6, 7], max_tokens=LIMIT * 10)
     done = _until_terminal(raw, "big")[-1]
@@ -103,6 +105,7 @@ def test_over_limit_max_tokens_is_capped_with_a_notice(raw):
     assert "capped" in done["notice"] and str(LIMIT * 10) in done["notice"]
 
 
+@pytest.mark.process
 def test_max_tokens_counts_resumed_tokens(d):
     n, k = 12, 5
     with d.client() as c:
@@ -117,6 +120,7 @@ def test_max_tokens_counts_resumed_tokens(d):
     assert events[-1].usage["completion_tokens"] == n - k
 
 
+@pytest.mark.process
 def test_defaults_are_announced_and_applied(d):
     with d.client() as c:
         limits = c.connect()["limits"]
@@ -129,6 +133,7 @@ def test_defaults_are_announced_and_applied(d):
         assert len(telemetry) == (2 * every + 1) // every
 
 
+@pytest.mark.process
 def test_model_names(d, tiny_model):
     with d.client() as c:
         for name in (tiny_model.name, str(tiny_model)):
@@ -138,6 +143,7 @@ def test_model_names(d, tiny_model):
         assert info.value.code is ErrorCode.MODEL_NOT_FOUND
 
 
+@pytest.mark.process
 def test_client_disconnect_cancels_its_generation(d, raw):
     _send(raw, type="generate", id="gone", prompt="hello", raw=True, max_tokens=LIMIT)
     assert raw.poll(15_000) and msgpack.unpackb(raw.recv())["type"] == "token"
@@ -149,6 +155,7 @@ def test_client_disconnect_cancels_its_generation(d, raw):
         assert c.status()["pending_requests"] == 0
 
 
+@pytest.mark.process
 def test_a_dead_daemon_is_daemon_unavailable_on_the_client(daemon):
     with daemon.client() as c:
         events = c.generate("hello", max_tokens=4000, raw=True)

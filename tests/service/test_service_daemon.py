@@ -22,6 +22,8 @@ from moed.client import Client, DoneEvent, TokenEvent
 from moed.client.autostart import wait_until_ready
 from tests.service.test_service_cli import fake_tools, invoke, service_env  # noqa: F401  (fixture re-used)
 
+pytestmark = pytest.mark.process
+
 
 def unit_command(text: str) -> tuple[list[str], dict[str, str]]:
     argv, env = None, {}

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from moed.daemon.runtime.run_log import RotatingLog, read_start_records, record_start
 
 
@@ -72,6 +74,7 @@ def test_logging_handler(tmp_path):
     )
 
 
+@pytest.mark.process
 def test_stdio_follows_rotation(tmp_path):
     # As under launchd: fds 1 and 2 are the log file itself. After a rotation, stray writes to
     # stderr (a traceback, a Metal abort message) must land in the current generation.
@@ -99,6 +102,7 @@ def test_stdio_follows_rotation(tmp_path):
     assert "after rotation" not in previous
 
 
+@pytest.mark.process
 def test_adopt_logging_avoids_duplicates_when_stderr_is_the_log(tmp_path):
     path = tmp_path / "daemon.log"
     script = textwrap.dedent(

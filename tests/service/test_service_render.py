@@ -38,6 +38,7 @@ def _ctx(tmp_path: Path, manager: ServiceManager, **serve):
     return make_context(layout, config, python=sys.executable, uid=501)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("role", list(Role))
 def test_plist_parses_and_holds_the_policy(tmp_path, role):
     ctx = _ctx(tmp_path, ServiceManager.LAUNCHD, drain_timeout_s=12.5)
@@ -97,6 +98,7 @@ def test_plist_escapes_awkward_paths(tmp_path):
     assert job["ProgramArguments"][-1].startswith(str(odd))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("role", list(Role))
 def test_unit_holds_the_policy(tmp_path, role):
     ctx = _ctx(
@@ -177,6 +179,7 @@ def _analyze_env(tmp_path: Path) -> dict:
     return {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
 
 
+@pytest.mark.process
 @pytest.mark.skipif(
     shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed"
 )
@@ -199,6 +202,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path):
     assert proc.stdout.strip() == "" and proc.stderr.strip() == "", proc.stdout + proc.stderr
 
 
+@pytest.mark.process
 @pytest.mark.skipif(
     shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed"
 )

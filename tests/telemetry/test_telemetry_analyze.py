@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from moed.daemon.experts.policies import DEFAULT_POLICY, LRUPolicy, policy_names
 from moed.daemon.telemetry.analyze import simulate, simulate_belady
@@ -25,6 +26,7 @@ def record(daemon, path: Path, prompt: str, tokens: int) -> None:
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.process
 def test_trace_from_a_model_becomes_table_and_plots(tiny_model, daemon_factory, tmp_path):
     d = daemon_factory(tiny_model, "--cache-budget", "25%")
     record(d, tmp_path / "a.moetrace", "def fibonacci(n):", 24)
@@ -81,6 +83,7 @@ def test_trace_from_a_model_becomes_table_and_plots(tiny_model, daemon_factory, 
     assert all(1 <= l["unique"] <= 8 and 0 <= l["reuse"] <= 1 for l in report["per_layer"])
 
 
+@pytest.mark.process
 def test_analyze_rejects_a_file_that_is_not_a_trace(tmp_path):
     bad = tmp_path / "x.moetrace"
     bad.write_bytes(b"\x81\xa1a\x01")
@@ -120,6 +123,7 @@ def test_belady_is_never_worse_and_full_cache_misses_once():
         assert simulate(seq, E, LRUPolicy())[1] == simulate_belady(seq, E)[1] == distinct
 
 
+@pytest.mark.process
 def test_demo_model_trace(daemon_factory, tmp_path):
     from moed.daemon.model.demo import demo_model_path
 

@@ -10,10 +10,13 @@ import sys
 import threading
 import urllib.request
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from moed.client import Client, TokenEvent
 from tests.fixtures.daemon_harness import moe, moe_command
+
+pytestmark = pytest.mark.process
 
 BUDGET = "25%"  # 2 of 8 experts per layer at top-2: both hits and misses
 

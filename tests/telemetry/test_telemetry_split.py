@@ -3,7 +3,11 @@ cache (`cache`): a second request's hit rate is its own, not the daemon's since 
 
 from __future__ import annotations
 
+import pytest
+
 from moed.client import DoneEvent
+
+pytestmark = pytest.mark.process
 
 
 def done_of(client, prompt: str, max_tokens: int) -> DoneEvent:

@@ -17,6 +17,7 @@ from tests.fixtures.daemon_harness import moe
 BUDGET = "25%"
 
 
+@pytest.mark.process
 def test_moe_run_trace_file_matches_the_cache_counters(tiny_model, daemon_factory, tmp_path):
     d = daemon_factory(tiny_model, "--cache-budget", BUDGET)
     with d.client() as c:
@@ -67,6 +68,7 @@ def test_moe_run_trace_file_matches_the_cache_counters(tiny_model, daemon_factor
         assert [len(c) for c in p.classes] == [len(np.unique(p.ids[l])) for l in range(2)]
 
 
+@pytest.mark.process
 def test_trace_chunks_stream_before_done_and_resident_sends_none(tiny_model, daemon_factory):
     d = daemon_factory(tiny_model, "--cache-budget", BUDGET)
     with d.client() as c:
@@ -88,6 +90,7 @@ def test_trace_chunks_stream_before_done_and_resident_sends_none(tiny_model, dae
     ]
 
 
+@pytest.mark.process
 def test_trace_dir_records_every_generation(tiny_model, daemon_factory, tmp_path):
     folder = tmp_path / "traces"
     d = daemon_factory(tiny_model, "--cache-budget", BUDGET, "--trace-dir", str(folder))

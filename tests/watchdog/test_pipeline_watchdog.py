@@ -28,7 +28,7 @@ from moed.protocol import ErrorCode
 from tests.fixtures.daemon_harness import short_socket_path
 from tests.watchdog.test_watchdog_runner import ScriptedProbe, _config
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.serial, pytest.mark.process, pytest.mark.timeout(240)]
 
 FAKE_SSH = """#!/bin/sh
 # `ssh [options] HOST COMMAND` as sshd would run it, here, with HOST's own moed socket.

@@ -11,6 +11,8 @@ import sys
 import time
 from dataclasses import replace
 
+import pytest
+
 from moed.daemon.config import WatchdogConfig
 from moed.daemon.platform import Footprint, MemoryProbe, PressureLevel
 from moed.daemon.watchdog.events import EventLog, read_events, read_state
@@ -18,6 +20,8 @@ from moed.daemon.watchdog.policy import Action
 from moed.daemon.watchdog.runner import Watchdog
 from moed.daemon.watchdog.sampler import Target
 from tests.fixtures.daemon_harness import stop_process, watchdog_command
+
+pytestmark = [pytest.mark.serial, pytest.mark.process]
 
 
 class ScriptedProbe(MemoryProbe):

@@ -28,6 +28,8 @@ from tests.fixtures.cgroups import MemoryCgroup
 from tests.fixtures.daemon_harness import start_daemon, start_watchdog, stop_process
 
 pytestmark = [
+    pytest.mark.serial,
+    pytest.mark.process,
     pytest.mark.skipif(
         not sys.platform.startswith("linux"), reason="swap files and cgroups are Linux"
     ),
