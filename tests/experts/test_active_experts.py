@@ -4,42 +4,31 @@ routing code picks and renormalizes the K gates), reads fewer bytes, and every `
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
 from moed.client import DoneEvent
-from moed.daemon.experts import StreamingConfig, install_streaming
 from moed.daemon.experts.active_experts import ActiveExpertsError, limit_active_experts
 from tests.fixtures.daemon_harness import moed, start_daemon
+from tests.fixtures.reference import decode, streaming
 
-MEMORY = 8 << 30
 PROMPT = [(7 * i + 3) % 300 + 3 for i in range(24)]
 ARCHS = ["qwen3_moe", "qwen3_5_moe", "deepseek_v3", "mixtral", "gpt_oss", "glm4_moe", "olmoe"]
-
-
-def tokens(model, n=10) -> list[int]:
-    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_streaming_with_k_equals_resident_with_k(checkpoint_factory, arch):
     path = checkpoint_factory(arch, num_experts=8, top_k=4)
     resident, _ = load_model(path)
-    native = tokens(resident)
+    native = decode(resident, PROMPT, 10)
     assert limit_active_experts(resident, 4, 2).lossy
-    want = tokens(resident)
+    want = decode(resident, PROMPT, 10)
     del resident
-    model, _ = load_model(path, lazy=True)
-    streamer = install_streaming(
-        model, path, StreamingConfig(cache_budget="50%", memory_bytes=MEMORY)
-    )
-    mx.eval(model.parameters())
+    model, streamer = streaming(path, "50%")
     try:
         routing = limit_active_experts(model, 4, 2)
         streamer.trace = []
-        got = tokens(model)
+        got = decode(model, PROMPT, 10)
         per_call = [len(layer) for call in streamer.trace[1:] for layer in call]
     finally:
         streamer.close()
@@ -52,15 +41,16 @@ def test_streaming_with_k_equals_resident_with_k(checkpoint_factory, arch):
 def test_k_out_of_range_and_native_k(checkpoint_factory):
     path = checkpoint_factory("qwen3_moe", num_experts=8, top_k=4)
     model, _ = load_model(path)
-    want = tokens(model)
+    want = decode(model, PROMPT, 10)
     for k in (5, -1):
         with pytest.raises(ActiveExpertsError, match="between 1 and its top-k"):
             limit_active_experts(model, 4, k)
     assert not limit_active_experts(model, 4, 4).lossy
     assert not limit_active_experts(model, 4, 0).lossy
-    assert tokens(model) == want
+    assert decode(model, PROMPT, 10) == want
 
 
+@pytest.mark.process
 def test_daemon_says_every_answer_is_lossy(checkpoint_factory, tmp_path):
     path = checkpoint_factory("qwen3_moe", num_experts=8, top_k=4)
     daemon = start_daemon(tmp_path, path, "--max-active-experts", "2", "--cache-budget", "50%")

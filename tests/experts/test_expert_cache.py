@@ -5,35 +5,20 @@ from __future__ import annotations
 import json
 import threading
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
 from moed.daemon.experts import (
     BudgetError,
     StreamingConfig,
-    install_streaming,
     parse_budget,
     plan_memory,
 )
 from moed.daemon.experts.memory_plan import cgroup_memory_limit, machine_memory
 from tests.fixtures.checkpoints import ARCHS
+from tests.fixtures.reference import MEMORY, decode, resident, streaming
 
-MEMORY = 8 << 30
 PROMPT = [(11 * i + 5) % 300 + 3 for i in range(60)]
-
-
-def tokens(model, prompt=PROMPT, n=8):
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
-
-
-def streaming(path, **cfg):
-    cfg.setdefault("memory_bytes", MEMORY)
-    model, _ = load_model(path, lazy=True)
-    streamer = install_streaming(model, path, StreamingConfig(**cfg))
-    mx.eval(model.parameters())
-    return model, streamer
 
 
 @pytest.mark.parametrize(
@@ -64,10 +49,10 @@ def test_parse_budget_rejects(spec):
 def test_shed_shrinks_cache_and_keeps_tokens(checkpoint_factory):
     path = checkpoint_factory("qwen3_moe")
     resident, _ = load_model(path)
-    want = tokens(resident, n=16)
-    model, streamer = streaming(path, cache_budget="100%")
+    want = decode(resident, PROMPT, 16)
+    model, streamer = streaming(path, "100%")
     try:
-        tokens(model)  # fill the cache
+        decode(model, PROMPT, 8)  # fill the cache
         before = streamer.snapshot()
         assert before["slots_per_layer"] == [8, 8]
         released = streamer.shed(0.5)
@@ -81,14 +66,14 @@ def test_shed_shrinks_cache_and_keeps_tokens(checkpoint_factory):
             after["slots_per_layer"] == [4, 4] and after["budget_bytes"] == after["resident_bytes"]
         )
         assert after["cached_experts"] == 8  # the most recent experts survive the shrink
-        assert tokens(model, n=16) == want
+        assert decode(model, PROMPT, 16) == want
 
         # From another thread: applied by the engine thread at the next token.
         t = threading.Thread(target=lambda: streamer.shed(0.0))
         t.start()
         t.join()
         assert streamer.snapshot()["slots_per_layer"] == [4, 4]
-        assert tokens(model, n=16) == want
+        assert decode(model, PROMPT, 16) == want
         assert streamer.snapshot()["slots_per_layer"] == [1, 1]
     finally:
         streamer.close()
@@ -96,10 +81,10 @@ def test_shed_shrinks_cache_and_keeps_tokens(checkpoint_factory):
 
 def test_profile_saved_atomically_and_warms_the_next_start(checkpoint_factory, tmp_path):
     path = checkpoint_factory("olmoe")
-    want = tokens(load_model(path)[0])
-    model, streamer = streaming(path, cache_budget="50%", state_dir=tmp_path)
+    want = decode(resident(path), PROMPT, 8)
+    model, streamer = streaming(path, "50%", state_dir=tmp_path)
     try:
-        assert tokens(model) == want
+        assert decode(model, PROMPT, 8) == want
         assert streamer.warm() == 0  # no profile yet
         saved = streamer.save_profile()
         cold = streamer.snapshot()
@@ -110,13 +95,13 @@ def test_profile_saved_atomically_and_warms_the_next_start(checkpoint_factory, t
     assert len(data["layers"]) == 2 and sum(map(sum, data["layers"])) > 0
     assert not [p for p in saved.parent.iterdir() if p.name.startswith(".")]  # no temp files left
 
-    model, streamer = streaming(path, cache_budget="50%", state_dir=tmp_path)
+    model, streamer = streaming(path, "50%", state_dir=tmp_path)
     try:
         warmed = streamer.warm()
         snap = streamer.snapshot()
         assert warmed == snap["warm_bytes"] == 8 * snap["expert_bytes"]  # 4 slots x 2 layers
         assert snap["misses"] == 0 and snap["bytes_read"] == 0
-        assert tokens(model) == want
+        assert decode(model, PROMPT, 8) == want
         assert streamer.snapshot()["misses"] < cold["misses"]
         # The most used experts of each layer are the ones warmed.
         top = sorted(range(8), key=lambda e: -data["layers"][0][e])[:4]
@@ -131,7 +116,7 @@ def test_profile_saved_atomically_and_warms_the_next_start(checkpoint_factory, t
 
 def test_corrupt_profile_is_ignored(checkpoint_factory, tmp_path):
     path = checkpoint_factory("qwen3_moe")
-    model, streamer = streaming(path, cache_budget="50%", state_dir=tmp_path)
+    model, streamer = streaming(path, "50%", state_dir=tmp_path)
     try:
         streamer.profile_path.parent.mkdir(parents=True)
         streamer.profile_path.write_text("{not json")
@@ -198,7 +183,7 @@ def test_memory_plan(checkpoint_factory):
 def test_plan_from_names_matches_the_model(checkpoint_factory, arch):
     """The pre-load plan (tensor names only) sees the same experts as the loaded model."""
     path = checkpoint_factory(arch, bits=4 if arch in ("gpt_oss", "qwen3_moe") else None)
-    model, streamer = streaming(path, cache_budget="50%")
+    model, streamer = streaming(path, "50%")
     try:
         plan = plan_memory(
             path, StreamingConfig(cache_budget="50%"), memory=(MEMORY, MEMORY, "test")
@@ -222,9 +207,9 @@ def test_snapshot_is_plain_data(checkpoint_factory):
     import msgpack
 
     path = checkpoint_factory("qwen3_moe")
-    model, streamer = streaming(path, cache_budget="25%")
+    model, streamer = streaming(path, "25%")
     try:
-        tokens(model)
+        decode(model, PROMPT, 8)
         snap = streamer.snapshot()
         assert msgpack.unpackb(msgpack.packb(snap)) == snap
         for key in (

@@ -4,30 +4,16 @@ hits per layer) come out the same as when the same calls are routed on the host.
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model
 
-from moed.daemon.experts import StreamingConfig, install_streaming
 from tests.fixtures.batch_decode import batch_tokens
+from tests.fixtures.reference import SAMPLER, decode, streaming
 
-MEMORY = 8 << 30
 PROMPT = [(7 * i + 3) % 300 + 3 for i in range(40)]
 MAX_TOKENS = 12
-SAMPLER = make_sampler(temp=1.0, top_p=0.95)
 CASES = [("qwen3_moe", None), ("qwen3_moe", 4), ("qwen3_5_moe", None), ("gpt_oss", 4)]
-
-
-def streaming(path, budget="100%"):
-    model, _ = load_model(path, lazy=True)
-    streamer = install_streaming(
-        model, path, StreamingConfig(cache_budget=budget, memory_bytes=MEMORY)
-    )
-    mx.eval(model.parameters())
-    return model, streamer
 
 
 def preload_all(streamer, leave_out: dict[int, int] | None = None) -> None:
@@ -41,30 +27,21 @@ def preload_all(streamer, leave_out: dict[int, int] | None = None) -> None:
     )
 
 
-def tokens(model, sampler=None, between=None) -> list[int]:
-    """Greedy (or seeded) tokens; `between(i)` runs after the i-th token, mid-generation."""
-    mx.random.seed(1234)
-    out = []
-    gen = generate_step(mx.array(PROMPT), model, max_tokens=MAX_TOKENS, sampler=sampler)
-    for i, (tok, _) in enumerate(gen):
-        out.append(int(tok))
-        if between is not None:
-            between(i)
-    return out
-
-
 @pytest.mark.parametrize("arch,bits", CASES, ids=[f"{a}-{b or 'f32'}" for a, b in CASES])
 def test_held_layers_decode_with_no_host_sync_and_exact(checkpoint_factory, arch, bits):
     path = checkpoint_factory(arch, bits=bits)
     resident, _ = load_model(path)
-    want_greedy, want_sampled = tokens(resident), tokens(resident, SAMPLER)
+    want_greedy, want_sampled = (
+        decode(resident, PROMPT, MAX_TOKENS),
+        decode(resident, PROMPT, MAX_TOKENS, SAMPLER),
+    )
     del resident
     model, streamer = streaming(path)
     try:
         preload_all(streamer)
         before = streamer.snapshot()
-        assert tokens(model) == want_greedy
-        assert tokens(model, SAMPLER) == want_sampled
+        assert decode(model, PROMPT, MAX_TOKENS) == want_greedy
+        assert decode(model, PROMPT, MAX_TOKENS, SAMPLER) == want_sampled
         after = streamer.snapshot()
     finally:
         streamer.close()
@@ -86,7 +63,7 @@ def test_device_tally_equals_host_routing(checkpoint_factory):
             if host_routed:
                 streamer.trace = []  # the trace needs the choices on the host
             before = streamer.snapshot()
-            tokens(model)
+            decode(model, PROMPT, MAX_TOKENS)
             usage = streamer.usage_counts()
             after = streamer.snapshot()
         finally:
@@ -107,7 +84,7 @@ def test_layers_switch_between_held_and_streamed_mid_generation(checkpoint_facto
     Tokens stay identical to resident throughout."""
     path = checkpoint_factory("qwen3_moe", num_experts=16, top_k=4)
     resident, _ = load_model(path)
-    want = tokens(resident)
+    want = decode(resident, PROMPT, MAX_TOKENS)
     del resident
     model, streamer = streaming(path)
     seen = []
@@ -119,7 +96,7 @@ def test_layers_switch_between_held_and_streamed_mid_generation(checkpoint_facto
 
     try:
         preload_all(streamer, leave_out={1: 3})
-        assert tokens(model, between=between) == want
+        assert decode(model, PROMPT, MAX_TOKENS, between=between) == want
     finally:
         streamer.close()
     assert seen[0]["host_syncs"] >= 1  # layer 1 streamed while it lacked an expert

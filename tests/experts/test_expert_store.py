@@ -8,7 +8,6 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 from safetensors import safe_open
 
@@ -19,13 +18,9 @@ from moed.daemon.experts.policies import LRUPolicy
 from moed.daemon.experts.prefetch import ReadPool
 from moed.daemon.experts.safetensors_index import TensorLoc
 from moed.daemon.experts.store import ExpertStore, _advance, open_direct, resolve_page_cache
+from tests.fixtures.reference import MEMORY, decode, resident, streaming
 
-MEMORY = 8 << 30
-
-
-def tokens(model, n=8):
-    prompt = mx.array([(5 * i + 1) % 300 + 3 for i in range(40)])
-    return [int(t) for t, _ in generate_step(prompt, model, max_tokens=n)]
+STORE_PROMPT = [(5 * i + 1) % 300 + 3 for i in range(40)]
 
 
 @pytest.mark.parametrize("bits", [None, 4])
@@ -92,7 +87,7 @@ def test_page_cache_policy():
 @pytest.mark.parametrize("policy", [PageCachePolicy.BYPASS, PageCachePolicy.TRUST])
 def test_page_cache_modes_give_identical_tokens(checkpoint_factory, policy):
     path = checkpoint_factory("mixtral")
-    want = tokens(load_model(path)[0])
+    want = decode(resident(path), STORE_PROMPT, 8)
     model, _ = load_model(path, lazy=True)
     streamer = install_streaming(
         model, path, StreamingConfig(cache_budget="25%", page_cache=policy, memory_bytes=MEMORY)
@@ -106,7 +101,7 @@ def test_page_cache_modes_give_identical_tokens(checkpoint_factory, policy):
         if fd is not None:
             os.close(fd)
         assert snap["direct_io"] is (policy is PageCachePolicy.BYPASS and fd is not None)
-        assert tokens(model) == want
+        assert decode(model, STORE_PROMPT, 8) == want
     finally:
         streamer.close()
 
@@ -115,16 +110,12 @@ def test_failed_read_raises_and_leaves_no_stale_slot(checkpoint_factory, tmp_pat
     src = checkpoint_factory("qwen3_moe")
     path = tmp_path / "ck"
     shutil.copytree(src, path)
-    model, _ = load_model(path, lazy=True)
-    streamer = install_streaming(
-        model, path, StreamingConfig(cache_budget="50%", memory_bytes=MEMORY)
-    )
-    mx.eval(model.parameters())
+    model, streamer = streaming(path, "50%")
     try:
         loc = streamer.pools[1].tensors[0].loc
         os.truncate(loc.file, loc.offset)  # experts of the last layer are gone
         with pytest.raises(OSError):
-            tokens(model)
+            decode(model, STORE_PROMPT, 8)
         assert all(streamer.pools[1].slot_of[e] < 0 for e in range(8))
     finally:
         streamer.close()

@@ -11,13 +11,12 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model
 
 from moed.daemon.experts import StreamingConfig, install_streaming
 from tests.fixtures.batch_decode import batch_tokens
+from tests.fixtures.reference import MEMORY, SAMPLER, decode, streaming
 
 BUDGETS = [1, "10%", "50%", "100%"]  # 1 byte: clamps to one slot per layer
 # A long prompt: its chunk routes to every expert of a layer, more than a small budget holds.
@@ -37,42 +36,16 @@ CASES = [
     ("gpt_oss", None),
     ("gpt_oss", 4),
 ]
-MEMORY = 8 << 30  # plan against a fixed machine so the test does not depend on this one
-
-
-def run(
-    model, sampler=None, prompt=PROMPT, max_tokens=MAX_TOKENS, prefill_step_size=2048
-) -> list[int]:
-    mx.random.seed(1234)
-    return [
-        int(t)
-        for t, _ in generate_step(
-            mx.array(prompt),
-            model,
-            max_tokens=max_tokens,
-            sampler=sampler,
-            prefill_step_size=prefill_step_size,
-        )
-    ]
-
-
-def streaming(path, budget, **cfg):
-    model, _ = load_model(path, lazy=True)
-    streamer = install_streaming(
-        model, path, StreamingConfig(cache_budget=budget, memory_bytes=MEMORY, **cfg)
-    )
-    mx.eval(model.parameters())
-    return model, streamer
-
-
-SAMPLER = make_sampler(temp=1.0, top_p=0.95)
 
 
 @pytest.mark.parametrize("arch,bits", CASES, ids=[f"{a}-{b or 'f32'}" for a, b in CASES])
 def test_tokens_identical_to_resident(checkpoint_factory, arch, bits):
     path = checkpoint_factory(arch, bits=bits)
     resident, _ = load_model(path)
-    want_greedy, want_sampled = run(resident), run(resident, SAMPLER)
+    want_greedy, want_sampled = (
+        decode(resident, PROMPT, MAX_TOKENS),
+        decode(resident, PROMPT, MAX_TOKENS, SAMPLER),
+    )
     assert len(set(want_sampled)) > 1
     del resident
 
@@ -80,8 +53,10 @@ def test_tokens_identical_to_resident(checkpoint_factory, arch, bits):
         model, streamer = streaming(path, budget)
         try:
             snap0 = streamer.snapshot()
-            assert run(model) == want_greedy, f"greedy, budget {budget}"
-            assert run(model, SAMPLER) == want_sampled, f"sampled, budget {budget}"
+            assert decode(model, PROMPT, MAX_TOKENS) == want_greedy, f"greedy, budget {budget}"
+            assert decode(model, PROMPT, MAX_TOKENS, SAMPLER) == want_sampled, (
+                f"sampled, budget {budget}"
+            )
             snap = streamer.snapshot()
         finally:
             streamer.close()
@@ -121,7 +96,7 @@ def test_stacked_experts_are_never_materialized(checkpoint_factory):
     mx.reset_peak_memory()
     model, streamer = streaming(path, "10%")
     try:
-        run(model)
+        decode(model, PROMPT, MAX_TOKENS)
         peak = mx.get_peak_memory()
         experts = streamer.layout.experts_bytes
         assert streamer.resident_bytes < 0.15 * experts
@@ -135,7 +110,7 @@ def test_chunked_prefill_and_mlx_lm_load_path(checkpoint_factory):
     path = checkpoint_factory("qwen3_5_moe")
     model, tokenizer = mlx_lm.load(str(path))
     want = mlx_lm.generate(model, tokenizer, "def fibonacci(n):", max_tokens=12)
-    want_chunked = run(model, prefill_step_size=32)
+    want_chunked = decode(model, PROMPT, MAX_TOKENS, prefill_step_size=32)
     model, tokenizer = mlx_lm.load(str(path), lazy=True)
     streamer = install_streaming(
         model, path, StreamingConfig(cache_budget="25%", memory_bytes=MEMORY)
@@ -143,7 +118,7 @@ def test_chunked_prefill_and_mlx_lm_load_path(checkpoint_factory):
     mx.eval(model.parameters())
     try:
         assert mlx_lm.generate(model, tokenizer, "def fibonacci(n):", max_tokens=12) == want
-        assert run(model, prefill_step_size=32) == want_chunked
+        assert decode(model, PROMPT, MAX_TOKENS, prefill_step_size=32) == want_chunked
     finally:
         streamer.close()
 
@@ -152,10 +127,10 @@ def test_sharded_checkpoint(checkpoint_factory):
     path = checkpoint_factory("qwen3_moe", num_layers=4, shards=3)
     assert len(list(path.glob("model-*.safetensors"))) == 3
     resident, _ = load_model(path)
-    want = run(resident)
+    want = decode(resident, PROMPT, MAX_TOKENS)
     model, streamer = streaming(path, "50%")
     try:
-        assert run(model) == want
+        assert decode(model, PROMPT, MAX_TOKENS) == want
         assert len({t.loc.file for p in streamer.pools for t in p.tensors}) >= 2
     finally:
         streamer.close()
@@ -183,14 +158,14 @@ def test_keys_renamed_by_sanitize(checkpoint_factory, tmp_path):
     )
     del weights
     resident, _ = load_model(path)
-    want = run(resident)
+    want = decode(resident, PROMPT, MAX_TOKENS)
     model, streamer = streaming(path, "25%")
     try:
         assert streamer.paths == [
             f"language_model.model.layers.{i}.mlp.switch_mlp" for i in range(2)
         ]
         assert streamer.pools[0].tensors[0].loc.name.startswith("model.language_model.layers.0.")
-        assert run(model) == want
+        assert decode(model, PROMPT, MAX_TOKENS) == want
     finally:
         streamer.close()
 
@@ -200,12 +175,15 @@ def test_speculative_next_layer_prefetch_is_exact(checkpoint_factory, arch):
     """prefetch_next reads what layer L+1's router picks for layer L's input, while layer L runs."""
     path = checkpoint_factory(arch, num_layers=4, num_experts=16)
     resident, _ = load_model(path)
-    want_greedy, want_sampled = run(resident), run(resident, SAMPLER)
+    want_greedy, want_sampled = (
+        decode(resident, PROMPT, MAX_TOKENS),
+        decode(resident, PROMPT, MAX_TOKENS, SAMPLER),
+    )
     model, streamer = streaming(path, "50%", prefetch_next=True)
     try:
         assert all(r is not None for r in streamer.routers)
-        assert run(model) == want_greedy
-        assert run(model, SAMPLER) == want_sampled
+        assert decode(model, PROMPT, MAX_TOKENS) == want_greedy
+        assert decode(model, PROMPT, MAX_TOKENS, SAMPLER) == want_sampled
         snap = streamer.snapshot()
     finally:
         streamer.close()
@@ -240,12 +218,12 @@ def test_microscaling_quantized_experts(checkpoint_factory, tmp_path, mode, grou
     save_config(config, path / "config.json")
     del model
     resident, _ = load_model(path)
-    want = run(resident)
+    want = decode(resident, PROMPT, MAX_TOKENS)
     for budget in (1, "50%"):
         model, streamer = streaming(path, budget)
         try:
             assert {t.loc.dtype for t in streamer.pools[0].tensors if t.param == "scales"} == {"U8"}
-            assert run(model) == want
+            assert decode(model, PROMPT, MAX_TOKENS) == want
         finally:
             streamer.close()
 

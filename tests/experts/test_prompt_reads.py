@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.experts.test_expert_streaming import run, streaming
+from tests.fixtures.reference import decode, streaming
+
+# A long prompt: its chunks route to every expert of a layer, more than one slot holds.
+PROMPT = [(7 * i + 3) % 300 + 3 for i in range(150)]
 
 
 @pytest.mark.parametrize("budget", [1, "50%"], ids=["one-slot", "half"])
@@ -17,7 +20,7 @@ def test_a_chunk_reads_each_expert_at_most_once(checkpoint_factory, budget):
         model, streamer = streaming(path, budget)
         try:
             streamer.trace = []  # per forward pass, per layer: the distinct experts routed to
-            run(model, max_tokens=1, prefill_step_size=chunk)
+            decode(model, PROMPT, 1, prefill_step_size=chunk)
             snap = streamer.snapshot()
         finally:
             streamer.close()
