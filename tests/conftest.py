@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import inspect
 import os
+import pwd
 import shutil
+import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -188,3 +191,19 @@ def gateway_stack(tmp_path_factory, tiny_model):
         if gateway is not None:
             gateway.stop()
         daemon.stop()
+
+
+# --- a second local user (root only) ---------------------------------------------------------
+
+
+@pytest.fixture
+def other_user():
+    """A real second local user (root only); removed afterwards."""
+    if os.geteuid() != 0 or not shutil.which("useradd"):
+        pytest.skip("needs root and useradd to create a second user")
+    name = f"moedt{uuid.uuid4().hex[:8]}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/false", name], check=True)
+    try:
+        yield pwd.getpwnam(name)
+    finally:
+        subprocess.run(["userdel", name], check=False)

@@ -12,50 +12,9 @@ from pathlib import Path
 import pytest
 
 from moed.client.exit_codes import ExitCode
-from tests.fixtures.fake_hub import FakeHub
+from tests.fixtures.hub_cli import REPO, json_lines, moe
 
 pytestmark = pytest.mark.process
-
-REPO = "tiny-org/tiny-moe"
-
-
-@pytest.fixture
-def hub(tiny_model):
-    hub = FakeHub()
-    # Files mlx-lm does not need are on the Hub too: a pull must never fetch them.
-    hub.add_folder(
-        REPO,
-        tiny_model,
-        extra={"README.md": b"# tiny\n", "pytorch_model.bin": b"\0" * 4096},
-    )
-    hub.start()
-    yield hub
-    hub.stop()
-
-
-@pytest.fixture
-def hf_env(hub, tmp_path):
-    return {
-        "HF_ENDPOINT": hub.url,
-        "HF_HOME": str(tmp_path / "hf"),
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "HF_HUB_DISABLE_XET": "1",
-        "NO_PROXY": "127.0.0.1",
-    }
-
-
-def moe(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "moed.client.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **env},
-    )
-
-
-def json_lines(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def test_pull_fetches_only_what_mlx_lm_needs_with_progress_and_verifies(hub, hf_env, tiny_model):

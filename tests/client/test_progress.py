@@ -19,7 +19,7 @@ import time
 import pytest
 
 from moed.client.progress import Progress, ProgressMode, StagedProgress, Unit
-from tests.client.test_models_cli import REPO, hf_env, hub, moe  # noqa: F401  (fixtures re-used)
+from tests.fixtures.hub_cli import REPO, moe
 
 
 def run_in_pty(args: list[str], env: dict, timeout_s: float = 120) -> tuple[int, str]:
@@ -49,7 +49,7 @@ def run_in_pty(args: list[str], env: dict, timeout_s: float = 120) -> tuple[int,
 
 
 @pytest.mark.process
-def test_pull_draws_a_bar_on_a_terminal_and_nothing_in_a_pipe(hub, hf_env):  # noqa: F811
+def test_pull_draws_a_bar_on_a_terminal_and_nothing_in_a_pipe(hub, hf_env):
     code, drawn = run_in_pty([sys.executable, "-m", "moed.client.cli", "pull", REPO], hf_env)
     assert code == 0, drawn
     assert f"pull {REPO}" in drawn and "100%" in drawn and "\r" in drawn  # redrawn in place

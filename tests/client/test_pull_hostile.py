@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from moed.client.exit_codes import ExitCode
-from tests.client.test_models_cli import REPO, json_lines, moe
 from tests.fixtures.fake_hub import FakeHub
+from tests.fixtures.hub_cli import REPO, json_lines, moe
 
 pytestmark = pytest.mark.process
 

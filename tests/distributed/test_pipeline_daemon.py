@@ -22,10 +22,10 @@ from moed.daemon.exit_codes import DaemonExit
 from moed.protocol import ErrorCode
 from tests.fixtures import pipeline_worker
 from tests.fixtures.daemon_harness import Supervisor, moe_command, serve_command, short_socket_path
+from tests.fixtures.pipeline_requests import PROMPT_IDS, tokens
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(240)]
 
-PROMPT_IDS = [(7 * i + 3) % 300 + 3 for i in range(40)]
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 7}
 
 
@@ -36,14 +36,6 @@ def pipeline(supervisor, checkpoint_factory):
         return supervisor(path, "--pipeline", "2", *args, env=env)
 
     return start
-
-
-def tokens(client: Client, max_tokens: int, **sampling) -> list[int]:
-    out = []
-    for event in client.generate(prompt_ids=PROMPT_IDS, max_tokens=max_tokens, **sampling):
-        if isinstance(event, TokenEvent):
-            out += event.ids
-    return out
 
 
 def test_pipeline_daemon_serves_the_resident_tokens(pipeline, checkpoint_factory):

@@ -22,8 +22,7 @@ from moed.daemon.distributed.launch import free_port_run
 from moed.daemon.exit_codes import DaemonExit
 from moed.daemon.runtime import crashlog
 from moed.protocol import ErrorCode
-from tests.distributed.test_pipeline_daemon import PROMPT_IDS, tokens
-from tests.processes.test_socket_security import other_user  # noqa: F401  (a fixture: a real second user)
+from tests.fixtures.pipeline_requests import PROMPT_IDS, tokens
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -109,7 +108,7 @@ def test_a_rank_must_name_the_addresses_its_hostfile_gives():
 
 @pytest.mark.process
 def test_another_user_on_the_ports_while_the_group_starts_does_not_fail_it(
-    other_user,  # noqa: F811
+    other_user,
     supervisor,
     checkpoint_factory,
 ):

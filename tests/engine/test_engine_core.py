@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 
 from moed.daemon.config import ServeConfig
@@ -14,53 +12,16 @@ from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler
 from moed.daemon.engine.status import DaemonState, EngineStatus
 from moed.protocol import MessageType, ShedLevel, validate_request
 from moed.protocol import messages as wire
+from tests.fixtures.engine_driver import ListSink, run_until_idle
+from tests.fixtures.reference import generate
 
 PROMPT_IDS = [5, 17, 33, 2, 41]
-
-
-@dataclass
-class ListSink:
-    """Collects what the engine emits, as the transport would forward it."""
-
-    events: list[tuple[bytes, dict, bool]] = field(default_factory=list)
-
-    def emit(self, identity: bytes, msg: dict, terminal: bool = False) -> None:
-        self.events.append((identity, msg, terminal))
-
-    def of(self, req_id) -> list[dict]:
-        return [m for _, m, _ in self.events if m["id"] == req_id]
-
-    def tokens(self, req_id) -> list[int]:
-        return [i for m in self.of(req_id) if m["type"] == "token" for i in m["ids"]]
 
 
 def generate_job(identity: bytes, req_id, **fields) -> GenerateJob:
     msg = wire.request(MessageType.GENERATE, req_id, prompt_ids=PROMPT_IDS, **fields)
     validate_request(msg)  # what the transport checks before it submits
     return GenerateJob(identity, msg)
-
-
-def reference_tokens(model_path, max_tokens: int, ids: list[int] = PROMPT_IDS) -> list[int]:
-    """Plain mlx-lm greedy decoding of the same ids, the ground truth."""
-    import mlx.core as mx
-    from mlx_lm import load
-    from mlx_lm.generate import generate_step
-
-    model, tokenizer = load(str(model_path))
-    out = []
-    for token, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens):
-        if token in tokenizer.eos_token_ids:
-            break
-        out.append(int(token))
-    return out
-
-
-def run_until_idle(core: EngineCore, limit: int = 1000) -> int:
-    rounds = 0
-    while core.has_work and rounds < limit:
-        core.step()
-        rounds += 1
-    return rounds
 
 
 @pytest.fixture(params=["resident", "streaming"])
@@ -80,7 +41,7 @@ def test_core_tokens_equal_mlx_lm_and_status_is_typed(core, tiny_model):
     core.handle(Submit(generate_job(b"a", 1, max_tokens=8)))
     assert core.status.get("active_requests") == 1 and core.status.get("busy") is True
     run_until_idle(core)
-    assert core.sink.tokens(1) == reference_tokens(tiny_model, 8)
+    assert core.sink.tokens(1) == generate(tiny_model, PROMPT_IDS, 8)
     done = core.sink.of(1)[-1]
     assert done["type"] == "done" and done["usage"]["prompt_tokens"] == len(PROMPT_IDS)
     snap = core.status.snapshot()
@@ -114,8 +75,8 @@ def test_rows_of_unequal_length_decode_as_alone_masked_only_while_padded(tiny_mo
     core.close()
     assert (2, BatchKVCache) in kinds  # both rows, one padded: masked
     assert (1, UnpaddedBatchKVCache) in kinds  # alone: no mask
-    assert core.sink.tokens(1) == reference_tokens(tiny_model, 6)
-    assert core.sink.tokens(2) == reference_tokens(tiny_model, 24, long_ids)
+    assert core.sink.tokens(1) == generate(tiny_model, PROMPT_IDS, 6)
+    assert core.sink.tokens(2) == generate(tiny_model, long_ids, 24)
 
 
 def token_events(core, who: bytes) -> list[dict]:

@@ -7,19 +7,12 @@ from __future__ import annotations
 import pytest
 
 from moed.daemon.config import ServeConfig
-from moed.daemon.engine.commands import Shed, Submit
+from moed.daemon.engine.commands import Shed
 from moed.daemon.engine.core import EngineCore
-from moed.daemon.engine.request import GenerateJob
 from moed.daemon.engine.status import EngineStatus
 from moed.daemon.model.prompt_normalize import normalize_messages
-from moed.protocol import MessageType, ShedLevel, validate_request
-from moed.protocol import messages as wire
-from tests.engine.test_engine_core import ListSink, run_until_idle
-
-SYSTEM = [(7 * i) % 200 + 3 for i in range(40)]  # a shared "system prompt"
-# A conversation as agents send it: the prefix again, a diverging turn (common prefix inside an
-# entry, not at its end), then the first turn plus more.
-TURNS = [SYSTEM, SYSTEM[:30] + [9, 9, 9], SYSTEM + [4, 5, 6, 7], SYSTEM + [4, 5, 6, 7, 11, 12]]
+from moed.protocol import ShedLevel
+from tests.fixtures.engine_driver import SYSTEM, TURNS, ListSink, converse, run_until_idle, submit
 
 
 def engine(model, tmp_path, prefix: str, resident: bool, **extra) -> EngineCore:
@@ -37,24 +30,6 @@ def engine(model, tmp_path, prefix: str, resident: bool, **extra) -> EngineCore:
     core = EngineCore(serve, model, ListSink(), EngineStatus())
     assert core.load()
     return core
-
-
-def submit(core: EngineCore, req_id, ids: list[int], **fields) -> None:
-    msg = wire.request(MessageType.GENERATE, req_id, prompt_ids=ids, **fields)
-    validate_request(msg)
-    core.handle(Submit(GenerateJob(b"c", msg)))
-
-
-def converse(core: EngineCore, turns, first_id=0, **fields) -> list[tuple[list[int], int]]:
-    """Each turn alone, in order: (tokens, cached_tokens)."""
-    out = []
-    for i, ids in enumerate(turns, first_id):
-        submit(core, i, ids, max_tokens=6, **fields)
-        run_until_idle(core)
-        done = core.sink.of(i)[-1]
-        assert done["type"] == "done", done
-        out.append((core.sink.tokens(i), done["usage"]["cached_tokens"]))
-    return out
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])

@@ -12,8 +12,7 @@ import pytest
 from moed.daemon.config import ServeConfig
 from moed.daemon.engine.core import EngineCore
 from moed.daemon.engine.status import EngineStatus
-from tests.engine.test_engine_core import ListSink
-from tests.engine.test_prefix_cache import SYSTEM, TURNS, converse
+from tests.fixtures.engine_driver import SYSTEM, TURNS, ListSink, converse
 
 
 def engine(model, state, disk_dir=None, prefix="64MB", disk="64MB", resident=True) -> EngineCore:

@@ -19,7 +19,6 @@ from moed.gateway.config import gateway_key_path
 from moed.gateway.peer import peer_uid
 from tests.fixtures.daemon_harness import start_daemon
 from tests.fixtures.gateway_harness import start_gateway
-from tests.processes.test_socket_security import other_user  # noqa: F401  (the real second user fixture)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +119,7 @@ def _post_as(user, port: int, body: str, auth: str | None = None) -> tuple[int, 
 
 
 @pytest.mark.process
-def test_another_local_user_is_refused_by_uid(other_user, daemon, model_name, tmp_path):  # noqa: F811
+def test_another_local_user_is_refused_by_uid(other_user, daemon, model_name, tmp_path):
     """The daemon's 0700 socket keeps other users out; the keyless loopback gateway does too (the
     peer's uid, looked up from the connection), while its own user is served."""
     gateway = start_gateway(tmp_path, daemon.socket, "--local-auth", "uid")
@@ -136,7 +135,7 @@ def test_another_local_user_is_refused_by_uid(other_user, daemon, model_name, tm
 
 @pytest.mark.process
 def test_key_mode_writes_a_private_key_that_other_users_cannot_use(
-    other_user,  # noqa: F811
+    other_user,
     daemon,
     model_name,
     tmp_path,

@@ -12,25 +12,13 @@ import pytest
 
 from moed.client import DoneEvent, TokenEvent
 from tests.fixtures.checkpoints import ARCHS
+from tests.fixtures.reference import generate
 
 pytestmark = pytest.mark.process
 
 PROMPT = "def fibonacci(n):"
 # On the seed-0 tiny qwen3_moe fixture, greedy decoding of this prompt meets no EOS for 3000 tokens.
 LONG_PROMPT = "hello"
-
-
-def reference_tokens(model_path, prompt: str, max_tokens: int) -> list[int]:
-    """In-process mlx-lm, the ground truth (greedy)."""
-    from mlx_lm import load, stream_generate
-
-    model, tokenizer = load(str(model_path))
-    out = []
-    for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
-        if response.finish_reason == "stop":
-            break
-        out.append(response.token)
-    return out
 
 
 def daemon_tokens(client, prompt: str, max_tokens: int, **kw) -> tuple[list[int], DoneEvent]:
@@ -49,7 +37,7 @@ def test_greedy_matches_mlx_lm(arch, checkpoint_factory, daemon_factory):
     d = daemon_factory(model_path, "--resident")
     with d.client() as c:
         got, done = daemon_tokens(c, PROMPT, 24)
-    assert got == reference_tokens(model_path, PROMPT, 24)
+    assert got == generate(model_path, PROMPT, 24)
     assert done.finish_reason in ("length", "stop")
     assert done.usage["completion_tokens"] == len(got)
 
@@ -59,7 +47,7 @@ def test_greedy_matches_mlx_lm_4bit(checkpoint_factory, daemon_factory):
     d = daemon_factory(model_path, "--resident")
     with d.client() as c:
         got, _ = daemon_tokens(c, PROMPT, 16)
-    assert got == reference_tokens(model_path, PROMPT, 16)
+    assert got == generate(model_path, PROMPT, 16)
 
 
 def test_seeded_sampling_is_reproducible(daemon):
@@ -73,7 +61,7 @@ def test_seeded_sampling_is_reproducible(daemon):
 
 
 def test_two_clients_at_once_each_get_their_stream(daemon, tiny_model):
-    expected = reference_tokens(tiny_model, PROMPT, 40)
+    expected = generate(tiny_model, PROMPT, 40)
     results: dict[int, list[int]] = {}
 
     def worker(n: int) -> None:
@@ -126,7 +114,7 @@ def test_killed_client_leaves_daemon_serving(daemon, tiny_model):
             time.sleep(0.05)
         assert c.status()["active_requests"] == 0, "the dead client's generation was not cancelled"
         got, _ = daemon_tokens(c, PROMPT, 8)
-    assert got == reference_tokens(tiny_model, PROMPT, 8)
+    assert got == generate(tiny_model, PROMPT, 8)
 
 
 def test_sigterm_drains_in_flight_and_exits_zero(daemon):
@@ -206,7 +194,7 @@ def test_streaming_daemon_matches_resident_mlx_lm(
     with d.client() as c:
         got, done = daemon_tokens(c, PROMPT, 24)
         status = c.status()
-    assert got == reference_tokens(model_path, PROMPT, 24)
+    assert got == generate(model_path, PROMPT, 24)
     assert status["model"]["streaming"] is True
     assert "memory plan" in status["memory_plan"]
     experts = done.telemetry["experts"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pwd
 import shutil
 import stat
 import subprocess
@@ -50,19 +49,6 @@ def _one_line_refusal(out: subprocess.CompletedProcess, *words: str) -> None:
     assert "Traceback" not in out.stderr
     lines = [line for line in out.stderr.splitlines() if "moed:" in line]
     assert len(lines) == 1 and all(w in lines[0] for w in words), out.stderr
-
-
-@pytest.fixture
-def other_user():
-    """A real second local user (root only); removed afterwards."""
-    if os.geteuid() != 0 or not shutil.which("useradd"):
-        pytest.skip("needs root and useradd to create a second user")
-    name = f"moedt{uuid.uuid4().hex[:8]}"
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/false", name], check=True)
-    try:
-        yield pwd.getpwnam(name)
-    finally:
-        subprocess.run(["userdel", name], check=False)
 
 
 def test_another_users_socket_dir_is_refused_by_daemon_and_client(other_user, tiny_model, tmp_path):

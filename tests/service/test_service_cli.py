@@ -10,61 +10,15 @@ import json
 import os
 import plistlib
 import re
-import shlex
 import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from moed.daemon.cli import main
+from tests.fixtures.service_tools import command_lines, files_under, heredocs, invoke, service_env
 
 UID = os.getuid()
 DATA = Path(__file__).parents[1] / "data"
-
-
-def service_env(tmp_path: Path, path_prefix: Path | None = None) -> dict[str, str | None]:
-    home = tmp_path / "home"
-    home.mkdir(exist_ok=True)
-    env: dict[str, str | None] = {
-        "HOME": str(home),
-        "XDG_CONFIG_HOME": str(home / ".config"),
-        "XDG_STATE_HOME": str(home / ".local" / "state"),
-        "XDG_RUNTIME_DIR": None,
-        # A short socket path outside HOME, so that "nothing left in HOME" is about service files.
-        "MOED_SOCKET": f"/tmp/moed-svc-test-{os.getpid()}/moed.sock",
-    }
-    for var in ("MOED_CONFIG", "MOED_LOG_DIR", "MOED_STATE_DIR", "MOED_RUNTIME_DIR"):
-        env[var] = None
-    if path_prefix is not None:
-        env["PATH"] = f"{path_prefix}{os.pathsep}{os.environ.get('PATH', '')}"
-    return env
-
-
-def invoke(env, *args: str):
-    result = CliRunner().invoke(main, ["service", *args], env=env, catch_exceptions=False)
-    return result
-
-
-def files_under(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if not p.is_dir())
-
-
-def heredocs(output: str) -> dict[str, str]:
-    """The files a dry run would write: {path: content}."""
-    found = {}
-    for m in re.finditer(r"^cat > (.+?) <<'MOED_EOF'\n(.*?)\nMOED_EOF$", output, flags=re.M | re.S):
-        found[shlex.split(m.group(1))[0]] = m.group(2) + "\n"
-    return found
-
-
-def command_lines(output: str) -> list[str]:
-    """Lines that run a service-manager or log command (not file writes)."""
-    return [
-        line
-        for line in output.splitlines()
-        if line.split(" ", 1)[0] in ("launchctl", "systemctl", "journalctl", "tail")
-    ]
 
 
 # --- dry runs: the exact command lines, for both platforms, and nothing written ------------------
@@ -189,87 +143,6 @@ def test_dry_run_install_prints_every_file(tmp_path, platform):
 
 
 # --- install → status → uninstall with a recording stand-in for launchctl/systemctl ---------------
-
-FAKE = r'''#!PYTHON
-"""Stand-in for launchctl / systemctl / journalctl: records argv, keeps loaded jobs in
-FAKE_STATE."""
-import json, os, plistlib, sys
-from pathlib import Path
-
-tool = Path(sys.argv[0]).name
-args = sys.argv[1:]
-state = Path(os.environ["FAKE_STATE"])
-state.mkdir(parents=True, exist_ok=True)
-with open(state / "calls.jsonl", "a") as f:
-    f.write(json.dumps([tool, *args]) + "\n")
-loaded = state / "loaded"
-loaded.mkdir(exist_ok=True)
-
-if tool == "launchctl":
-    verb = args[0]
-    if verb == "bootstrap":
-        # a malformed plist fails here, as on a Mac
-        job = plistlib.loads(Path(args[2]).read_bytes())
-        if (loaded / job["Label"]).exists():
-            print("Bootstrap failed: 5: Input/output error", file=sys.stderr); sys.exit(5)
-        (loaded / job["Label"]).write_text(args[2])
-    elif verb in ("bootout", "kickstart", "print"):
-        label = args[-1].split("/")[-1]
-        if not (loaded / label).exists():
-            if verb == "bootout":
-                print("Boot-out failed: 3: No such process", file=sys.stderr); sys.exit(3)
-            print(f'Bad request.\nCould not find service "{label}" in domain for user gui: 501',
-                  file=sys.stderr)
-            sys.exit(113)
-        if verb == "bootout":
-            (loaded / label).unlink()
-        elif verb == "print":
-            text = Path(os.environ["FAKE_PRINT"]).read_text()
-            sys.stdout.write(text.replace("com.moed.daemon", label))
-    sys.exit(0)
-
-if tool == "systemctl":
-    assert args[0] == "--user", args
-    verb, rest = args[1], args[2:]
-    units = [a for a in rest if a.endswith(".service")]
-    if verb == "enable":
-        for u in units:
-            (loaded / u).write_text("")
-    elif verb == "disable":
-        for u in units:
-            (loaded / u).unlink(missing_ok=True)
-    elif verb == "show":
-        u = units[0]
-        if (loaded / u).exists():
-            print("LoadState=loaded\nActiveState=active\nSubState=running\nUnitFileState=enabled\nMainPID=812\n"
-                  "ExecMainCode=0\nExecMainStatus=0\nResult=success\nNRestarts=0")
-        else:
-            print("LoadState=not-found\nActiveState=inactive\nSubState=dead\nUnitFileState=\nMainPID=0\n"
-                  "ExecMainCode=0\nExecMainStatus=0\nResult=success\nNRestarts=0")
-    sys.exit(0)
-
-if tool in ("journalctl", "tail"):
-    print(f"{tool} output")
-    sys.exit(0)
-'''
-
-
-@pytest.fixture
-def fake_tools(tmp_path):
-    bin_dir = tmp_path / "fakebin"
-    bin_dir.mkdir()
-    script = FAKE.replace("#!PYTHON", f"#!{sys.executable}")
-    for name in ("launchctl", "systemctl", "journalctl", "tail"):
-        path = bin_dir / name
-        path.write_text(script)
-        path.chmod(0o755)
-    state = tmp_path / "fakestate"
-
-    def calls() -> list[list[str]]:
-        file = state / "calls.jsonl"
-        return [json.loads(line) for line in file.read_text().splitlines()] if file.exists() else []
-
-    return bin_dir, state, calls
 
 
 @pytest.mark.parametrize("platform", ["macos", "linux"])

@@ -20,7 +20,7 @@ import pytest
 
 from moed.client import Client, DoneEvent, TokenEvent
 from moed.client.autostart import wait_until_ready
-from tests.service.test_service_cli import fake_tools, invoke, service_env  # noqa: F401  (fixture re-used)
+from tests.fixtures.service_tools import invoke, service_env
 
 pytestmark = pytest.mark.process
 
@@ -42,7 +42,7 @@ def unit_command(text: str) -> tuple[list[str], dict[str, str]]:
 
 
 @pytest.mark.parametrize("platform", ["linux", "macos"])
-def test_daemon_started_from_the_rendered_unit_serves(tmp_path, fake_tools, tiny_model, platform):  # noqa: F811
+def test_daemon_started_from_the_rendered_unit_serves(tmp_path, fake_tools, tiny_model, platform):
     bin_dir, state, _ = fake_tools
     env = service_env(tmp_path, bin_dir)
     env.update(FAKE_STATE=str(state), MOED_RESIDENT="1")

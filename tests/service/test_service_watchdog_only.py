@@ -8,16 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.test_service_cli import (
+from tests.fixtures.service_tools import (
     command_lines,
-    fake_tools,
     files_under,
     heredocs,
     invoke,
     service_env,
 )
-
-assert fake_tools  # a fixture, used by name below
 
 
 @pytest.mark.parametrize("platform", ["macos", "linux"])

@@ -26,7 +26,7 @@ from moed.daemon.watchdog.policy import Action
 from moed.daemon.watchdog.runner import Watchdog
 from moed.protocol import ErrorCode
 from tests.fixtures.daemon_harness import short_socket_path
-from tests.watchdog.test_watchdog_runner import ScriptedProbe, _config
+from tests.fixtures.watchdog import ScriptedProbe, watchdog_config
 
 pytestmark = [pytest.mark.serial, pytest.mark.process, pytest.mark.timeout(240)]
 
@@ -96,7 +96,7 @@ def test_a_follower_hosts_watchdog_sheds_and_stops_its_rank(
     probe = ScriptedProbe()
     signals: list = []
     dog = Watchdog(
-        _config(tmp_path, node1, step_grace_s=0.2),
+        watchdog_config(tmp_path, node1, step_grace_s=0.2),
         probe=probe,
         send_signal=lambda pid, sig: signals.append((pid, sig)),
     )

@@ -9,50 +9,18 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 import pytest
 
-from moed.daemon.config import WatchdogConfig
-from moed.daemon.platform import Footprint, MemoryProbe, PressureLevel
+from moed.daemon.platform import PressureLevel
 from moed.daemon.watchdog.events import EventLog, read_events, read_state
 from moed.daemon.watchdog.policy import Action
 from moed.daemon.watchdog.runner import Watchdog
 from moed.daemon.watchdog.sampler import Target
 from tests.fixtures.daemon_harness import stop_process, watchdog_command
+from tests.fixtures.watchdog import ScriptedProbe, watchdog_config
 
 pytestmark = [pytest.mark.serial, pytest.mark.process]
-
-
-class ScriptedProbe(MemoryProbe):
-    """Readings from a script; the one faked seam (the real ones are tested in test_platform_*)."""
-
-    name = "scripted"
-
-    def __init__(self, swap_mb=0.0, pressure=PressureLevel.NORMAL):
-        self.swap_mb, self.pressure = swap_mb, pressure
-
-    def swap_used_bytes(self):
-        return int(self.swap_mb * 1024 * 1024)
-
-    def pressure_level(self):
-        return self.pressure
-
-    def process_footprint(self, pid):
-        return Footprint(resident_bytes=1)
-
-
-def _config(tmp_path, socket, **kw) -> WatchdogConfig:
-    base = WatchdogConfig(
-        socket=socket,
-        state_dir=tmp_path / "wd",
-        interval_s=0.05,
-        consecutive=2,
-        swap_growth_mb=100,
-        progress_timeout_s=600,
-        step_grace_s=0.0,
-    )
-    return replace(base, **kw)
 
 
 def test_pressure_escalates_through_the_control_channel(daemon, tmp_path):
@@ -60,7 +28,7 @@ def test_pressure_escalates_through_the_control_channel(daemon, tmp_path):
     signals: list[tuple[int, int]] = []
     # A grace long enough for the daemon to finish its graceful exit before a signal would be due.
     dog = Watchdog(
-        _config(tmp_path, daemon.socket, step_grace_s=1.0),
+        watchdog_config(tmp_path, daemon.socket, step_grace_s=1.0),
         probe=probe,
         send_signal=lambda pid, sig: signals.append((pid, sig)),
     )
@@ -107,7 +75,7 @@ def test_pressure_escalates_through_the_control_channel(daemon, tmp_path):
 def test_the_daemon_status_shows_the_watchdog(daemon, tmp_path):
     # Same state directory as the daemon: `moe status` (the daemon's status) carries the watchdog.
     dog = Watchdog(
-        _config(tmp_path, daemon.socket, state_dir=daemon.state_dir), probe=ScriptedProbe()
+        watchdog_config(tmp_path, daemon.socket, state_dir=daemon.state_dir), probe=ScriptedProbe()
     )
     dog.startup()
     try:
@@ -131,7 +99,7 @@ def test_signals_go_only_to_the_process_first_seen(tmp_path):
     try:
         sent: list[tuple[int, int]] = []
         dog = Watchdog(
-            _config(tmp_path, tmp_path / "none.sock"),
+            watchdog_config(tmp_path, tmp_path / "none.sock"),
             probe=ScriptedProbe(),
             pid_override=child.pid,
             send_signal=lambda pid, sig: sent.append((pid, sig)),
