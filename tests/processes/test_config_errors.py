@@ -13,6 +13,7 @@ import pytest
 
 from moed.daemon.config import ConfigError, load_config
 from moed.daemon.exit_codes import PERMANENT_EXITS, DaemonExit, for_supervisor
+from tests.fixtures.daemon_harness import short_socket_path
 
 CASES = [
     # (flags, environment, config file, words the message must hold)
@@ -37,7 +38,7 @@ CASES = [
 def test_config_error_exits_2_with_key_value_and_allowed(tmp_path, flags, env, toml, words):
     config = tmp_path / "config.toml"
     config.write_text(toml)
-    socket = Path(f"/tmp/moedt-cfg-{tmp_path.name[-10:]}") / "d.sock"
+    socket = short_socket_path()  # per process and call: two workers never share it
     out = subprocess.run(
         [
             sys.executable,
