@@ -32,7 +32,7 @@ run: $(STAMP)
 	  echo "==> moe and moed are in $(VENV)/bin: '. $(VENV)/bin/activate' puts them on PATH"; \
 	  exit $$status
 
-# The agents and CLIs tests/test_gateway_agents.py drives, as their registries ship them, cached
+# The agents and CLIs tests/gateway/test_gateway_agents.py drives, as their registries ship them, cached
 # outside the checkout; one that fails to install is skipped by its test, which says why.
 TEST_CLIENTS ?= $(HOME)/.cache/moed/test-clients
 NPM_CLIENTS := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 opencode-ai@1.18.33

@@ -16,9 +16,11 @@ from tests.fixtures.checkpoints import write_checkpoint
 
 # --- markers: a test that starts a daemon says so ------------------------------------------
 
-# make test-fast leaves out `process` tests; one that asks for a daemon without saying so would
-# slip into the edit loop (and its two minutes).
-PROCESS_FIXTURES = frozenset({"daemon", "daemon_factory", "supervisor", "gateway_stack"})
+# make test-fast leaves out `process` tests; one that asks for a daemon (or the service stand-ins)
+# without saying so would slip into the edit loop (and its two minutes).
+PROCESS_FIXTURES = frozenset(
+    {"daemon", "daemon_factory", "supervisor", "gateway_stack", "fake_tools"}
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,7 +32,8 @@ def pytest_collection_modifyitems(config, items):
     ]
     if unmarked:
         raise pytest.UsageError(
-            "these tests start a daemon but are not marked `process`: " + ", ".join(unmarked)
+            "these tests start processes through a fixture but are not marked `process`: "
+            + ", ".join(unmarked)
         )
 
 

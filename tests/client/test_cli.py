@@ -147,6 +147,9 @@ def test_model_from_local_hugging_face_cache(tiny_model, tmp_path, monkeypatch):
         resolve_model("mlx-community/Absent-Model")
 
 
+# serial: the Ctrl-C is timed against a generation in flight; beside a second worker on a loaded
+# machine the run once ended (exit 0) before the signal came.
+@pytest.mark.serial
 @pytest.mark.process
 def test_ctrl_c_cancels_the_request(daemon):
     import signal

@@ -145,6 +145,7 @@ def test_dry_run_install_prints_every_file(tmp_path, platform):
 # --- install → status → uninstall with a recording stand-in for launchctl/systemctl ---------------
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("platform", ["macos", "linux"])
 def test_install_status_uninstall_leaves_nothing(tmp_path, fake_tools, platform):
     bin_dir, state, calls = fake_tools
@@ -216,6 +217,7 @@ def test_install_status_uninstall_leaves_nothing(tmp_path, fake_tools, platform)
     assert "not loaded (not installed)" in result.output
 
 
+@pytest.mark.process
 def test_uninstall_keeps_an_edited_config_unless_purged(tmp_path, fake_tools):
     bin_dir, state, _ = fake_tools
     env = service_env(tmp_path, bin_dir)
@@ -236,6 +238,7 @@ def test_uninstall_keeps_an_edited_config_unless_purged(tmp_path, fake_tools):
     assert files_under(home) == []
 
 
+@pytest.mark.process
 def test_install_keeps_an_existing_config(tmp_path, fake_tools):
     bin_dir, state, _ = fake_tools
     env = service_env(tmp_path, bin_dir)
@@ -249,6 +252,7 @@ def test_install_keeps_an_existing_config(tmp_path, fake_tools):
     assert "is kept" in result.output
 
 
+@pytest.mark.process
 def test_restart_when_not_loaded_says_what_to_do(tmp_path, fake_tools):
     bin_dir, state, _ = fake_tools
     env = service_env(tmp_path, bin_dir)
@@ -258,6 +262,7 @@ def test_restart_when_not_loaded_says_what_to_do(tmp_path, fake_tools):
     assert "moed service start" in result.output
 
 
+@pytest.mark.process
 def test_status_reports_a_crash(tmp_path, fake_tools):
     bin_dir, state, _ = fake_tools
     env = service_env(tmp_path, bin_dir)
@@ -269,6 +274,7 @@ def test_status_reports_a_crash(tmp_path, fake_tools):
     assert "loaded, running, pid 5230, runs 3, last exit: killed by Abort trap: 6" in result.output
 
 
+@pytest.mark.process
 def test_logs_runs_the_viewer(tmp_path, fake_tools):
     bin_dir, state, calls = fake_tools
     env = service_env(tmp_path, bin_dir)
@@ -281,6 +287,7 @@ def test_logs_runs_the_viewer(tmp_path, fake_tools):
     assert seen[1][-1].endswith("daemon.log")
 
 
+@pytest.mark.process
 def test_macos_stop_then_start(tmp_path, fake_tools):
     bin_dir, state, calls = fake_tools
     env = service_env(tmp_path, bin_dir)

@@ -50,6 +50,7 @@ def test_dry_run_renders_the_gateway_unit(tmp_path, platform):
     assert files_under(home) == []
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("platform", ["macos", "linux"])
 def test_an_installed_gateway_is_managed_and_removed_with_the_rest(tmp_path, fake_tools, platform):
     bin_dir, state, calls = fake_tools

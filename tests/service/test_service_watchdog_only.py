@@ -44,6 +44,7 @@ def test_watchdog_only_takes_no_serve_options(tmp_path):
     assert result.exit_code == 2 and "takes no serve options" in result.output
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("platform", ["macos", "linux"])
 def test_an_installed_watchdog_alone_is_managed_and_removed(tmp_path, fake_tools, platform):
     bin_dir, state, calls = fake_tools
