@@ -80,11 +80,12 @@ test:
 	  MOED_TEST_CLIENTS=$(TEST_CLIENTS) $(PYTEST) -m serial --durations=10 || status=$$?; \
 	  exit $$status
 
-# The edit loop: lint, then the tests that start no process (under two minutes).
+# The edit loop: lint, then the tests that start no process and are not slow (under two minutes).
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not process and not serial" --durations=10
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not process and not serial and not slow" \
+	  --durations=10
 
 # Each prints ratios measured side by side in one run; BENCHMARKS.md holds their latest output.
 bench: $(STAMP)

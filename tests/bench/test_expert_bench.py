@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from moed.daemon.bench.stream import stream
@@ -35,6 +36,7 @@ def test_simulate_sums_layers():
     assert (h, m) == (3, 4)
 
 
+@pytest.mark.slow
 def test_bench_stream_tiny(tmp_path):
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(

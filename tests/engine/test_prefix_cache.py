@@ -13,6 +13,7 @@ from moed.daemon.engine.status import EngineStatus
 from moed.daemon.model.prompt_normalize import normalize_messages
 from moed.protocol import ShedLevel
 from tests.fixtures.engine_driver import SYSTEM, TURNS, ListSink, converse, run_until_idle, submit
+from tests.fixtures.matrix import first_fast
 
 
 def engine(model, tmp_path, prefix: str, resident: bool, **extra) -> EngineCore:
@@ -32,9 +33,11 @@ def engine(model, tmp_path, prefix: str, resident: bool, **extra) -> EngineCore:
     return core
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", first_fast(["qwen3_moe", "qwen3_5_moe"]))
 @pytest.mark.parametrize("resident", [True, False], ids=["resident", "streaming"])
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 7}], ids=["greedy", "seed"])
+@pytest.mark.parametrize(
+    "sampling", first_fast([{}, {"temperature": 0.9, "seed": 7}], ["greedy", "seed"])
+)
 def test_prefix_hits_give_the_tokens_of_the_cache_off(
     checkpoint_factory, tmp_path, arch, resident, sampling
 ):

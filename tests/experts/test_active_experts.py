@@ -10,13 +10,14 @@ from mlx_lm.utils import load_model
 from moed.client import DoneEvent
 from moed.daemon.experts.active_experts import ActiveExpertsError, limit_active_experts
 from tests.fixtures.daemon_harness import moed, start_daemon
+from tests.fixtures.matrix import first_fast
 from tests.fixtures.reference import decode, streaming
 
 PROMPT = [(7 * i + 3) % 300 + 3 for i in range(24)]
 ARCHS = ["qwen3_moe", "qwen3_5_moe", "deepseek_v3", "mixtral", "gpt_oss", "glm4_moe", "olmoe"]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", first_fast(ARCHS))
 def test_streaming_with_k_equals_resident_with_k(checkpoint_factory, arch):
     path = checkpoint_factory(arch, num_experts=8, top_k=4)
     resident, _ = load_model(path)

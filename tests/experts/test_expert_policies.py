@@ -102,6 +102,7 @@ def test_slru_keeps_reused_experts_through_a_scan():
     assert slru == (4, 6) and lru == (2, 8)
 
 
+@pytest.mark.slow
 def test_bench_policy_on_recorded_traces(tmp_path):
     """Held-out replays of committed demo-model traces: a column per policy, nothing beats
     Belady, parameters come from the policies' grids."""

@@ -16,6 +16,7 @@ from mlx_lm.utils import load_model
 
 from moed.daemon.experts import StreamingConfig, install_streaming
 from tests.fixtures.batch_decode import batch_tokens
+from tests.fixtures.matrix import first_fast
 from tests.fixtures.reference import MEMORY, SAMPLER, decode, streaming
 
 BUDGETS = [1, "10%", "50%", "100%"]  # 1 byte: clamps to one slot per layer
@@ -38,7 +39,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("arch,bits", CASES, ids=[f"{a}-{b or 'f32'}" for a, b in CASES])
+@pytest.mark.parametrize("arch,bits", first_fast(CASES, [f"{a}-{b or 'f32'}" for a, b in CASES]))
 def test_tokens_identical_to_resident(checkpoint_factory, arch, bits):
     path = checkpoint_factory(arch, bits=bits)
     resident, _ = load_model(path)
@@ -89,6 +90,7 @@ def test_no_stacked_experts_in_the_model(checkpoint_factory):
         streamer.close()
 
 
+@pytest.mark.slow
 def test_stacked_experts_are_never_materialized(checkpoint_factory):
     """MLX's peak memory over load + prefill + decode stays near resident weights + slot pools."""
     path = checkpoint_factory("qwen3_moe", num_layers=4, num_experts=64, expert_width=256)

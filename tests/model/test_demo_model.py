@@ -60,6 +60,7 @@ def test_chat_template_renders_the_prompt(demo):
     assert tokenizer.decode(ids) == "import os"
 
 
+@pytest.mark.slow
 def test_routing_is_not_uniform(demo):
     model, tokenizer = demo
     block = model.layers[0].mlp
@@ -79,6 +80,7 @@ def _greedy(model, prompt_ids, n=40) -> list[int]:
     return [int(t) for t, _ in generate_step(mx.array(prompt_ids), model, max_tokens=n)]
 
 
+@pytest.mark.slow
 def test_streaming_quarter_budget_reproduces_resident_tokens(demo):
     model, tokenizer = demo
     prompt = tokenizer.encode("class Queue:\n    def __init__(self, maxsize=0):")

@@ -9,6 +9,7 @@ import pytest
 from mlx_lm.utils import load_model
 
 from moed.daemon.model.layer_progress import watch_layers
+from tests.fixtures.matrix import first_fast
 from tests.fixtures.reference import SAMPLER, decode, streaming
 
 # The long prompt of the streaming tests: its chunks route to every expert of a layer.
@@ -17,7 +18,7 @@ CHUNK = 64  # several prompt chunks
 MAX_TOKENS = 6
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("arch", first_fast(["qwen3_moe", "qwen3_5_moe", "qwen3_next"]))
 def test_hooked_layers_give_the_same_tokens(checkpoint_factory, arch):
     path = checkpoint_factory(arch)
     model, _ = load_model(path)

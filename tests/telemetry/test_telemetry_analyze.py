@@ -109,6 +109,7 @@ def test_simulators_on_a_worked_example():
     assert simulate_belady(calls({0, 1, 2}, {0, 1, 2}), 2) == (2, 4)
 
 
+@pytest.mark.slow
 def test_belady_is_never_worse_and_full_cache_misses_once():
     rng = random.Random(7)
     for _ in range(30):
