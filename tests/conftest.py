@@ -42,14 +42,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_moed_dirs(tmp_path_factory):
-    """Every daemon and client a test starts uses session-private state, log and config paths, so
-    the suite never writes into (or reads) the user's ~/.local/state/moed or talks to their
-    daemon."""
+    """Every daemon and client a test starts uses session-private state, log, config and socket
+    paths, so the suite never writes into (or reads) the user's ~/.local/state/moed or talks to
+    their daemon, and two workers (a session each) never share a default socket."""
     root = tmp_path_factory.mktemp("moed-home")
     private = {
         "MOED_STATE_DIR": root / "state",
         "MOED_LOG_DIR": root / "logs",
         "MOED_CONFIG": root / "config.toml",
+        "MOED_RUNTIME_DIR": root / "run",
     }
     saved = {name: os.environ.get(name) for name in private}
     os.environ.update({name: str(path) for name, path in private.items()})
