@@ -10,7 +10,7 @@ PROMPT ?= def fibonacci(n):
 # A quarter of the demo's experts in the cache, so the run shows real streaming (misses, reads).
 BUDGET ?= 25%
 
-.PHONY: run test typecheck test-clients bench clean
+.PHONY: run test test-fast typecheck test-clients bench clean
 
 # setuptools adds a note to every editable install that it maps moed.* with an import hook (the
 # package-dir layout): only that note is silenced; real build warnings still show.
@@ -32,7 +32,7 @@ run: $(STAMP)
 	  echo "==> moe and moed are in $(VENV)/bin: '. $(VENV)/bin/activate' puts them on PATH"; \
 	  exit $$status
 
-# The agents and CLIs tests/test_gateway_agents.py drives, as their registries ship them, cached
+# The agents and CLIs tests/gateway/test_gateway_agents.py drives, as their registries ship them, cached
 # outside the checkout; one that fails to install is skipped by its test, which says why.
 TEST_CLIENTS ?= $(HOME)/.cache/moed/test-clients
 NPM_CLIENTS := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 opencode-ai@1.18.33
@@ -41,16 +41,28 @@ CLIENTS_STAMP := $(TEST_CLIENTS)/.installed-$(shell echo '$(NPM_CLIENTS) $(PY_CL
 
 test-clients: $(CLIENTS_STAMP)
 
+# npm and the three venvs install side by side (separate folders, logs under logs/): on a fresh
+# machine the downloads overlap instead of queueing.
 $(CLIENTS_STAMP):
 	@echo "==> installing the agent clients the gateway tests drive into $(TEST_CLIENTS)"
-	@mkdir -p $(TEST_CLIENTS)
-	@ok=1; \
-	  npm install --prefix $(TEST_CLIENTS)/npm --no-audit --no-fund --loglevel=error $(NPM_CLIENTS) || ok=0; \
+	@mkdir -p $(TEST_CLIENTS)/logs
+	@pending=; \
+	  npm install --prefix $(TEST_CLIENTS)/npm --no-audit --no-fund --loglevel=error $(NPM_CLIENTS) \
+	    >$(TEST_CLIENTS)/logs/npm.log 2>&1 & pending="$$pending $$!:npm"; \
 	  for spec in $(PY_CLIENTS); do name=$${spec%%==*}; \
 	    { $(PYTHON) -m venv $(TEST_CLIENTS)/py-$$name && \
-	      $(TEST_CLIENTS)/py-$$name/bin/pip install --quiet --disable-pip-version-check "$$spec"; } || ok=0; \
+	      $(TEST_CLIENTS)/py-$$name/bin/pip install --quiet --disable-pip-version-check "$$spec"; } \
+	      >$(TEST_CLIENTS)/logs/py-$$name.log 2>&1 & pending="$$pending $$!:py-$$name"; \
+	  done; \
+	  ok=1; for job in $$pending; do \
+	    wait $${job%%:*} || { ok=0; echo "==> $${job#*:} failed:"; tail -n 20 $(TEST_CLIENTS)/logs/$${job#*:}.log; }; \
 	  done; \
 	  if [ $$ok = 1 ]; then touch $@; else echo "==> some clients did not install: their tests skip"; fi
+
+PYTEST := $(BIN)/python -m pytest -q
+# make test's parallel phase: each test file on one of TEST_WORKERS workers (a module's fixtures,
+# a shared daemon or gateway, stay in one process).
+TEST_WORKERS ?= 2
 
 # mypy (settings in pyproject's [tool.mypy]) reads moed.* through links named as the package-dir
 # mapping names them: mypy cannot run the editable install's import hook.
@@ -63,11 +75,30 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # The lint, format and type gates run first, so .ci/run (which calls `make test`) enforces them.
-test: $(STAMP) test-clients
+# The venv and the agent clients install side by side; then every test not marked `serial` on the
+# workers, then the `serial` ones alone (swap, cgroup limits, system-wide memory readers:
+# pyproject.toml). The serial phase runs even after a failed parallel one, and either failing
+# fails the target.
+test:
+	@$(MAKE) --no-print-directory -j2 $(STAMP) test-clients
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(MAKE) --no-print-directory typecheck
-	MOED_TEST_CLIENTS=$(TEST_CLIENTS) $(BIN)/python -m pytest -q --durations=25
+	@status=0; \
+	  echo "==> parallel phase: $(TEST_WORKERS) workers, every test not marked serial"; \
+	  MOED_TEST_CLIENTS=$(TEST_CLIENTS) $(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial" \
+	    --durations=25 || status=$$?; \
+	  echo "==> serial phase: the tests marked serial, one at a time"; \
+	  MOED_TEST_CLIENTS=$(TEST_CLIENTS) $(PYTEST) -m serial --durations=10 || status=$$?; \
+	  exit $$status
+
+# The edit loop: lint and types, then the tests that start no process and are not slow.
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(MAKE) --no-print-directory typecheck
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not process and not serial and not slow" \
+	  --durations=10
 
 # Each prints ratios measured side by side in one run; BENCHMARKS.md holds their latest output.
 bench: $(STAMP)

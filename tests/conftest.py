@@ -4,30 +4,53 @@ from __future__ import annotations
 
 import inspect
 import os
+import pwd
 import shutil
-import sys
+import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
 
-# `fixtures` is imported as a top-level package from tests/, even if tests/ becomes a package.
-sys.path.insert(0, str(Path(__file__).parent))
+from tests.fixtures.checkpoints import write_checkpoint
 
-from fixtures.checkpoints import write_checkpoint  # noqa: E402
+# --- markers: a test that starts a daemon says so ------------------------------------------
+
+# make test-fast leaves out `process` tests; one that asks for a daemon (or the service stand-ins)
+# without saying so would slip into the edit loop (and its two minutes).
+PROCESS_FIXTURES = frozenset(
+    {"daemon", "daemon_factory", "supervisor", "gateway_stack", "fake_tools"}
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    unmarked = [
+        item.nodeid
+        for item in items
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))
+        and item.get_closest_marker("process") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "these tests start processes through a fixture but are not marked `process`: "
+            + ", ".join(unmarked)
+        )
+
 
 # --- isolation from the user's own moed ------------------------------------------------------
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_moed_dirs(tmp_path_factory):
-    """Every daemon and client a test starts uses session-private state, log and config paths, so
-    the suite never writes into (or reads) the user's ~/.local/state/moed or talks to their
-    daemon."""
+    """Every daemon and client a test starts uses session-private state, log, config and socket
+    paths, so the suite never writes into (or reads) the user's ~/.local/state/moed or talks to
+    their daemon, and two workers (a session each) never share a default socket."""
     root = tmp_path_factory.mktemp("moed-home")
     private = {
         "MOED_STATE_DIR": root / "state",
         "MOED_LOG_DIR": root / "logs",
         "MOED_CONFIG": root / "config.toml",
+        "MOED_RUNTIME_DIR": root / "run",
     }
     saved = {name: os.environ.get(name) for name in private}
     os.environ.update({name: str(path) for name, path in private.items()})
@@ -80,7 +103,7 @@ def tiny_model(checkpoint_factory) -> Path:
 
 # --- real daemon processes ------------------------------------------------------------------
 
-from daemon_harness import DaemonProcess, Supervisor, start_daemon  # noqa: E402
+from tests.fixtures.daemon_harness import DaemonProcess, Supervisor, start_daemon  # noqa: E402
 
 
 @pytest.fixture
@@ -126,7 +149,7 @@ def supervisor(tmp_path):
 
 # --- memory cgroups (root-only Linux tests) ---------------------------------------------------
 
-from fixtures.cgroups import MemoryCgroup  # noqa: E402
+from tests.fixtures.cgroups import MemoryCgroup  # noqa: E402
 
 
 @pytest.fixture
@@ -152,7 +175,7 @@ def memory_cgroup():
 
 # --- the HTTP gateway in front of a real daemon ----------------------------------------------
 
-from gateway_harness import GatewayProcess, start_gateway  # noqa: E402
+from tests.fixtures.gateway_harness import GatewayProcess, start_gateway  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +195,19 @@ def gateway_stack(tmp_path_factory, tiny_model):
         if gateway is not None:
             gateway.stop()
         daemon.stop()
+
+
+# --- a second local user (root only) ---------------------------------------------------------
+
+
+@pytest.fixture
+def other_user():
+    """A real second local user (root only); removed afterwards."""
+    if os.geteuid() != 0 or not shutil.which("useradd"):
+        pytest.skip("needs root and useradd to create a second user")
+    name = f"moedt{uuid.uuid4().hex[:8]}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/false", name], check=True)
+    try:
+        yield pwd.getpwnam(name)
+    finally:
+        subprocess.run(["userdel", name], check=False)

@@ -29,7 +29,8 @@ if TYPE_CHECKING:  # types only: the cache is reached through LayerCache (stream
 
 def gather_sort(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """Rows of `x` ordered by expert, as mlx-lm's `switch_layers._gather_sort` orders them (a
-    copy of its lines: private names of mlx-lm are no API; tests/test_switch_sort.py compares)."""
+    copy of its lines: private names of mlx-lm are no API; tests/experts/test_switch_sort.py
+    compares)."""
     *_, M = indices.shape
     indices = indices.flatten()
     order = mx.argsort(indices)

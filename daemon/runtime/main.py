@@ -14,8 +14,8 @@ import zmq
 from moed.daemon import __version__
 from moed.daemon.config import Config, ServeConfig
 from moed.daemon.distributed.hostfile import HostfileError
-from moed.daemon.distributed.rank0 import check_supported, num_layers, start_group
-from moed.daemon.distributed.rank_model import PipelineUnsupported
+from moed.daemon.distributed.rank0 import check_supported, start_group
+from moed.daemon.distributed.rank_model import PipelineUnsupported, num_layers
 from moed.daemon.distributed.spec import group_spec
 from moed.daemon.distributed.split import SplitError, parse_split
 from moed.daemon.engine.loop import Engine

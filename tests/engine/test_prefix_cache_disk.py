@@ -1,0 +1,183 @@
+"""The prefix cache's SSD tier, in-process: entries survive the engine (the next engine reads its
+prefix from the SSD, with the tokens of the cache off); a corrupt, truncated or foreign entry, a
+full disk and a read-only folder each give one warning and the request is served."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+
+import pytest
+
+from moed.daemon.config import ServeConfig
+from moed.daemon.engine.core import EngineCore
+from moed.daemon.engine.status import EngineStatus
+from tests.fixtures.engine_driver import SYSTEM, TURNS, ListSink, converse
+
+
+def engine(model, state, disk_dir=None, prefix="64MB", disk="64MB", resident=True) -> EngineCore:
+    serve = ServeConfig(
+        model=str(model),
+        state_dir=state,
+        resident=resident,
+        cache_budget="25%",
+        prefix_cache_bytes=prefix,
+        prefix_cache_disk_bytes=disk,
+        prefix_cache_dir=str(disk_dir or ""),
+        prefill_chunk=8,
+        prefix_checkpoint_tokens=8,
+    )
+    core = EngineCore(serve, model, ListSink(), EngineStatus())
+    assert core.load()
+    return core
+
+
+def finish(core: EngineCore) -> dict:
+    """Let the SSD writer land everything, then close; returns the last prefix-cache counters."""
+    core.prefix_cache.disk.flush()
+    snap = core.prefix_cache.snapshot()
+    core.close()
+    return snap
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.fixture
+def expected(tiny_model, tmp_path):
+    off = engine(tiny_model, tmp_path / "off", prefix="0", disk="0")
+    out = converse(off, TURNS)
+    off.close()
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "streaming"])
+def test_the_next_engine_reads_its_prefix_from_the_ssd(
+    checkpoint_factory, tmp_path, arch, resident
+):
+    model = checkpoint_factory(arch)
+    off = engine(model, tmp_path / "off", prefix="0", disk="0", resident=resident)
+    want = converse(off, TURNS)
+    off.close()
+    first = engine(model, tmp_path, resident=resident)
+    got = converse(first, TURNS[:2])
+    written = finish(first)
+    assert written["disk_writes"] > 0 and written["disk_entries"] > 0
+    second = engine(model, tmp_path, resident=resident)  # a restart: the memory tier is empty
+    assert second.prefix_cache.snapshot()["memory_entries"] == 0
+    got += converse(second, TURNS[2:], first_id=2)
+    snap = finish(second)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert snap["disk_loads"] >= 1 and got[2][1] >= len(SYSTEM) - 1, (got, snap)
+
+
+def test_the_ssd_tier_stays_in_budget_least_recent_out_first(tiny_model, tmp_path):
+    prompts = [[(k * 29 + i * 3) % 250 + 3 for i in range(40)] for k in range(5)]
+    core = engine(tiny_model, tmp_path, disk="60kB")
+    converse(core, prompts)
+    snap = finish(core)
+    assert snap["disk_evictions"] > 0 and snap["disk_bytes"] <= 60_000
+    again = engine(tiny_model, tmp_path, disk="60kB")
+    got = converse(again, [prompts[-1], prompts[0]], first_id=10)
+    finish(again)
+    assert got[0][1] > 0 and got[1][1] == 0  # the newest is on the SSD, the oldest is gone
+
+
+def _entry_files(core_or_dir):
+    return sorted(p for p in core_or_dir.glob("*.safetensors") if not p.name.startswith("."))
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "garbage", "foreign"])
+def test_a_damaged_or_foreign_entry_is_skipped_with_one_warning(
+    tiny_model, checkpoint_factory, tmp_path, expected, caplog, damage
+):
+    disk = tmp_path / "cache"
+    if damage == "foreign":  # another model's entries in the same folder
+        other = engine(checkpoint_factory("qwen3_moe", seed=3), tmp_path / "o", disk_dir=disk)
+        converse(other, TURNS[:1])
+        finish(other)
+        assert _entry_files(disk)
+    else:
+        first = engine(tiny_model, tmp_path, disk_dir=disk)
+        converse(first, TURNS[:1])
+        finish(first)
+        for path in _entry_files(disk):
+            data = bytearray(path.read_bytes())
+            if damage == "corrupt":  # a flipped byte in the arrays, the header intact
+                data[-5] ^= 0xFF
+            elif damage == "truncated":
+                data = data[: len(data) // 2 + 8]
+            else:
+                data = bytearray(b"not a safetensors file")
+            path.write_bytes(bytes(data))
+    caplog.set_level(logging.WARNING, logger="moed.prefix_cache")
+    core = engine(tiny_model, tmp_path, disk_dir=disk)
+    got = converse(core, TURNS)
+    snap = finish(core)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    assert got[0][1] == 0  # nothing usable was on the SSD
+    assert snap["disk_skipped"] >= 1
+    skipped = [w for w in warnings_of(caplog) if "skipping" in w or "skipped" in w]
+    assert len(skipped) == 1, warnings_of(caplog)
+
+
+@pytest.fixture
+def tiny_mount(tmp_path):
+    """A tmpfs of the given size (root on Linux), unmounted after the test."""
+    mounted = []
+
+    def make(size: str, read_only: bool = False):
+        point = tmp_path / f"mnt{len(mounted)}"
+        point.mkdir()
+        opts = f"size={size}" + (",ro" if read_only else "")
+        try:
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(point)],
+                check=True,
+                capture_output=True,
+            )
+        except (OSError, subprocess.CalledProcessError) as exc:
+            pytest.skip(f"cannot mount a tmpfs here: {exc}")
+        mounted.append(point)
+        return point
+
+    yield make
+    for point in mounted:
+        subprocess.run(["umount", str(point)], check=False)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("where", ["full", "read_only"])
+def test_a_full_disk_or_read_only_folder_warns_once_and_serves(
+    tiny_model, tmp_path, expected, tiny_mount, caplog, where
+):
+    point = tiny_mount("16k") if where == "full" else tiny_mount("1m", read_only=True)
+    disk = point / "cache" if where == "full" else point
+    caplog.set_level(logging.WARNING, logger="moed.prefix_cache")
+    core = engine(tiny_model, tmp_path, disk_dir=disk)
+    got = converse(core, TURNS)
+    snap = finish(core)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    assert all(c > 0 for _, c in got[1:])  # the memory tier still serves
+    assert snap["disk_writes"] == 0 and snap["disk_entries"] == 0
+    warned = [w for w in warnings_of(caplog) if "cannot" in w]
+    assert len(warned) == 1, warnings_of(caplog)
+    assert not [p for p in point.rglob("*") if p.is_file()]  # no temporary file left behind
+
+
+def test_an_idle_unload_keeps_the_ssd_tier_and_the_reload_reads_from_it(
+    tiny_model, tmp_path, expected
+):
+    core = engine(tiny_model, tmp_path)
+    got = converse(core, TURNS[:2])
+    core.prefix_cache.disk.flush()
+    core.unload()  # what the keep-alive does: model, expert cache and memory tier released
+    assert core.prefix_cache is None and core.status.get("prefix_cache") is None
+    assert core.load()
+    assert core.prefix_cache.snapshot()["memory_entries"] == 0
+    got += converse(core, TURNS[2:], first_id=2)
+    snap = finish(core)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    assert snap["disk_loads"] >= 1 and got[2][1] >= len(SYSTEM)

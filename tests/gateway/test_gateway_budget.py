@@ -1,0 +1,135 @@
+"""Each API's metadata and its answer to a request over the context, through a real daemon (the
+tiny checkpoint's context is 4096 tokens; the stack's prompt limit is 512): the context length
+where clients look for it, and a 400 in the API's own words instead of a silent cap or a 413."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import ollama
+import openai
+import pytest
+
+from moed.daemon.config import ServeConfig
+from moed.daemon.model.limits import UNKNOWN_CONTEXT_MAX_TOKENS, limits_for
+from moed.gateway import anthropic_api, openai_api
+from moed.gateway.token_budget import BudgetError, Overrun
+from moed.protocol.model_config import ModelConfig
+
+CONTEXT = 4096  # max_position_embeddings of tests/fixtures' qwen3_moe
+
+
+@pytest.fixture(scope="module")
+def stack(gateway_stack):
+    daemon, gateway = gateway_stack
+    name = daemon.client().connect()["model"]["name"]
+    return gateway, name
+
+
+@pytest.mark.process
+def test_the_context_length_is_in_models_and_show(stack):
+    gateway, name = stack
+    oai = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    entry = oai.models.list().data[0].model_dump()
+    assert entry["context_length"] == entry["max_model_len"] == CONTEXT
+    assert oai.models.retrieve(name).model_dump()["context_length"] == CONTEXT
+    shown = ollama.Client(host=gateway.url).show(name)
+    assert shown.modelinfo["qwen3_moe.context_length"] == CONTEXT
+
+
+@pytest.mark.process
+def test_max_tokens_past_the_context_is_a_400_in_each_api(stack):
+    gateway, name = stack
+    messages = [{"role": "user", "content": "Hello!"}]
+    oai = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as chat:
+        oai.chat.completions.create(model=name, messages=messages, max_tokens=CONTEXT)
+    assert chat.value.code == "context_length_exceeded"
+    assert f"maximum context length is {CONTEXT} tokens" in chat.value.message
+
+    claude = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as message:
+        claude.messages.create(model=name, messages=messages, max_tokens=CONTEXT)
+    prompt = claude.messages.count_tokens(model=name, messages=messages).input_tokens
+    expected = f"exceed context limit: {prompt} + {CONTEXT} > {CONTEXT}"
+    assert expected in message.value.body["error"]["message"]
+
+    with pytest.raises(ollama.ResponseError) as chat_ollama:
+        ollama.Client(host=gateway.url).chat(
+            model=name, messages=messages, options={"num_predict": CONTEXT}
+        )
+    assert chat_ollama.value.status_code == 400 and str(CONTEXT) in chat_ollama.value.error
+
+
+@pytest.mark.process
+def test_anthropic_reports_input_tokens_first_and_folds_system_entries(stack):
+    """message_start carries the prompt's tokens (counted before the first event); a `system`
+    entry inside `messages` reads as the same prompt as top-level system blocks."""
+    gateway, name = stack
+    claude = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0)
+    turns = [{"role": "user", "content": "Hello!"}]
+    system = [
+        {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "Be kind."},
+    ]
+    with claude.messages.stream(
+        model=name,
+        system=system,
+        messages=turns,
+        max_tokens=6,
+        thinking={"type": "adaptive"},
+        metadata={"user_id": "u"},
+        extra_body={"context_management": {"edits": []}, "output_config": {"effort": "high"}},
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    start = next(e for e in events if e.type == "message_start")
+    counted = claude.messages.count_tokens(model=name, system=system, messages=turns)
+    assert start.message.usage.input_tokens == counted.input_tokens == final.usage.input_tokens
+
+    folded = httpx.post(
+        f"{gateway.url}/v1/messages?beta=true",
+        json={
+            "model": name,
+            "max_tokens": 6,
+            "system": [system[0]],
+            "messages": [*turns, {"role": "system", "content": "Be kind."}],
+        },
+    )
+    assert folded.status_code == 200, folded.text
+    assert folded.json()["content"][0]["text"] == final.content[0].text
+    assert folded.json()["usage"]["input_tokens"] == counted.input_tokens
+
+
+@pytest.mark.process
+def test_what_cannot_be_honoured_is_refused(stack):
+    gateway, name = stack
+    claude = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0)
+    turns = [{"role": "user", "content": "Hello!"}]
+    with pytest.raises(anthropic.BadRequestError, match="top_k"):
+        claude.messages.create(model=name, messages=turns, max_tokens=4, extra_body={"top_k": 5})
+    with pytest.raises(anthropic.BadRequestError, match="output_config.format"):
+        claude.messages.create(
+            model=name,
+            messages=turns,
+            max_tokens=4,
+            extra_body={"output_config": {"format": {"type": "json_schema", "schema": {}}}},
+        )
+
+
+def test_a_max_tokens_over_the_daemons_limit_is_named_in_each_apis_words():
+    err = BudgetError(Overrun.MAX_TOKENS, 10, 32000, 8192)
+    assert err.status == 400
+    assert anthropic_api.error_body(err)["error"]["message"].startswith("max_tokens: 32000 > 8192")
+    body = openai_api.error_body(err)["error"]
+    assert body["param"] == "max_tokens" and "at most 8192 completion tokens" in body["message"]
+
+
+def test_max_tokens_limit_defaults_to_the_models_context():
+    long = ModelConfig.from_dict({"max_position_embeddings": 131072})
+    assert limits_for(ServeConfig(), long).max_tokens == 131072
+    assert limits_for(ServeConfig(), ModelConfig.from_dict({})).max_tokens == (
+        UNKNOWN_CONTEXT_MAX_TOKENS
+    )
+    capped = ServeConfig(max_tokens_limit=100)
+    assert limits_for(capped, long).max_tokens == 100
