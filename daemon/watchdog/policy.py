@@ -180,6 +180,13 @@ class Policy:
                 self.baseline = s.swap_used_bytes
         return Decision(action, rule, reason, self.state, tuple(notes), readings)
 
+    def acted(self, mono: float) -> None:
+        """The step decided last was taken at `mono`: the next step's grace counts from then, not
+        from the sample (acting can take a while under load: the SIGKILL must follow the SIGTERM
+        by the whole grace)."""
+        if self.last_action_mono is not None:
+            self.last_action_mono = max(self.last_action_mono, mono)
+
     # -- pieces --------------------------------------------------------------------------------
 
     @property

@@ -124,6 +124,7 @@ class Watchdog:
             self._event("note", note=note, state=decision.state, readings=decision.readings)
         if decision.action is not None:
             outcome = self.act(decision, sample.daemon.pid)
+            self.policy.acted(self.sampler.clock())  # the clock the samples are stamped with
             self.last_action = {
                 "action": decision.action.value,
                 "rule": decision.rule.value if decision.rule else None,
