@@ -32,7 +32,7 @@ log = logging.getLogger("moed.engine")
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "coerce_one_of": True}
 ANY_OBJECT = {"type": "object"}
 
-_BITS = mx.arange(32, dtype=mx.uint32)  # bit i of a mask word is token 32 * word + i
+_MASK_BITS = 32  # bit i of a mask word is token 32 * word + i
 _LL_TOKENIZERS: weakref.WeakKeyDictionary[Any, LLTokenizer] = weakref.WeakKeyDictionary()
 
 
@@ -137,7 +137,10 @@ class GrammarConstraint:
         # The packed words go to MLX as they are (vocab/32 of them) and expand there, in the
         # step's graph: no per-token host loop over a 150k vocabulary.
         words = mx.array(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32))
-        allowed = ((words[:, None] >> _BITS) & 1).reshape(-1).astype(mx.bool_)
+        # Built on the engine thread, in the graph: an array made at import would belong to the
+        # importing thread's stream, which MLX refuses to evaluate on another thread.
+        bits = mx.arange(_MASK_BITS, dtype=mx.uint32)
+        allowed = ((words[:, None] >> bits) & 1).reshape(-1).astype(mx.bool_)
         if allowed.size < width:  # ids past the tokenizer (a padded embedding) are never allowed
             allowed = mx.concatenate([allowed, mx.zeros((width - allowed.size,), dtype=mx.bool_)])
         return allowed[:width]
