@@ -7,41 +7,22 @@ reads, across a shed (the device moves the kept experts) and with every expert p
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_sampler
-from mlx_lm.utils import load_model
 
-from moed.daemon.experts import StreamingConfig, install_streaming
 from moed.daemon.experts.landing import Landing
 from tests.fixtures.batch_decode import batch_tokens
 from tests.fixtures.matrix import first_fast
+from tests.fixtures.reference import SAMPLER, decode, resident, streaming
 
 PROMPT = [(7 * i + 3) % 300 + 3 for i in range(150)]  # routes to every expert: several passes
-MEMORY = 8 << 30
-SAMPLER = make_sampler(temp=1.0, top_p=0.95)
 
 
-def run(model, sampler=None, max_tokens=10, on_token=None) -> list[int]:
-    mx.random.seed(1234)
-    out = []
-    for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=max_tokens, sampler=sampler):
-        out.append(int(t))
-        if on_token is not None:
-            on_token(len(out))
-    return out
+def run(model, sampler=None, max_tokens=10, between=None) -> list[int]:
+    return decode(model, PROMPT, max_tokens, sampler, between=between)
 
 
 def staged(path, budget, **cfg):
-    model, _ = load_model(path, lazy=True)
-    streamer = install_streaming(
-        model,
-        path,
-        StreamingConfig(cache_budget=budget, memory_bytes=MEMORY, landing=Landing.STAGED, **cfg),
-    )
-    mx.eval(model.parameters())
-    return model, streamer
+    return streaming(path, budget, landing=Landing.STAGED, **cfg)
 
 
 @pytest.mark.parametrize(
@@ -53,9 +34,9 @@ def staged(path, budget, **cfg):
 )
 def test_staged_tokens_identical_to_resident(checkpoint_factory, arch, bits):
     path = checkpoint_factory(arch, bits=bits)
-    resident, _ = load_model(path)
-    want_greedy, want_sampled = run(resident), run(resident, SAMPLER)
-    del resident
+    model = resident(path)
+    want_greedy, want_sampled = run(model), run(model, SAMPLER)
+    del model
     for budget in (1, "25%", "100%"):
         model, streamer = staged(path, budget)
         try:
@@ -73,9 +54,7 @@ def test_staged_tokens_identical_to_resident(checkpoint_factory, arch, bits):
 def test_staged_batch_across_passes_is_exact(checkpoint_factory):
     path = checkpoint_factory("qwen3_moe", bits=4)
     prompts = [[17 + 29 * i] for i in range(6)]
-    resident, _ = load_model(path)
-    want = batch_tokens(resident, prompts)
-    del resident
+    want = batch_tokens(resident(path), prompts)
     model, streamer = staged(path, "25%")
     try:
         assert batch_tokens(model, prompts) == want
@@ -87,9 +66,7 @@ def test_staged_batch_across_passes_is_exact(checkpoint_factory):
 @pytest.mark.slow
 def test_staged_speculation_shed_and_hold_are_exact(checkpoint_factory):
     path = checkpoint_factory("qwen3_moe", num_layers=4, num_experts=16)
-    resident, _ = load_model(path)
-    want = run(resident, max_tokens=16)
-    del resident
+    want = run(resident(path), max_tokens=16)
 
     model, streamer = staged(path, "50%", prefetch_next=True)
     try:
@@ -101,8 +78,7 @@ def test_staged_speculation_shed_and_hold_are_exact(checkpoint_factory):
     # A shed mid-generation: the kept experts are moved by the device into the smaller pools.
     model, streamer = staged(path, "100%")
     try:
-        shed_at = {5}
-        got = run(model, max_tokens=16, on_token=lambda n: n in shed_at and streamer.shed(0.5))
+        got = run(model, max_tokens=16, between=lambda i: i == 4 and streamer.shed(0.5))
         assert got == want
         assert streamer.slots == [8] * 4
     finally:
