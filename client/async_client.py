@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -33,22 +32,9 @@ _POLLIN = int(zmq.POLLIN)  # a plain int: the flag enum's operators cost microse
 
 
 class AsyncClient(ClientCore):
-    def __init__(
-        self,
-        socket_path: str | Path | None = None,
-        *,
-        timeout: float = 10.0,
-        heartbeat_s: float = 0.5,
-        dead_after_s: float = 3.0,
-        name: str = "moed.async_client",
-    ):
-        super().__init__(
-            socket_path,
-            timeout=timeout,
-            heartbeat_s=heartbeat_s,
-            dead_after_s=dead_after_s,
-            name=name,
-        )
+    default_name = "moed.async_client"
+
+    def _init_connection_state(self) -> None:
         self._socket: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

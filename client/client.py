@@ -15,7 +15,6 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -33,22 +32,9 @@ _POLLIN = int(zmq.POLLIN)
 
 
 class Client(ClientCore):
-    def __init__(
-        self,
-        socket_path: str | Path | None = None,
-        *,
-        timeout: float = 10.0,
-        heartbeat_s: float = 0.5,
-        dead_after_s: float = 3.0,
-        name: str = "moed.client",
-    ):
-        super().__init__(
-            socket_path,
-            timeout=timeout,
-            heartbeat_s=heartbeat_s,
-            dead_after_s=dead_after_s,
-            name=name,
-        )
+    default_name = "moed.client"
+
+    def _init_connection_state(self) -> None:
         self._socket: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._buffered: dict[Any, collections.deque] = collections.defaultdict(collections.deque)

@@ -24,24 +24,30 @@ from .liveness import connection_lost, dealer_socket
 class ClientCore:
     """One client's view of one daemon: the connection's settings and the daemon it met."""
 
+    default_name = "moed.client"  # the handshake's client name when none is given
+
     def __init__(
         self,
-        socket_path: str | Path | None,
+        socket_path: str | Path | None = None,
         *,
-        timeout: float,
-        heartbeat_s: float,
-        dead_after_s: float,
-        name: str,
+        timeout: float = 10.0,
+        heartbeat_s: float = 0.5,
+        dead_after_s: float = 3.0,
+        name: str | None = None,
     ):
         self.socket_path = Path(socket_path) if socket_path else default_socket_path()
         self.timeout = timeout
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
-        self.name = name
+        self.name = name or self.default_name
         self.welcome: dict | None = None
         self.boot_id: str | None = None
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]
+        self._init_connection_state()
+
+    def _init_connection_state(self) -> None:
+        """The subclass's own per-connection fields (sockets, inboxes), before any connect."""
 
     # ---- the connection ------------------------------------------------------------------------
     def open_socket(self) -> tuple[zmq.Socket, zmq.Socket]:
