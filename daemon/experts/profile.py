@@ -58,3 +58,14 @@ def merge(saved: list[np.ndarray] | None, current: list[np.ndarray]) -> list[np.
     if saved is None:
         return [c.copy() for c in current]
     return [s + c for s, c in zip(saved, current)]
+
+
+def hottest(counts: list[np.ndarray], slots: list[int]) -> list[list[int]]:
+    """Per layer, its `slots` most used experts, least used first (so the eviction order keeps
+    the most used longest); experts never used are not chosen."""
+    chosen = []
+    for layer_counts, n in zip(counts, slots):
+        used = np.flatnonzero(layer_counts)
+        top = used[np.argsort(-layer_counts[used], kind="stable")][:n]
+        chosen.append(sorted(top.tolist(), key=lambda e: layer_counts[e]))
+    return chosen

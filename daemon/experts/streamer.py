@@ -19,6 +19,7 @@ from moed.daemon.experts.budget import CacheBudget
 from moed.daemon.experts.cache import LayerPool
 from moed.daemon.experts.counters import Counters, LayerCounters
 from moed.daemon.experts.discover import SwitchInfo
+from moed.daemon.experts.fence import LazyFence
 from moed.daemon.experts.held import DeviceTally
 from moed.daemon.experts.landing import Landing, Staging
 from moed.daemon.experts.memory_plan import ExpertLayout, MemoryPlan, _memory_override, make_plan
@@ -140,10 +141,7 @@ class ExpertStreamer:
         self.tuner = StepTuner([self.overlap] + ([self.spec.switch] if cfg.prefetch_next else []))
         self._step_layer_s: float | None = None
         self._pending_slots: int | None = None  # a shed requested from another thread
-        # The lazy fence: layer outputs built but not yet evaluated, and per layer the slots they
-        # read. A slot in `_pending_reads` is never overwritten before `_pending_outputs` ran.
-        self._pending_outputs: list[mx.array] = []
-        self._pending_reads: list[set[int]] = [set() for _ in switches]
+        self.fence = LazyFence(len(switches), self.counters)  # outputs built, not yet evaluated
         self._engine_thread = threading.get_ident()  # the loading thread until the first layer call
         self._lock = threading.Lock()
         self.trace: list[list[np.ndarray]] | None = None  # set to [] to record routing (bench)
@@ -202,8 +200,8 @@ class ExpertStreamer:
         # The one host sync of the layer also finishes every pending layer output (usually
         # ancestors of these indices anyway), so their slots are free to be overwritten after it.
         extra = [a for a in (predicted, tally) if a is not None]
-        mx.eval(indices, *extra, *self._pending_outputs)
-        self._pending_done()
+        mx.eval(indices, *extra, *self.fence.outputs)
+        self.fence.settled()
         c.host_syncs += 1
         t1 = time.perf_counter()
         if tally is not None:
@@ -281,7 +279,7 @@ class ExpertStreamer:
         demand: list[ReadBatch] = []
         stagings: list[Staging] = []
         if loads:
-            self._fence(layer, loads)
+            self.fence.guard(layer, loads)
             stagings.append(staging := pool.stage(loads))
             demand.append(self.reader.submit(self.store.jobs_for(pool, staging)))
         self.spec.issue(layer + 1)  # queued behind every demand read
@@ -318,44 +316,15 @@ class ExpertStreamer:
         return table
 
     def defer(self, layer: int, out: mx.array, slots_read: np.ndarray) -> None:
-        """`out` reads `slots_read` of `layer`'s pools and is not evaluated yet: it will be at the
-        next router read-back, or earlier if one of those slots is about to be overwritten."""
-        self._pending_outputs.append(out)
-        if not self.pools[layer].staged:  # a staged landing never overwrites what a graph reads
-            self._pending_reads[layer].update(slots_read.tolist())  # a set: repeats are fine
+        """`out` reads `slots_read` of `layer`'s pools and is not evaluated yet (fence.py)."""
+        self.fence.defer(layer, out, None if self.pools[layer].staged else slots_read)
 
     def claim_slots(self, layer: int, experts: Iterable[int]) -> list[tuple[int, int]]:
         """Give `experts` (not resident) slots of `layer`'s pool for reads the caller issues, once
         the pending outputs that read those slots are evaluated; returns (expert, slot) loads."""
         _hits, loads = self._admit(self.pools[layer], experts)
-        self._fence(layer, loads)
+        self.fence.guard(layer, loads)
         return loads
-
-    def _fence(self, layer: int, loads: list[tuple[int, int]]) -> None:
-        """Evaluate the pending outputs before `loads` overwrite a slot one of them reads (a
-        staged pool's landing makes a new version instead: nothing to wait for)."""
-        if self.pools[layer].staged:
-            return
-        reads = self._pending_reads[layer]
-        if reads and any(slot in reads for _e, slot in loads):
-            self._fence_all()
-
-    def _fence_all(self) -> None:
-        if not self._pending_outputs:
-            return
-        t0 = time.perf_counter()
-        mx.eval(*self._pending_outputs)
-        self._pending_done()
-        c = self.counters
-        c.host_syncs += 1
-        c.fences += 1
-        c.expert_compute_s += time.perf_counter() - t0
-
-    def _pending_done(self) -> None:
-        self._pending_outputs = []
-        for reads in self._pending_reads:
-            if reads:
-                reads.clear()
 
     def _collect(
         self, pool: LayerPool, loads: list[tuple[int, int]], batches: list[ReadBatch]
@@ -382,7 +351,7 @@ class ExpertStreamer:
             log.warning("prefetch read failed, reading on demand: %s", exc)
             pool.forget(loads)
             _hits, again = self._admit(pool, experts)  # the whole pass stays protected
-            self._fence(pool.layer, again)
+            self.fence.guard(pool.layer, again)
             staging = pool.stage(again)
             self._collect(pool, again, [self.reader.submit(self.store.jobs_for(pool, staging))])
             pool.land(staging)
@@ -487,7 +456,7 @@ class ExpertStreamer:
 
     def _apply_shed(self) -> None:
         self.spec.drain()
-        self._fence_all()  # resizing rewrites every slot
+        self.fence.flush()  # resizing rewrites every slot
         with self._lock:
             target, self._pending_slots = self._pending_slots, None
         if target is None:
@@ -528,19 +497,13 @@ class ExpertStreamer:
         counts = profile_mod.load_profile(path, self.layout.num_experts) if path else None
         if counts is None:
             return 0
-        chosen = []
-        for pool, layer_counts in zip(self.pools, counts):
-            used = np.flatnonzero(layer_counts)
-            top = used[np.argsort(-layer_counts[used], kind="stable")][: pool.slots]
-            # Least used first, so the LRU order keeps the most used longest.
-            chosen.append(sorted(top.tolist(), key=lambda e: layer_counts[e]))
-        return self.preload(chosen)
+        return self.preload(profile_mod.hottest(counts, self.slots))
 
     def preload(self, experts_by_layer: list[list[int]]) -> int:
         """Load these experts of each layer (at most `slots`; the last listed are kept longest),
         all layers' reads in one parallel batch. Returns bytes read (counted as warm_bytes)."""
         self.spec.drain()
-        self._fence_all()
+        self.fence.flush()
         jobs, admitted = [], []
         for pool, experts in zip(self.pools, experts_by_layer):
             experts = [int(e) for e in experts][-pool.slots :]
