@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 from moed.daemon.distributed.protocol import ProtocolMismatch
+from moed.daemon.model.layer_caches import own_arrays, resume_layers, trimmable_layers
 
 _NONE = -1  # an absent optional list in PREPARE
 
@@ -32,6 +33,11 @@ class CacheOp(enum.IntEnum):
     PREPARE = 5  # handle, then left_padding, lengths, right_padding: each n, values... or -1
     FINALIZE = 6  # handle: apply the padding PREPARE announced
     COPY = 7  # new, old: a deep copy
+    # The prefix cache's (engine/prefix_cache/): each rank keeps its own layers of an entry.
+    EXTRACT = 8  # new, batch, row: that row's caches, on their own
+    EXTRACT_STATE = 9  # new, batch, row: that row's untrimmable layers (a checkpoint)
+    OWN = 10  # handle: evaluate its arrays into buffers of their own (an entry keeps it)
+    RESUME = 11  # new, whole, length, state or -1: fresh caches at length (layer_caches.py)
 
 
 class OpLog:
@@ -103,7 +109,32 @@ class CacheHandle:
         self._record(CacheOp.FINALIZE, self.handle)
 
     def extract(self, idx: int) -> CacheHandle:
-        return CacheHandle(0, None)  # a finished row's cache: rank 0 hands it out, nobody runs it
+        """Row `idx` on its own (a finished row's cache, a prefix-cache entry): the followers
+        slice theirs lazily, so a row nobody keeps costs them nothing."""
+        row = self._log.new_handle() if self._log is not None else CacheHandle(0, None)
+        if self._log is not None:
+            self._record(CacheOp.EXTRACT, row.handle, self.handle, idx)
+        return row
+
+    # The prefix cache's operations (model/layer_caches.py's RemoteLayers).
+    def extract_state(self, idx: int) -> CacheHandle:
+        state = self._log.new_handle() if self._log is not None else CacheHandle(0, None)
+        self._record(CacheOp.EXTRACT_STATE, state.handle, self.handle, idx)
+        return state
+
+    def own(self) -> None:
+        self._record(CacheOp.OWN, self.handle)
+
+    def resume(self, length: int, state: CacheHandle | None) -> CacheHandle:
+        fresh = self._log.new_handle() if self._log is not None else CacheHandle(0, None)
+        self._record(
+            CacheOp.RESUME,
+            fresh.handle,
+            self.handle,
+            length,
+            _NONE if state is None else state.handle,
+        )
+        return fresh
 
     def __deepcopy__(self, memo) -> CacheHandle:
         twin = self._log.new_handle()
@@ -132,6 +163,8 @@ class MirroredCaches:
     def __init__(self, make_cache: Callable[[], list]):
         self._make = make_cache
         self._lists: dict[int, list] = {}
+        self._trimmable = trimmable_layers(make_cache())  # which layers can be cut back
+        self._states: set[int] = set()  # lists that hold only the untrimmable layers
 
     def __len__(self) -> int:
         return len(self._lists)
@@ -151,7 +184,9 @@ class MirroredCaches:
             except ValueError:
                 raise ProtocolMismatch(f"unknown cache op {code} (different versions?)") from None
             if op is CacheOp.RELEASE:
-                self._lists.pop(next(it), None)
+                handle = next(it)
+                self._lists.pop(handle, None)
+                self._states.discard(handle)
             elif op is CacheOp.MERGE:
                 new, n = next(it), next(it)
                 parts = [self.get(next(it)) for _ in range(n)]
@@ -176,6 +211,31 @@ class MirroredCaches:
             elif op is CacheOp.COPY:
                 new, old = next(it), next(it)
                 self._lists[new] = copy.deepcopy(self.get(old))
+            elif op is CacheOp.EXTRACT:
+                new, batch, row = next(it), next(it), next(it)
+                self._lists[new] = [c.extract(row) for c in self.get(batch)]
+            elif op is CacheOp.EXTRACT_STATE:
+                new, batch, row = next(it), next(it), next(it)
+                caches = zip(self.get(batch), self._trimmable)
+                self._lists[new] = [c.extract(row) for c, cut in caches if not cut]
+                self._states.add(new)
+            elif op is CacheOp.OWN:
+                own_arrays(self.get(next(it)))
+            elif op is CacheOp.RESUME:
+                new, whole, length, state = next(it), next(it), next(it), next(it)
+                self._lists[new] = resume_layers(
+                    self.get(whole), length, self._trimmable, self._state(state)
+                )
+
+    def _state(self, handle: int) -> list | None:
+        """A checkpoint's untrimmable layers: a state list, or those of a whole row's list (an
+        entry that an extending one absorbed keeps its whole row as a checkpoint)."""
+        if handle == _NONE:
+            return None
+        found = self.get(handle)
+        if handle in self._states:
+            return found
+        return [c for c, cut in zip(found, self._trimmable) if not cut]
 
 
 def _optional(it: Iterator[int]) -> list[int] | None:

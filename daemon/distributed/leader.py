@@ -22,6 +22,7 @@ from moed.daemon.distributed.cache_ops import CacheHandle, OpLog
 from moed.daemon.distributed.protocol import Step, StepChannel, StepOp
 from moed.daemon.distributed.rank_model import RankModel
 from moed.daemon.distributed.rank_status import rank_status
+from moed.daemon.model.layer_caches import trimmable_layers
 from moed.daemon.model.mlx_compat import wrap_pipeline_norm
 
 
@@ -71,6 +72,14 @@ class PipelineLeader:
     def make_cache(self) -> list:
         """This rank's layer caches and, last, the handle of the followers' twin list."""
         return [*make_prompt_cache(self.model), self._ops.new_handle()]
+
+    def cache_trimmable(self) -> tuple[bool, ...]:
+        """Which elements of a make_cache() list can be cut back: this rank's layers, then the
+        handle, which can when every other rank's layer can."""
+        own = trimmable_layers(make_prompt_cache(self.model))
+        r = self.rank.layers
+        others = [t for i, t in enumerate(self.rank.layer_trimmable) if not r.start <= i < r.end]
+        return (*own, all(others))
 
     def __getattr__(self, name: str) -> Any:  # layers, args, parameters(), ... of the real model
         return getattr(self.model, name)

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load
 
@@ -24,6 +25,7 @@ from moed.daemon.distributed.split import (
     layer_costs,
 )
 from moed.daemon.experts import CheckpointIndex, install_streaming
+from moed.daemon.model.layer_caches import trimmable_layers
 from moed.daemon.model.loader import MemoryPlanRefused
 from moed.daemon.model.mlx_compat import pipeline_layers, pipelined_architectures
 from moed.protocol.model_config import ModelConfig
@@ -55,6 +57,9 @@ class RankModel:
     layers: RankLayers
     pipeline: nn.Module  # the PipelineMixin module (model.model, or language_model.model)
     resident_weight_bytes: int  # this rank's non-expert weights
+    # Per decoder layer of the whole model, whether its cache can be cut back (the prefix cache:
+    # rank 0 resumes the others' layers too).
+    layer_trimmable: tuple[bool, ...] = ()
 
 
 def pipeline_module(model: nn.Module) -> nn.Module | None:
@@ -123,6 +128,7 @@ def load_rank_model(
     config = ModelConfig.from_dict(raw)
     inner = refuse_unsupported(model, config)
     num_layers = len(inner.layers)
+    layer_trimmable = trimmable_layers(make_prompt_cache(model))  # before the cut: every layer
     per_rank = resolve_split(split, group.size(), path, config, num_layers)
     inner.pipeline(group, list(per_rank))
     layers = RankLayers(group.rank(), group.size(), *pipeline_layers(inner), num_layers, per_rank)
@@ -132,7 +138,12 @@ def load_rank_model(
     streamer = None
     if streaming is not None:
         share = (layers.end - layers.start) / num_layers  # the KV cache is per layer too
-        cfg = dataclasses.replace(streaming, kv_bytes=int(streaming.kv_bytes * share))
+        prefix = streaming.prefix_cache_bytes  # None: the plan's automatic share
+        cfg = dataclasses.replace(
+            streaming,
+            kv_bytes=int(streaming.kv_bytes * share),
+            prefix_cache_bytes=None if prefix is None else int(prefix * share),
+        )
         streamer = install_streaming(model, path, cfg, resident_weight_bytes=resident)
         if not streamer.plan.fits:
             streamer.close()
@@ -148,4 +159,6 @@ def load_rank_model(
         resident,
         f", {streamer.resident_bytes} bytes of expert slots" if streamer else "",
     )
-    return RankModel(model, tokenizer, config, Path(path), streamer, layers, inner, resident)
+    return RankModel(
+        model, tokenizer, config, Path(path), streamer, layers, inner, resident, layer_trimmable
+    )

@@ -23,6 +23,9 @@ class RankSpec:
     page_cache: str = PageCachePolicy.AUTO.value
     memory_limit_bytes: int = 0
     kv_bytes: int = 0  # the whole model's KV estimate; each rank plans for its share
+    # The prefix cache's memory tier for the whole model (None: each plan's automatic share);
+    # each rank keeps its own layers of every entry and plans for its share.
+    prefix_cache_bytes: int | None = None
     backend: str = "ring"
     # Ranks on other hosts bind that host's moed socket for its watchdog (never rank 0's host).
     control: list[bool] | None = None
@@ -55,6 +58,7 @@ class RankSpec:
             page_cache=PageCachePolicy(self.page_cache),
             memory_bytes=self.memory_limit_bytes,
             kv_bytes=self.kv_bytes,
+            prefix_cache_bytes=self.prefix_cache_bytes,
         )
 
 
@@ -70,6 +74,7 @@ def rank_spec(
 ) -> RankSpec:
     # the streamer (mlx-lm) on use: `moed rank`, registered in every `moed` command, reads this
     from moed.daemon.experts import estimate_kv_bytes
+    from moed.daemon.model.loader import prefix_cache_memory_bytes
 
     split: list[int] | str = serve.pipeline_split
     if group.given_split is not None:
@@ -84,6 +89,7 @@ def rank_spec(
         page_cache=serve.page_cache.value,
         memory_limit_bytes=serve.memory_limit_bytes,
         kv_bytes=estimate_kv_bytes(model_config, serve.plan_context_tokens),
+        prefix_cache_bytes=prefix_cache_memory_bytes(serve),
         backend=group.backend.value,
         control=[not h.is_local for h in group.hosts],
         guard=f"{group.guard_address[0]}:{group.guard_address[1]}",

@@ -20,8 +20,8 @@ from mlx_lm.generate import BatchGenerator
 
 from moed.daemon.engine.chunk_budget import ChunkBudget
 from moed.daemon.engine.decode_mask import fit_masks
-from moed.daemon.engine.prefix_cache.entry import LayerCache
 from moed.daemon.engine.sampling import greedy
+from moed.daemon.model.layer_caches import LayerCache, extract_state
 from moed.daemon.model.mlx_compat import generation_batch, prompt_batch, set_prefill_step
 from moed.protocol import FinishReason
 
@@ -281,7 +281,9 @@ class DecodeBatch:
                     row.checkpoints[pos] = [c for c, t in zip(layers, trimmable) if not t]
             else:
                 row.checkpoints[pos] = [
-                    c.extract(idx) for c, cut in zip(batch.prompt_cache, trimmable) if not cut
+                    extract_state(c, idx)
+                    for c, cut in zip(batch.prompt_cache, trimmable)
+                    if not cut
                 ]
         return saved
 

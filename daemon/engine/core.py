@@ -236,6 +236,7 @@ class EngineCore(ModelLifecycle):
         """Empty both tiers; with no model loaded, the SSD tier's folder all the same."""
         if self.prefix_cache is not None:
             released = self.prefix_cache.clear()
+            self._refresh_ranks(force=True)  # the other ranks free their layers of the entries
         else:
             released = {"disk_bytes": clear_folder(prefix_cache_config(self.serve, None).disk_dir)}
         self._publish_prefix_cache()

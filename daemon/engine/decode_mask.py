@@ -12,7 +12,7 @@ from typing import Any
 
 from mlx_lm.models.cache import BatchKVCache
 
-from moed.daemon.engine.prefix_cache.entry import LayerCache
+from moed.daemon.model.layer_caches import LayerCache
 from moed.daemon.model.mlx_compat import unpadded
 
 

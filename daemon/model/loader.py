@@ -128,10 +128,8 @@ def streaming_config(serve: ServeConfig, model_config: ModelConfig):
 
 
 def prefix_cache_memory_bytes(serve: ServeConfig) -> int | None:
-    """The prefix cache's memory tier as the plan counts it: None for the plan's automatic share,
-    0 under a pipeline (where it is off)."""
-    if serve.pipelined:
-        return 0
+    """The prefix cache's memory tier as the plan counts it: None for the plan's automatic share
+    (under a pipeline, a set size is the whole group's: each rank plans for its layers' share)."""
     return None if serve.prefix_cache_bytes == "auto" else parse_size(serve.prefix_cache_bytes)
 
 

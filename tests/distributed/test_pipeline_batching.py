@@ -16,6 +16,7 @@ from moed.daemon.ground.exit_codes import DaemonExit
 from moed.protocol import ErrorCode
 from tests.fixtures import pipeline_worker
 from tests.fixtures.daemon_harness import run_together, start_daemon
+from tests.fixtures.pipeline_requests import rank_lists
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
 
@@ -92,8 +93,13 @@ def test_pipeline_batch_equals_the_resident_batch(supervisor, model_path, reside
     decoded = sum(len(got) for got in resident_batch)
     assert link["steps_by_op"]["forward"] < decoded
     assert all(r["experts"]["reads"] > 0 for r in status["ranks"])
-    # Every row's caches are gone on every rank once the requests ended (no twin left behind).
-    assert [r["cache_lists"] for r in status["ranks"]] == [0, 0]
+    # Once the requests ended, the only cache lists left are the prefix cache's entries, held on
+    # both ranks; cleared, no twin is left behind.
+    lists = [r["cache_lists"] for r in status["ranks"]]
+    assert lists[0] == lists[1], lists
+    with sup.client() as c:
+        c.prefix_cache("clear")
+        assert rank_lists(c, lambda n: n == [0, 0]) == [0, 0]
 
 
 def together(sup, requests: list[dict], on_token) -> list:

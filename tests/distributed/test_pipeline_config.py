@@ -138,10 +138,12 @@ def test_rank_spec_from_a_hostfile_and_the_cost_split(checkpoint_factory, tmp_pa
             ]
         )
     )
-    serve = ServeConfig(hostfile=str(hosts), cache_budget="25%")
+    serve = ServeConfig(hostfile=str(hosts), cache_budget="25%", prefix_cache_bytes="1GB")
     config = ModelConfig.read(path)
     spec = RankSpec.from_json(rank_spec(serve, group_spec(serve), path, config).to_json())
     assert spec.budgets == ["25%", "2GB"]  # a host's own budget wins over the daemon's
+    # The prefix cache's memory tier of the whole group; each rank plans for its layers' share.
+    assert spec.prefix_cache_bytes == 10**9 and spec.streaming(1).prefix_cache_bytes == 10**9
     assert spec.control == [False, True]  # only the other host binds its own moed socket
     assert spec.split_for(2, 4) is SplitMode.EVEN
     # The cost split's slowest stage is never slower than the even split's.

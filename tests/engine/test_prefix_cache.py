@@ -127,13 +127,16 @@ def test_the_claude_code_billing_line_is_normalized_away():
     assert normalize_messages(kept) == kept  # only at the start of a system turn
 
 
-def test_the_prefix_cache_is_off_under_a_pipeline_and_not_in_its_plan(tmp_path):
-    from moed.daemon.engine.prefix_cache.setup import open_prefix_cache
+def test_under_a_pipeline_a_set_size_is_the_groups_and_each_rank_plans_its_share(tmp_path):
+    from moed.daemon.engine.prefix_cache.setup import memory_tier_bytes, prefix_cache_config
     from moed.daemon.model.loader import prefix_cache_memory_bytes
 
     serve = ServeConfig(state_dir=tmp_path, pipeline=2, prefix_cache_bytes="1GB")
-    assert open_prefix_cache(serve, loaded=None, model_path=tmp_path) is None
-    assert prefix_cache_memory_bytes(serve) == 0
+    assert prefix_cache_memory_bytes(serve) == 10**9  # the whole group's, into the rank spec
+    # Rank 0 counts only its own layers' caches: its share of the layers.
+    assert memory_tier_bytes(serve, None, share=0.25) == 250_000_000
+    cfg = prefix_cache_config(serve, None, share=0.5)
+    assert cfg.memory_bytes == 500_000_000 and cfg.disk_bytes == 0  # memory only
     alone = ServeConfig(state_dir=tmp_path, prefix_cache_bytes="1GB")
-    assert prefix_cache_memory_bytes(alone) == 10**9
+    assert prefix_cache_config(alone).disk_bytes > 0
     assert prefix_cache_memory_bytes(ServeConfig(state_dir=tmp_path)) is None  # auto: the plan's

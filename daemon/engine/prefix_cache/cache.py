@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from moed.daemon.engine.prefix_cache.entry import LayerCache, PrefixEntry, own_arrays
+from moed.daemon.engine.prefix_cache.entry import PrefixEntry
 from moed.daemon.engine.prefix_cache.memory_tier import MemoryTier
+from moed.daemon.model.layer_caches import LayerCache, own_arrays
 
 if TYPE_CHECKING:  # the SSD tier is imported only where one is opened (setup.py)
     from moed.daemon.engine.prefix_cache.disk_tier import DiskTier

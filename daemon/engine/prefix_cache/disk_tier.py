@@ -30,7 +30,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from moed.daemon import __version__
-from moed.daemon.engine.prefix_cache.entry import LayerCache, PrefixEntry, common_prefix, resumable
+from moed.daemon.engine.prefix_cache.entry import PrefixEntry, common_prefix, resumable
+from moed.daemon.model.layer_caches import LayerCache
 
 log = logging.getLogger("moed.prefix_cache")
 

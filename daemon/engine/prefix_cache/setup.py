@@ -11,9 +11,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from moed.daemon.config import ServeConfig
 from moed.daemon.engine.prefix_cache.cache import PrefixCache, PrefixCacheConfig
 from moed.daemon.engine.prefix_cache.disk_tier import DiskTier, model_fingerprint
-from moed.daemon.engine.prefix_cache.entry import trimmable_layers
 from moed.daemon.experts.budget import parse_size
 from moed.daemon.experts.memory_plan import auto_prefix_cache_bytes, machine_memory
+from moed.daemon.model.layer_caches import trimmable_layers
 
 if TYPE_CHECKING:  # types only: the functions below import what they run
     import mlx.nn as nn
@@ -24,22 +24,27 @@ if TYPE_CHECKING:  # types only: the functions below import what they run
 log = logging.getLogger("moed.prefix_cache")
 
 
-def memory_tier_bytes(serve: ServeConfig, plan: MemoryPlan | None) -> int:
+def memory_tier_bytes(serve: ServeConfig, plan: MemoryPlan | None, share: float = 1.0) -> int:
     """The memory tier's budget: as set, or the memory plan's automatic share (`plan` None: a
-    resident model, planned against the machine the same way)."""
+    resident model, planned against the machine the same way). A pipeline's rank 0 counts only
+    its own layers' caches: its `share` of the layers, of a size set for the whole group."""
     if serve.prefix_cache_bytes != "auto":
-        return parse_size(serve.prefix_cache_bytes)
+        return int(parse_size(serve.prefix_cache_bytes) * share)
     if plan is not None:
         return plan.prefix_cache_bytes
     limit = serve.memory_limit_bytes
     return auto_prefix_cache_bytes(limit or machine_memory()[1])
 
 
-def prefix_cache_config(serve: ServeConfig, plan: MemoryPlan | None = None) -> PrefixCacheConfig:
+def prefix_cache_config(
+    serve: ServeConfig, plan: MemoryPlan | None = None, share: float = 1.0
+) -> PrefixCacheConfig:
     disk_dir = Path(serve.prefix_cache_dir) if serve.prefix_cache_dir else None
     return PrefixCacheConfig(
-        memory_bytes=memory_tier_bytes(serve, plan),
-        disk_bytes=parse_size(serve.prefix_cache_disk_bytes),
+        memory_bytes=memory_tier_bytes(serve, plan, share),
+        # Under a pipeline each rank would need an SSD tier of its own, in step with rank 0's
+        # (and across a group restart): not built, so a pipeline caches in memory only.
+        disk_bytes=0 if serve.pipelined else parse_size(serve.prefix_cache_disk_bytes),
         disk_dir=disk_dir or Path(serve.state_dir) / "prefix-cache",
         # Chunk boundaries: a checkpoint lands where a chunk ends anyway.
         checkpoint_every=-(-serve.prefix_checkpoint_tokens // serve.prefill_chunk)
@@ -50,14 +55,19 @@ def prefix_cache_config(serve: ServeConfig, plan: MemoryPlan | None = None) -> P
 def open_prefix_cache(
     serve: ServeConfig, loaded: LoadedModel, model_path: Path
 ) -> PrefixCache | None:
-    if serve.pipelined:
-        # Each rank would have to cache its own layers in step with rank 0; not built yet.
-        log.info("prefix cache off: not supported under a pipeline")
-        return None
-    cfg = prefix_cache_config(serve, loaded.streamer.plan if loaded.streamer else None)
+    plan = loaded.streamer.plan if loaded.streamer else None
+    leader = loaded.pipeline
+    if leader is not None:  # every rank keeps its own layers of each entry (cache_ops.py)
+        share = (leader.rank.layers.end - leader.rank.layers.start) / leader.rank.layers.num_layers
+        cfg = prefix_cache_config(serve, plan, share)
+        if not cfg.enabled:
+            return None
+        log.info("prefix cache under a pipeline: memory tier only (no SSD tier)")
+        return PrefixCache(cfg, leader.cache_trimmable())
+    cfg = prefix_cache_config(serve, plan)
     if not cfg.enabled:
         return None
-    layers = make_prompt_cache(cast("nn.Module", loaded.model))  # never a pipeline's leader here
+    layers = make_prompt_cache(cast("nn.Module", loaded.model))
     trimmable = trimmable_layers(layers)
     disk = None
     if cfg.disk_bytes > 0:
