@@ -3,10 +3,10 @@
 It computes the same function with the same MLX calls (same sort rule, gather_mm / gather_qmm
 with the same dtypes, group size, bits and mode, same bias handling), only on the layer's slot
 pools with expert ids remapped to slots. When a call needs more distinct experts than the layer
-has slots (a batch's union, or a prompt chunk), it runs several passes: a decode step computes
-each (token, expert) row once, in the pass that holds its expert, and puts the rows back in
-order; a sorted prompt chunk runs every pass with identical shapes and keeps each row from the
-pass that held its expert (`mx.where` selects, it does not add). Results stay bit-identical.
+has slots (a batch's union, or a prompt chunk), it runs several passes: each (token, expert) row
+is computed once, in the pass that holds its expert (a prompt chunk's rows ordered by expert
+within the pass, as mlx-lm orders them), and the rows are put back in order by a permutation.
+Results stay bit-identical on the CPU backend (tests/experts); see _rows_by_pass for the GPU.
 """
 
 from __future__ import annotations
@@ -171,38 +171,33 @@ class StreamingSwitch(nn.Module):
         x = self._proj("fc1", x, idx, do_sort, pools)
         return self._proj("fc2", self.activation(x), idx, do_sort, pools)
 
-    def _in_passes(
-        self,
-        x: mx.array,
-        idx: mx.array,
-        needed: np.ndarray,
-        passes: list[np.ndarray],
-        do_sort: bool,
+    def _sorted_one_pass(
+        self, x: mx.array, idx: mx.array, needed: np.ndarray, experts: np.ndarray
     ) -> mx.array:
-        """One graph per pass over every row, each row kept from the pass that held its expert."""
+        """A prompt chunk whose experts fit the slots: mlx-lm's sorted gather over every row."""
         streamer, layer = self._streamer, self._layer
-        out: mx.array | None = None
-        for experts in passes:
-            table, pools = streamer.load(layer, experts)
-            y = self._experts(x, mx.array(table)[idx], do_sort, pools)
-            if len(passes) > 1:
-                member = np.zeros(table.shape[0], dtype=np.bool_)
-                member[experts] = True
-                if out is not None:
-                    y = mx.where(mx.expand_dims(mx.array(member)[idx], (-1, -2)), y, out)
-            # Not evaluated here: the streamer fences it before any slot it reads is reused.
-            streamer.defer(layer, y, table[needed])  # (non-members read slot 0: listed too)
-            out = y
-        assert out is not None  # plan_passes gives at least one pass
-        return out
+        table, pools = streamer.load(layer, experts)
+        y = self._experts(x, mx.array(table)[idx], True, pools)
+        # Not evaluated here: the streamer fences it before any slot it reads is reused.
+        streamer.defer(layer, y, table[needed])
+        return y
 
     def _rows_by_pass(
-        self, x: mx.array, indices: mx.array, host: np.ndarray, passes: list[np.ndarray]
+        self,
+        x: mx.array,
+        indices: mx.array,
+        host: np.ndarray,
+        passes: list[np.ndarray],
+        do_sort: bool = False,
     ) -> mx.array:
-        """Each pass computes only the (token, expert) rows of its own experts, so a batch whose
+        """Each pass computes only the (token, expert) rows of its own experts, so a call whose
         distinct experts span several passes costs one expert computation per row, not one per
         pass; the rows are put back in order by a permutation (no arithmetic), and each row is the
-        same matrix-vector product as in one pass."""
+        same product as in one pass. A prompt chunk's rows (`do_sort`) go to each pass ordered by
+        expert, as mlx-lm orders the whole chunk's for its sorted gather_qmm. (Metal picks a sorted
+        gather's kernel by rows per pooled expert, so there a pass, like any pool of fewer slots
+        than the model has experts, may take another kernel than mlx-lm: tokens were checked
+        identical on CUDA, bits only on the CPU.)"""
         streamer, layer = self._streamer, self._layer
         flat = host.reshape(-1)
         rows = mx.broadcast_to(x, (*indices.shape, 1, x.shape[-1])).reshape(-1, 1, x.shape[-1])
@@ -211,8 +206,10 @@ class StreamingSwitch(nn.Module):
         for experts in passes:
             table, pools = streamer.load(layer, experts)
             sel = np.flatnonzero(np.isin(flat, experts))
+            if do_sort:
+                sel = sel[np.argsort(flat[sel], kind="stable")]
             slots = table[flat[sel]]
-            y = self._experts(rows[mx.array(sel)], mx.array(slots), False, pools)
+            y = self._experts(rows[mx.array(sel)], mx.array(slots), do_sort, pools)
             # Not evaluated here: the streamer fences it before any slot it reads is reused.
             streamer.defer(layer, y, slots)
             parts.append(y)
@@ -291,19 +288,16 @@ class StreamingSwitch(nn.Module):
 
         x = mx.expand_dims(x, (-2, -3))
         do_sort = indices.size >= 64
-        idx = indices
         inv_order: mx.array | None = None
-        if do_sort:
+        if len(passes) > 1:  # more distinct experts than slots: each pass its own rows
+            out = self._rows_by_pass(x, indices, host, passes, do_sort)
+        elif do_sort:
             x, idx, inv_order = gather_sort(x, mx.stop_gradient(indices))
-
-        if not do_sort and len(passes) == 1 and streamer.overlap.active:
+            out = self._sorted_one_pass(x, idx, needed, passes[0])
+        elif streamer.overlap.active:
             out = self._overlapped(x, indices, host, passes[0])
-        elif not do_sort and len(passes) == 1:
-            out = self._one_pass(x, host, streamer.begin_load(layer, passes[0]))
-        elif not do_sort and len(passes) > 1:
-            out = self._rows_by_pass(x, indices, host, passes)
         else:
-            out = self._in_passes(x, idx, needed, passes, do_sort)
+            out = self._one_pass(x, host, streamer.begin_load(layer, passes[0]))
 
         if inv_order is not None:  # the rows were sorted (do_sort)
             out = scatter_unsort(out, inv_order, indices.shape)
