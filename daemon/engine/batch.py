@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -137,6 +138,7 @@ class DecodeBatch:
         prefill_chunk: int,
         budget: ChunkBudget | None = None,
         trimmable: tuple[bool, ...] | None = None,
+        unused_output: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> None:
         stop = [[int(t)] for t in eos_token_ids]
         self._gen = BatchGenerator(
@@ -157,6 +159,9 @@ class DecodeBatch:
         # With a prefix cache: which layers can be cut back, and what each row owes it.
         self._trimmable = trimmable
         self._prefix: dict[int, _RowPrefix] = {}
+        # Entered around each generator step: its prompt chunks' model outputs are never read
+        # (mlx_compat.py, use 8), which a streaming model uses to skip its last layer's experts.
+        self._unused_output = unused_output
 
     @property
     def rows(self) -> int:
@@ -232,7 +237,8 @@ class DecodeBatch:
         chunk = self._sizer.chunk(bool(self._decoding), prompting, longest)
         set_prefill_step(self._gen, chunk)
         t0 = time.perf_counter()
-        prompts, generated = self._gen.next()
+        with self._unused_output():
+            prompts, generated = self._gen.next()
         step_s = time.perf_counter() - t0
         saved = self._capture(prompts) if self._prefix else []
         tokens = []

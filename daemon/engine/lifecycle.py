@@ -8,6 +8,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -148,6 +149,8 @@ class ModelLifecycle:
         assert self.loaded is not None  # called once a model is loaded
         eos = getattr(self.loaded.tokenizer, "eos_token_ids", None) or []
         trimmable = self.prefix_cache.trimmable if self.prefix_cache is not None else None
+        # Only a model held whole here: a pipeline's last layer may sit on another rank.
+        streamer = self.loaded.streamer if self.loaded.pipeline is None else None
         return DecodeBatch(
             # A pipeline's leader stands in for the model: it is called like one (mlx-lm types
             # BatchGenerator's model as nn.Module).
@@ -157,6 +160,7 @@ class ModelLifecycle:
             self.serve.prefill_chunk,
             lone_chunk_budget(self.loaded, self.serve),
             trimmable,
+            streamer.unused_output.scope if streamer is not None else nullcontext,
         )
 
     def _open_prefix_cache(self) -> None:

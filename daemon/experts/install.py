@@ -27,8 +27,10 @@ def install_streaming(
     index = CheckpointIndex(Path(model_path))
     switches = describe_switches(model, index)
     streamer = ExpertStreamer(Path(model_path), cfg, index, switches, resident_weight_bytes)
+    last = _last_layer_modules(model)
     for layer, sw in enumerate(switches):
-        twin = StreamingSwitch(sw.kind, sw.projs, sw.module.activation, layer, streamer)
+        final = any(sw.module is m for m in last)
+        twin = StreamingSwitch(sw.kind, sw.projs, sw.module.activation, layer, streamer, final)
         set_module(model, sw.path, twin)
     log.info(
         "streaming %d MoE layers, %d slots per layer\n%s",
@@ -37,3 +39,13 @@ def install_streaming(
         streamer.plan.describe(),
     )
     return streamer
+
+
+def _last_layer_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules inside the model's last decoder layer (mlx-lm models list theirs as
+    `layers`); none where there is no such list."""
+    layers = getattr(model, "layers", None) or []
+    last = layers[-1] if layers else None
+    if not isinstance(last, nn.Module):
+        return []
+    return [m for _, m in last.named_modules()]

@@ -29,6 +29,7 @@ from moed.daemon.experts.safetensors_index import CheckpointIndex
 from moed.daemon.experts.speculation import Speculator
 from moed.daemon.experts.store import ExpertStore, PageCachePolicy, resolve_page_cache
 from moed.daemon.experts.tuning import StepTuner, Switch
+from moed.daemon.experts.unused_output import UnusedOutput
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ class ExpertStreamer:
         self.spec = Speculator(self, cfg.prefetch_next)
         # Computing resident experts' rows while the misses are read (streaming_switch.py).
         self.overlap = Switch("overlap_reads")
+        self.unused_output = UnusedOutput()  # the engine's prompt chunks (unused_output.py)
         self.tuner = StepTuner([self.overlap] + ([self.spec.switch] if cfg.prefetch_next else []))
         self._step_layer_s: float | None = None
         self._pending_slots: int | None = None  # a shed requested from another thread
@@ -152,6 +154,14 @@ class ExpertStreamer:
         self.on_progress: Callable[[], None] = _no_progress
 
     # -- called by StreamingSwitch on the engine thread -------------------------------------
+
+    def output_unused(self) -> bool:
+        """Whether the last layer may skip this multi-position call (unused_output.py): the
+        engine says its output is dropped, and no trace records the model's routing."""
+        if not self.unused_output.active or self.trace is not None or self.observer is not None:
+            return False
+        self.unused_output.skipped += 1
+        return True
 
     def begin_call(self, layer: int, indices: mx.array) -> None:
         """Every layer call starts here; the first MoE layer's starts a forward step: count it,

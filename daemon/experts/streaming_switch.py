@@ -63,6 +63,8 @@ class LayerCache(Protocol):
     counters: Counters
     overlap: Switch  # whether to compute resident rows during the reads
 
+    def output_unused(self) -> bool: ...
+
     def begin_call(self, layer: int, indices: mx.array) -> None: ...
 
     def on_device(self, layer: int) -> bool: ...
@@ -105,6 +107,7 @@ class StreamingSwitch(nn.Module):
     _keys: dict[str, tuple[str, ...]]
     _layer: int
     _streamer: LayerCache
+    _final: bool
 
     def __init__(
         self,
@@ -113,6 +116,7 @@ class StreamingSwitch(nn.Module):
         activation: Callable[..., mx.array],
         layer: int,
         streamer: LayerCache,
+        final: bool = False,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx: Module.__init__ unannotated
         self.kind = kind  # "glu" or "mlp"
@@ -125,6 +129,8 @@ class StreamingSwitch(nn.Module):
         object.__setattr__(self, "_keys", keys)
         object.__setattr__(self, "_layer", layer)
         object.__setattr__(self, "_streamer", streamer)
+        # In the model's last decoder layer: a dropped prompt chunk skips it (unused_output.py).
+        object.__setattr__(self, "_final", final)
 
     def _proj(
         self,
@@ -277,6 +283,9 @@ class StreamingSwitch(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         t0 = time.perf_counter()
         streamer, layer = self._streamer, self._layer
+        # A prompt chunk (several positions) whose output nobody reads: route and read nothing.
+        if self._final and indices.ndim >= 3 and indices.shape[-2] > 1 and streamer.output_unused():
+            return mx.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
         streamer.begin_call(layer, indices)
         if streamer.on_device(layer):
             out = self._on_device(x, indices, streamer.route_on_device(layer, indices))

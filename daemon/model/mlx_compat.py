@@ -1,6 +1,6 @@
 """The one module that reaches past mlx-lm's documented API (mlx-lm 0.32; pyproject.toml pins the
-minor version). Each use has a test in tests/test_mlx_compat.py that fails, saying what changed,
-when an mlx-lm upgrade changes the thing relied on.
+minor version). Each use has a test in tests/model/test_mlx_compat.py that fails, saying what
+changed, when an mlx-lm upgrade changes the thing relied on.
 
 Reached into here:
 1. BatchGenerator's two stages, `_prompt_batch` (the rows reading their prompt: `uids`,
@@ -27,6 +27,9 @@ Reached into here:
    there (distributed/leader.py).
 7. mlx_lm/utils.py lowers RLIMIT_NOFILE when imported: runtime/open_files.py keeps moed's
    raised limit through that import.
+8. BatchGenerator's `next()` calls the model over several positions only for prompt chunks and
+   reads only their caches, never the output: inside it a streaming model's last layer skips
+   its experts for such calls (experts/unused_output.py, engine/batch.py).
 
 Outside daemon/ (which alone may import mlx-lm): client/hub.py's `mlx_lm_knows` takes an
 architecture as known when mlx_lm/models/<model_type>.py exists, found without importing mlx-lm.
@@ -38,9 +41,9 @@ QuantizedSwitchLinear (attributes `gate_proj`/`up_proj`/`down_proj` or `fc1`/`fc
 `activation`, and each linear's `weight`, `scales`, `biases`, `bias`, `group_size`, `bits`,
 `mode`), the sorted path from 64 routings on and the row order of
 `switch_layers._gather_sort` / `_scatter_unsort`, which streaming_switch.py reproduces
-(tests/test_mlx_compat.py and test_switch_sort.py check them); the prefetcher's router is the
-switch's sibling module whose `weight` is (experts, hidden), called on the layer's input (a
-plain Linear, or DeepSeek's MoEGate returning (indices, scores)).
+(tests/model/test_mlx_compat.py and tests/experts/test_switch_sort.py check them); the
+prefetcher's router is the switch's sibling module whose `weight` is (experts, hidden), called
+on the layer's input (a plain Linear, or DeepSeek's MoEGate returning (indices, scores)).
 """
 
 from __future__ import annotations

@@ -100,6 +100,37 @@ def test_prefill_step_is_read_at_every_step(model):
     gen.close()
 
 
+def test_prompt_chunk_outputs_are_never_read(model, monkeypatch):
+    """Use 8: BatchGenerator keeps only the caches of a prompt chunk (a call over several
+    positions); its output is dropped, so a streaming model skips its last layer's experts."""
+
+    def tokens() -> list[list[int]]:
+        gen = _generator(model, chunk=4)
+        uids = gen.insert([PROMPT, PROMPT[3:] + PROMPT[:5]])
+        out: dict[int, list[int]] = {u: [] for u in uids}
+        while any(len(t) < 3 for t in out.values()):
+            for r in gen.next()[1]:
+                out[r.uid].append(int(r.token))
+        gen.close()
+        return [out[u] for u in uids]
+
+    plain = tokens()
+    call = type(model).__call__
+    wrong = next(t for t in range(VOCAB) if all(t not in row for row in plain))
+
+    def poisoned(self, inputs, cache=None, **kwargs):
+        out = call(self, inputs, cache=cache, **kwargs)
+        if inputs.shape[1] == 1:
+            return out
+        return mx.where(mx.arange(out.shape[-1]) == wrong, 1e9, -1e9).astype(out.dtype) + 0 * out
+
+    monkeypatch.setattr(type(model), "__call__", poisoned)
+    assert tokens() == plain, (
+        "mlx-lm's BatchGenerator now reads the model's output of a prompt chunk: the streaming "
+        "layer's last-layer skip (experts/unused_output.py, engine/batch.py) is no longer exact"
+    )
+
+
 def test_batch_kv_cache_padding():
     """Use 3: a batch cache says whether a row is padded, left (`left_padding`) or right
     (`_right_padding`, until finalize)."""
