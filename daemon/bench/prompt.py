@@ -9,7 +9,8 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
@@ -33,18 +34,44 @@ class PromptRun:
     reads: int  # experts loaded (misses)
     distinct: int  # distinct experts per layer per forward pass, summed: the most reads allowed
     steps: int  # forward passes (chunks, then the first decode step)
+    resident_seconds: float | None = None  # the resident model, same chunks, same run
+    same: bool | None = None  # the first token's log-probabilities bit-identical to resident's
 
     def per_token(self, prompt_tokens: int) -> float:
         return self.bytes_read / prompt_tokens
 
 
+def _first_token(model, prompt: list[int], chunk: int, unused_output=nullcontext):
+    """(seconds, log-probabilities) of the first token, read as the daemon reads a prompt alone:
+    the engine's batch (mlx-lm's BatchGenerator) in chunks of `chunk` tokens, with the scope it
+    enters around each step."""
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
+    import mlx.core as mx
+
+    from moed.daemon.engine.batch import DecodeBatch
+    from moed.daemon.engine.sampling import greedy
+
+    batch = DecodeBatch(model, [], max_batch=1, prefill_chunk=chunk, unused_output=unused_output)
+    t0 = time.perf_counter()
+    batch.insert(prompt, 1, greedy)
+    logprobs = None
+    while batch.rows:
+        for tok in batch.step().tokens:
+            logprobs = tok.logprobs
+    assert logprobs is not None  # one token was asked for
+    mx.eval(logprobs)
+    seconds = time.perf_counter() - t0
+    batch.close()
+    return seconds, logprobs
+
+
 def _read_prompt(
     path: Path, config: ModelConfig, budget: str, page_cache: str, prompt, chunk: int, plan
 ):
-    """A fresh streaming model (a cold cache) reads the prompt in chunks of `chunk` tokens."""
+    """A fresh streaming model (a cold cache) reads the prompt in chunks of `chunk` tokens;
+    returns the run and the first token's log-probabilities."""
     # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
-    from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model
 
     # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
@@ -63,13 +90,10 @@ def _read_prompt(
             chunk = _plan_chunk(config, streamer.plan.working_bytes, plan, len(prompt))
         streamer.trace = []
         before = streamer.snapshot()
-        t0 = time.perf_counter()
-        for _ in generate_step(mx.array(prompt), model, max_tokens=1, prefill_step_size=chunk):
-            pass
-        seconds = time.perf_counter() - t0
+        seconds, logprobs = _first_token(model, prompt, chunk, streamer.unused_output.scope)
         after = streamer.snapshot()
         distinct = sum(len(layer) for step in streamer.trace for layer in step)
-        return PromptRun(
+        run = PromptRun(
             chunk,
             "",
             seconds,
@@ -78,8 +102,18 @@ def _read_prompt(
             distinct,
             len(streamer.trace),
         )
+        return run, logprobs
     finally:
         streamer.close()
+
+
+def _resident(path: Path):
+    """The plain mlx-lm model, every weight in memory (a fresh load: no state carried over)."""
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(path)
+    return model
 
 
 @dataclass(frozen=True)
@@ -99,18 +133,25 @@ def report(runs: list[PromptRun], prompt_tokens: int, budget: str) -> str:
     lines = [
         f"prompt of {prompt_tokens} tokens, expert cache budget {budget}, a cold cache per run",
         f"{'chunk':>12} {'steps':>6} {'read MB':>9} {'KB/prompt tok':>13} {'x bytes':>8} "
-        f"{'reads/distinct':>14} {'prompt tok/s':>12} {'x speed':>8}",
+        f"{'reads/distinct':>14} {'prompt tok/s':>12} {'x speed':>8} {'x resident':>10} "
+        f"{'same':>5}",
     ]
     for r in runs:
         name = f"{r.chunk}{' (' + r.label + ')' if r.label else ''}"
         speed = prompt_tokens / r.seconds
+        vs = f"{r.resident_seconds / r.seconds:>10.2f}" if r.resident_seconds else f"{'-':>10}"
+        same = "-" if r.same is None else ("yes" if r.same else "NO")
         lines.append(
             f"{name:>12} {r.steps:>6} {r.bytes_read / 1e6:>9.1f} "
             f"{r.per_token(prompt_tokens) / 1e3:>13.1f} "
             f"{r.bytes_read / max(1, base.bytes_read):>8.3f} "
             f"{r.reads / max(1, r.distinct):>14.3f} {speed:>12.1f} "
-            f"{speed / (prompt_tokens / base.seconds):>8.2f}"
+            f"{speed / (prompt_tokens / base.seconds):>8.2f} {vs} {same:>5}"
         )
+    lines.append(
+        "x resident: the resident model's time for the same chunks over the streamed one's; same:"
+        " the first token's log-probabilities bit-identical to resident's"
+    )
     return "\n".join(lines)
 
 
@@ -158,9 +199,15 @@ def report(runs: list[PromptRun], prompt_tokens: int, budget: str) -> str:
     help="also write the results as JSON",
 )
 @click.option("--seed", default=0, show_default=True, help="Seed for the weights and prompt.")
+@click.option(
+    "--resident/--no-resident",
+    default=True,
+    show_default=True,
+    help="also read the prompt on the resident model (every weight in memory), same chunks",
+)
 def prompt_bench(
     layers, hidden, expert_width, experts, top_k, vocab, prompt_tokens, budget, chunks,
-    plan_context_tokens, page_cache, model_path, model_dir, json_out, seed,
+    plan_context_tokens, page_cache, model_path, model_dir, json_out, seed, resident,
 ) -> None:  # fmt: skip
     """Bytes read per prompt token at several prefill chunk sizes, under expert streaming."""
     # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
@@ -188,8 +235,13 @@ def prompt_bench(
         runs = []
         for size in sizes:
             click.echo(f"reading the prompt in chunks of {size or PLAN} ...", err=True)
-            run = _read_prompt(path, config, budget, page_cache, prompt, size, plan)
-            runs.append(PromptRun(**{**run.__dict__, "label": PLAN if size == 0 else ""}))
+            run, logprobs = _read_prompt(path, config, budget, page_cache, prompt, size, plan)
+            run = replace(run, label=PLAN if size == 0 else "")
+            if resident:
+                seconds, want = _first_token(_resident(path), prompt, run.chunk)
+                same = bool(mx.array_equal(logprobs, want).item())
+                run = replace(run, resident_seconds=seconds, same=same)
+            runs.append(run)
         click.echo(report(runs, prompt_tokens, budget))
         if json_out:
             rows = [{**r.__dict__, "bytes_per_prompt_token": r.per_token(prompt_tokens)}

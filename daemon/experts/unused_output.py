@@ -7,7 +7,7 @@ routes eagerly (its router is read back to know what to read), so left alone it 
 that layer's attention, read its missing experts and compute them for nothing: 1/L of a chunk's
 expert reads. Inside `scope()`, the streaming switch of the model's last decoder layer returns
 zeros for a call over several positions; a decode step (one position a row) is never skipped,
-nor is any call while a router trace records (it shows the model's own routing).
+nor is any call while a request's router trace records (it shows the model's own routing).
 """
 
 from __future__ import annotations
