@@ -8,6 +8,7 @@ from pathlib import Path
 import mlx.nn as nn
 
 from moed.daemon.experts.discover import describe_switches, set_module
+from moed.daemon.experts.row_split import split_rows_exact
 from moed.daemon.experts.safetensors_index import CheckpointIndex
 from moed.daemon.experts.streamer import ExpertStreamer, StreamingConfig
 from moed.daemon.experts.streaming_switch import StreamingSwitch
@@ -28,10 +29,14 @@ def install_streaming(
     switches = describe_switches(model, index)
     streamer = ExpertStreamer(Path(model_path), cfg, index, switches, resident_weight_bytes)
     last = _last_layer_modules(model)
+    twins = []
     for layer, sw in enumerate(switches):
         final = any(sw.module is m for m in last)
         twin = StreamingSwitch(sw.kind, sw.projs, sw.module.activation, layer, streamer, final)
         set_module(model, sw.path, twin)
+        twins.append(twin)
+    if twins and not split_rows_exact(twins[0], streamer.pools[0].arrays):
+        streamer.keep_rows_together()
     log.info(
         "streaming %d MoE layers, %d slots per layer\n%s",
         len(switches),

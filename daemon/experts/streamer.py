@@ -155,6 +155,14 @@ class ExpertStreamer:
 
     # -- called by StreamingSwitch on the engine thread -------------------------------------
 
+    def keep_rows_together(self) -> None:
+        """This device's gathers give a row other bits in a smaller call (row_split.py): the
+        overlapped decode path, which splits a step's rows, stays off and is never probed."""
+        self.overlap.active = False
+        self.overlap.allowed = lambda: False
+        self.tuner.remove(self.overlap)
+        log.info("this device's expert gathers depend on the call's rows: overlapped reads off")
+
     def output_unused(self) -> bool:
         """Whether the last layer may skip this multi-position call (unused_output.py): the
         engine says its output is dropped, and no request's trace records the model's routing

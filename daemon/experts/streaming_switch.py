@@ -177,6 +177,16 @@ class StreamingSwitch(nn.Module):
         x = self._proj("fc1", x, idx, do_sort, pools)
         return self._proj("fc2", self.activation(x), idx, do_sort, pools)
 
+    def expert_rows(self, x: mx.array, idx: mx.array, pools: dict[str, mx.array]) -> mx.array:
+        """The expert function on given pools, unsorted (row_split.py probes the device)."""
+        return self._experts(x, idx, False, pools)
+
+    def input_dims(self, pools: dict[str, mx.array]) -> int:
+        """The hidden size the first projection reads, from its pool's weight."""
+        name = "up_proj" if self.kind == "glu" else "fc1"
+        spec, weight = self._projs[name], pools[self._keys[name][0]]
+        return weight.shape[-1] * 32 // spec.bits if spec.quantized else weight.shape[-1]
+
     def _sorted_one_pass(
         self, x: mx.array, idx: mx.array, needed: np.ndarray, experts: np.ndarray
     ) -> mx.array:

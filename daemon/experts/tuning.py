@@ -39,6 +39,14 @@ class StepTuner:
         self._held = 0  # steps held since the last round
         self._start_round()
 
+    def remove(self, sw: Switch) -> None:
+        """Never probe `sw` again (it stays as it is set)."""
+        self.switches = [s for s in self.switches if s is not sw]
+        self._queue = [s for s in self._queue if s is not sw]
+        self._costs = {True: [], False: []}
+        if self._queue:
+            self._set(self._queue[0], True)
+
     def _start_round(self) -> None:
         self._queue = list(self.switches)
         self._costs = {True: [], False: []}
