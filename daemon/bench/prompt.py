@@ -48,6 +48,7 @@ def _first_token(model, prompt: list[int], chunk: int, unused_output=nullcontext
     # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
 
+    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from moed.daemon.engine.batch import DecodeBatch
     from moed.daemon.engine.sampling import greedy
 
