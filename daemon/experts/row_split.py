@@ -22,9 +22,12 @@ PROBE_SLOTS = 4  # experts in the probe's pool
 PROBE_ROUTES = 8  # one token's rows (top-k of a typical MoE)
 
 
-def split_rows_exact(switch: StreamingSwitch, pool: dict[str, mx.array]) -> bool:
+def split_rows_exact(
+    switch: StreamingSwitch, pool: dict[str, mx.array], dtype: mx.Dtype | None = None
+) -> bool:
     """One token's rows through `switch`'s expert function as one gather (mlx-lm's call) and as
-    two (the overlapped path): True when every row is bit-identical."""
+    two (the overlapped path): True when every row is bit-identical. `dtype`: the activations'
+    (the model's); by default the pool's float tensors' (affine scales, weights unquantized)."""
     key = mx.random.key(0)
     rand = {}
     for name, a in pool.items():
@@ -35,7 +38,9 @@ def split_rows_exact(switch: StreamingSwitch, pool: dict[str, mx.array]) -> bool
         else:
             rand[name] = (0.05 * mx.random.normal(shape, key=sub)).astype(a.dtype)
     hidden = switch.input_dims(rand)
-    dtype = next(a.dtype for a in rand.values() if not mx.issubdtype(a.dtype, mx.integer))
+    if dtype is None:  # an mxfp4 pool holds no float tensor: its scales are bytes too
+        floats = [a.dtype for a in rand.values() if not mx.issubdtype(a.dtype, mx.integer)]
+        dtype = floats[0] if floats else mx.float32
     key, sub = mx.random.split(key)
     x = mx.random.normal((1, 1, 1, 1, hidden), key=sub).astype(dtype)
     idx = (mx.arange(PROBE_ROUTES, dtype=mx.uint32) % PROBE_SLOTS).reshape(1, 1, -1)

@@ -6,13 +6,14 @@ resident model's."""
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
 from moed.daemon.experts.row_split import split_rows_exact
+from moed.daemon.experts.streaming_switch import ProjSpec, StreamingSwitch
 from tests.fixtures.matrix import first_fast
-from tests.fixtures.reference import resident, streaming
+from tests.fixtures.reference import resident, step_logits, streaming
 
 PROMPT = [3, 9, 12, 5, 7, 30, 2, 41, 8, 16, 22, 11, 4, 19, 27, 6, 13, 35]
 
@@ -46,20 +47,11 @@ def test_rows_kept_together_never_overlap_and_stay_exact(checkpoint_factory):
     """What install_streaming does on a failing device: the overlapped path is off for good (the
     tuner never probes it on) and the logits are the resident model's, bit for bit."""
     path = checkpoint_factory("qwen3_moe", num_experts=16, top_k=4, bits=4)
-
-    def steps(model) -> list[np.ndarray]:
-        cache = make_prompt_cache(model)
-        out = [model(mx.array(PROMPT[:6])[None], cache=cache)]
-        for t in PROMPT[6:]:
-            out.append(model(mx.array([[t]]), cache=cache))
-        mx.eval(out)
-        return [np.array(o) for o in out]
-
-    want = steps(resident(path))
+    want = step_logits(resident(path), PROMPT)
     model, streamer = streaming(path, "25%", cache_policy="lru")
     try:
         streamer.keep_rows_together()
-        got = steps(model)
+        got = step_logits(model, PROMPT)
         snap = streamer.snapshot()
         assert streamer.overlap not in streamer.tuner.switches
         assert not streamer.overlap.active
@@ -67,3 +59,18 @@ def test_rows_kept_together_never_overlap_and_stay_exact(checkpoint_factory):
         streamer.close()
     assert snap["misses"] > 0 and snap["overlapped"] == 0
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_pool_without_float_tensors_is_probed():
+    """An mxfp4 pool holds packed weights and byte scales only: the probe's activations fall back
+    to float32, and MLX's CPU still computes each row alone."""
+    projs, pool = {}, {}
+    shapes = {"gate_proj": (32, 64), "up_proj": (32, 64), "down_proj": (64, 32)}  # (out, in)
+    for name, (out, inp) in shapes.items():
+        w = mx.random.normal((2, out, inp), key=mx.random.key(len(name)))
+        wq, scales = mx.quantize(w, group_size=32, bits=4, mode="mxfp4")
+        projs[name] = ProjSpec(name, True, group_size=32, bits=4, mode="mxfp4")
+        pool[f"{name}.weight"], pool[f"{name}.scales"] = wq, scales
+    assert all(mx.issubdtype(a.dtype, mx.integer) for a in pool.values())
+    switch = StreamingSwitch("glu", projs, lambda up, gate: nn.silu(gate) * up, 0, None)
+    assert split_rows_exact(switch, pool)
