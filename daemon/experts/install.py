@@ -29,13 +29,13 @@ def install_streaming(
     switches = describe_switches(model, index)
     streamer = ExpertStreamer(Path(model_path), cfg, index, switches, resident_weight_bytes)
     last = _last_layer_modules(model)
-    twins = []
+    first: StreamingSwitch | None = None
     for layer, sw in enumerate(switches):
         final = any(sw.module is m for m in last)
         twin = StreamingSwitch(sw.kind, sw.projs, sw.module.activation, layer, streamer, final)
         set_module(model, sw.path, twin)
-        twins.append(twin)
-    if twins and not split_rows_exact(twins[0], streamer.pools[0].arrays):
+        first = first or twin
+    if first is not None and not split_rows_exact(first, streamer.pools[0].arrays):
         streamer.keep_rows_together()
     log.info(
         "streaming %d MoE layers, %d slots per layer\n%s",

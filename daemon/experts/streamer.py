@@ -153,15 +153,15 @@ class ExpertStreamer:
         # step, for the engine's progress deadline (engine/heartbeat.py).
         self.on_progress: Callable[[], None] = _no_progress
 
-    # -- called by StreamingSwitch on the engine thread -------------------------------------
-
     def keep_rows_together(self) -> None:
         """This device's gathers give a row other bits in a smaller call (row_split.py): the
-        overlapped decode path, which splits a step's rows, stays off and is never probed."""
+        overlapped decode path, which splits a step's rows, stays off (the tuner, which alone
+        turns it on, no longer probes it)."""
         self.overlap.active = False
-        self.overlap.allowed = lambda: False
         self.tuner.remove(self.overlap)
         log.info("this device's expert gathers depend on the call's rows: overlapped reads off")
+
+    # -- called by StreamingSwitch on the engine thread -------------------------------------
 
     def output_unused(self) -> bool:
         """Whether the last layer may skip this multi-position call (unused_output.py): the
