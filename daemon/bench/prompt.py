@@ -45,10 +45,10 @@ def _first_token(model, prompt: list[int], chunk: int, unused_output=nullcontext
     """(seconds, log-probabilities) of the first token, read as the daemon reads a prompt alone:
     the engine's batch (mlx-lm's BatchGenerator) in chunks of `chunk` tokens, with the scope it
     enters around each step."""
-    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
+    # mlx on use: every `moed` command imports the bench modules
     import mlx.core as mx
 
-    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
+    # mlx-lm (the engine's batch is its BatchGenerator) on use, as above
     from moed.daemon.engine.batch import DecodeBatch
     from moed.daemon.engine.sampling import greedy
 
@@ -106,15 +106,6 @@ def _read_prompt(
         return run, logprobs
     finally:
         streamer.close()
-
-
-def _resident(path: Path):
-    """The plain mlx-lm model, every weight in memory (a fresh load: no state carried over)."""
-    # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(path)
-    return model
 
 
 @dataclass(frozen=True)
@@ -213,6 +204,7 @@ def prompt_bench(
     """Bytes read per prompt token at several prefill chunk sizes, under expert streaming."""
     # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
+    from mlx_lm.utils import load_model
 
     dtype = "bfloat16" if mx.metal.is_available() else "float32"
     config = bench_config(layers, hidden, expert_width, experts, top_k, vocab, bits=4, group=64)
@@ -233,16 +225,19 @@ def prompt_bench(
         vocab_size = config.vocab_size or vocab
         rng = np.random.default_rng(seed)
         prompt = [int(t) for t in rng.integers(3, vocab_size, size=prompt_tokens)]
-        runs = []
+        runs, firsts = [], []
         for size in sizes:
             click.echo(f"reading the prompt in chunks of {size or PLAN} ...", err=True)
             run, logprobs = _read_prompt(path, config, budget, page_cache, prompt, size, plan)
-            run = replace(run, label=PLAN if size == 0 else "")
-            if resident:
-                seconds, want = _first_token(_resident(path), prompt, run.chunk)
+            runs.append(replace(run, label=PLAN if size == 0 else ""))
+            firsts.append(logprobs)
+        if resident:  # loaded once, after the streamed runs: it never shares their memory
+            click.echo("reading the prompt on the resident model ...", err=True)
+            model, _ = load_model(path)
+            for i, (run, logprobs) in enumerate(zip(runs, firsts)):
+                seconds, want = _first_token(model, prompt, run.chunk)
                 same = bool(mx.array_equal(logprobs, want).item())
-                run = replace(run, resident_seconds=seconds, same=same)
-            runs.append(run)
+                runs[i] = replace(run, resident_seconds=seconds, same=same)
         click.echo(report(runs, prompt_tokens, budget))
         if json_out:
             rows = [{**r.__dict__, "bytes_per_prompt_token": r.per_token(prompt_tokens)}
