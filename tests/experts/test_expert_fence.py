@@ -18,6 +18,7 @@ from moed.daemon.experts import StreamingConfig, install_streaming
 from moed.daemon.experts.policies import POLICIES, AllProtectedError, LRUPolicy
 from moed.daemon.experts.streamer import ExpertStreamer
 from tests.fixtures.matrix import first_fast
+from tests.fixtures.reference import step_logits
 
 MEMORY = 8 << 30
 PROMPT = [(7 * i + 3) % 300 + 3 for i in range(40)]  # routes to every expert: passes at 1-2 slots
@@ -138,24 +139,13 @@ def test_one_host_sync_per_layer_when_decoding(checkpoint_factory):
 def test_decode_overlapping_reads_is_bit_exact(checkpoint_factory, arch, bits):
     """Decode steps that hit some experts and miss others compute the hits' rows while the misses
     are read: logits stay bit for bit the resident model's."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     path = checkpoint_factory(arch, num_experts=16, top_k=4, bits=bits)
-
-    def steps(model) -> list[np.ndarray]:
-        cache = make_prompt_cache(model)
-        out = [model(mx.array(PROMPT[:6])[None], cache=cache)]
-        for t in PROMPT[6:18]:
-            out.append(model(mx.array([[t]]), cache=cache))
-        mx.eval(out)
-        return [np.array(o) for o in out]
-
     resident, _ = load_model(path)
-    want = steps(resident)
+    want = step_logits(resident, PROMPT[:18])
     del resident
     model, streamer = streaming(path, "25%", "lru")
     try:
-        got = steps(model)
+        got = step_logits(model, PROMPT[:18])
         snap = streamer.snapshot()
     finally:
         streamer.close()
