@@ -67,9 +67,11 @@ def join_ring(spec, rank: int, secret: bytes) -> str | None:
 
 def run_follower(spec, expected_rank: int, secret: bytes, heartbeat=None) -> int:
     """A follower process: join the group, load this rank's layers, follow until told to stop."""
+    import faulthandler
     import shutil
     from pathlib import Path
 
+    faulthandler.enable(all_threads=True)  # an abort leaves its threads' stacks in stderr
     try:
         folder = join_ring(spec, expected_rank, secret)
     except (OSError, ValueError, GuardRefused) as exc:  # rank 0 fails the group and restarts it

@@ -3,6 +3,7 @@ serve, drain. Returns the process exit code."""
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -42,6 +43,9 @@ log = logging.getLogger("moed")
 
 def run_daemon(config: Config) -> int:
     serve = config.serve
+    # A SIGABRT or SIGSEGV (MLX on a Metal OOM, a C++ abort in a backend thread) leaves every
+    # thread's Python stack in stderr (the service's log) before the process dies as it would.
+    faulthandler.enable(all_threads=True)
     try:
         model_path = resolve_model(serve.model)
     except ModelNotFound as exc:

@@ -117,6 +117,8 @@ def test_resume_after_sigabrt_gives_the_identical_stream(supervisor, tiny_model)
             elif isinstance(event, DoneEvent):
                 done = event
     assert sup.exits == [-sig]  # it really died once, mid-stream
+    # Its threads' stacks are in the log it died with (faulthandler), for whoever debugs it.
+    assert "Fatal Python error: Aborted" in sup.logs[0].read_text(errors="replace")
     assert ids == ref_ids
     assert "".join(text) == ref_text
     assert (
