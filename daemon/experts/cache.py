@@ -18,6 +18,7 @@ from moed.daemon.experts.landing import Landing, Staging
 from moed.daemon.experts.policies import EvictionPolicy
 from moed.daemon.experts.safetensors_index import CheckpointError, TensorLoc
 from moed.daemon.experts.slots import SlotTable
+from moed.daemon.experts.staging import DEFAULT_ROWS, StagingRing
 
 # safetensors dtype -> (numpy dtype used to allocate, MLX dtype of the pool)
 _DTYPES: dict[str, tuple[type[np.generic], mx.Dtype]] = {
@@ -103,6 +104,11 @@ class LayerPool(SlotTable):
         self.expert_bytes = sum(t.slot_bytes for t in tensors)
         super().__init__(num_experts, slots, policy)
         self._allocate(slots)
+        # A staged pool's reads land in its ring (staging.py), allocated once.
+        self.ring: StagingRing | None = None
+        if self.staged:
+            shapes = {t.key: (t.loc.shape[1:], *_pool_dtypes(t.loc.dtype)) for t in tensors}
+            self.ring = StagingRing(min(DEFAULT_ROWS, num_experts), shapes)
 
     def _allocate(self, slots: int) -> None:
         alloc = _alloc_on_device if self.staged else _alloc
@@ -125,9 +131,10 @@ class LayerPool(SlotTable):
         return self.views[tensor.key][slot * n : (slot + 1) * n]
 
     def stage(self, loads: list[tuple[int, int]]) -> Staging:
-        """Where the reads of `loads` land: host rows for a staged pool, else the slots."""
+        """Where the reads of `loads` land: host rows for a staged pool (its ring's, or fresh ones
+        for a burst the ring cannot hold), else the slots."""
         staging = Staging(sorted(loads))
-        if self.staged:
+        if self.ring is not None and not self.ring.take(staging, self.arrays.values()):
             n = len(loads)
             for t in self.tensors:
                 shape, np_dtype = (n, *t.loc.shape[1:]), _pool_dtypes(t.loc.dtype)[0]
@@ -136,6 +143,9 @@ class LayerPool(SlotTable):
 
     def destination(self, staging: Staging, tensor: PooledTensor, i: int) -> memoryview:
         """The bytes load i of `staging` reads `tensor` into."""
+        if staging.first >= 0:
+            assert self.ring is not None  # only a ring gives rows
+            return self.ring.view(tensor.key, staging.first + i)
         if self.staged:
             return memoryview(staging.buffers[tensor.key][i]).cast("B")
         return self.slot_view(tensor, staging.loads[i][1])
@@ -147,12 +157,24 @@ class LayerPool(SlotTable):
             return
         staging.landed = True
         slots = mx.array(np.array([slot for _e, slot in staging.loads], dtype=np.int32))
+        ring = self.ring if staging.first >= 0 else None
         for t in self.tensors:
-            rows = mx.array(staging.buffers[t.key])
-            dtype = _pool_dtypes(t.loc.dtype)[1]
-            if rows.dtype != dtype:
-                rows = rows.view(dtype)
+            if ring is not None:  # a slice of the ring: the scatter reads the host rows
+                rows = ring.rows_of(t.key, staging)
+            else:
+                rows = mx.array(staging.buffers[t.key])
+                dtype = _pool_dtypes(t.loc.dtype)[1]
+                if rows.dtype != dtype:
+                    rows = rows.view(dtype)
             self.arrays[t.key][slots] = rows
+        if ring is not None:
+            ring.landed(staging)
+
+    def forget(self, loads: list[tuple[int, int]]) -> None:
+        """Loads whose reads failed or were given up (after they ended): their ring rows too."""
+        super().forget(loads)
+        if self.ring is not None:
+            self.ring.abandon(loads)
 
     @property
     def whole(self) -> bool:
@@ -170,6 +192,8 @@ class LayerPool(SlotTable):
         old_views = self.views
         self.arrays = {k: mx.take(a, order, axis=0) for k, a in self.arrays.items()}
         mx.eval(*self.arrays.values())
+        if self.ring is not None:  # the copies ran every scatter queued on the old arrays
+            self.ring.settle(self.arrays.values())
         for v in old_views.values():
             v.release()
         if not self.staged:
@@ -187,6 +211,8 @@ class LayerPool(SlotTable):
         if new_slots == self.slots:
             return 0
         old_bytes = self.pool_bytes
+        if self.ring is not None:  # scatters queued on the arrays about to go read its rows
+            self.ring.settle(self.arrays.values())
         old_arrays, old_views = self.arrays, self.views
         moves = self.resize_table(new_slots)
         self._allocate(new_slots)

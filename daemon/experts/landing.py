@@ -4,11 +4,12 @@ DIRECT (the default): a read writes the slot array's buffer in place, no copy (M
 memory, the CPU); a slot is only overwritten once no pending graph reads it (the streamer's fence).
 STAGED (opt-in, for CUDA): MLX keeps arrays the host can write in managed memory, where a host
 write to a page the GPU last touched faults it back, so DIRECT reads reached half of the disk's raw
-bandwidth on an H200. STAGED reads land in plain host rows, and one scatter per burst puts them
-into slot arrays the device owns; the scatter makes a new version of the pool, so a graph still
-pending keeps reading the old one and no fence is needed. Measured on the H200 (BENCHMARKS.md):
-reads 0.67x raw instead of 0.50x, but the engine thread's copy of the rows into managed memory cost
-more than that saved, so it is not the default anywhere.
+bandwidth on an H200. STAGED reads land in the rows of a small ring per pool, allocated once and
+advised to stay in host memory, mapped for the GPU (staging.py, cuda_memory.py), and one scatter per
+burst copies them into slot arrays the device owns; the scatter makes a new version of the pool,
+so a graph still pending keeps reading the old one and no fence is needed. A ring row is written
+again only once the scatter reading it ran. (Its first version read into fresh numpy rows and paid
+an `mx.array` copy of them per burst, more than it saved: BENCHMARKS.md.)
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ class Landing(enum.Enum):
 
 @dataclass(eq=False)
 class Staging:
-    """One burst's loads [(expert, slot)] and, for a STAGED pool, the host rows they land in (row
-    i of each tensor's buffer is load i)."""
+    """One burst's loads [(expert, slot)] and, for a STAGED pool, the host rows they land in: rows
+    `first`, `first + 1`, ... of the pool's staging ring (load i in row first + i), or, for a
+    burst the ring cannot hold, `buffers` (row i of each tensor's buffer is load i)."""
 
     loads: list[tuple[int, int]]
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
+    first: int = -1  # the first ring row; -1: not in the ring
     landed: bool = False
