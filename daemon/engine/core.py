@@ -145,6 +145,7 @@ class EngineCore(ModelLifecycle):
         """Admit what the scheduler says, then one step of the running batch."""
         for key in self.scheduler.schedule(time.monotonic()).admit:
             self._join(self._gens[key])
+        self._gate_prefix_writes()
         if self.batch is None or not self.batch.rows:
             return
         try:
@@ -166,6 +167,7 @@ class EngineCore(ModelLifecycle):
             self._batch_failed(exc)
             return
         self._deliver(out)
+        self._gate_prefix_writes()
 
     def _admit(self, job: GenerateJob) -> None:
         if self.loaded is None and not self._reload_for(job):
@@ -222,6 +224,14 @@ class EngineCore(ModelLifecycle):
         except Exception:
             log.exception("prefix cache lookup failed; reading the whole prompt")
             return None, ()
+
+    def _gate_prefix_writes(self) -> None:
+        """The SSD tier writes only while no row waits for its first token: on a few cores a
+        write beside a prefill delays that token (prefix_cache/disk_tier.py)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.reading_prompts(
+                any(g.first_token_at is None for g in self._rows.values())
+            )
 
     def _keep_prefix(self, row: SavedRow | None) -> None:
         if self.prefix_cache is None or row is None:
@@ -337,6 +347,7 @@ class EngineCore(ModelLifecycle):
                 self._keep_prefix(self.batch.remove(gen.uid, keep=keep))
         # Published before the terminal message, so a client that saw `done` sees the count drop.
         self._publish_counts()
+        self._gate_prefix_writes()
         if not self._gens:
             self.keep_alive.became_idle()
             self.status.update(last_activity_at=time.time())

@@ -6,11 +6,18 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import time
 
+import mlx.core as mx
+import numpy as np
 import pytest
+from mlx_lm.models.cache import KVCache
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.engine.core import EngineCore
+from moed.daemon.engine.prefix_cache import disk_tier
+from moed.daemon.engine.prefix_cache.disk_tier import DiskTier
+from moed.daemon.engine.prefix_cache.entry import PrefixEntry
 from moed.daemon.engine.status import EngineStatus
 from tests.fixtures.engine_driver import SYSTEM, TURNS, ListSink, converse
 
@@ -181,3 +188,87 @@ def test_an_idle_unload_keeps_the_ssd_tier_and_the_reload_reads_from_it(
     snap = finish(core)
     assert [t for t, _ in got] == [t for t, _ in expected]
     assert snap["disk_loads"] >= 1 and got[2][1] >= len(SYSTEM)
+
+
+def _tier(tmp_path, trimmable=(True,)):
+    return DiskTier(tmp_path / "tier", 64 << 20, "f" * 32, trimmable)
+
+
+def _entry(tokens) -> PrefixEntry:
+    cache = KVCache()
+    n = len(tokens)
+    cache.update_and_fetch(mx.ones((1, 1, n, 4)), mx.ones((1, 1, n, 4)))
+    mx.eval(cache.state)
+    return PrefixEntry(np.asarray(tokens, dtype=np.int32), [cache])
+
+
+def _wait_for(predicate, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_the_ssd_writer_waits_while_a_prompt_is_read_and_writes_a_turn_once(tmp_path):
+    tier = _tier(tmp_path)
+    try:
+        tier.hold(True)  # a row is reading its prompt
+        tier.write(_entry(range(3, 20)))  # that prompt's entry
+        tier.write(_entry(range(3, 30)))  # the row's whole generation: covers the first
+        time.sleep(0.3)
+        assert tier.writes == 0 and not _entry_files(tier.dir)
+        tier.hold(False)
+        assert _wait_for(lambda: tier.writes == 1)
+        tier.flush()
+        (only,) = tier.records()
+        assert only.length == 27 and tier.writes == 1
+        tier.write(_entry(range(100, 110)))  # nothing held: written at once
+        assert _wait_for(lambda: tier.writes == 2)
+    finally:
+        tier.close()
+
+
+def test_a_held_write_waits_at_most_hold_max_and_flush_and_close_write_whatever_the_hold(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(disk_tier, "HOLD_MAX_S", 0.2)
+    tier = _tier(tmp_path)
+    tier.hold(True)  # an engine that is never quiet
+    tier.write(_entry(range(3, 20)))
+    assert _wait_for(lambda: tier.writes == 1)  # a crash would lose at most HOLD_MAX_S of it
+    monkeypatch.setattr(disk_tier, "HOLD_MAX_S", 60.0)
+    tier.write(_entry(range(50, 60)))
+    tier.flush()
+    assert tier.writes == 2
+    tier.write(_entry(range(70, 80)))
+    tier.close()  # the queued entry lands before the writer leaves
+    assert tier.writes == 3 and len(_entry_files(tier.dir)) == 3
+
+
+def test_the_engine_holds_the_ssd_writer_from_a_rows_join_to_its_first_token(
+    checkpoint_factory, tmp_path
+):
+    core = engine(checkpoint_factory("qwen3_5_moe"), tmp_path)
+    events: list[tuple[str, object]] = []
+    disk = core.prefix_cache.disk
+    hold, write = disk.hold, disk.write
+
+    def logged_hold(busy):
+        events.append(("hold", busy))
+        hold(busy)
+
+    def logged_write(entry):
+        events.append(("write", len(entry.tokens)))
+        write(entry)
+
+    disk.hold, disk.write = logged_hold, logged_write
+    prompt = SYSTEM + [40, 41, 42]
+    converse(core, [prompt])
+    finish(core)
+    holds = [e for e in events if e[0] == "hold"]
+    assert holds[0] == ("hold", True) and holds[-1] == ("hold", False)
+    # The prompt's entry is queued while its row reads it, the whole row's once it has tokens.
+    at_prompt = events.index(("write", len(prompt) - 1))
+    assert [e for e in events[:at_prompt] if e[0] == "hold"][-1] == ("hold", True)
+    last = max(i for i, e in enumerate(events) if e[0] == "write")
+    assert ("hold", False) in events[at_prompt:last]

@@ -120,6 +120,11 @@ class PrefixCache:
         elif self.disk is not None and entry.nbytes <= self.disk.budget_bytes:
             self.disk.write(entry)  # too large for memory, not for the SSD
 
+    def reading_prompts(self, busy: bool) -> None:
+        """Whether a row is reading its prompt: the SSD tier's writes wait meanwhile."""
+        if self.disk is not None:
+            self.disk.hold(busy)
+
     def shed(self) -> int:
         """Empty the memory tier (the watchdog's first relief); the SSD tier stays."""
         released = self.memory.clear()

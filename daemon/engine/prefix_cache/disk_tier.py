@@ -3,6 +3,12 @@ bounded in bytes, least recently used out first, written on a thread of its own 
 (a temporary file renamed into place), each stamped with a fingerprint of the model's files,
 moed's version and the cache layout. It survives idle unloads, restarts and crashes.
 
+The writer stays out of time to first token: while the engine says a row is reading its prompt
+(`hold`), queued entries wait (at most HOLD_MAX_S each), so a write never shares the cores with a
+prefill; and an entry queued behind one that it covers (a row's whole generation after its
+prompt) replaces it, so a turn is written once. Measured on a 2-core machine, a prefix-hit turn's
+first token came 14 ms later (of 100) while its prompt's entry was written beside it.
+
 Like every side file it is advisory: a corrupt, truncated or foreign entry is skipped with a
 warning, a full disk or a read-only folder is a warning, and the request is served either way.
 """
@@ -14,11 +20,11 @@ import hashlib
 import json
 import logging
 import os
-import queue
 import struct
 import threading
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +36,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from moed.daemon import __version__
-from moed.daemon.engine.prefix_cache.entry import PrefixEntry, common_prefix, resumable
+from moed.daemon.engine.prefix_cache.entry import PrefixEntry, common_prefix, covers, resumable
 from moed.daemon.model.layer_caches import LayerCache
 
 log = logging.getLogger("moed.prefix_cache")
@@ -39,6 +45,7 @@ FORMAT = "moed-prefix-cache"
 LAYOUT_VERSION = 1  # what the files hold and how: bump on any change
 SUFFIX = ".safetensors"
 WRITE_QUEUE = 8  # entries waiting for the writer; more are dropped (the cache is advisory)
+HOLD_MAX_S = 10.0  # a busy engine delays an entry's write at most this long (a crash loses less)
 _MAX_HEADER = 64 << 20
 
 
@@ -116,7 +123,12 @@ class DiskTier:
             None
         )  # the owner republishes its counters (writer thread)
         self._scan()
-        self._queue: queue.Queue[PrefixEntry | None] = queue.Queue(maxsize=WRITE_QUEUE)
+        # The writer's queue: (entry, when queued); `_held` while the engine reads a prompt.
+        self._wake = threading.Condition()
+        self._pending: deque[tuple[PrefixEntry, float]] = deque()
+        self._held = self._closing = False
+        self._flushing = 0  # callers of flush(): the queue is written whatever the hold
+        self._unfinished = 0  # queued or being written
         self._writer = threading.Thread(
             target=self._write_loop, name="moed-prefix-ssd", daemon=True
         )
@@ -215,20 +227,59 @@ class DiskTier:
         """Queue `entry` for the writer (its arrays are evaluated: the writer only reads them)."""
         if entry.nbytes > self.budget_bytes:
             return
-        try:
-            self._queue.put_nowait(entry)
-        except queue.Full:
-            log.debug("prefix cache: SSD writer busy; entry %s not written", entry.key)
+        with self._wake:
+            if self._closing:
+                return
+            kept: list[tuple[PrefixEntry, float]] = []
+            since = time.monotonic()
+            for e, t in self._pending:  # the ones `entry` covers leave: it is written instead
+                if covers(entry.tokens, entry.checkpoints, e.tokens, e.checkpoints, self.trimmable):
+                    since = min(since, t)  # their queue time: a crash loses no more than before
+                    self._unfinished -= 1
+                else:
+                    kept.append((e, t))
+            if len(kept) >= WRITE_QUEUE:
+                log.debug("prefix cache: SSD writer busy; entry %s not written", entry.key)
+            else:
+                kept.append((entry, since))
+                self._unfinished += 1
+            self._pending = deque(kept)
+            self._wake.notify_all()
+
+    def hold(self, busy: bool) -> None:
+        """The engine's word: a row is reading its prompt (True), or none is (False)."""
+        with self._wake:
+            if busy != self._held:
+                self._held = busy
+                self._wake.notify_all()
+
+    def _next_entry(self) -> PrefixEntry | None:
+        """The next entry to write once the engine allows it; None when closing with none left."""
+        with self._wake:
+            while True:
+                if self._pending:
+                    entry, since = self._pending[0]
+                    wait = since + HOLD_MAX_S - time.monotonic()
+                    if not self._held or self._closing or self._flushing or wait <= 0:
+                        self._pending.popleft()
+                        return entry
+                    self._wake.wait(wait)
+                elif self._closing:
+                    return None
+                else:
+                    self._wake.wait()
 
     def _write_loop(self) -> None:
-        while (entry := self._queue.get()) is not None:
+        while (entry := self._next_entry()) is not None:
             try:
                 self._write(entry)
                 self.on_written()
             except Exception:  # a bug here must not kill the writer silently
                 log.exception("prefix cache: SSD write failed")
             finally:
-                self._queue.task_done()
+                with self._wake:
+                    self._unfinished -= 1
+                    self._wake.notify_all()
 
     def _write(self, entry: PrefixEntry) -> None:
         final = self.dir / (entry.key + SUFFIX)
@@ -265,16 +316,9 @@ class DiskTier:
         self._enforce_budget()
 
     def _covers(self, new: DiskRecord, old: DiskRecord) -> bool:
-        """`new` resumes everything `old` can: its tokens extend old's, and (hybrid) it keeps
-        state at every position old does."""
-        if old.key == new.key or old.length > new.length:
-            return False
-        if not np.array_equal(new.tokens[: old.length], old.tokens):
-            return False
-        if all(self.trimmable):
-            return True
-        ours = {*new.checkpoints, new.length}
-        return {*old.checkpoints, old.length} <= ours
+        return old.key != new.key and covers(
+            new.tokens, new.checkpoints, old.tokens, old.checkpoints, self.trimmable
+        )
 
     def _enforce_budget(self) -> None:
         with self._lock:
@@ -335,13 +379,20 @@ class DiskTier:
         }
 
     def flush(self, timeout: float = 30.0) -> None:
-        """Wait until every queued entry is written (tests, and a clean shutdown)."""
+        """Wait until every queued entry is written (tests, and a clean shutdown); a hold does
+        not delay them."""
         deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
+        with self._wake:
+            self._flushing += 1
+            self._wake.notify_all()
+            while self._unfinished and (left := deadline - time.monotonic()) > 0:
+                self._wake.wait(left)
+            self._flushing -= 1
 
     def close(self) -> None:
-        self._queue.put(None)  # after the queued entries: they are written first
+        with self._wake:
+            self._closing = True  # the queued entries are written first, whatever the hold
+            self._wake.notify_all()
         self._writer.join(timeout=60)
 
 

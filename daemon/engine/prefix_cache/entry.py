@@ -43,6 +43,22 @@ def resumable(
     return max((p for p in checkpoints if p <= common), default=0)
 
 
+def covers(
+    new: np.ndarray,
+    new_checkpoints: Iterable[int],
+    old: np.ndarray,
+    old_checkpoints: Iterable[int],
+    trimmable: tuple[bool, ...],
+) -> bool:
+    """An entry of tokens `new` resumes everything one of tokens `old` can: its tokens extend
+    old's, and (hybrid) it keeps state at every position old does."""
+    if len(old) > len(new) or not np.array_equal(new[: len(old)], old):
+        return False
+    if all(trimmable):
+        return True
+    return {*old_checkpoints, len(old)} <= {*new_checkpoints, len(new)}
+
+
 @dataclass
 class PrefixEntry:
     tokens: np.ndarray  # int32: what `layers` hold, position 0 on
