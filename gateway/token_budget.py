@@ -64,11 +64,16 @@ async def count_prompt(client, req: GenerateRequest) -> int:
     """The prompt's tokens as the daemon will read them (chat template applied)."""
     if req.prompt_ids is not None:
         return len(req.prompt_ids)
+    # What the generate's template will see (tools unless tool_choice is none, its kwargs): the
+    # same ids, which the daemon then tokenizes once for both (model/prompt_ids_memo.py).
     fields = {
         "prompt": req.prompt,
         "messages": list(req.messages) if req.messages is not None else None,
-        "tools": list(req.tools) if req.tools else None,
+        "tools": list(req.template_tools) if req.template_tools else None,
         "raw": req.raw or None,
+        "chat_template_kwargs": dict(req.chat_template_kwargs)
+        if req.chat_template_kwargs
+        else None,
     }
     fields = {k: v for k, v in fields.items() if v is not None}
     # The first frame of the request to reach the daemon: the edge's size and depth checks first

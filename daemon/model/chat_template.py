@@ -6,14 +6,22 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from moed.daemon.model.prompt_ids_memo import PromptIdsMemo
 from moed.daemon.model.prompt_normalize import normalize_messages
 from moed.protocol import ErrorCode, GenerateRequest, ProtocolError
+
+# A gateway counts a prompt right before it generates it: the second asks the memo.
+PROMPT_IDS = PromptIdsMemo()
 
 
 def prompt_token_ids(tokenizer: Any, req: GenerateRequest) -> list[int]:
     """The prompt of a generate / count_tokens request as token ids."""
     if req.prompt_ids is not None:
         return list(req.prompt_ids)
+    return PROMPT_IDS.ids(tokenizer, req, lambda: _encode_prompt(tokenizer, req))
+
+
+def _encode_prompt(tokenizer: Any, req: GenerateRequest) -> list[int]:
     if req.messages is not None:
         return _encode_templated(
             tokenizer,
