@@ -6,30 +6,36 @@ on one (or at the next router read-back, which evaluates them anyway)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import mlx.core as mx
-import numpy as np
 
 from moed.daemon.experts.counters import Counters
 
 
 class LazyFence:
-    def __init__(self, layers: int, counters: Counters):
+    def __init__(self, counters: Counters):
         self.counters = counters
         self.outputs: list[mx.array] = []  # built, not evaluated yet
-        self._reads: list[set[int]] = [set() for _ in range(layers)]
+        # Per layer with pending outputs, the slots they read: only those layers are kept, so the
+        # read-back's `settled` is one clear, not a walk over every layer.
+        self._reads: dict[int, set[int]] = {}
 
-    def defer(self, layer: int, out: mx.array, slots_read: np.ndarray | None) -> None:
-        """`out` reads `slots_read` of `layer`'s pool (None: a staged pool, whose landing makes a
-        new version instead of overwriting, so there is nothing to guard)."""
+    def defer(self, layer: int, out: mx.array, slots_read: Iterable[int] | None) -> None:
+        """`out` reads `slots_read` of `layer`'s pool (ints; None: a staged pool, whose landing
+        makes a new version instead of overwriting, so there is nothing to guard)."""
         self.outputs.append(out)
         if slots_read is not None:
-            self._reads[layer].update(slots_read.tolist())  # a set: repeats are fine
+            reads = self._reads.get(layer)
+            if reads is None:
+                self._reads[layer] = set(slots_read)  # a set: repeats are fine
+            else:
+                reads.update(slots_read)
 
     def guard(self, layer: int, loads: list[tuple[int, int]]) -> None:
         """Before `loads` ((expert, slot) pairs) land: evaluate the pending outputs if one of
         them reads a slot a load overwrites."""
-        reads = self._reads[layer]
+        reads = self._reads.get(layer)
         if reads and any(slot in reads for _e, slot in loads):
             self.flush()
 
@@ -48,6 +54,4 @@ class LazyFence:
     def settled(self) -> None:
         """The pending outputs were evaluated (by a flush, or by a read-back that took them)."""
         self.outputs = []
-        for reads in self._reads:
-            if reads:
-                reads.clear()
+        self._reads.clear()

@@ -42,8 +42,9 @@ class ReadResult:
 
 @dataclass(eq=False)
 class ReadBatch:
-    """The jobs of one `submit`, completed together: one event for the whole burst, not a Future
-    (and its lock) per job on the engine thread's path. Fields change under the pool's lock."""
+    """The jobs of one `submit`, completed together: the engine waits on the pool's condition
+    until `left` is 0, not on a Future (and its lock) per job nor an Event per burst (its lock
+    and condition, built on the engine thread's path). Fields change under the pool's lock."""
 
     jobs: list[ReadJob]
     speculative: bool = False
@@ -53,12 +54,9 @@ class ReadBatch:
     cancelled_bytes: int = 0  # queued jobs dropped by cancel() before they started
     result: ReadResult = field(default_factory=ReadResult)
     error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.left = len(self.jobs)
-        if not self.left:
-            self.done.set()
 
     @property
     def nbytes(self) -> int:
@@ -69,7 +67,9 @@ class ReadPool:
     def __init__(self, store: ExpertStore, workers: int = 0):
         self.store = store
         self.workers = workers if workers > 0 else default_workers(store.bypass)
-        self._cv = threading.Condition()
+        lock = threading.RLock()  # re-entrant, as a Condition's own (tests hold it around submit)
+        self._cv = threading.Condition(lock)  # workers wait here for jobs
+        self._finished = threading.Condition(lock)  # the engine waits here for batches
         self._demand: collections.deque[tuple[ReadBatch, ReadJob]] = collections.deque()
         self._speculative: collections.deque[tuple[ReadBatch, ReadJob]] = collections.deque()
         self._to_drop: dict[
@@ -134,7 +134,7 @@ class ReadPool:
                 batch.error = exc
             batch.left -= 1
             if not batch.left:
-                batch.done.set()
+                self._finished.notify_all()
             self._busy -= 1
             if self.store.drop_after_read:
                 start, end = self._to_drop.get(job.fd, (job.offset, job.offset))
@@ -181,7 +181,7 @@ class ReadPool:
             else:
                 self._demand = kept
             if not batch.left:
-                batch.done.set()
+                self._finished.notify_all()
             return batch.started == 0
 
     def read(self, jobs: list[ReadJob]) -> ReadResult:
@@ -193,8 +193,11 @@ class ReadPool:
         all finish. wall_s: time waited."""
         t0 = time.perf_counter()
         out, error = ReadResult(), None
+        with self._finished:
+            for b in batches:
+                while b.left:
+                    self._finished.wait()
         for b in batches:
-            b.done.wait()
             error = error or b.error
             out.bytes_read += b.result.bytes_read
             out.read_s += b.result.read_s
@@ -207,12 +210,13 @@ class ReadPool:
     def close(self) -> None:
         with self._cv:
             self._closed = True
-            for batch in {id(b): b for b, _job in [*self._demand, *self._speculative]}.values():
+            for batch, _job in [*self._demand, *self._speculative]:  # queued: never to run
                 batch.cancelled = True
                 batch.error = batch.error or OSError("the read pool is closed")
-                batch.done.set()
+                batch.left -= 1
             self._demand.clear()
             self._speculative.clear()
             self._cv.notify_all()
+            self._finished.notify_all()
         for t in self._threads:
             t.join()

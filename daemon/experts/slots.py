@@ -4,7 +4,7 @@ layer's eviction policy, and pass planning. `LayerPool` (cache.py) runs it next 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -48,6 +48,12 @@ class SlotTable:
         self.policy.begin_call()
         return plan_passes(needed, self.slot_of, self.slots)
 
+    def touch_call(self, needed: Sequence[int]) -> None:
+        """Start a layer call whose distinct experts `needed` (ascending) are all resident: what
+        `plan_passes` and `admit` do for it, without their lookups (the common decode call)."""
+        self.policy.begin_call()
+        self.policy.touch_many(needed)
+
     def admit(self, experts: Iterable[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """Make room for `experts` (at most `slots` of them): hits are touched first, then each
         miss takes a free slot or evicts the policy's victim outside `experts`. Returns (hits,
@@ -57,14 +63,15 @@ class SlotTable:
         if experts.size > self.slots:
             raise ValueError(f"{experts.size} experts do not fit {self.slots} slots")
         slot_of, policy = self.slot_of, self.policy
-        resident = slot_of[experts] >= 0  # one vectorized lookup; hits keep the call's order
-        if resident.all():  # the common decode call: every expert a hit
+        # One vectorized lookup, then lists: a call's few experts cost less in Python than in
+        # more numpy calls. Hits keep the call's order.
+        ids, found = experts.tolist(), slot_of[experts].tolist()
+        hits = [e for e, slot in zip(ids, found) if slot >= 0]
+        if len(hits) == len(ids):  # every expert a hit
             policy.touch_many(experts)
-            return experts.tolist(), []
-        hit_ids = experts[resident]
-        policy.touch_many(hit_ids)
-        hits = hit_ids.tolist()
-        missing = list(dict.fromkeys(experts[~resident].tolist()))  # in order, once each
+            return hits, []
+        policy.touch_many(hits)
+        missing = list(dict.fromkeys(e for e, slot in zip(ids, found) if slot < 0))  # once each
         short = len(missing) - len(self._free)
         # The victims are ranked once for the whole call: evicting one never reorders the rest.
         victims = policy.victims(short, experts) if short > 0 else []

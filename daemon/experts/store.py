@@ -158,27 +158,34 @@ class ExpertStore:
         """Read jobs that fill `staging`'s loads [(expert, slot)] of `pool` (in expert order),
         adjacent experts coalesced."""
         jobs: list[ReadJob] = []
+        loads, split = staging.loads, self.split_bytes
         for tensor in pool.tensors:
             loc = tensor.loc
-            fd = self.fds[loc.file]
-            stride = loc.expert_stride
+            fd, stride = self.fds[loc.file], loc.expert_stride
+            limit = max(MAX_JOB_BYTES, stride)
             job: ReadJob | None = None
-            prev = None
-            for i, (expert, _slot) in enumerate(staging.loads):
-                offset = loc.offset + expert * stride
-                extend = (
+            prev = -2
+            for i, (expert, _slot) in enumerate(loads):
+                dest = pool.destination(staging, tensor, i)
+                if (
                     job is not None
                     and prev == expert - 1
                     and len(job.buffers) < IOV_MAX
-                    and job.nbytes + stride <= max(MAX_JOB_BYTES, stride)
-                )
-                if job is None or not extend:  # (extend implies a job: this narrows it)
-                    job = ReadJob(fd, offset)
+                    and job.nbytes + stride <= limit
+                ):
+                    job.buffers.append(dest)
+                    job.nbytes += stride
+                else:
+                    job = ReadJob(fd, loc.offset + expert * stride, [dest], stride)
                     jobs.append(job)
-                job.buffers.append(pool.destination(staging, tensor, i))
-                job.nbytes += stride
                 prev = expert
-        return [piece for job in jobs for piece in _split(job, self.split_bytes)]
+        if split <= 0:
+            return jobs
+        return [
+            piece
+            for job in jobs
+            for piece in (_split(job, split) if job.nbytes > split else (job,))
+        ]
 
     def run(self, job: ReadJob) -> int:
         """Do one job (on a worker thread). Returns bytes read."""

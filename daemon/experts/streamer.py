@@ -143,7 +143,7 @@ class ExpertStreamer:
         self.tuner = StepTuner([self.overlap] + ([self.spec.switch] if cfg.prefetch_next else []))
         self._step_layer_s: float | None = None
         self._pending_slots: int | None = None  # a shed requested from another thread
-        self.fence = LazyFence(len(switches), self.counters)  # outputs built, not yet evaluated
+        self.fence = LazyFence(self.counters)  # outputs built, not yet evaluated
         self._engine_thread = threading.get_ident()  # the loading thread until the first layer call
         self._lock = threading.Lock()
         self.trace: list[list[np.ndarray]] | None = None  # set to [] to record routing (bench)
@@ -225,7 +225,7 @@ class ExpertStreamer:
         t1 = time.perf_counter()
         if tally is not None:
             self._fold_tally(evaluated=True)
-        host = np.array(indices)
+        host = np.array(indices, dtype=np.intp)  # intp: numpy indexes with it without a cast
         self.spec.predicted(layer, predicted)
         flat = host.reshape(-1)
         routed = self._routed[layer]
@@ -273,6 +273,35 @@ class ExpertStreamer:
         passes = self.pools[layer].plan_passes(needed)
         self.counters.passes += len(passes) - 1
         return passes
+
+    def one_pass(
+        self, layer: int, host: np.ndarray
+    ) -> tuple[mx.array, list[int], dict[str, mx.array]] | None:
+        """A call whose experts fit one pass (the decode call), made resident (read and landed):
+        the slot of each of `host`'s ids (uint32, host's shape), the slots it reads, the pools.
+        An all-hit call is one lookup and a few list operations: on a call this small each numpy
+        or MLX call costs more than the Python it replaces. None, with nothing done, where the
+        general path runs (more ids than slots, speculative reads in flight for the layer)."""
+        pool = self.pools[layer]
+        if host.size > pool.slots or self.spec.inflight(layer):
+            return None
+        needed = sorted(set(host.ravel().tolist()))  # ascending, as plan_passes takes them
+        mapped = pool.slot_of[host]
+        slots = mapped.ravel().tolist()
+        if min(slots) >= 0:  # every expert resident: no admission, no read
+            pool.touch_call(needed)
+            self.counters.layers[layer].hits += len(needed)
+            if self.observer is not None:
+                self.observer.on_load(layer, pool, needed, [])
+            self.spec.issue(layer + 1)
+        else:
+            experts = np.array(needed, dtype=np.intp)
+            pool.plan_passes(experts)  # one pass: starts the call for the policy
+            self.finish_load(self.begin_load(layer, experts))
+            mapped = pool.slot_of[host]
+            slots = mapped.ravel().tolist()
+        # From lists: cheaper than from a numpy array (no buffer import); host's shape kept.
+        return mx.array(mapped.tolist(), dtype=mx.uint32), slots, pool.arrays
 
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]:
         """Make `experts` resident in `layer`; returns (expert -> slot table, pools)."""
@@ -334,7 +363,7 @@ class ExpertStreamer:
         table[experts] = pool.slot_of[experts]
         return table
 
-    def defer(self, layer: int, out: mx.array, slots_read: np.ndarray) -> None:
+    def defer(self, layer: int, out: mx.array, slots_read: Iterable[int]) -> None:
         """`out` reads `slots_read` of `layer`'s pools and is not evaluated yet (fence.py)."""
         self.fence.defer(layer, out, None if self.pools[layer].staged else slots_read)
 

@@ -12,7 +12,7 @@ Results stay bit-identical on the CPU backend (tests/experts); see _rows_by_pass
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -75,6 +75,10 @@ class LayerCache(Protocol):
 
     def route(self, layer: int, indices: mx.array, x: mx.array | None = None) -> np.ndarray: ...
 
+    def one_pass(
+        self, layer: int, host: np.ndarray
+    ) -> tuple[mx.array, list[int], dict[str, mx.array]] | None: ...
+
     def plan_passes(self, layer: int, needed: np.ndarray) -> list[np.ndarray]: ...
 
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]: ...
@@ -85,7 +89,7 @@ class LayerCache(Protocol):
 
     def table(self, pool: LayerPool, experts: np.ndarray) -> np.ndarray: ...
 
-    def defer(self, layer: int, out: mx.array, slots_read: np.ndarray) -> None: ...
+    def defer(self, layer: int, out: mx.array, slots_read: Iterable[int]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -195,7 +199,7 @@ class StreamingSwitch(nn.Module):
         table, pools = streamer.load(layer, experts)
         y = self._experts(x, mx.array(table)[idx], True, pools)
         # Not evaluated here: the streamer fences it before any slot it reads is reused.
-        streamer.defer(layer, y, table[needed])
+        streamer.defer(layer, y, table[needed].tolist())
         return y
 
     def _rows_by_pass(
@@ -227,7 +231,7 @@ class StreamingSwitch(nn.Module):
             slots = table[flat[sel]]
             y = self._experts(rows[mx.array(sel)], mx.array(slots), do_sort, pools)
             # Not evaluated here: the streamer fences it before any slot it reads is reused.
-            streamer.defer(layer, y, slots)
+            streamer.defer(layer, y, slots.tolist())
             parts.append(y)
             picked.append(sel)
         order = mx.array(np.argsort(np.concatenate(picked)))
@@ -241,7 +245,7 @@ class StreamingSwitch(nn.Module):
         streamer.finish_load(pending)
         slot_of = pending.pool.slot_of
         y = self._experts(x, mx.array(slot_of[host].astype(np.uint32)), False, pending.pool.arrays)
-        streamer.defer(self._layer, y, slot_of[pending.experts])
+        streamer.defer(self._layer, y, slot_of[pending.experts].tolist())
         return y
 
     def _overlapped(
@@ -269,7 +273,7 @@ class StreamingSwitch(nn.Module):
         order = mx.array(np.argsort(np.concatenate([first, rest])))
         y = mx.concatenate([y_first, y_rest])[order]
         y = y.reshape(*indices.shape, *y.shape[-2:])
-        streamer.defer(layer, y, table[experts])
+        streamer.defer(layer, y, table[experts].tolist())
         return y
 
     def _on_device(self, x: mx.array, indices: mx.array, dep: mx.array | None) -> mx.array:
@@ -302,11 +306,21 @@ class StreamingSwitch(nn.Module):
             streamer.counters.layer_s += time.perf_counter() - t0
             return out
         host = streamer.route(layer, indices, x)
+        x = mx.expand_dims(x, (-2, -3))
+        do_sort = indices.size >= 64
+        if not do_sort and not streamer.overlap.active:
+            mapped = streamer.one_pass(layer, host)
+            if mapped is not None:  # the decode call: slot ids mapped on the host, one graph
+                idx, slots, pools = mapped
+                out = self._experts(x, idx, False, pools)
+                # Not evaluated here: the streamer fences it before any slot it reads is reused.
+                streamer.defer(layer, out, slots)
+                out = out.squeeze(-2)
+                streamer.counters.layer_s += time.perf_counter() - t0
+                return out
         needed = distinct(host)
         passes = streamer.plan_passes(layer, needed)
 
-        x = mx.expand_dims(x, (-2, -3))
-        do_sort = indices.size >= 64
         inv_order: mx.array | None = None
         if len(passes) > 1:  # more distinct experts than slots: each pass its own rows
             out = self._rows_by_pass(x, indices, host, passes, do_sort)
@@ -315,7 +329,7 @@ class StreamingSwitch(nn.Module):
             out = self._sorted_one_pass(x, idx, needed, passes[0])
         elif streamer.overlap.active:
             out = self._overlapped(x, indices, host, passes[0])
-        else:
+        else:  # speculative reads in flight for the layer
             out = self._one_pass(x, host, streamer.begin_load(layer, passes[0]))
 
         if inv_order is not None:  # the rows were sorted (do_sort)

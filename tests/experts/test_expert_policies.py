@@ -3,6 +3,7 @@ analyze` and the configuration share; unknown names are configuration errors nam
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -92,6 +93,28 @@ def test_lfu_counts_uses_and_forgets_them_with_its_half_life():
     assert simulate(seq, 2, make_policy("lfu", 4, 2, half_life=1000.0)) == (4, 3)
     # A short one has forgotten 0's uses: 1 (used lately) stays, 0 is evicted and missed again.
     assert simulate(seq, 2, make_policy("lfu", 4, 2, half_life=0.5)) == (3, 4)
+
+
+def test_lfu_victims_rank_by_score_then_last_use_then_id():
+    """The victims are the residents outside the call in the order (score, last use, id), one
+    victim or several, ties included (experts loaded together and never used again tie)."""
+    rng = random.Random(5)
+    for _ in range(30):
+        E, slots = 32, rng.choice([4, 8, 16])
+        policy = make_policy("lfu", E, slots, half_life=rng.choice([1.0, 4.0, math.inf]))
+        table = SlotTable(E, slots, policy)
+        for _ in range(rng.randrange(1, 60)):
+            needed = np.array(sorted(rng.sample(range(E), rng.choice([1, 2, 3, slots]))))
+            for chunk in table.plan_passes(needed):
+                table.admit(chunk)
+        protected = rng.sample(table.resident, rng.randrange(0, len(table.resident)))
+        candidates = [e for e in table.resident if e not in protected]
+        ranked = sorted(candidates, key=lambda e: (policy._score[e], policy._last[e], e))
+        for count in range(1, len(candidates) + 1):
+            assert policy.victims(count, np.array(protected, dtype=np.int64)) == ranked[:count]
+            assert policy.victims(count, set(protected)) == ranked[:count]
+        with pytest.raises(AllProtectedError):
+            policy.victims(len(candidates) + 1, protected)
 
 
 def test_slru_keeps_reused_experts_through_a_scan():

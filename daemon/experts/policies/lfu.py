@@ -27,55 +27,56 @@ class LFUDecayPolicy(EvictionPolicy):
         # A use at call t weighs growth**t: the same order as decaying every score each call.
         self._growth = 2.0 ** (1.0 / self.half_life) if math.isfinite(self.half_life) else 1.0
         self._weight = 1.0  # growth ** (calls so far), rescaled with the scores
-        # Arrays over every expert, so a victim is one vectorized pick, not a Python scan.
-        self._score = np.zeros(num_experts, dtype=np.float64)
-        self._last = np.zeros(num_experts, dtype=np.int64)  # the call of the last use
-        self._resident = np.zeros(num_experts, dtype=np.bool_)
+        # Python lists and a set, not numpy arrays: a layer call touches a handful of experts and
+        # ranks a few dozen residents, where each numpy call costs more than the loop it replaces
+        # (the streamed decode path's host time, BENCHMARKS.md). Floats add as numpy's do.
+        self._score = [0.0] * num_experts
+        self._last = [0] * num_experts  # the call of the last use
+        self._resident: set[int] = set()
         self._calls = 0
 
     def begin_call(self) -> None:
         self._calls += 1
         self._weight *= self._growth
         if self._weight > _RESCALE_AT:
-            self._score *= 1.0 / self._weight
+            scale = 1.0 / self._weight
+            self._score = [v * scale for v in self._score]
             self._weight = 1.0
 
     def _grow(self, expert: int) -> None:
         """A policy built without the expert count (simulators) grows as experts appear."""
-        grow = expert + 1 - self._score.shape[0]
-        self._score = np.concatenate([self._score, np.zeros(grow)])
-        self._last = np.concatenate([self._last, np.zeros(grow, dtype=np.int64)])
-        self._resident = np.concatenate([self._resident, np.zeros(grow, dtype=np.bool_)])
+        grow = expert + 1 - len(self._score)
+        self._score += [0.0] * grow
+        self._last += [0] * grow
 
     def _use(self, expert: int) -> None:
-        if expert >= self._score.shape[0]:
+        if expert >= len(self._score):
             self._grow(expert)
         self._score[expert] += self._weight
         self._last[expert] = self._calls
 
     def insert(self, expert: int) -> None:
         self._use(expert)
-        self._resident[expert] = True
+        self._resident.add(expert)
 
     def touch(self, expert: int) -> None:
         self._use(expert)
 
     def touch_many(self, experts: Iterable[int]) -> None:
-        ids = np.asarray(experts, dtype=np.int64)
-        if not ids.size:
-            return
-        if int(ids.max()) >= self._score.shape[0]:
-            self._grow(int(ids.max()))
-        self._score[ids] += self._weight  # distinct ids (the slot table's calls are)
-        self._last[ids] = self._calls
+        ids = experts.tolist() if isinstance(experts, np.ndarray) else list(experts)
+        if ids and max(ids) >= len(self._score):  # a policy built without the expert count
+            self._grow(max(ids))
+        score, last, weight, now = self._score, self._last, self._weight, self._calls
+        for e in ids:
+            score[e] += weight
+            last[e] = now
 
     def remove(self, expert: int) -> None:
-        if expert < self._resident.shape[0]:
-            self._resident[expert] = False
+        self._resident.discard(expert)
 
-    def _ranked(self, experts: np.ndarray) -> np.ndarray:
-        """`experts` least valuable first: lowest score, then the older last use, then the id."""
-        return experts[np.lexsort((self._last[experts], self._score[experts]))]
+    def _key(self, expert: int) -> tuple[float, int, int]:
+        """Least valuable first: lowest score, then the older last use, then the id."""
+        return self._score[expert], self._last[expert], expert
 
     def victim(self, protected: Collection[int]) -> int:
         return self.victims(1, protected)[0]
@@ -83,18 +84,18 @@ class LFUDecayPolicy(EvictionPolicy):
     def victims(self, count: int, protected: Iterable[int]) -> list[int]:
         """The `count` least valuable residents outside `protected`: one ranking for all of them
         (a victim's removal does not change the others' scores)."""
-        candidates = self._resident.copy()
-        if isinstance(protected, np.ndarray):
-            wanted = protected.astype(np.int64, copy=False)
-        else:
-            wanted = np.fromiter(protected, dtype=np.int64)
-        candidates[wanted[wanted < candidates.shape[0]]] = False
-        idx = np.flatnonzero(candidates)
-        if idx.size < count:
+        excluded = set(protected.tolist() if isinstance(protected, np.ndarray) else protected)
+        score, resident = self._score, self._resident
+        if count == 1:  # the common call: the lowest score, ties ranked by the full key
+            low = min((score[e] for e in resident if e not in excluded), default=math.inf)
+            if low == math.inf:
+                raise AllProtectedError("every resident expert is protected; no slot can be freed")
+            tied = [e for e in resident if score[e] == low and e not in excluded]
+            return [min(tied, key=self._key)]
+        ranked = sorted((e for e in resident if e not in excluded), key=self._key)
+        if len(ranked) < count:
             raise AllProtectedError("every resident expert is protected; no slot can be freed")
-        chosen: list[int] = self._ranked(idx)[:count].tolist()
-        return chosen
+        return ranked[:count]
 
     def order(self) -> list[int]:
-        order: list[int] = self._ranked(np.flatnonzero(self._resident)).tolist()
-        return order
+        return sorted(self._resident, key=self._key)
