@@ -245,6 +245,22 @@ def test_a_held_write_waits_at_most_hold_max_and_flush_and_close_write_whatever_
     assert tier.writes == 3 and len(_entry_files(tier.dir)) == 3
 
 
+def test_a_server_always_reading_a_prompt_still_writes_once_entries_pile_up(tmp_path):
+    tier = _tier(tmp_path)
+    try:
+        tier.hold(True)
+        for k in range(disk_tier.HOLD_QUEUE - 1):
+            tier.write(_entry(range(100 * k + 3, 100 * k + 20)))  # unrelated prompts
+        time.sleep(0.3)
+        assert tier.writes == 0  # a few wait for the engine to be quiet
+        tier.write(_entry(range(900, 920)))
+        # One more makes HOLD_QUEUE: the oldest go out while the hold lasts, none is dropped.
+        assert _wait_for(lambda: tier.writes >= 1)
+    finally:
+        tier.close()
+    assert tier.writes == disk_tier.HOLD_QUEUE
+
+
 def test_the_engine_holds_the_ssd_writer_from_a_rows_join_to_its_first_token(
     checkpoint_factory, tmp_path
 ):
