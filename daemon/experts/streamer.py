@@ -281,13 +281,16 @@ class ExpertStreamer:
         the slot of each of `host`'s ids (uint32, host's shape), the slots it reads, the pools.
         An all-hit call is one lookup and a few list operations: on a call this small each numpy
         or MLX call costs more than the Python it replaces. None, with nothing done, where the
-        general path runs (more ids than slots, speculative reads in flight for the layer)."""
+        general path runs (more ids than slots, speculative reads in flight for the layer, or
+        some experts resident and some not while the overlapped path is on)."""
         pool = self.pools[layer]
         if host.size > pool.slots or self.spec.inflight(layer):
             return None
         needed = sorted(set(host.ravel().tolist()))  # ascending, as plan_passes takes them
         mapped = pool.slot_of[host]
         slots = mapped.ravel().tolist()
+        if self.overlap.active and max(slots) >= 0 > min(slots):
+            return None  # rows to compute while the misses are read (streaming_switch.py)
         if min(slots) >= 0:  # every expert resident: no admission, no read
             pool.touch_call(needed)
             self.counters.layers[layer].hits += len(needed)

@@ -308,7 +308,7 @@ class StreamingSwitch(nn.Module):
         host = streamer.route(layer, indices, x)
         x = mx.expand_dims(x, (-2, -3))
         do_sort = indices.size >= 64
-        if not do_sort and not streamer.overlap.active:
+        if not do_sort:
             mapped = streamer.one_pass(layer, host)
             if mapped is not None:  # the decode call: slot ids mapped on the host, one graph
                 idx, slots, pools = mapped
