@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 from moed.daemon.experts.landing import Staging
 
-if TYPE_CHECKING:  # a type only: cache.py imports mlx, and the configuration imports this module
-    from moed.daemon.experts.cache import LayerPool
+if TYPE_CHECKING:  # types only: cache.py imports mlx, and the configuration imports this module
+    from moed.daemon.experts.cache import LayerPool, PooledTensor
 
 F_NOCACHE = 48  # macOS <sys/fcntl.h>: turn data caching off for this file descriptor
 IOV_MAX = 1024  # POSIX minimum guaranteed is 16; Linux and macOS allow 1024
@@ -50,7 +50,7 @@ class PageCachePolicy(str, enum.Enum):
     TRUST = "trust"
 
 
-@dataclass
+@dataclass(slots=True)  # a few per layer call's misses: no instance dict to build
 class ReadJob:
     fd: int
     offset: int
@@ -147,6 +147,9 @@ class ExpertStore:
                 len(self.fds),
             )
         self._bounce = threading.local()
+        self._reads_of: dict[
+            int, tuple[list[PooledTensor], list[tuple[PooledTensor, int, int, int]]]
+        ] = {}
 
     @property
     def drop_after_read(self) -> bool:
@@ -154,14 +157,26 @@ class ExpertStore:
         idle); O_DIRECT and macOS's F_NOCACHE keep the pages out in the first place."""
         return self.bypass and sys.platform != "darwin" and len(self.direct) < len(self.fds)
 
+    def _tensor_reads(
+        self, tensors: list[PooledTensor]
+    ) -> list[tuple[PooledTensor, int, int, int]]:
+        """(tensor, fd, offset, stride) of a pool's tensors, worked out once per pool (a Path's
+        hash and the attribute lookups cost more than the rest of a layer call's read jobs)."""
+        cached = self._reads_of.get(id(tensors))
+        if cached is None or cached[0] is not tensors:  # the list itself is held: ids stay unique
+            cached = (
+                tensors,
+                [(t, self.fds[t.loc.file], t.loc.offset, t.loc.expert_stride) for t in tensors],
+            )
+            self._reads_of[id(tensors)] = cached
+        return cached[1]
+
     def jobs_for(self, pool: LayerPool, staging: Staging) -> list[ReadJob]:
         """Read jobs that fill `staging`'s loads [(expert, slot)] of `pool` (in expert order),
         adjacent experts coalesced."""
         jobs: list[ReadJob] = []
         loads, split = staging.loads, self.split_bytes
-        for tensor in pool.tensors:
-            loc = tensor.loc
-            fd, stride = self.fds[loc.file], loc.expert_stride
+        for tensor, fd, base, stride in self._tensor_reads(pool.tensors):
             limit = max(MAX_JOB_BYTES, stride)
             job: ReadJob | None = None
             prev = -2
@@ -176,7 +191,7 @@ class ExpertStore:
                     job.buffers.append(dest)
                     job.nbytes += stride
                 else:
-                    job = ReadJob(fd, loc.offset + expert * stride, [dest], stride)
+                    job = ReadJob(fd, base + expert * stride, [dest], stride)
                     jobs.append(job)
                 prev = expert
         if split <= 0:

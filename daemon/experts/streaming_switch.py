@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.switch_layers import SwiGLU
 
 if TYPE_CHECKING:  # types only: the cache is reached through LayerCache (streamer imports us)
     from moed.daemon.experts.cache import LayerPool
@@ -112,6 +113,7 @@ class StreamingSwitch(nn.Module):
     _layer: int
     _streamer: LayerCache
     _final: bool
+    _decode_graph: Callable[[mx.array, mx.array, dict[str, mx.array]], mx.array]
 
     def __init__(
         self,
@@ -135,6 +137,14 @@ class StreamingSwitch(nn.Module):
         object.__setattr__(self, "_streamer", streamer)
         # In the model's last decoder layer: a dropped prompt chunk skips it (unused_output.py).
         object.__setattr__(self, "_final", final)
+        # The decode call's graph (expand, three projections, activation, squeeze) as one
+        # compiled call where the activation is mlx-lm's SwiGLU, itself compiled: the same fused
+        # kernel either way, and one call builds the graph instead of seven, each with its own
+        # host cost. Other activations run op by op, as mlx-lm runs them.
+        graph = self._decode_rows
+        if kind == "glu" and type(activation) is SwiGLU:
+            graph = mx.compile(graph)
+        object.__setattr__(self, "_decode_graph", graph)
 
     def _proj(
         self,
@@ -180,6 +190,10 @@ class StreamingSwitch(nn.Module):
             return self._proj("down_proj", self.activation(x_up, x_gate), idx, do_sort, pools)
         x = self._proj("fc1", x, idx, do_sort, pools)
         return self._proj("fc2", self.activation(x), idx, do_sort, pools)
+
+    def _decode_rows(self, x: mx.array, idx: mx.array, pools: dict[str, mx.array]) -> mx.array:
+        """A one-pass call's output from the layer's input and its slot ids (unsorted rows)."""
+        return self._experts(mx.expand_dims(x, (-2, -3)), idx, False, pools).squeeze(-2)
 
     def expert_rows(self, x: mx.array, idx: mx.array, pools: dict[str, mx.array]) -> mx.array:
         """The expert function on given pools, unsorted (row_split.py probes the device)."""
@@ -306,18 +320,17 @@ class StreamingSwitch(nn.Module):
             streamer.counters.layer_s += time.perf_counter() - t0
             return out
         host = streamer.route(layer, indices, x)
-        x = mx.expand_dims(x, (-2, -3))
         do_sort = indices.size >= 64
         if not do_sort:
             mapped = streamer.one_pass(layer, host)
             if mapped is not None:  # the decode call: slot ids mapped on the host, one graph
                 idx, slots, pools = mapped
-                out = self._experts(x, idx, False, pools)
+                out = self._decode_graph(x, idx, pools)
                 # Not evaluated here: the streamer fences it before any slot it reads is reused.
                 streamer.defer(layer, out, slots)
-                out = out.squeeze(-2)
                 streamer.counters.layer_s += time.perf_counter() - t0
                 return out
+        x = mx.expand_dims(x, (-2, -3))
         needed = distinct(host)
         passes = streamer.plan_passes(layer, needed)
 
