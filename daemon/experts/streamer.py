@@ -74,10 +74,9 @@ class PendingLoad:
     spec_stagings: list[Staging]  # where the kept speculative reads land
 
     @property
-    def ready(self) -> np.ndarray:
+    def ready(self) -> set[int]:
         """Resident and complete: not read by this load nor in flight."""
-        hits = [e for e in self.hits if e not in self.kept] if self.kept else self.hits
-        return np.array(hits, dtype=np.int64)
+        return set(self.hits).difference(self.kept)
 
 
 class ExpertStreamer:
@@ -128,8 +127,8 @@ class ExpertStreamer:
         self.reader = ReadPool(self.store, cfg.prefetch_workers)
         self.counters = Counters(layers=[LayerCounters() for _ in switches])
         self.usage = [np.zeros(s.num_experts, dtype=np.int64) for s in switches]  # host-routed
-        # Host-routed choices not yet folded into `usage`: a list append per call, one bincount
-        # per layer when usage is asked for (or the list grows long).
+        # Host-routed choices (each call's ids) not yet folded into `usage`: a list append per
+        # call, one bincount per layer when usage is asked for (or the list grows long).
         self._routed: list[list[np.ndarray]] = [[] for _ in switches]
         # Layers whose every expert is held route on the device (held.py); their usage is here.
         self._held = [False] * len(switches)
@@ -212,31 +211,33 @@ class ExpertStreamer:
 
     def route(self, layer: int, indices: mx.array, x: mx.array | None = None) -> np.ndarray:
         """Read the router's choices back to the host (the known cost centre, timed)."""
-        c = self.counters
+        c, fence, spec = self.counters, self.fence, self.spec
         tally, self._step_tally = self._step_tally, None
-        predicted = self.spec.predict(layer, indices, x)
+        predicted = spec.predict(layer, indices, x) if spec.enabled else None
         t0 = time.perf_counter()
         # The one host sync of the layer also finishes every pending layer output (usually
         # ancestors of these indices anyway), so their slots are free to be overwritten after it.
-        extra = [a for a in (predicted, tally) if a is not None]
-        mx.eval(indices, *extra, *self.fence.outputs)
-        self.fence.settled()
+        if predicted is None and tally is None:  # the common call: nothing else to evaluate
+            mx.eval(indices, *fence.outputs)
+        else:
+            mx.eval(indices, *[a for a in (predicted, tally) if a is not None], *fence.outputs)
+        fence.settled()
         c.host_syncs += 1
         t1 = time.perf_counter()
         if tally is not None:
             self._fold_tally(evaluated=True)
         host = np.array(indices, dtype=np.intp)  # intp: numpy indexes with it without a cast
-        self.spec.predicted(layer, predicted)
-        flat = host.reshape(-1)
+        if spec.enabled:
+            spec.predicted(layer, predicted)
         routed = self._routed[layer]
-        routed.append(flat)
+        routed.append(host)  # folded into `usage` in bulk (_fold_usage)
         if len(routed) >= 256:
             self._fold_usage(layer)
         if self.trace is not None:
             if layer == 0:
                 self.trace.append([])
             if self.trace:
-                self.trace[-1].append(np.unique(flat))
+                self.trace[-1].append(np.unique(host))
         c.layer_calls += 1
         c.router_sync_s += t1 - t0
         c.router_copy_s += time.perf_counter() - t1
@@ -249,7 +250,8 @@ class ExpertStreamer:
         routed, self._routed[layer] = self._routed[layer], []
         if routed:
             u = self.usage[layer]
-            u += np.bincount(np.concatenate(routed), minlength=u.shape[0])[: u.shape[0]]
+            flat = np.concatenate([r.reshape(-1) for r in routed])
+            u += np.bincount(flat, minlength=u.shape[0])[: u.shape[0]]
 
     def _fold_tally(self, evaluated: bool = False) -> None:
         """Held layers' hits into the host counters (no host sync: see DeviceTally.fold)."""

@@ -270,24 +270,33 @@ class StreamingSwitch(nn.Module):
         two groups are put back in order by a permutation (no arithmetic)."""
         streamer, layer = self._streamer, self._layer
         pending = streamer.begin_load(layer, experts)
-        flat = host.reshape(-1)
-        early = np.isin(flat, pending.ready)
-        if early.all() or not early.any():
+        ready = pending.ready
+        ids = host.ravel().tolist()  # lists: a call's few rows cost less than numpy calls
+        first = [i for i, e in enumerate(ids) if e in ready]
+        if not first or len(first) == len(ids):
             return self._one_pass(x, host, pending)
-        pools = pending.pool.arrays
+        rest = [i for i, e in enumerate(ids) if e not in ready]
+        pools, slot_of = pending.pool.arrays, pending.pool.slot_of
         rows = mx.broadcast_to(x, (*indices.shape, 1, x.shape[-1])).reshape(-1, 1, x.shape[-1])
-        first, rest = np.flatnonzero(early), np.flatnonzero(~early)
-        table = streamer.table(pending.pool, experts)  # the ready experts' slots are final
-        y_first = self._experts(rows[mx.array(first)], mx.array(table[flat[first]]), False, pools)
+        slots = slot_of[host.ravel()].tolist()  # the ready experts' slots are final
+        y_first = self._experts(
+            rows[mx.array(first)],
+            mx.array([slots[i] for i in first], dtype=mx.uint32),
+            False,
+            pools,
+        )
         mx.async_eval(y_first)  # runs while the reads land; not a host sync
         streamer.counters.overlapped += 1
         streamer.finish_load(pending)
-        table = streamer.table(pending.pool, experts)
-        y_rest = self._experts(rows[mx.array(rest)], mx.array(table[flat[rest]]), False, pools)
-        order = mx.array(np.argsort(np.concatenate([first, rest])))
+        slots = slot_of[host.ravel()].tolist()
+        y_rest = self._experts(
+            rows[mx.array(rest)], mx.array([slots[i] for i in rest], dtype=mx.uint32), False, pools
+        )
+        perm = first + rest
+        order = mx.array(sorted(range(len(perm)), key=perm.__getitem__))  # argsort of perm
         y = mx.concatenate([y_first, y_rest])[order]
         y = y.reshape(*indices.shape, *y.shape[-2:])
-        streamer.defer(layer, y, table[experts].tolist())
+        streamer.defer(layer, y, slots)
         return y
 
     def _on_device(self, x: mx.array, indices: mx.array, dep: mx.array | None) -> mx.array:
