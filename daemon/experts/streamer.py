@@ -302,7 +302,7 @@ class ExpertStreamer:
         else:
             experts = np.array(needed, dtype=np.intp)
             pool.plan_passes(experts)  # one pass: starts the call for the policy
-            self.finish_load(self.begin_load(layer, experts))
+            self._load_now(layer, pool, experts)
             mapped = pool.slot_of[host]
             slots = mapped.ravel().tolist()
         # From lists: cheaper than from a numpy array (no buffer import); host's shape kept.
@@ -322,13 +322,8 @@ class ExpertStreamer:
         spec_loads: list[tuple[int, int]] = []
         if self.spec.inflight(layer):
             kept, spec_batches, spec_loads = self.spec.settle(layer, set(experts.tolist()))
-        hits, loads = self._admit(pool, experts)
+        hits, loads = self._admit_counted(layer, pool, experts)
         self.counters.prefetch_hits += len(kept)
-        lc = self.counters.layers[layer]
-        lc.hits += len(hits)
-        lc.misses += len(loads)
-        if self.observer is not None:  # before the read: it asks whether the pages are cached
-            self.observer.on_load(layer, pool, hits, loads)
         demand: list[ReadBatch] = []
         stagings: list[Staging] = []
         if loads:
@@ -349,6 +344,31 @@ class ExpertStreamer:
             stagings,
             spec_stagings,
         )
+
+    def _admit_counted(
+        self, layer: int, pool: LayerPool, experts: np.ndarray
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        hits, loads = self._admit(pool, experts)
+        lc = self.counters.layers[layer]
+        lc.hits += len(hits)
+        lc.misses += len(loads)
+        if self.observer is not None:  # before the read: it asks whether the pages are cached
+            self.observer.on_load(layer, pool, hits, loads)
+        return hits, loads
+
+    def _load_now(self, layer: int, pool: LayerPool, experts: np.ndarray) -> None:
+        """`begin_load` and `finish_load` at once for a layer with no speculative reads in flight
+        (a decode call's misses): the same admission, counts and reads, no PendingLoad."""
+        _hits, loads = self._admit_counted(layer, pool, experts)
+        if not loads:
+            self.spec.issue(layer + 1)
+            return
+        self.fence.guard(layer, loads)
+        staging = pool.stage(loads)
+        batch = self.reader.submit(self.store.jobs_for(pool, staging))
+        self.spec.issue(layer + 1)  # queued behind the demand reads
+        self._collect(pool, loads, [batch])
+        pool.land(staging)
 
     def finish_load(self, p: PendingLoad) -> None:
         """Wait for a `begin_load`'s reads: then every expert of it is in its slot."""
