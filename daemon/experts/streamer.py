@@ -277,14 +277,19 @@ class ExpertStreamer:
         return passes
 
     def one_pass(
-        self, layer: int, host: np.ndarray
-    ) -> tuple[mx.array, list[int], dict[str, mx.array]] | None:
-        """A call whose experts fit one pass (the decode call), made resident (read and landed):
-        the slot of each of `host`'s ids (uint32, host's shape), the slots it reads, the pools.
-        An all-hit call is one lookup and a few list operations: on a call this small each numpy
-        or MLX call costs more than the Python it replaces. None, with nothing done, where the
-        general path runs (more ids than slots, speculative reads in flight for the layer, or
-        some experts resident and some not while the overlapped path is on)."""
+        self,
+        layer: int,
+        host: np.ndarray,
+        build: Callable[[mx.array, dict[str, mx.array]], mx.array],
+    ) -> mx.array | None:
+        """A call whose experts fit one pass (the decode call): its experts made resident and its
+        output, `build(slot of each of host's ids (uint32, host's shape), pools)`, deferred. For
+        a pool the reads land in directly, the output is built while the misses are read (built,
+        not evaluated: nothing reads it before it is deferred, after they landed). An all-hit
+        call is one lookup and a few list operations: on a call this small each numpy or MLX call
+        costs more than the Python it replaces. None, with nothing done, where the general path
+        runs (more ids than slots, speculative reads in flight for the layer, or some experts
+        resident and some not while the overlapped path is on)."""
         pool = self.pools[layer]
         if host.size > pool.slots or self.spec.inflight(layer):
             return None
@@ -299,14 +304,28 @@ class ExpertStreamer:
             if self.observer is not None:
                 self.observer.on_load(layer, pool, needed, [])
             self.spec.issue(layer + 1)
-        else:
-            experts = np.array(needed, dtype=np.intp)
-            pool.plan_passes(experts)  # one pass: starts the call for the policy
-            self._load_now(layer, pool, experts)
-            mapped = pool.slot_of[host]
-            slots = mapped.ravel().tolist()
-        # From lists: cheaper than from a numpy array (no buffer import); host's shape kept.
-        return mx.array(mapped.tolist(), dtype=mx.uint32), slots, pool.arrays
+            # From lists: cheaper than from a numpy array (no buffer import); host's shape kept.
+            out = build(mx.array(mapped.tolist(), dtype=mx.uint32), pool.arrays)
+            self.defer(layer, out, slots)
+            return out
+        experts = np.array(needed, dtype=np.intp)
+        pool.plan_passes(experts)  # one pass: starts the call for the policy
+        _hits, loads = self._admit_counted(layer, pool, experts)
+        self.fence.guard(layer, loads)  # before this call's output exists: it is not pending
+        staging = pool.stage(loads)
+        batch = self.reader.submit(self.store.jobs_for(pool, staging))
+        self.spec.issue(layer + 1)  # queued behind the demand reads
+        mapped = pool.slot_of[host]  # the admitted slots: final before the bytes land
+        slots = mapped.ravel().tolist()
+        early: mx.array | None = None
+        if not pool.staged:  # a staged landing makes new arrays: build on those
+            early = build(mx.array(mapped.tolist(), dtype=mx.uint32), pool.arrays)
+        self._collect(pool, loads, [batch])
+        pool.land(staging)
+        if early is None:
+            early = build(mx.array(mapped.tolist(), dtype=mx.uint32), pool.arrays)
+        self.defer(layer, early, slots)
+        return early
 
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]:
         """Make `experts` resident in `layer`; returns (expert -> slot table, pools)."""
@@ -355,20 +374,6 @@ class ExpertStreamer:
         if self.observer is not None:  # before the read: it asks whether the pages are cached
             self.observer.on_load(layer, pool, hits, loads)
         return hits, loads
-
-    def _load_now(self, layer: int, pool: LayerPool, experts: np.ndarray) -> None:
-        """`begin_load` and `finish_load` at once for a layer with no speculative reads in flight
-        (a decode call's misses): the same admission, counts and reads, no PendingLoad."""
-        _hits, loads = self._admit_counted(layer, pool, experts)
-        if not loads:
-            self.spec.issue(layer + 1)
-            return
-        self.fence.guard(layer, loads)
-        staging = pool.stage(loads)
-        batch = self.reader.submit(self.store.jobs_for(pool, staging))
-        self.spec.issue(layer + 1)  # queued behind the demand reads
-        self._collect(pool, loads, [batch])
-        pool.land(staging)
 
     def finish_load(self, p: PendingLoad) -> None:
         """Wait for a `begin_load`'s reads: then every expert of it is in its slot."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
@@ -77,8 +78,11 @@ class LayerCache(Protocol):
     def route(self, layer: int, indices: mx.array, x: mx.array | None = None) -> np.ndarray: ...
 
     def one_pass(
-        self, layer: int, host: np.ndarray
-    ) -> tuple[mx.array, list[int], dict[str, mx.array]] | None: ...
+        self,
+        layer: int,
+        host: np.ndarray,
+        build: Callable[[mx.array, dict[str, mx.array]], mx.array],
+    ) -> mx.array | None: ...
 
     def plan_passes(self, layer: int, needed: np.ndarray) -> list[np.ndarray]: ...
 
@@ -330,15 +334,12 @@ class StreamingSwitch(nn.Module):
             return out
         host = streamer.route(layer, indices, x)
         do_sort = indices.size >= 64
-        if not do_sort:
-            mapped = streamer.one_pass(layer, host)
-            if mapped is not None:  # the decode call: slot ids mapped on the host, one graph
-                idx, slots, pools = mapped
-                out = self._decode_graph(x, idx, pools)
-                # Not evaluated here: the streamer fences it before any slot it reads is reused.
-                streamer.defer(layer, out, slots)
+        if not do_sort:  # the decode call: slot ids mapped on the host, one graph
+            # Not evaluated here: the streamer fences it before any slot it reads is reused.
+            done = streamer.one_pass(layer, host, partial(self._decode_graph, x))
+            if done is not None:
                 streamer.counters.layer_s += time.perf_counter() - t0
-                return out
+                return done
         x = mx.expand_dims(x, (-2, -3))
         needed = distinct(host)
         passes = streamer.plan_passes(layer, needed)
