@@ -23,6 +23,7 @@ from moed.daemon.experts.store import (
     open_direct,
     resolve_page_cache,
 )
+from moed.daemon.experts.streamer import ExpertStreamer
 from tests.fixtures.reference import MEMORY, decode, resident, streaming
 
 STORE_PROMPT = [(5 * i + 1) % 300 + 3 for i in range(40)]
@@ -122,6 +123,38 @@ def test_failed_read_raises_and_leaves_no_stale_slot(checkpoint_factory, tmp_pat
         with pytest.raises(OSError):
             decode(model, STORE_PROMPT, 8)
         assert all(streamer.pools[1].slot_of[e] < 0 for e in range(8))
+    finally:
+        streamer.close()
+
+
+def test_failed_read_in_a_decode_call_defers_nothing(checkpoint_factory, tmp_path, monkeypatch):
+    """A one-pass decode call builds its graph while its misses are read: when a read fails, the
+    call raises, gives its slots back, and its output was never handed to the fence."""
+    src = checkpoint_factory("qwen3_moe")
+    path = tmp_path / "ck"
+    shutil.copytree(src, path)
+    model, streamer = streaming(path, "50%")
+    failed = []
+    one_pass = ExpertStreamer.one_pass
+
+    def spy(self, layer, host, build):
+        try:
+            return one_pass(self, layer, host, build)
+        except OSError:
+            failed.append(layer)
+            raise
+
+    monkeypatch.setattr(ExpertStreamer, "one_pass", spy)
+    try:
+        loc = streamer.pools[1].tensors[0].loc
+        os.truncate(loc.file, loc.offset)  # the tensors stored from there on are gone
+        with pytest.raises(OSError):
+            decode(model, STORE_PROMPT[:1], 8)  # one token a call: the one-pass path
+        assert len(failed) == 1  # the first failed read ends the step
+        # The read-back before the failed call took every earlier output; its own never came.
+        assert streamer.fence.outputs == []
+        pool = streamer.pools[failed[0]]
+        assert len(pool.resident) == pool.slots - pool.free_slots
     finally:
         streamer.close()
 
