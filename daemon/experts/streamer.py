@@ -288,10 +288,10 @@ class ExpertStreamer:
         not evaluated: nothing reads it before it is deferred, after they landed). An all-hit
         call is one lookup and a few list operations: on a call this small each numpy or MLX call
         costs more than the Python it replaces. None, with nothing done, where the general path
-        runs (more ids than slots, speculative reads in flight for the layer, or some experts
-        resident and some not while the overlapped path is on)."""
+        runs (no ids, more ids than slots, speculative reads in flight for the layer, or some
+        experts resident and some not while the overlapped path is on)."""
         pool = self.pools[layer]
-        if host.size > pool.slots or self.spec.inflight(layer):
+        if not 0 < host.size <= pool.slots or self.spec.inflight(layer):
             return None
         needed = sorted(set(host.ravel().tolist()))  # ascending, as plan_passes takes them
         mapped = pool.slot_of[host]
