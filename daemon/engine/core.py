@@ -30,7 +30,7 @@ from moed.daemon.engine.heartbeat import StepHeartbeat
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.lifecycle import ModelLifecycle
 from moed.daemon.engine.prefix_cache.cache import PrefixHit
-from moed.daemon.engine.prefix_cache.disk_tier import clear_folder
+from moed.daemon.engine.prefix_cache.disk_tier import Activity, clear_folder
 from moed.daemon.engine.prefix_cache.setup import prefix_cache_config
 from moed.daemon.engine.request import Emitted, GenerateJob, Generation, RequestKey
 from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Scheduler
@@ -226,12 +226,14 @@ class EngineCore(ModelLifecycle):
             return None, ()
 
     def _gate_prefix_writes(self) -> None:
-        """The SSD tier writes only while no row waits for its first token: on a few cores a
-        write beside a prefill delays that token (prefix_cache/disk_tier.py)."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.reading_prompts(
-                any(g.first_token_at is None for g in self._rows.values())
-            )
+        """Tell the SSD tier what the engine does: on a few cores a write beside a prefill delays
+        its first token (prefix_cache/disk_tier.py)."""
+        if self.prefix_cache is None:
+            return
+        if any(g.first_token_at is None for g in self._rows.values()):
+            self.prefix_cache.engine_is(Activity.PROMPT)
+        else:
+            self.prefix_cache.engine_is(Activity.DECODE if self._rows else Activity.IDLE)
 
     def _keep_prefix(self, row: SavedRow | None) -> None:
         if self.prefix_cache is None or row is None:

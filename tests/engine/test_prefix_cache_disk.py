@@ -16,7 +16,7 @@ from mlx_lm.models.cache import KVCache
 from moed.daemon.config import ServeConfig
 from moed.daemon.engine.core import EngineCore
 from moed.daemon.engine.prefix_cache import disk_tier
-from moed.daemon.engine.prefix_cache.disk_tier import DiskTier
+from moed.daemon.engine.prefix_cache.disk_tier import Activity, DiskTier
 from moed.daemon.engine.prefix_cache.entry import PrefixEntry
 from moed.daemon.engine.status import EngineStatus
 from tests.fixtures.engine_driver import SYSTEM, TURNS, ListSink, converse
@@ -212,12 +212,12 @@ def _wait_for(predicate, timeout=10.0) -> bool:
 def test_the_ssd_writer_waits_while_a_prompt_is_read_and_writes_a_turn_once(tmp_path):
     tier = _tier(tmp_path)
     try:
-        tier.hold(True)  # a row is reading its prompt
+        tier.engine_is(Activity.PROMPT)  # a row is reading its prompt
         tier.write(_entry(range(3, 20)))  # that prompt's entry
         tier.write(_entry(range(3, 30)))  # the row's whole generation: covers the first
         time.sleep(0.3)
         assert tier.writes == 0 and not _entry_files(tier.dir)
-        tier.hold(False)
+        tier.engine_is(Activity.IDLE)
         assert _wait_for(lambda: tier.writes == 1)
         tier.flush()
         (only,) = tier.records()
@@ -233,7 +233,7 @@ def test_a_held_write_waits_at_most_hold_max_and_flush_and_close_write_whatever_
 ):
     monkeypatch.setattr(disk_tier, "HOLD_MAX_S", 0.2)
     tier = _tier(tmp_path)
-    tier.hold(True)  # an engine that is never quiet
+    tier.engine_is(Activity.PROMPT)  # an engine that is never quiet
     tier.write(_entry(range(3, 20)))
     assert _wait_for(lambda: tier.writes == 1)  # a crash would lose at most HOLD_MAX_S of it
     monkeypatch.setattr(disk_tier, "HOLD_MAX_S", 60.0)
@@ -248,7 +248,7 @@ def test_a_held_write_waits_at_most_hold_max_and_flush_and_close_write_whatever_
 def test_a_server_always_reading_a_prompt_still_writes_once_entries_pile_up(tmp_path):
     tier = _tier(tmp_path)
     try:
-        tier.hold(True)
+        tier.engine_is(Activity.PROMPT)
         for k in range(disk_tier.HOLD_QUEUE - 1):
             tier.write(_entry(range(100 * k + 3, 100 * k + 20)))  # unrelated prompts
         time.sleep(0.3)
@@ -261,30 +261,54 @@ def test_a_server_always_reading_a_prompt_still_writes_once_entries_pile_up(tmp_
     assert tier.writes == disk_tier.HOLD_QUEUE
 
 
-def test_the_engine_holds_the_ssd_writer_from_a_rows_join_to_its_first_token(
-    checkpoint_factory, tmp_path
-):
+def test_the_engine_tells_the_ssd_writer_when_prompts_are_read(checkpoint_factory, tmp_path):
     core = engine(checkpoint_factory("qwen3_5_moe"), tmp_path)
     events: list[tuple[str, object]] = []
     disk = core.prefix_cache.disk
-    hold, write = disk.hold, disk.write
+    engine_is, write = disk.engine_is, disk.write
 
-    def logged_hold(busy):
-        events.append(("hold", busy))
-        hold(busy)
+    def logged_activity(activity):
+        said = [e for e in events if e[0] == "is"]
+        if not said or said[-1][1] is not activity:  # the changes only
+            events.append(("is", activity))
+        engine_is(activity)
 
     def logged_write(entry):
         events.append(("write", len(entry.tokens)))
         write(entry)
 
-    disk.hold, disk.write = logged_hold, logged_write
+    disk.engine_is, disk.write = logged_activity, logged_write
     prompt = SYSTEM + [40, 41, 42]
     converse(core, [prompt])
     finish(core)
-    holds = [e for e in events if e[0] == "hold"]
-    assert holds[0] == ("hold", True) and holds[-1] == ("hold", False)
-    # The prompt's entry is queued while its row reads it, the whole row's once it has tokens.
+    states = [e[1] for e in events if e[0] == "is"]
+    assert states == [Activity.PROMPT, Activity.DECODE, Activity.IDLE], events
+    # The prompt's entry is queued while its row reads it, the whole row's as it ends.
     at_prompt = events.index(("write", len(prompt) - 1))
-    assert [e for e in events[:at_prompt] if e[0] == "hold"][-1] == ("hold", True)
-    last = max(i for i, e in enumerate(events) if e[0] == "write")
-    assert ("hold", False) in events[at_prompt:last]
+    assert ("is", Activity.PROMPT) in events[:at_prompt]
+    assert ("is", Activity.DECODE) in events[at_prompt:]
+
+
+def test_writes_go_out_while_rows_decode_and_an_idle_engine_waits_a_moment(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_tier, "QUIET_S", 1.0)
+    tier = _tier(tmp_path)
+    try:
+        tier.engine_is(Activity.PROMPT)
+        tier.write(_entry(range(3, 20)))
+        time.sleep(0.3)
+        assert tier.writes == 0
+        tier.engine_is(Activity.DECODE)  # its first token came: written now
+        assert _wait_for(lambda: tier.writes == 1, timeout=0.9)
+        tier.engine_is(Activity.IDLE)
+        tier.write(_entry(range(3, 40)))  # the turn ended: its client's next may come at once
+        time.sleep(0.3)
+        assert tier.writes == 1
+        tier.engine_is(Activity.PROMPT)  # it came: the entry waits for its first token
+        time.sleep(1.0)
+        assert tier.writes == 1
+        tier.engine_is(Activity.IDLE)  # or for the engine to stay idle a moment
+        time.sleep(0.3)
+        assert tier.writes == 1
+        assert _wait_for(lambda: tier.writes == 2)
+    finally:
+        tier.close()

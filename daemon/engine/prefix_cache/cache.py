@@ -15,7 +15,7 @@ from moed.daemon.engine.prefix_cache.memory_tier import MemoryTier
 from moed.daemon.model.layer_caches import LayerCache, own_arrays
 
 if TYPE_CHECKING:  # the SSD tier is imported only where one is opened (setup.py)
-    from moed.daemon.engine.prefix_cache.disk_tier import DiskTier
+    from moed.daemon.engine.prefix_cache.disk_tier import Activity, DiskTier
 
 log = logging.getLogger("moed.prefix_cache")
 
@@ -120,10 +120,10 @@ class PrefixCache:
         elif self.disk is not None and entry.nbytes <= self.disk.budget_bytes:
             self.disk.write(entry)  # too large for memory, not for the SSD
 
-    def reading_prompts(self, busy: bool) -> None:
-        """Whether a row is reading its prompt: the SSD tier's writes wait meanwhile."""
+    def engine_is(self, activity: Activity) -> None:
+        """What the engine does now: the SSD tier writes around prompts (disk_tier.py)."""
         if self.disk is not None:
-            self.disk.hold(busy)
+            self.disk.engine_is(activity)
 
     def shed(self) -> int:
         """Empty the memory tier (the watchdog's first relief); the SSD tier stays."""

@@ -3,12 +3,15 @@ bounded in bytes, least recently used out first, written on a thread of its own 
 (a temporary file renamed into place), each stamped with a fingerprint of the model's files,
 moed's version and the cache layout. It survives idle unloads, restarts and crashes.
 
-The writer stays out of time to first token: while the engine says a row is reading its prompt
-(`hold`), queued entries wait (at most HOLD_MAX_S each, and never while HOLD_QUEUE of them wait:
-a server always reading some prompt still writes them), so a write does not share the cores with
-a prefill; and an entry queued behind one that it covers (a row's whole generation after its
-prompt) replaces it, so a turn is written once. Measured on a 2-core machine, a prefix-hit turn's
-first token came 14 ms later (of 100) while its prompt's entry was written beside it.
+The writer stays out of time to first token. The engine tells the tier what it is doing
+(`Activity`): while a row reads its prompt, queued entries wait (at most HOLD_MAX_S each, and
+never while HOLD_QUEUE of them wait: a server always reading some prompt still writes them);
+while rows only decode, they are written at once; on an idle engine, once it has been idle for
+QUIET_S (an agent's next turn often follows its answer at once, and a write started then shares
+the prefill's cores and GIL). An entry queued behind one that it covers (a row's whole generation
+after its prompt) replaces it, so a short turn is written once. Measured on a 2-core machine, a
+prefix-hit turn's first token came 14 ms later (of 100) while its prompt's entry was written
+beside it.
 
 Like every side file it is advisory: a corrupt, truncated or foreign entry is skipped with a
 warning, a full disk or a read-only folder is a warning, and the request is served either way.
@@ -17,6 +20,7 @@ warning, a full disk or a read-only folder is a warning, and the request is serv
 from __future__ import annotations
 
 import base64
+import enum
 import hashlib
 import json
 import logging
@@ -48,6 +52,17 @@ SUFFIX = ".safetensors"
 WRITE_QUEUE = 8  # entries waiting for the writer; more are dropped (the cache is advisory)
 HOLD_MAX_S = 10.0  # a busy engine delays an entry's write at most this long (a crash loses less)
 HOLD_QUEUE = WRITE_QUEUE // 2  # this many waiting are written anyway: a busy server drops none
+QUIET_S = 0.2  # an idle engine's writes wait this long: a client's next turn may come at once
+
+
+class Activity(enum.Enum):
+    """What the engine is doing, as the SSD writer needs to know it."""
+
+    PROMPT = "prompt"  # a row is reading its prompt: writes wait
+    DECODE = "decode"  # rows only decode: writes go out now
+    IDLE = "idle"  # no rows: writes go out once it has been idle for QUIET_S
+
+
 _MAX_HEADER = 64 << 20
 
 
@@ -125,10 +140,11 @@ class DiskTier:
             None
         )  # the owner republishes its counters (writer thread)
         self._scan()
-        # The writer's queue: (entry, when queued); `_held` while the engine reads a prompt.
+        # The writer's queue: (entry, when queued), and what the engine is doing since when.
         self._wake = threading.Condition()
         self._pending: deque[tuple[PrefixEntry, float]] = deque()
-        self._held = self._closing = False
+        self._activity, self._idle_since = Activity.IDLE, time.monotonic()
+        self._closing = False
         self._flushing = 0  # callers of flush(): the queue is written whatever the hold
         self._unfinished = 0  # queued or being written
         self._writer = threading.Thread(
@@ -248,29 +264,34 @@ class DiskTier:
             self._pending = deque(kept)
             self._wake.notify_all()
 
-    def hold(self, busy: bool) -> None:
-        """The engine's word: a row is reading its prompt (True), or none is (False)."""
+    def engine_is(self, activity: Activity) -> None:
+        """The engine's word on what it does now (it calls this whenever that may change)."""
         with self._wake:
-            if busy != self._held:
-                self._held = busy
+            if activity is not self._activity:
+                if activity is Activity.IDLE:
+                    self._idle_since = time.monotonic()
+                self._activity = activity
                 self._wake.notify_all()
+
+    def _wait_s(self, since: float, now: float) -> float:
+        """How long the first queued entry (queued at `since`) still waits; <= 0: write it."""
+        if self._closing or self._flushing or len(self._pending) >= HOLD_QUEUE:
+            return 0.0
+        if self._activity is Activity.DECODE:
+            return 0.0
+        held = since + HOLD_MAX_S - now
+        if self._activity is Activity.PROMPT:
+            return held
+        return min(held, max(self._idle_since, since) + QUIET_S - now)
 
     def _next_entry(self) -> PrefixEntry | None:
         """The next entry to write once the engine allows it; None when closing with none left."""
         with self._wake:
             while True:
                 if self._pending:
-                    entry, since = self._pending[0]
-                    wait = since + HOLD_MAX_S - time.monotonic()
-                    if (
-                        not self._held
-                        or self._closing
-                        or self._flushing
-                        or wait <= 0
-                        or len(self._pending) >= HOLD_QUEUE
-                    ):
-                        self._pending.popleft()
-                        return entry
+                    wait = self._wait_s(self._pending[0][1], time.monotonic())
+                    if wait <= 0:
+                        return self._pending.popleft()[0]
                     self._wake.wait(wait)
                 elif self._closing:
                     return None
@@ -303,6 +324,7 @@ class DiskTier:
         }
         try:
             save_prompt_cache(str(tmp), caches, meta)
+            _sync(tmp)
             os.replace(tmp, final)  # a reader sees the whole file or none
             size = final.stat().st_size
         except (OSError, RuntimeError, ValueError) as exc:  # full disk, read-only folder, ...
@@ -419,6 +441,16 @@ def clear_folder(directory: Path) -> int:
         except OSError:
             pass
     return removed
+
+
+def _sync(path: Path) -> None:
+    """Write the file's pages out now, in the writer's quiet moment: left to the kernel's
+    writeback, they go out whenever it chooses, a prefill's cores and I/O included."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: Path) -> None:
