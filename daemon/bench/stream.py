@@ -23,7 +23,13 @@ import numpy as np
 from moed.daemon.bench.bench_model import _same_config, bench_config, write_bench_model
 from moed.daemon.bench.k_reduction import k_lines, native_agreement
 from moed.daemon.bench.reads import raw_pread_bandwidth, sweep, sweep_report
-from moed.daemon.bench.stream_contenders import _prompt, load_resident, load_streaming, measure
+from moed.daemon.bench.stream_contenders import (
+    _prompt,
+    default_landing,
+    load_resident,
+    load_streaming,
+    measure,
+)
 from moed.daemon.bench.stream_report import paired_speed, report
 from moed.daemon.experts.prefetch import default_workers
 
@@ -129,8 +135,15 @@ SWEEP_BURST = 2  # experts per burst in the read sweep: a layer's misses in a de
     "--staged-budgets",
     default="",
     show_default=True,
-    help="budgets also run with reads staged in host rows and scattered into device-owned pools "
-    "(experts/landing.py: an opt-in for CUDA's managed memory); empty: none",
+    help="budgets also run with the STAGED landing (reads into a host staging ring, one device "
+    "scatter per burst: experts/landing.py; the default on CUDA); empty: none",
+)
+@click.option(
+    "--direct-budgets",
+    default="",
+    show_default=True,
+    help="budgets also run with the DIRECT landing (reads into the slots' own bytes; the default "
+    "off CUDA); empty: none",
 )
 @click.option("--seed", default=0, show_default=True, help="Seed for the weights and prompts.")
 def stream(
@@ -155,6 +168,7 @@ def stream(
     sweep_reads,
     model_path,
     staged_budgets,
+    direct_budgets,
     seed,
 ) -> None:
     """Expert streaming vs resident mlx-lm on a model with Qwen3.6-35B-A3B expert shapes."""
@@ -202,10 +216,11 @@ def stream(
                 contenders.append(
                     load_streaming(path, budget, workers, page_cache, speculative=True)
                 )
-            for budget in [b.strip() for b in staged_budgets.split(",") if b.strip()]:
-                contenders.append(
-                    load_streaming(path, budget, workers, page_cache, landing="staged")
-                )
+            for landing, listed in (("staged", staged_budgets), ("direct", direct_budgets)):
+                for budget in [b.strip() for b in listed.split(",") if b.strip()]:
+                    contenders.append(
+                        load_streaming(path, budget, workers, page_cache, landing=landing)
+                    )
             budget_list = [b.strip() for b in budgets.split(",") if b.strip()]
             ks = [int(k) for k in active_experts.split(",") if k.strip()]
             for k in [k for k in ks if 0 < k < top_k and budget_list]:
@@ -271,6 +286,7 @@ def stream(
             "tokens": tokens,
             "warmup": warmup,
             "page_cache": page_cache,
+            "landing": default_landing(),
         }
         if swept is not None:
             click.echo(sweep_report(swept, raw["mb_s"], SWEEP_BURST) + "\n")

@@ -129,6 +129,15 @@ def load_resident(path: Path) -> Contender:
     return Contender("resident", model)
 
 
+def default_landing() -> str:
+    """The landing the daemon's default picks on this machine (staged on CUDA, else direct)."""
+    # mlx on use: every `moed` command imports the bench modules
+    from moed.daemon.experts.cuda_memory import on_cuda
+    from moed.daemon.experts.landing import Landing
+
+    return Landing.AUTO.resolve(on_cuda()).value
+
+
 def load_streaming(
     path: Path,
     budget: str,
@@ -137,7 +146,7 @@ def load_streaming(
     preload_all: bool = False,
     speculative: bool = False,
     active_experts: int = 0,
-    landing: str = "direct",
+    landing: str = "auto",
 ) -> Contender:
     # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
@@ -173,7 +182,7 @@ def load_streaming(
     streamer.trace = [] if simulate else None
     name = budget + ("+pre" if preload_all else "") + ("+spec" if speculative else "")
     name += f",K={active_experts}" if active_experts else ""
-    name += f",{landing}" if landing != "direct" else ""
+    name += f",{landing}" if landing != "auto" else ""  # a landing other than the default
     return Contender(name, model, streamer, preloaded=preload_all, simulate=simulate)
 
 

@@ -113,7 +113,8 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
         f"one expert {meta['expert_bytes'] / 1e6:.2f} MB, "
         f"experts {meta['experts_bytes'] / 1e9:.2f} GB",
         f"decode {meta['tokens']} tokens after a {meta['warmup']}-token warm-up; "
-        f"{raw['workers']} read workers; page cache: {meta['page_cache']}",
+        f"{raw['workers']} read workers; page cache: {meta['page_cache']}; "
+        f"landing: {meta.get('landing', 'direct')}",
         _raw_line(raw),
         "",
         f"{'budget':>8} {'slots':>5} {'tok/s':>7} {'x res':>6} {'same':>5} "

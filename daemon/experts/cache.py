@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from moed.daemon.experts.cuda_memory import on_cuda
 from moed.daemon.experts.landing import Landing, Staging
 from moed.daemon.experts.policies import EvictionPolicy
 from moed.daemon.experts.safetensors_index import CheckpointError, TensorLoc
@@ -100,7 +101,7 @@ class LayerPool(SlotTable):
     ):
         self.layer = layer
         self.tensors = tensors
-        self.staged = landing is Landing.STAGED
+        self.staged = landing.resolve(on_cuda()) is Landing.STAGED
         self.expert_bytes = sum(t.slot_bytes for t in tensors)
         super().__init__(num_experts, slots, policy)
         self._allocate(slots)

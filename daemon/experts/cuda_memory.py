@@ -96,10 +96,15 @@ def _loaded_cudart() -> str | None:
     return None
 
 
+def on_cuda() -> bool:
+    """MLX computes on a CUDA GPU here (its default device)."""
+    return bool(mx.cuda.is_available()) and mx.default_device().type == mx.DeviceType.gpu
+
+
 @functools.cache
 def runtime() -> CudaRuntime | None:
     """The CUDA runtime when MLX runs on CUDA, else None."""
-    if not mx.cuda.is_available() or mx.default_device().type != mx.DeviceType.gpu:
+    if not on_cuda():
         return None
     path = _loaded_cudart()
     if path is None:

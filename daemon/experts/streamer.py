@@ -18,6 +18,7 @@ from moed.daemon.experts import profile as profile_mod
 from moed.daemon.experts.budget import CacheBudget
 from moed.daemon.experts.cache import LayerPool
 from moed.daemon.experts.counters import Counters, LayerCounters
+from moed.daemon.experts.cuda_memory import on_cuda
 from moed.daemon.experts.discover import SwitchInfo
 from moed.daemon.experts.fence import LazyFence
 from moed.daemon.experts.held import DeviceTally
@@ -55,7 +56,7 @@ class StreamingConfig:
     # input. Exact either way (it only changes what is resident); costs bandwidth when wrong.
     prefetch_next: bool = False
     cache_policy: str = DEFAULT_POLICY  # a name in experts/policies (the registry)
-    landing: Landing = Landing.DIRECT  # where reads land (landing.py); STAGED: CUDA, opt-in
+    landing: Landing = Landing.AUTO  # where reads land (landing.py): STAGED on CUDA, else DIRECT
 
 
 @dataclass
@@ -114,7 +115,7 @@ class ExpertStreamer:
         self.baseline_bytes = self.plan.baseline_bytes  # measured before weights and pools exist
         self.budget_bytes = self.plan.cache_budget_bytes
         slots = self.plan.slots_per_layer
-        self.landing = Landing(cfg.landing)
+        self.landing = Landing(cfg.landing).resolve(on_cuda())
         self.pools = []
         for i, s in enumerate(switches):
             n = min(slots, s.num_experts)

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moed.daemon.experts import cuda_memory
+from moed.daemon.experts import StreamingConfig, cuda_memory
 from moed.daemon.experts.cache import LayerPool, PooledTensor
 from moed.daemon.experts.landing import Landing
 from moed.daemon.experts.policies import make_policy
@@ -180,3 +180,20 @@ def test_off_cuda_there_is_nothing_to_advise():
     assert cuda_memory.runtime() is None
     assert cuda_memory.advise_host(arr) is False
     assert cuda_memory.address(arr) != 0
+
+
+def test_the_default_landing_is_staged_on_cuda_only():
+    assert Landing.AUTO.resolve(on_cuda=True) is Landing.STAGED
+    assert Landing.AUTO.resolve(on_cuda=False) is Landing.DIRECT
+    assert Landing.DIRECT.resolve(on_cuda=True) is Landing.DIRECT
+    assert StreamingConfig().landing is Landing.AUTO
+    loc = TensorLoc("w", Path("unused"), "F32", (EXPERTS, *ROW), 0, EXPERTS * 4 * 8 * 4)
+    pool = LayerPool(
+        0,
+        [PooledTensor("gate_proj", "weight", loc)],
+        EXPERTS,
+        SLOTS,
+        make_policy("lru", EXPERTS, SLOTS),
+        Landing.AUTO,
+    )
+    assert not pool.staged and pool.ring is None and pool.views  # the CPU backend: DIRECT
