@@ -312,3 +312,18 @@ def test_writes_go_out_while_rows_decode_and_an_idle_engine_waits_a_moment(tmp_p
         assert _wait_for(lambda: tier.writes == 2)
     finally:
         tier.close()
+
+
+def test_a_clear_drops_the_entries_still_queued_for_the_writer(tmp_path):
+    tier = _tier(tmp_path)
+    try:
+        tier.write(_entry(range(3, 20)))
+        tier.flush()
+        tier.engine_is(Activity.PROMPT)
+        tier.write(_entry(range(50, 70)))  # waits for the prompt's first token
+        assert tier.clear() > 0
+        tier.engine_is(Activity.DECODE)
+        tier.flush()
+        assert tier.writes == 1 and not tier.records() and not _entry_files(tier.dir)
+    finally:
+        tier.close()

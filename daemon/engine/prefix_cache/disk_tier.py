@@ -145,6 +145,7 @@ class DiskTier:
         self._pending: deque[tuple[PrefixEntry, float]] = deque()
         self._activity, self._idle_since = Activity.IDLE, time.monotonic()
         self._closing = False
+        self._cleared = self._writing_epoch = 0  # clears: a write begun before one is dropped
         self._flushing = 0  # callers of flush(): the queue is written whatever the hold
         self._unfinished = 0  # queued or being written
         self._writer = threading.Thread(
@@ -291,6 +292,7 @@ class DiskTier:
                 if self._pending:
                     wait = self._wait_s(self._pending[0][1], time.monotonic())
                     if wait <= 0:
+                        self._writing_epoch = self._cleared
                         return self._pending.popleft()[0]
                     self._wake.wait(wait)
                 elif self._closing:
@@ -339,6 +341,9 @@ class DiskTier:
         self.writes += 1
         rec = DiskRecord(entry.key, final, entry.tokens, tuple(positions), size, time.time())
         with self._lock:
+            if self._writing_epoch != self._cleared:  # a clear came while it was written
+                _unlink(final)
+                return
             self._records[entry.key] = rec
             superseded = [r for r in self._records.values() if self._covers(rec, r)]
         for old in superseded:
@@ -382,7 +387,13 @@ class DiskTier:
 
     # ---- the rest -----------------------------------------------------------------------------
     def clear(self) -> int:
+        """Remove every entry, the ones still queued for the writer included."""
+        with self._wake:
+            self._unfinished -= len(self._pending)
+            self._pending.clear()
+            self._wake.notify_all()
         with self._lock:
+            self._cleared += 1
             paths = [(r.path, r.nbytes) for r in self._records.values()]
             paths += [(p, s) for p, (s, _) in self._foreign.items()]
             self._records.clear()
