@@ -327,3 +327,19 @@ def test_a_clear_drops_the_entries_still_queued_for_the_writer(tmp_path):
         assert tier.writes == 1 and not tier.records() and not _entry_files(tier.dir)
     finally:
         tier.close()
+
+
+def test_under_memory_pressure_the_queued_entries_are_written_at_once(tmp_path):
+    tier = _tier(tmp_path)
+    try:
+        tier.engine_is(Activity.PROMPT)
+        tier.write(_entry(range(3, 20)))
+        time.sleep(0.3)
+        assert tier.writes == 0
+        tier.write_now()  # the shed: the memory tier let go, the queue must too
+        assert _wait_for(lambda: tier.writes == 1)
+        tier.write(_entry(range(50, 70)))  # urgency ends with the queue it was for
+        time.sleep(0.3)
+        assert tier.writes == 1
+    finally:
+        tier.close()

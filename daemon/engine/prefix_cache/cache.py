@@ -128,6 +128,8 @@ class PrefixCache:
     def shed(self) -> int:
         """Empty the memory tier (the watchdog's first relief); the SSD tier stays."""
         released = self.memory.clear()
+        if self.disk is not None:
+            self.disk.write_now()
         if released:
             log.warning("prefix cache: memory tier emptied (%d bytes)", released)
         return released

@@ -147,6 +147,7 @@ class DiskTier:
         self._closing = False
         self._cleared = self._writing_epoch = 0  # clears: a write begun before one is dropped
         self._flushing = 0  # callers of flush(): the queue is written whatever the hold
+        self._urgent = 0  # memory is short: this many of the first queued go out now
         self._unfinished = 0  # queued or being written
         self._writer = threading.Thread(
             target=self._write_loop, name="moed-prefix-ssd", daemon=True
@@ -274,9 +275,16 @@ class DiskTier:
                 self._activity = activity
                 self._wake.notify_all()
 
+    def write_now(self) -> None:
+        """Memory is short (the watchdog's shed): the queued entries hold arrays the memory tier
+        let go, so they are written at once, whatever the engine does, and released."""
+        with self._wake:
+            self._urgent = len(self._pending)
+            self._wake.notify_all()
+
     def _wait_s(self, since: float, now: float) -> float:
         """How long the first queued entry (queued at `since`) still waits; <= 0: write it."""
-        if self._closing or self._flushing or len(self._pending) >= HOLD_QUEUE:
+        if self._closing or self._flushing or self._urgent or len(self._pending) >= HOLD_QUEUE:
             return 0.0
         if self._activity is Activity.DECODE:
             return 0.0
@@ -293,6 +301,7 @@ class DiskTier:
                     wait = self._wait_s(self._pending[0][1], time.monotonic())
                     if wait <= 0:
                         self._writing_epoch = self._cleared
+                        self._urgent = max(0, self._urgent - 1)
                         return self._pending.popleft()[0]
                     self._wake.wait(wait)
                 elif self._closing:
@@ -391,6 +400,7 @@ class DiskTier:
         with self._wake:
             self._unfinished -= len(self._pending)
             self._pending.clear()
+            self._urgent = 0
             self._wake.notify_all()
         with self._lock:
             self._cleared += 1
