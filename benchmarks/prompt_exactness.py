@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import load_model
 
-from moed.daemon.bench.prompt import _first_token, _resident
+from moed.daemon.bench.prompt import _first_token
 from moed.daemon.experts import StreamingConfig, install_streaming
 
 
@@ -39,6 +39,11 @@ def streamed(path: Path, prompt: list[int], chunk: int, budget: str, overlap: bo
         streamer.close()
 
 
+def resident(path: Path):
+    model, _ = load_model(path)  # every weight in memory, as bench prompt's resident side
+    return model
+
+
 def compare(name: str, seconds: float, lp: mx.array, want: mx.array) -> None:
     diff = float(mx.max(mx.abs(lp - want)).item())
     same = bool(mx.array_equal(lp, want).item())
@@ -56,9 +61,9 @@ def main() -> None:
     print(f"device {mx.default_device()}, prompt {tokens} tokens in chunks of {chunk}")
     # "overlap on" is as the daemon runs: the row-split probe turns it off where it is not exact.
     t0 = time.perf_counter()
-    _, want = _first_token(_resident(path), prompt, chunk)  # the first run warms the kernels
+    _, want = _first_token(resident(path), prompt, chunk)  # the first run warms the kernels
     print(f"resident, first run                          {time.perf_counter() - t0:8.3f} s")
-    s, again = _first_token(_resident(path), prompt, chunk)
+    s, again = _first_token(resident(path), prompt, chunk)
     compare("resident, second run", s, again, want)
     for budget in ("100%", "25%", "10%"):
         for overlap in (True, False):
