@@ -335,7 +335,6 @@ class DiskTier:
         }
         try:
             save_prompt_cache(str(tmp), caches, meta)
-            _sync(tmp)
             os.replace(tmp, final)  # a reader sees the whole file or none
             size = final.stat().st_size
         except (OSError, RuntimeError, ValueError) as exc:  # full disk, read-only folder, ...
@@ -462,16 +461,6 @@ def clear_folder(directory: Path) -> int:
         except OSError:
             pass
     return removed
-
-
-def _sync(path: Path) -> None:
-    """Write the file's pages out now, in the writer's quiet moment: left to the kernel's
-    writeback, they go out whenever it chooses, a prefill's cores and I/O included."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _unlink(path: Path) -> None:
