@@ -50,6 +50,7 @@ class LayerStall(str, enum.Enum):
 
     DELAY = "layer_delay"  # sleeps: the engine is slow, the process answers
     GIL = "layer_gil"  # holds the GIL: every Python thread waits, the transport's too
+    STEP = "step_delay"  # sleeps before every step, decode too: a request stays in flight
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class Faults:
                 raise ValueError(
                     f"debug_faults: cannot parse {item!r} (use oom_after=N, abort_after=N, "
                     "hang_after=N, step_error_after=N, layer_hang_after=N, layer_delay_ms=N, "
-                    "layer_gil_ms=N)"
+                    "layer_gil_ms=N, step_delay_ms=N)"
                 )
             try:
                 if name.endswith("_ms"):
@@ -94,6 +95,8 @@ class Faults:
 
     def before_step(self, tokens_so_far: int) -> None:
         """Called on the engine thread before each decoding step."""
+        if (delay := self.layer_s.get(LayerStall.STEP)) is not None:
+            time.sleep(delay)
         for fault, n in self.after.items():
             if tokens_so_far < n or fault in _LAYER_FAULTS:
                 continue

@@ -4,6 +4,7 @@ OOM classification and the fault-injection setting (pure functions over a temp s
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -137,3 +138,7 @@ def test_faults_setting():
     for bad in ("oom=3", "explode_after=1", "oom_after=x"):
         with pytest.raises(ValueError):
             Faults.parse(bad)
+    slow = Faults.parse("step_delay_ms=30")  # every step sleeps: a request stays in flight
+    t0 = time.monotonic()
+    slow.before_step(0)
+    assert time.monotonic() - t0 >= 0.03
