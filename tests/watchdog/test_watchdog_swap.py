@@ -14,6 +14,7 @@ readers are killed, the cgroups removed, swap turned off and the swap file delet
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -93,10 +94,21 @@ def _swap_used() -> int:
     return info["SwapTotal"] - info["SwapFree"]
 
 
+def _swapoff_stale() -> None:
+    """A run killed before its `finally` (SIGKILL, a timeout) leaves its swap file on: off now."""
+    for line in Path("/proc/swaps").read_text().splitlines()[1:]:
+        name = line.split()[0]
+        if name.endswith("/moed-test.swap"):
+            subprocess.run(["swapoff", name], capture_output=True)
+
+
 @pytest.fixture(scope="module")
 def swap_file(tmp_path_factory):
+    _swapoff_stale()
     path = tmp_path_factory.mktemp("swap") / "moed-test.swap"
     active = False
+    # A SIGTERM (a CI timeout) unwinds through the finally below instead of leaving swap on.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         try:
             subprocess.run(
@@ -119,6 +131,7 @@ def swap_file(tmp_path_factory):
                     break
                 time.sleep(1.0)
         path.unlink(missing_ok=True)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _start_in_cgroup(cg: MemoryCgroup, script: str, *args: str) -> subprocess.Popen:
