@@ -27,7 +27,9 @@ from .errors import ClientError, DaemonRestarted, DaemonUnavailable, RequestFail
 from .events import DoneEvent, Event, event_from_message
 from .inbox import Inbox, merge_tokens
 from .requests import checked_request
+from .stream_slots import StreamSlots
 
+_ENDS = (MessageType.DONE.value, MessageType.ERROR.value)
 _POLLIN = int(zmq.POLLIN)  # a plain int: the flag enum's operators cost microseconds per frame
 
 
@@ -40,6 +42,9 @@ class AsyncClient(ClientCore):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_scheduled = False
         self._routes: dict[Any, Inbox] = {}  # request id -> its reader's inbox
+        self._slots = StreamSlots()
+        # Generations left by their callers, not yet ended in the daemon: their slot tickets.
+        self._leaving: dict[Any, tuple[asyncio.TimerHandle, int]] = {}
         self._tasks: list[asyncio.Task] = []
         self._connecting: asyncio.Lock | None = None
         self._last_heard = 0.0
@@ -66,7 +71,9 @@ class AsyncClient(ClientCore):
             self._tasks = [asyncio.create_task(self._heartbeat_loop())]
             try:
                 request_id, frame = self.hello()
-                return self.welcomed(await self._exchange(request_id, frame))
+                welcome = self.welcomed(await self._exchange(request_id, frame))
+                self._slots.reset(welcome.get("limits", {}).get("max_pending_per_client"))
+                return welcome
             except BaseException:
                 self._drop(None)
                 raise
@@ -92,6 +99,10 @@ class AsyncClient(ClientCore):
         for queue in self._routes.values():
             queue.put_nowait(failure)
         self._routes.clear()
+        for timer, _ in self._leaving.values():
+            timer.cancel()
+        self._leaving.clear()
+        self._slots.reset(None)
 
     async def __aenter__(self) -> AsyncClient:
         await self.connect()
@@ -163,6 +174,7 @@ class AsyncClient(ClientCore):
             raise TypeError("give a request or its fields, not both")
         await self.connect()
         request_id = request_id if request_id is not None else self.next_id("gen")
+        ticket = await self._slots.acquire()
         queue = self._open(request_id)
         ended = False
         try:
@@ -183,11 +195,26 @@ class AsyncClient(ClientCore):
             raise
         finally:
             self._routes.pop(request_id, None)
-            if not ended and self._socket is not None:
+            if not ended and self._socket is not None and not queue.holds_end():
                 # The caller went away (an HTTP client disconnected): stop generating for nobody.
                 self._send(self.cancel_frame(request_id))
+                self._leave(request_id, ticket)
+            else:
+                self._slots.release(ticket)
 
     # ---- plumbing ----------------------------------------------------------------------------
+    def _leave(self, request_id: Any, ticket: int) -> None:
+        """Hold a cancelled generation's slot until its end arrives (or `timeout`: a daemon
+        that never ends it must not keep the slot)."""
+        timer = self._loop.call_later(self.timeout, self._left, request_id)
+        self._leaving[request_id] = (timer, ticket)
+
+    def _left(self, request_id: Any) -> None:
+        left = self._leaving.pop(request_id, None)
+        if left is not None:
+            left[0].cancel()
+            self._slots.release(left[1])
+
     def _open(self, request_id: Any) -> Inbox:
         inbox = Inbox()
         self._routes[request_id] = inbox
@@ -227,6 +254,8 @@ class AsyncClient(ClientCore):
             inbox = routes.get(msg.get("id"))
             if inbox is not None:
                 inbox.put_nowait(msg)
+            elif msg.get("type") in _ENDS and msg.get("id") in self._leaving:
+                self._left(msg["id"])
             # Anything else is late: a heartbeat's answer, an abandoned stream, a timed-out call.
 
     def _disconnect_ready(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 from moed.protocol import MessageType
 
 _TOKEN = MessageType.TOKEN.value
+_ENDS = (MessageType.DONE.value, MessageType.ERROR.value)
 
 
 class Inbox:
@@ -37,6 +38,10 @@ class Inbox:
             finally:
                 self._waiter = None
         return self._items.popleft()
+
+    def holds_end(self) -> bool:
+        """Whether the stream's end (`done` or `error`) already waits here, unread."""
+        return any(isinstance(m, dict) and m.get("type") in _ENDS for m in self._items)
 
     def take_tokens(self, channel: str | None = None) -> list[dict]:
         """The token messages at the head of the inbox (up to the first other reply, or the

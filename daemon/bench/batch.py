@@ -54,7 +54,7 @@ PROMPTS = (
 )
 LONG_STREAMS = 3  # streams decoding when the long prompt arrives (the scenario)
 LONG_STREAM_TOKENS = 1500  # their cap: they stop at the long prompt's first token
-LONG_AFTER = 48  # tokens of the first stream before the long prompt is sent (the baseline)
+LONG_AFTER = 48  # tokens of every stream before the long prompt is sent (the baseline)
 
 
 @dataclass(frozen=True)

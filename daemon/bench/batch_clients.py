@@ -39,7 +39,7 @@ class ClientJob:
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
     max_tokens: int = 128
-    start_after: int = 0  # wait until the first stream has this many tokens (0: at once)
+    start_after: int = 0  # wait until every other stream has this many tokens (0: at once)
     logprobs: int | None = None  # ask for the top alternatives of every token (solo references)
     until_late_token: bool = False  # stop (cancel) once a late job received its first token
     format: dict | None = None  # structured output: the answer held to this format's grammar
@@ -49,9 +49,19 @@ def run_clients(socket: Path, jobs: list[ClientJob]) -> list[StreamRecord]:
     """Each job from its own client connection, started together (or after a token count)."""
     records = [StreamRecord() for _ in jobs]
     ready = threading.Barrier(len(jobs))
-    # Set once the first stream has `start_after` tokens (or ended): late jobs start then.
+    # Set once every stream started at once has `start_after` tokens (or ended): late jobs start
+    # then, so each stream's pace before them is measured (one stream alone may lead the rest).
     threshold = max(job.start_after for job in jobs)
     late_go = threading.Event()
+    waiting_for = {n for n, job in enumerate(jobs) if not job.start_after}
+    count_lock = threading.Lock()
+
+    def arrived(n: int) -> None:
+        with count_lock:
+            waiting_for.discard(n)
+            if not waiting_for:
+                late_go.set()
+
     late_token = threading.Event()
     errors: list[BaseException] = []
 
@@ -80,8 +90,8 @@ def run_clients(socket: Path, jobs: list[ClientJob]) -> list[StreamRecord]:
                         rec.tokens.extend(event.ids)
                         if event.logprobs:
                             rec.top.extend(entry["top"] for entry in event.logprobs)
-                        if n == 0 and len(rec.tokens) >= threshold:
-                            late_go.set()
+                        if len(rec.tokens) >= threshold and n in waiting_for:
+                            arrived(n)
                         if job.start_after:
                             late_token.set()
                         elif job.until_late_token and late_token.is_set():
@@ -91,8 +101,7 @@ def run_clients(socket: Path, jobs: list[ClientJob]) -> list[StreamRecord]:
             exc.add_note(f"client {n} of {len(jobs)}, {len(rec.tokens)} tokens received")
             ready.abort()  # the others must not wait for this one at the barrier
         finally:
-            if n == 0:
-                late_go.set()
+            arrived(n)
             if job.start_after:
                 late_token.set()
 
