@@ -187,6 +187,7 @@ class RankGroup:
             if now - last > self.timeout_s / 2:
                 # This process did not run (rank 0's own init keeps the GIL while the ring
                 # connects): the ranks' lines wait unread in their pipes, silence proves nothing.
+                log.info("group monitor ran %.1fs late: the ranks' silence is excused", now - last)
                 for rank in self.ranks:
                     rank.excuse(now)
             last = now
