@@ -96,6 +96,9 @@ class EngineCore(ModelLifecycle):
         self.status.update(keep_alive_s=self.keep_alive.seconds)
         self._ranks_at = 0.0  # when the pipeline ranks' status was last gathered
         self.prefix_cache = None  # a PrefixCache while a model is loaded and the cache is on
+        # Rows' caches to keep once their first token is out: a store evaluates copies of them
+        # (milliseconds), which must not stand between a prompt's end and its first token.
+        self._unsaved: list[SavedRow] = []
 
     @property
     def has_work(self) -> bool:
@@ -143,6 +146,7 @@ class EngineCore(ModelLifecycle):
     # ---- work ------------------------------------------------------------------------------
     def step(self) -> None:
         """Admit what the scheduler says, then one step of the running batch."""
+        self._store_unsaved()  # rows ended by a command (a cancel) since the last step
         for key in self.scheduler.schedule(time.monotonic()).admit:
             self._join(self._gens[key])
         self._gate_prefix_writes()
@@ -167,6 +171,7 @@ class EngineCore(ModelLifecycle):
             self._batch_failed(exc)
             return
         self._deliver(out)
+        self._store_unsaved()
         self._gate_prefix_writes()
 
     def _admit(self, job: GenerateJob) -> None:
@@ -236,16 +241,34 @@ class EngineCore(ModelLifecycle):
             self.prefix_cache.engine_is(Activity.DECODE if self._rows else Activity.IDLE)
 
     def _keep_prefix(self, row: SavedRow | None) -> None:
-        if self.prefix_cache is None or row is None:
+        if self.prefix_cache is not None and row is not None:
+            self._unsaved.append(row)
+
+    def close(self) -> None:
+        self._store_unsaved()  # what ended last (a shutdown's drain) reaches the tiers first
+        super().close()
+
+    def _store_unsaved(self) -> None:
+        """Store the kept rows whose first token went out (or whose row ended), in the order
+        they were kept: a row's longer entry, kept at its end, merges the shorter one."""
+        if not self._unsaved or self.prefix_cache is None:
             return
-        try:
-            self.prefix_cache.store(row.tokens, row.layers, row.checkpoints)
-        except Exception:
-            log.exception("prefix cache store failed")
+        waiting = []
+        for row in self._unsaved:
+            gen = self._rows.get(row.uid)
+            if gen is not None and gen.first_token_at is None:
+                waiting.append(row)
+                continue
+            try:
+                self.prefix_cache.store(row.tokens, row.layers, row.checkpoints)
+            except Exception:
+                log.exception("prefix cache store failed")
+        self._unsaved = waiting
         self._publish_prefix_cache()
 
     def clear_prefix_cache(self) -> dict[str, Any]:
         """Empty both tiers; with no model loaded, the SSD tier's folder all the same."""
+        self._unsaved.clear()
         if self.prefix_cache is not None:
             released = self.prefix_cache.clear()
             self._refresh_ranks(force=True)  # the other ranks free their layers of the entries
@@ -261,6 +284,7 @@ class EngineCore(ModelLifecycle):
         for gen in list(self._rows.values()):
             self._finish(gen, ErrorCode.INTERNAL, message)
         assert self.batch is not None  # only a running batch fails a step
+        self._unsaved.clear()  # caches of a batch whose state is unknown
         self.batch.close()
         self.batch = self._new_batch()
 
@@ -444,6 +468,7 @@ class EngineCore(ModelLifecycle):
 
     def _shed(self, level: ShedLevel) -> None:
         released = 0
+        self._unsaved.clear()
         if self.prefix_cache is not None:  # cached prefixes go first: no request loses anything
             released += self.prefix_cache.shed()
             self._publish_prefix_cache()
