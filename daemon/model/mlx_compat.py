@@ -7,8 +7,9 @@ Reached into here:
    `prompt_cache`, `extract_cache(idx)`) and `_generation_batch` (the decoding rows: `uids`,
    `prompt_cache`): the prefix cache keeps a row's state at a segment's end, the decode masks
    follow the decoding rows (engine/batch.py).
-2. BatchGenerator's `prefill_step_size`, read again at every `next()`: the chunk sizer steers it
-   step by step (engine/batch.py).
+2. BatchGenerator's `prefill_step_size`, read again at every `next()`, and its `_prompt_batch`'s
+   own, the size of each forward pass over a chunk: the chunk sizer steers both step by step
+   (engine/batch.py).
 3. BatchKVCache's `_right_padding` (None unless `prepare` right-padded rows) beside its public
    `left_padding`, and `make_mask(N, return_array=..., window_size=...)`, which
    engine/decode_mask.py's UnpaddedBatchKVCache overrides (it swaps `__class__` in place).
@@ -76,8 +77,11 @@ def generation_batch(gen: BatchGenerator) -> GenerationBatch:
 
 
 def set_prefill_step(gen: BatchGenerator, tokens: int) -> None:
-    """The prompt chunk of the generator's next step (use 2)."""
+    """The prompt chunk of the generator's next step (use 2): the generator's, which cuts the
+    chunk, and its prompt batch's, which runs the model over it in pieces of its own size (kept
+    from when the batch was made: without it a large chunk ran as many small forward passes)."""
     gen.prefill_step_size = tokens
+    gen._prompt_batch.prefill_step_size = tokens
 
 
 def unpadded(cache: BatchKVCache) -> bool:

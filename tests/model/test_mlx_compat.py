@@ -84,10 +84,19 @@ def test_stages_of_the_batch_generator(model):
     gen.close()
 
 
-def test_prefill_step_is_read_at_every_step(model):
-    """Use 2: the chunk sizer changes the prompt chunk between two steps of one prompt."""
+def test_prefill_step_is_read_at_every_step(model, monkeypatch):
+    """Use 2: the chunk sizer changes the prompt chunk between two steps of one prompt, and each
+    chunk is one forward pass of its size (not passes of the size the generator started with)."""
     gen = _generator(model, chunk=2)
     gen.insert([PROMPT])
+    call = type(model).__call__
+    positions: list[int] = []
+
+    def counted(self, inputs, *args, **kwargs):
+        positions.append(int(inputs.shape[1]))
+        return call(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "__call__", counted)
     done = []
     for chunk in (3, 5):
         set_prefill_step(gen, chunk)
@@ -96,6 +105,10 @@ def test_prefill_step_is_read_at_every_step(model):
     assert done == [3, 8], (
         f"prompt progress {done} after chunks of 3 then 5 tokens: mlx-lm's BatchGenerator no "
         "longer reads prefill_step_size at every next() (engine/batch.py's ChunkSizer sets it)"
+    )
+    assert positions == [3, 5], (
+        f"forward passes over {positions} positions for chunks of 3 then 5: the prompt batch no "
+        "longer takes its pass size from `_prompt_batch.prefill_step_size` (set_prefill_step)"
     )
     gen.close()
 
