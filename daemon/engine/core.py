@@ -36,6 +36,7 @@ from moed.daemon.engine.request import Emitted, GenerateJob, Generation, Request
 from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Scheduler
 from moed.daemon.engine.sink import EventSink
 from moed.daemon.engine.status import DaemonState, EngineStatus, ShedRecord
+from moed.daemon.engine.step_abort import CancelBoard, StepAborted
 from moed.daemon.ground.crashlog import CrashKind, is_out_of_memory
 from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.ground.faults import Faults
@@ -70,6 +71,7 @@ class EngineCore(ModelLifecycle):
         on_crash: Callable[[CrashKind, str], None] | None = None,
         reject_queued: Callable[[ErrorCode, str], None] | None = None,
         faults: Faults | None = None,
+        cancels: CancelBoard | None = None,
     ):
         self.serve = serve
         self.model_path = model_path
@@ -91,6 +93,8 @@ class EngineCore(ModelLifecycle):
         # Off unless debug_faults says otherwise; a bad spec is a configuration error at the edge.
         self.faults = faults if faults is not None else Faults.parse(serve.debug_faults)
         self.heartbeat = StepHeartbeat(status, self.faults)  # progress inside a step
+        self.cancels = cancels if cancels is not None else CancelBoard()
+        self.heartbeat.abandon = self._only_cancelled_rows
         # A pipeline's other ranks hold their layers for the group's life: only one process unloads.
         self.keep_alive = KeepAlive(None if serve.pipelined else serve.keep_alive_s)
         self.status.update(keep_alive_s=self.keep_alive.seconds)
@@ -130,6 +134,7 @@ class EngineCore(ModelLifecycle):
         if isinstance(command, Submit):
             self._admit(command.job)
         elif isinstance(command, Cancel):
+            self.cancels.discard(command.key)
             if (gen := self._gens.get(command.key)) is not None:  # else it already ended
                 self._finish(gen, FinishReason.CANCELLED)
         elif isinstance(command, Shed):
@@ -158,6 +163,9 @@ class EngineCore(ModelLifecycle):
             traced = [g.trace for g in self._rows.values() if g.trace is not None]
             with recording_all(traced):
                 out = self.batch.step()
+        except StepAborted:
+            self._abandon_step()
+            return
         except Exception as exc:
             if is_out_of_memory(exc):
                 self._out_of_memory(exc)
@@ -276,6 +284,25 @@ class EngineCore(ModelLifecycle):
             released = {"disk_bytes": clear_folder(prefix_cache_config(self.serve, None).disk_dir)}
         self._publish_prefix_cache()
         return released
+
+    def _only_cancelled_rows(self) -> bool:
+        """Whether the running prompt step may stop at this layer: every row of the batch was
+        cancelled (a pipeline's other ranks are inside the same step: never there)."""
+        if not self.cancels or not self._rows:
+            return False
+        if self.loaded is None or self.loaded.pipeline is not None:
+            return False
+        return self.cancels.holds_all(gen.job.key for gen in self._rows.values())
+
+    def _abandon_step(self) -> None:
+        """The step stopped at a layer (step_abort.py): its half-written batch held only
+        cancelled rows, so it goes whole and they end cancelled."""
+        log.info("a prompt step stopped at a layer: its %d row(s) were cancelled", len(self._rows))
+        assert self.batch is not None  # only a running batch steps
+        self.batch.close()
+        self.batch = self._new_batch()
+        for gen in list(self._rows.values()):
+            self._finish(gen, FinishReason.CANCELLED)
 
     def _batch_failed(self, exc: Exception) -> None:
         """A step raised: the batch state is unknown, so every row fails and a new batch starts."""

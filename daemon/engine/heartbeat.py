@@ -6,8 +6,10 @@ stops beating and is still noticed within the deadline."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from moed.daemon.engine.status import EngineStatus
+from moed.daemon.engine.step_abort import StepAborted
 from moed.daemon.ground.faults import Faults
 
 # Beats closer than this update the status once: a decode step of a streamed model beats per
@@ -22,6 +24,8 @@ class StepHeartbeat:
         self.status = status
         self.faults = faults
         self.layers = 0  # decoder layers of prompt chunks finished since the start
+        # True when the step should stop at this layer (every row in it was cancelled).
+        self.abandon: Callable[[], bool] | None = None
         self._published = 0.0
 
     def beat(self) -> None:
@@ -37,3 +41,5 @@ class StepHeartbeat:
         self.beat()
         if self.faults:
             self.faults.in_layer(self.layers)
+        if self.abandon is not None and self.abandon():
+            raise StepAborted("every row of this prompt step was cancelled")

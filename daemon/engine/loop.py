@@ -25,6 +25,7 @@ from moed.daemon.engine.core import EngineCore
 from moed.daemon.engine.request import GenerateJob, RequestKey
 from moed.daemon.engine.sink import EventSink
 from moed.daemon.engine.status import EngineStatus
+from moed.daemon.engine.step_abort import CancelBoard
 from moed.daemon.ground.crashlog import CrashKind
 from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.ground.faults import Faults
@@ -50,6 +51,7 @@ class Engine:
         self._sink_factory = sink_factory
         self._inbox: queue.Queue[EngineCommand] = queue.Queue()
         self._stop = threading.Event()
+        self.cancels = CancelBoard()  # seen inside a step: a prompt step of cancelled rows stops
         self.core: EngineCore | None = None
         # Checked here, on the caller's thread, so a bad setting fails the start as a config error.
         self.faults = Faults.parse(serve.debug_faults)
@@ -83,6 +85,7 @@ class Engine:
         self._inbox.put(Submit(job))
 
     def cancel(self, key: RequestKey) -> None:
+        self.cancels.post(key)
         self._inbox.put(Cancel(key))
 
     def shed(self, level: ShedLevel) -> None:
@@ -105,6 +108,7 @@ class Engine:
             on_crash=self.on_crash,
             reject_queued=self._reject_queued,
             faults=self.faults,
+            cancels=self.cancels,
         )
         self.core = core
         if not core.load():
