@@ -124,12 +124,15 @@ class Watchdog:
             self._event("note", note=note, state=decision.state, readings=decision.readings)
         if decision.action is not None:
             outcome = self.act(decision, sample.daemon.pid)
+            # Taken before the grace's clock: the next step, sent a grace after that clock, is
+            # at least a grace after `at` (the event's `ts` comes after the log lines).
+            acted_at = time.time()
             self.policy.acted(self.sampler.clock())  # the clock the samples are stamped with
             self.last_action = {
                 "action": decision.action.value,
                 "rule": decision.rule.value if decision.rule else None,
                 "reason": decision.reason,
-                "at": time.time(),
+                "at": acted_at,
                 "outcome": outcome,
             }
             log.warning(
@@ -141,6 +144,7 @@ class Watchdog:
             )
             self._event(
                 "action",
+                at=acted_at,
                 action=decision.action,
                 rule=decision.rule,
                 reason=decision.reason,

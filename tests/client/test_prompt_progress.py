@@ -1,9 +1,9 @@
 """Clients see a long prompt move: with `progress: true`, a `progress` message (stage
 `reading the prompt`, unit `tokens`) when the daemon takes the request and after every chunk,
 before the first token; the sync and asyncio clients yield them as ProgressEvent, and `moe run
---json` shows them for a prompt of several chunks. A prompt read alone takes chunks as large as
-the memory plan allows (here its KV room, set small, binds them; the configured `prefill_chunk`
-is smaller still). Without `progress`, no such message."""
+--json` shows them for a prompt of several chunks. A prompt read alone under streaming takes
+chunks as large as the memory plan allows (here its KV room, set small, binds them; the
+configured `prefill_chunk` is smaller still). Without `progress`, no such message."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def chunked(tmp_path_factory, tiny_model):
     d = start_daemon(
         tmp_path_factory.mktemp("chunks") / "d",
         tiny_model,
-        "--resident",
+        "--cache-budget",  # streamed: a lone prompt's chunk grows (a resident one keeps CHUNK)
+        "50%",
         "--prefill-chunk",
         str(CHUNK),
         "--prefix-cache",  # every test sends the same prompt: each must read it in chunks
