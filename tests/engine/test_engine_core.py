@@ -167,3 +167,45 @@ def test_scheduler_keeps_the_batch_kv_within_the_plan():
     sched.remove((b"c", 0))
     sched.add((b"d", 0), b"d", 5000)
     assert sched.schedule().admit == ((b"d", 0),)
+
+
+def test_a_prompt_step_of_cancelled_rows_stops_and_the_next_request_is_served(core, tiny_model):
+    """Every row of the batch cancelled (the transport posts the key before the engine sees the
+    Cancel command): the prompt step stops at its first layer, the row ends cancelled with no
+    token, and a new batch serves the next request as mlx-lm would."""
+    long_ids = [(13 * i) % 200 + 3 for i in range(40)]
+    msg = wire.request(MessageType.GENERATE, 1, prompt_ids=long_ids, max_tokens=8)
+    job = GenerateJob(b"a", 1, validate_generate(msg))
+    core.handle(Submit(job))
+    core.cancels.post(job.key)  # as Engine.cancel does, ahead of its Cancel command
+    run_until_idle(core)
+    done = core.sink.of(1)[-1]
+    assert done["type"] == "done" and done["finish_reason"] == "cancelled"
+    assert core.sink.tokens(1) == [] and not core.has_work
+    core.handle(Cancel(job.key))  # arrives after the row ended: ignored, and the key let go
+    assert not core.cancels
+    core.handle(Submit(generate_job(b"b", 2, max_tokens=6)))
+    run_until_idle(core)
+    assert core.sink.tokens(2) == generate(tiny_model, PROMPT_IDS, 6)
+
+
+def test_a_cancelled_prompt_beside_a_live_row_does_not_stop_the_step(core, tiny_model):
+    """One row cancelled, another decoding: the step runs on (the live row's state is in it);
+    the cancel ends the row at the step's end, and the live row's tokens are mlx-lm's."""
+    core.handle(Submit(generate_job(b"a", 1, max_tokens=12)))
+    while not core.sink.tokens(1):
+        core.step()
+    long_ids = [(13 * i) % 200 + 3 for i in range(40)]
+    msg = wire.request(MessageType.GENERATE, 2, prompt_ids=long_ids, max_tokens=8)
+    job = GenerateJob(b"b", 2, validate_generate(msg))
+    core.handle(Submit(job))
+    core.cancels.post(job.key)
+    for _ in range(50):  # row 2's prompt is read beside row 1's decode, not stopped
+        if core.sink.tokens(2):
+            break
+        core.step()
+    assert core.sink.tokens(2) and core.sink.of(2)[-1]["type"] != "done"
+    core.handle(Cancel(job.key))
+    assert core.sink.of(2)[-1]["finish_reason"] == "cancelled"
+    run_until_idle(core)
+    assert core.sink.tokens(1) == generate(tiny_model, PROMPT_IDS, 12)
