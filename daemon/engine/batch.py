@@ -92,7 +92,8 @@ class StepOutput:
 
 class ChunkSizer:
     """The prefill chunk of the next step: when no row decodes, as large as the memory plan allows
-    (engine/chunk_budget.py; at least `prefill_chunk`); beside decoding rows, a size steered each
+    (engine/chunk_budget.py; at least `prefill_chunk`; a streamed model only, else no budget);
+    beside decoding rows, a size steered each
     step (proportionally,
     so a chunk's fixed cost and its per-token cost both count) towards a chunk that costs
     CHUNK_STEPS decode steps."""

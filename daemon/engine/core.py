@@ -152,9 +152,11 @@ class EngineCore(ModelLifecycle):
     def step(self) -> None:
         """Admit what the scheduler says, then one step of the running batch."""
         self._store_unsaved()  # rows ended by a command (a cancel) since the last step
-        for key in self.scheduler.schedule(time.monotonic()).admit:
+        admitted = self.scheduler.schedule(time.monotonic()).admit
+        for key in admitted:
             self._join(self._gens[key])
-        self._gate_prefix_writes()
+        if admitted:  # a row that joined reads its prompt: the SSD tier holds its writes now
+            self._gate_prefix_writes()
         if self.batch is None or not self.batch.rows:
             return
         try:
