@@ -192,7 +192,7 @@ def test_a_prompt_step_of_cancelled_rows_stops_and_the_next_request_is_served(co
 def test_a_cancelled_prompt_beside_a_live_row_does_not_stop_the_step(core, tiny_model):
     """One row cancelled, another decoding: the step runs on (the live row's state is in it);
     the cancel ends the row at the step's end, and the live row's tokens are mlx-lm's."""
-    core.handle(Submit(generate_job(b"a", 1, max_tokens=12)))
+    core.handle(Submit(generate_job(b"a", 1, max_tokens=120)))  # still decoding at row 2's token
     while not core.sink.tokens(1):
         core.step()
     long_ids = [(13 * i) % 200 + 3 for i in range(40)]
@@ -200,12 +200,13 @@ def test_a_cancelled_prompt_beside_a_live_row_does_not_stop_the_step(core, tiny_
     job = GenerateJob(b"b", 2, validate_generate(msg))
     core.handle(Submit(job))
     core.cancels.post(job.key)
-    for _ in range(50):  # row 2's prompt is read beside row 1's decode, not stopped
+    for _ in range(100):  # row 2's prompt is read beside row 1's decode, not stopped
         if core.sink.tokens(2):
             break
         core.step()
     assert core.sink.tokens(2) and core.sink.of(2)[-1]["type"] != "done"
+    assert core.sink.of(1)[-1]["type"] != "done"  # row 2 read its prompt beside a live row
     core.handle(Cancel(job.key))
     assert core.sink.of(2)[-1]["finish_reason"] == "cancelled"
     run_until_idle(core)
-    assert core.sink.tokens(1) == generate(tiny_model, PROMPT_IDS, 12)
+    assert core.sink.tokens(1) == generate(tiny_model, PROMPT_IDS, 120)

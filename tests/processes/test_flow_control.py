@@ -32,6 +32,21 @@ def bounded_daemon(daemon_factory, tiny_model):
     )
 
 
+@pytest.fixture
+def slow_bounded_daemon(daemon_factory, tiny_model):
+    """As `bounded_daemon`, each engine step 100 ms longer: a stream needs over a second to
+    fill its send limit, so a test that has not read yet is no slow consumer while it sends."""
+    return daemon_factory(
+        tiny_model,
+        "--resident",
+        env={
+            "MOED_CLIENT_SEND_HWM": str(SEND_HWM),
+            "MOED_MAX_PENDING_PER_CLIENT": str(PER_CLIENT),
+            "MOED_DEBUG_FAULTS": "step_delay_ms=100",
+        },
+    )
+
+
 def _raw(d, rcvhwm: int = 1000) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -98,8 +113,10 @@ def test_a_client_that_does_not_read_loses_its_streams_not_the_daemons_memory(bo
 
 
 @pytest.mark.process
-def test_one_connection_cannot_hold_every_pending_slot(bounded_daemon):
-    d = bounded_daemon
+def test_one_connection_cannot_hold_every_pending_slot(slow_bounded_daemon):
+    # On the plain daemon the first stream could fill its send limit (and end as a slow
+    # consumer, freeing its slot) before the third frame arrived, on a loaded machine.
+    d = slow_bounded_daemon
     greedy = _raw(d)
     for i in range(PER_CLIENT + 1):
         greedy.send(_gen(f"g{i}", max_tokens=2000))
