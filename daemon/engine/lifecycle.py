@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 
 from moed.daemon.config import ServeConfig
+from moed.daemon.distributed.failure import is_group_failure
 from moed.daemon.distributed.rank0 import load_leader
 from moed.daemon.engine.batch import DecodeBatch
 from moed.daemon.engine.chunk_budget import ChunkBudget, chunk_budget
@@ -245,7 +246,17 @@ class ModelLifecycle:
         if pipeline is None or (not force and now - self._ranks_at < RANKS_REFRESH_S):
             return
         self._ranks_at = now
-        self.status.update(ranks=pipeline.status())
+        try:
+            ranks = pipeline.status()
+        except RuntimeError as exc:
+            if not is_group_failure(exc):
+                raise
+            # A rank went while its counters were gathered (outside a step: a telemetry or a
+            # `done`): the next step's collectives raise the same and fail the group as lost
+            # (rank_failed, retryable), where raising here failed the engine (internal).
+            log.warning("pipeline status: %s", exc)
+            return
+        self.status.update(ranks=ranks)
 
     def _stream_snapshot(self) -> dict[str, Any] | None:
         if self.loaded is None or self.loaded.streamer is None:
