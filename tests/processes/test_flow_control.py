@@ -20,31 +20,20 @@ SEND_HWM = 16
 PER_CLIENT = 2
 
 
+BOUNDS = {"MOED_CLIENT_SEND_HWM": str(SEND_HWM), "MOED_MAX_PENDING_PER_CLIENT": str(PER_CLIENT)}
+
+
 @pytest.fixture
 def bounded_daemon(daemon_factory, tiny_model):
-    return daemon_factory(
-        tiny_model,
-        "--resident",
-        env={
-            "MOED_CLIENT_SEND_HWM": str(SEND_HWM),
-            "MOED_MAX_PENDING_PER_CLIENT": str(PER_CLIENT),
-        },
-    )
+    return daemon_factory(tiny_model, "--resident", env=BOUNDS)
 
 
 @pytest.fixture
 def slow_bounded_daemon(daemon_factory, tiny_model):
     """As `bounded_daemon`, each engine step 100 ms longer: a stream needs over a second to
     fill its send limit, so a test that has not read yet is no slow consumer while it sends."""
-    return daemon_factory(
-        tiny_model,
-        "--resident",
-        env={
-            "MOED_CLIENT_SEND_HWM": str(SEND_HWM),
-            "MOED_MAX_PENDING_PER_CLIENT": str(PER_CLIENT),
-            "MOED_DEBUG_FAULTS": "step_delay_ms=100",
-        },
-    )
+    env = {**BOUNDS, "MOED_DEBUG_FAULTS": "step_delay_ms=100"}
+    return daemon_factory(tiny_model, "--resident", env=env)
 
 
 def _raw(d, rcvhwm: int = 1000) -> zmq.Socket:
