@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from moed.protocol import GenerateRequest, MessageType, encode
+from moed.protocol import TERMINAL_TYPES, GenerateRequest, MessageType, encode
 
 from .core import ClientCore, answer, read_frame
 from .errors import ClientError, DaemonRestarted, DaemonUnavailable, RequestFailed
@@ -29,7 +29,6 @@ from .inbox import Inbox, merge_tokens
 from .requests import checked_request
 from .stream_slots import StreamSlots
 
-_ENDS = (MessageType.DONE.value, MessageType.ERROR.value)
 _POLLIN = int(zmq.POLLIN)  # a plain int: the flag enum's operators cost microseconds per frame
 
 
@@ -254,7 +253,7 @@ class AsyncClient(ClientCore):
             inbox = routes.get(msg.get("id"))
             if inbox is not None:
                 inbox.put_nowait(msg)
-            elif msg.get("type") in _ENDS and msg.get("id") in self._leaving:
+            elif msg.get("type") in TERMINAL_TYPES and msg.get("id") in self._leaving:
                 self._left(msg["id"])
             # Anything else is late: a heartbeat's answer, an abandoned stream, a timed-out call.
 

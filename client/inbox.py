@@ -11,10 +11,9 @@ import asyncio
 import collections
 from typing import Any
 
-from moed.protocol import MessageType
+from moed.protocol import TERMINAL_TYPES, MessageType
 
 _TOKEN = MessageType.TOKEN.value
-_ENDS = (MessageType.DONE.value, MessageType.ERROR.value)
 
 
 class Inbox:
@@ -41,7 +40,7 @@ class Inbox:
 
     def holds_end(self) -> bool:
         """Whether the stream's end (`done` or `error`) already waits here, unread."""
-        return any(isinstance(m, dict) and m.get("type") in _ENDS for m in self._items)
+        return any(isinstance(m, dict) and m.get("type") in TERMINAL_TYPES for m in self._items)
 
     def take_tokens(self, channel: str | None = None) -> list[dict]:
         """The token messages at the head of the inbox (up to the first other reply, or the
