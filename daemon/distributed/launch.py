@@ -89,27 +89,42 @@ class GroupFailure:
 
 
 class RankProcess:
-    """One started rank: its process and when it last said it was alive."""
+    """One started rank: its process and when it last said it was alive.
+
+    Its beats are read by whoever asks for `failure` (the group monitor), from a non-blocking pipe:
+    when rank 0 did not run for a while (its own ring init keeps the GIL, a starved CPU), the beats
+    wait in the pipe and count as soon as it runs again, so silence is only ever real silence."""
 
     def __init__(self, rank: int, host: RankHost, popen: subprocess.Popen):
         self.rank = rank
         self.host = host
         self.popen = popen
         self.last_beat: float | None = None  # silence counts only once it has started beating
-        self._reader = threading.Thread(target=self._read, name=f"rank{rank}-beat", daemon=True)
-        self._reader.start()
+        self._pipe = popen.stdout.fileno()
+        self._partial = b""
+        os.set_blocking(self._pipe, False)
 
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            # `wait`: the rank is inside mx.distributed.init, which holds the GIL while the ring
-            # connects (retrying for seconds): starting again, only its exit counts.
-            self.last_beat = None if line.strip() == WAIT_LINE else time.monotonic()
-
-    def excuse(self, now: float) -> None:
-        if self.last_beat is not None:
-            self.last_beat = max(self.last_beat, now)
+    def read_beats(self, now: float) -> None:
+        while True:
+            try:
+                chunk = os.read(self._pipe, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                return  # the rank closed its end: its exit is what counts now
+            if not chunk:
+                return
+            *lines, self._partial = (self._partial + chunk).split(b"\n")
+            for line in lines:
+                # `wait`: the rank is inside mx.distributed.init, which holds the GIL while the
+                # ring connects (retrying for seconds): starting again, only its exit counts.
+                self.last_beat = None if line.strip() == WAIT_LINE else now
+            if len(self._partial) > 64:
+                self._partial = b"-"  # a long unfinished line is no `wait`: only that matters
 
     def failure(self, timeout_s: float) -> GroupFailure | None:
+        now = time.monotonic()
+        self.read_beats(now)
         code = self.popen.poll()
         where = f"rank {self.rank} ({self.host.ssh or 'local'})"
         if code is not None:
@@ -119,7 +134,7 @@ class RankProcess:
             return GroupFailure(f"{where} exited with code {code}", final)
         if self.last_beat is None:
             return None  # still starting (imports): only its exit counts
-        silent = time.monotonic() - self.last_beat
+        silent = now - self.last_beat
         if silent > timeout_s:
             return GroupFailure(
                 f"{where} stopped responding ({silent:.1f}s without a heartbeat)",
@@ -184,15 +199,15 @@ class RankGroup:
         last = time.monotonic()
         while not self._stop.wait(0.1):
             now = time.monotonic()
-            if now - last > self.timeout_s / 2:
-                # This process did not run (rank 0's own init keeps the GIL while the ring
-                # connects): the ranks' lines wait unread in their pipes, silence proves nothing.
-                log.info("group monitor ran %.1fs late: the ranks' silence is excused", now - last)
-                for rank in self.ranks:
-                    rank.excuse(now)
+            if now - last > self.timeout_s / 2:  # harmless (beats wait in the pipes); worth a line
+                log.info("group monitor ran %.1fs late", now - last)
             last = now
             for rank in self.ranks:
-                failure = rank.failure(self.timeout_s)
+                try:
+                    failure = rank.failure(self.timeout_s)
+                except Exception:  # a monitor that dies quietly would leave a frozen rank unseen
+                    log.exception("checking rank %d failed", rank.rank)
+                    continue
                 if failure is not None:
                     self.failure = failure
                     log.error("pipeline group failed: %s", failure.reason)

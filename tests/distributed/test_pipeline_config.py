@@ -187,3 +187,35 @@ def test_rank_monitor_tells_a_final_exit_from_a_restart(script, code):
         assert failure is not None and failure.exit_code == code, failure
     finally:
         rank.stop(grace_s=1)
+
+
+def test_beats_that_waited_while_rank_0_did_not_run_are_not_silence():
+    # Rank 0 busy elsewhere (its ring init keeps the GIL, a starved CPU) for longer than the
+    # timeout: the beats wait in the pipe and count; a rank that then freezes is still seen.
+    import subprocess
+    import sys
+    import time
+
+    from moed.daemon.distributed.hostfile import RankHost
+    from moed.daemon.distributed.launch import RankProcess
+
+    script = (
+        "import os, signal, time\n"
+        "for _ in range(30):\n"
+        "    print('.', flush=True); time.sleep(0.05)\n"
+        "os.kill(os.getpid(), signal.SIGSTOP)\n"
+    )
+    popen = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    rank = RankProcess(1, RankHost(1, "127.0.0.1", ("127.0.0.1",)), popen)
+    try:
+        time.sleep(1.0)  # the monitor does not run: twice the timeout
+        assert rank.failure(timeout_s=0.5) is None
+        deadline = time.monotonic() + 20
+        while (failure := rank.failure(timeout_s=0.5)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert failure is not None and "stopped responding" in failure.reason, failure
+    finally:
+        popen.kill()
+        popen.wait()

@@ -90,8 +90,9 @@ def test_a_lost_rank_fails_requests_and_the_group_restarts(pipeline, how):
     noticed = time.monotonic() - lost_at
     if how == "freeze":
         os.kill(follower, signal.SIGKILL)  # the group is gone; do not leave it stopped
-    assert err.value.code == ErrorCode.RANK_FAILED and err.value.retryable
-    assert noticed < 3.0, noticed
+    # The daemon's log says why when it is not: which thread saw what, and when.
+    assert err.value.code == ErrorCode.RANK_FAILED and err.value.retryable, sup.log_text()[-6000:]
+    assert noticed < 3.0, (noticed, sup.log_text()[-6000:])
     second = sup.wait_ready(not_boot=first["boot_id"])
     assert sup.exits == [DaemonExit.RANK_FAILED]
     assert second["ranks"][1]["pid"] != follower
