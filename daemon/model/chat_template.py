@@ -6,12 +6,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from moed.daemon.model.prefix_encode import PrefixEncoder
 from moed.daemon.model.prompt_ids_memo import PromptIdsMemo
 from moed.daemon.model.prompt_normalize import normalize_messages
 from moed.protocol import ErrorCode, GenerateRequest, ProtocolError
 
 # A gateway counts a prompt right before it generates it: the second asks the memo.
 PROMPT_IDS = PromptIdsMemo()
+# An agent's next turn re-sends the last one's text: only its new part is tokenized.
+TEMPLATED = PrefixEncoder()
 
 
 def prompt_token_ids(tokenizer: Any, req: GenerateRequest) -> list[int]:
@@ -82,4 +85,4 @@ def render_messages(
 
 def _encode_templated(tokenizer: Any, text: str) -> list[int]:
     # The template wrote the special tokens already (as mlx_lm.generate does for chat prompts).
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return TEMPLATED.encode(tokenizer, text)
