@@ -273,8 +273,10 @@ class EngineCore(ModelLifecycle):
                 self.prefix_cache.store(row.tokens, row.layers, row.checkpoints)
             except Exception:
                 log.exception("prefix cache store failed")
+        stored = len(waiting) < len(self._unsaved)
         self._unsaved = waiting
-        self._publish_prefix_cache()
+        if stored:  # every step asks while a row waits for its first token: publish only news
+            self._publish_prefix_cache()
 
     def clear_prefix_cache(self) -> dict[str, Any]:
         """Empty both tiers; with no model loaded, the SSD tier's folder all the same."""
