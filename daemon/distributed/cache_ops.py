@@ -18,9 +18,13 @@ import itertools
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from moed.daemon.distributed.protocol import ProtocolMismatch
 from moed.daemon.model.layer_caches import own_arrays, resume_layers, trimmable_layers
+
+if TYPE_CHECKING:  # types only: rank_disk.py records these ops
+    from moed.daemon.distributed.rank_disk import FollowerDisk
 
 _NONE = -1  # an absent optional list in PREPARE
 
@@ -38,6 +42,24 @@ class CacheOp(enum.IntEnum):
     EXTRACT_STATE = 9  # new, batch, row: that row's untrimmable layers (a checkpoint)
     OWN = 10  # handle: evaluate its arrays into buffers of their own (an entry keeps it)
     RESUME = 11  # new, whole, length, state or -1: fresh caches at length (layer_caches.py)
+    # The SSD tier's (distributed/rank_disk.py): each rank keeps files of its own layers.
+    PERSIST = 12  # key (KEY_WORDS), handle, n, states...: write that entry's part
+    FORGET = 13  # key: remove it
+    CLEAR_DISK = 14  # remove every file
+    LOAD = 15  # new, key, n, new states...: read it into these handles (see take_load_result)
+
+
+KEY_WORDS = 8  # an entry's key (32 hex digits) as 16-bit words: every op argument is an int32
+
+
+def key_words(key: str) -> list[int]:
+    if len(key) != 4 * KEY_WORDS:
+        raise ValueError(f"a prefix entry key has {4 * KEY_WORDS} hex digits, not {len(key)}")
+    return [int(key[i : i + 4], 16) for i in range(0, len(key), 4)]
+
+
+def key_of(words: list[int]) -> str:
+    return "".join(f"{w:04x}" for w in words)
 
 
 class OpLog:
@@ -61,6 +83,10 @@ class OpLog:
 
     def record(self, op: CacheOp, *args: int) -> None:
         self._ops.append([int(op), *(int(a) for a in args)])
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._ops)
 
     def drain(self) -> tuple[int, ...]:
         out: list[int] = []
@@ -160,11 +186,18 @@ class CacheHandle:
 class MirroredCaches:
     """A follower's cache lists by handle, changed only by rank 0's ops."""
 
-    def __init__(self, make_cache: Callable[[], list]):
+    def __init__(self, make_cache: Callable[[], list], disk: FollowerDisk | None = None):
         self._make = make_cache
         self._lists: dict[int, list] = {}
         self._trimmable = trimmable_layers(make_cache())  # which layers can be cut back
         self._states: set[int] = set()  # lists that hold only the untrimmable layers
+        self._disk = disk  # this rank's SSD files of its layers, or None
+        self._load_failed = False  # a LOAD since the last take_load_result could not read
+
+    def take_load_result(self) -> bool:
+        """Whether every LOAD since the last call read its entry (rank 0 asks after them)."""
+        ok, self._load_failed = not self._load_failed, False
+        return ok
 
     def __len__(self) -> int:
         return len(self._lists)
@@ -226,6 +259,35 @@ class MirroredCaches:
                 self._lists[new] = resume_layers(
                     self.get(whole), length, self._trimmable, self._state(state)
                 )
+            elif op is CacheOp.PERSIST:
+                key = key_of([next(it) for _ in range(KEY_WORDS)])
+                layers, n = self.get(next(it)), next(it)
+                states = [self._state(next(it)) or [] for _ in range(n)]
+                if self._disk is not None:
+                    self._disk.write(key, layers, states)
+            elif op is CacheOp.FORGET:
+                key = key_of([next(it) for _ in range(KEY_WORDS)])
+                if self._disk is not None:
+                    self._disk.forget(key)
+            elif op is CacheOp.CLEAR_DISK:
+                if self._disk is not None:
+                    self._disk.clear()
+            elif op is CacheOp.LOAD:
+                new = next(it)
+                key = key_of([next(it) for _ in range(KEY_WORDS)])
+                handles = [next(it) for _ in range(next(it))]
+                self._load(new, key, handles)
+
+    def _load(self, new: int, key: str, state_handles: list[int]) -> None:
+        loaded = self._disk.load(key, len(state_handles)) if self._disk is not None else None
+        if loaded is None:
+            self._load_failed = True
+            return
+        layers, states = loaded
+        self._lists[new] = layers
+        for handle, state in zip(state_handles, states):
+            self._lists[handle] = state
+            self._states.add(handle)
 
     def _state(self, handle: int) -> list | None:
         """A checkpoint's untrimmable layers: a state list, or those of a whole row's list (an

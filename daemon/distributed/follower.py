@@ -12,6 +12,7 @@ from moed.daemon.distributed.control import RankControl
 from moed.daemon.distributed.guard import GuardRefused, join, write_ring_hostfile
 from moed.daemon.distributed.hostfile import Backend, RankHost
 from moed.daemon.distributed.protocol import ProtocolMismatch, StepChannel, StepOp
+from moed.daemon.distributed.rank_disk import FollowerDisk, rank_disk_place
 from moed.daemon.distributed.rank_model import (
     PipelineUnsupported,
     RankModel,
@@ -20,15 +21,16 @@ from moed.daemon.distributed.rank_model import (
 )
 from moed.daemon.distributed.rank_status import rank_status
 from moed.daemon.ground.exit_codes import DaemonExit
+from moed.daemon.model.layer_caches import trimmable_layers
 from moed.daemon.model.loader import MemoryPlanRefused
 from moed.protocol.paths import default_socket_path
 
 log = logging.getLogger("moed.distributed")
 
 
-def follow(rank: RankModel, channel: StepChannel) -> int:
+def follow(rank: RankModel, channel: StepChannel, disk: FollowerDisk | None = None) -> int:
     """Run every step rank 0 broadcasts; returns the number of steps run."""
-    caches = MirroredCaches(lambda: make_prompt_cache(rank.model))
+    caches = MirroredCaches(lambda: make_prompt_cache(rank.model), disk)
     while True:
         step = channel.receive()
         caches.apply(step.ops)  # rank 0's batch changes since the last step, in its order
@@ -39,7 +41,11 @@ def follow(rank: RankModel, channel: StepChannel) -> int:
             out = rank.pipeline(mx.array(step.tokens), cache=caches.get(step.handles[0]))
             mx.eval(out)
         elif step.op is StepOp.STATUS:
-            channel.gather_json(rank_status(rank, {"steps": channel.counters.steps}, len(caches)))
+            link = {"steps": channel.counters.steps}
+            disk_status = disk.snapshot() if disk is not None else None
+            channel.gather_json(rank_status(rank, link, len(caches), disk_status))
+        elif step.op is StepOp.PREFIX_LOAD:
+            channel.gather_json({"ok": caches.take_load_result()})
         elif step.op is StepOp.SHED:
             if rank.streamer is not None:
                 rank.streamer.shed(step.arg / 1000.0)
@@ -103,17 +109,30 @@ def run_follower(spec, expected_rank: int, secret: bytes, heartbeat=None) -> int
     control = None
     if spec.control and spec.control[group.rank()]:
         control = _start_control(rank, channel)
+    disk = _open_disk(spec, rank, path)
     try:
-        follow(rank, channel)
+        follow(rank, channel, disk)
     except (RuntimeError, ProtocolMismatch) as exc:  # the ring lost a peer: rank 0 restarts us
         log.error("rank %d leaves the group: %s", group.rank(), exc)
         return DaemonExit.FAILED
     finally:
+        if disk is not None:
+            disk.close()
         if control is not None:
             control.close()
         if rank.streamer is not None:
             rank.streamer.close()
     return DaemonExit.OK
+
+
+def _open_disk(spec, rank: RankModel, path) -> FollowerDisk | None:
+    """This rank's SSD files of its layers, when rank 0 keeps an SSD tier."""
+    if not spec.prefix_disk_bytes or not spec.prefix_disk_dir:
+        return None
+    folder, fingerprint = rank_disk_place(spec.prefix_disk_dir, path, rank)
+    trimmable = trimmable_layers(make_prompt_cache(rank.model))
+    budget = int(spec.prefix_disk_bytes * rank.layers.share)
+    return FollowerDisk(folder, budget, fingerprint, trimmable)
 
 
 def _start_control(rank: RankModel, channel: StepChannel):

@@ -18,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from moed.daemon.distributed.cache_ops import CacheHandle, OpLog
+from moed.daemon.distributed.cache_ops import CacheHandle, CacheOp, OpLog
 from moed.daemon.distributed.protocol import Step, StepChannel, StepOp
 from moed.daemon.distributed.rank_model import RankModel
 from moed.daemon.distributed.rank_status import rank_status
@@ -90,6 +90,38 @@ class PipelineLeader:
         with self._lock:
             self.channel.send(Step(StepOp.STATUS, 0, ops=self._ops.drain()))
             return self.channel.gather_json(rank_status(self.rank, self.link(), self._ops.live))
+
+    def record(self, op: CacheOp, *args: int) -> None:
+        """A cache op of the SSD tier's (rank_disk.py), from any thread: the next step takes it."""
+        self._ops.record(op, *args)
+
+    @property
+    def ops_pending(self) -> bool:
+        return self._ops.pending
+
+    def sync(self) -> None:
+        """Carry the cache ops recorded since the last step to the followers now (an idle
+        engine's: a follower writes its part of an entry soon after rank 0 takes it)."""
+        with self._lock:
+            if self._ops.pending:
+                self.channel.send(Step(StepOp.SYNC, 0, ops=self._ops.drain()))
+
+    def load_prefix(
+        self, key: list[int], n_states: int
+    ) -> tuple[CacheHandle, list[CacheHandle]] | None:
+        """Every follower reads its part of an SSD entry into new cache lists: the layers' handle
+        and `n_states` checkpoint handles, or None when any rank could not."""
+        with self._lock:
+            layers = self._ops.new_handle()
+            states = [self._ops.new_handle() for _ in range(n_states)]
+            self._ops.record(
+                CacheOp.LOAD, layers.handle, *key, n_states, *(s.handle for s in states)
+            )
+            self.channel.send(Step(StepOp.PREFIX_LOAD, 0, ops=self._ops.drain()))
+            answers = self.channel.gather_json({"ok": True})
+        if all(a.get("ok") for a in answers):
+            return layers, states
+        return None  # the handles go: their RELEASE frees what some ranks did read
 
     def shed(self, fraction: float) -> None:
         """Ask every follower to shrink its expert cache (rank 0 sheds its own)."""

@@ -27,6 +27,8 @@ class StepOp(enum.IntEnum):
     STATUS = 2  # every rank contributes its status (all_gather)
     SHED = 3  # shrink every rank's expert cache (the watchdog asked rank 0)
     SHUTDOWN = 4  # leave the follower loop
+    PREFIX_LOAD = 5  # after the ops' LOADs: every rank says whether it read its part (all_gather)
+    SYNC = 6  # only rank 0's cache operations (an idle engine's: the SSD tier's writes)
 
 
 class ProtocolMismatch(RuntimeError):

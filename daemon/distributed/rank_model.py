@@ -46,6 +46,11 @@ class RankLayers:
     num_layers: int  # in the whole model
     split: tuple[int, ...]  # layers per rank, rank 0 first
 
+    @property
+    def share(self) -> float:
+        """This rank's share of the layers (of a byte budget set for the whole model)."""
+        return (self.end - self.start) / self.num_layers
+
 
 @dataclass(frozen=True)
 class RankModel:

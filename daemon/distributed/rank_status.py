@@ -24,9 +24,11 @@ _STREAM_KEYS = (
 )
 
 
-def rank_status(rank: RankModel, link: dict, cache_lists: int | None = None) -> dict:
+def rank_status(
+    rank: RankModel, link: dict, cache_lists: int | None = None, prefix_disk: dict | None = None
+) -> dict:
     """`cache_lists`: the batch cache lists this rank holds (rank 0's live, a follower's twins);
-    0 once every request has ended."""
+    0 once every request has ended. `prefix_disk`: a follower's SSD files of its layers."""
     import psutil
 
     out = {
@@ -43,6 +45,8 @@ def rank_status(rank: RankModel, link: dict, cache_lists: int | None = None) -> 
     }
     if cache_lists is not None:
         out["cache_lists"] = cache_lists
+    if prefix_disk is not None:
+        out["prefix_disk"] = prefix_disk
     if rank.streamer is not None:
         snap = rank.streamer.snapshot()
         out["experts"] = {k: snap[k] for k in _STREAM_KEYS if k in snap}

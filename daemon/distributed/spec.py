@@ -10,6 +10,7 @@ from moed.daemon.config import ServeConfig
 from moed.daemon.distributed.hostfile import GroupSpec, load_hostfile, local_group
 from moed.daemon.distributed.launch import free_port_run
 from moed.daemon.distributed.split import SplitMode, parse_split
+from moed.daemon.experts.budget import parse_size
 from moed.daemon.experts.store import PageCachePolicy
 from moed.protocol.model_config import ModelConfig
 
@@ -26,6 +27,9 @@ class RankSpec:
     # The prefix cache's memory tier for the whole model (None: each plan's automatic share);
     # each rank keeps its own layers of every entry and plans for its share.
     prefix_cache_bytes: int | None = None
+    # Its SSD tier for the whole model (0: none) and the folder each rank's own folder sits in.
+    prefix_disk_bytes: int = 0
+    prefix_disk_dir: str = ""
     backend: str = "ring"
     # Ranks on other hosts bind that host's moed socket for its watchdog (never rank 0's host).
     control: list[bool] | None = None
@@ -80,6 +84,7 @@ def rank_spec(
     if group.given_split is not None:
         split = list(group.given_split)
     default = None if serve.resident else str(serve.cache_budget)
+    memory = prefix_cache_memory_bytes(serve)  # 0: no prefix cache, so no SSD tier either
     budgets = [h.expert_budget if h.expert_budget is not None else default for h in group.hosts]
     return RankSpec(
         model_path=str(model_path),
@@ -89,7 +94,9 @@ def rank_spec(
         page_cache=serve.page_cache.value,
         memory_limit_bytes=serve.memory_limit_bytes,
         kv_bytes=estimate_kv_bytes(model_config, serve.plan_context_tokens),
-        prefix_cache_bytes=prefix_cache_memory_bytes(serve),
+        prefix_cache_bytes=memory,
+        prefix_disk_bytes=0 if memory == 0 else parse_size(serve.prefix_cache_disk_bytes),
+        prefix_disk_dir=serve.prefix_cache_dir or str(Path(serve.state_dir) / "prefix-cache"),
         backend=group.backend.value,
         control=[not h.is_local for h in group.hosts],
         guard=f"{group.guard_address[0]}:{group.guard_address[1]}",

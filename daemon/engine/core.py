@@ -158,6 +158,7 @@ class EngineCore(ModelLifecycle):
         if admitted:  # a row that joined reads its prompt: the SSD tier holds its writes now
             self._gate_prefix_writes()
         if self.batch is None or not self.batch.rows:
+            self._sync_group()
             return
         try:
             if self.faults:

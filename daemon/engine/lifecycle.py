@@ -238,6 +238,19 @@ class ModelLifecycle:
             log.exception("could not save the expert-usage profile")
         streamer.close()
 
+    def _sync_group(self) -> None:
+        """An idle pipeline carries the cache ops recorded since its last step (the SSD tier's
+        writes and removals) to the followers now, not with the next request."""
+        pipeline = self.loaded.pipeline if self.loaded else None
+        if pipeline is None or not pipeline.ops_pending:
+            return
+        try:
+            pipeline.sync()
+        except RuntimeError as exc:
+            if not is_group_failure(exc):
+                raise
+            log.warning("pipeline sync: %s", exc)  # the next step fails the group as lost
+
     def _refresh_ranks(self, force: bool = False) -> None:
         """Every rank's status into `status.ranks` (collectives: on the engine thread only, and
         at most once a second)."""

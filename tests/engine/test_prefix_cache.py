@@ -129,6 +129,7 @@ def test_the_claude_code_billing_line_is_normalized_away():
 
 def test_under_a_pipeline_a_set_size_is_the_groups_and_each_rank_plans_its_share(tmp_path):
     from moed.daemon.engine.prefix_cache.setup import memory_tier_bytes, prefix_cache_config
+    from moed.daemon.experts.budget import parse_size
     from moed.daemon.model.loader import prefix_cache_memory_bytes
 
     serve = ServeConfig(state_dir=tmp_path, pipeline=2, prefix_cache_bytes="1GB")
@@ -136,7 +137,8 @@ def test_under_a_pipeline_a_set_size_is_the_groups_and_each_rank_plans_its_share
     # Rank 0 counts only its own layers' caches: its share of the layers.
     assert memory_tier_bytes(serve, None, share=0.25) == 250_000_000
     cfg = prefix_cache_config(serve, None, share=0.5)
-    assert cfg.memory_bytes == 500_000_000 and cfg.disk_bytes == 0  # memory only
+    # The SSD tier's size is the group's too: each rank's folder takes its share of the layers'.
+    assert cfg.memory_bytes == 500_000_000 and cfg.disk_bytes == parse_size("10GB")
     alone = ServeConfig(state_dir=tmp_path, prefix_cache_bytes="1GB")
     assert prefix_cache_config(alone).disk_bytes > 0
     assert prefix_cache_memory_bytes(ServeConfig(state_dir=tmp_path)) is None  # auto: the plan's

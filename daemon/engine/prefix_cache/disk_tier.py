@@ -21,34 +21,32 @@ from __future__ import annotations
 
 import base64
 import enum
-import hashlib
 import json
 import logging
 import os
-import struct
 import threading
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol
 
-import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from moed.daemon import __version__
 from moed.daemon.engine.prefix_cache.entry import PrefixEntry, common_prefix, covers, resumable
-from moed.daemon.model.layer_caches import LayerCache
+from moed.daemon.model.cache_file import (
+    FORMAT,
+    SUFFIX,
+    read_caches,
+    read_metadata,
+    write_caches,
+)
+from moed.daemon.model.cache_file import unlink as _unlink
+from moed.daemon.model.layer_caches import RemoteLayers
 
 log = logging.getLogger("moed.prefix_cache")
 
-FORMAT = "moed-prefix-cache"
-LAYOUT_VERSION = 1  # what the files hold and how: bump on any change
-SUFFIX = ".safetensors"
 WRITE_QUEUE = 8  # entries waiting for the writer; more are dropped (the cache is advisory)
 HOLD_MAX_S = 10.0  # a busy engine delays an entry's write at most this long (a crash loses less)
 HOLD_QUEUE = WRITE_QUEUE // 2  # this many waiting are written anyway: a busy server drops none
@@ -63,30 +61,24 @@ class Activity(enum.Enum):
     IDLE = "idle"  # no rows: writes go out once it has been idle for QUIET_S
 
 
-_MAX_HEADER = 64 << 20
+class RemoteParts(Protocol):
+    """The layers of each entry that other processes hold (a pipeline's followers, behind the
+    last element of every layer list): they keep files of their own, in step with this tier."""
 
+    def persist(self, entry: PrefixEntry) -> None:
+        """Write their part of `entry` (called when this tier takes it for writing)."""
+        ...
 
-def model_fingerprint(model_path: Path, layer_classes: list[str]) -> str:
-    """The model's files (names, sizes, mtimes), moed's version and the cache layout, hashed."""
-    h = hashlib.sha256(f"{FORMAT} {LAYOUT_VERSION} moed {__version__}\n".encode())
-    for f in sorted(Path(model_path).iterdir()):
-        if f.is_file():
-            st = f.stat()
-            h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    h.update(",".join(layer_classes).encode())
-    return h.hexdigest()[:32]
+    def forget(self, key: str) -> None:
+        """Remove their part of the entry `key` (this tier will not hold it)."""
+        ...
 
+    def clear(self) -> None: ...
 
-def checksum(caches: list[LayerCache]) -> str:
-    """CRC-32 of every array the caches hold, in order: safetensors has no checksum of its own,
-    and a flipped bit must never reach a request as a wrong token."""
-    crc = 0
-    pairs = cast(list[tuple[str, Any]], tree_flatten([c.state for c in caches]))  # no destination
-    for _, a in pairs:
-        if isinstance(a, mx.array):
-            view = memoryview(a)  # type: ignore[arg-type]  # mx.array exports the buffer protocol
-            crc = zlib.crc32(view.cast("B") if view.c_contiguous else view.tobytes(), crc)
-    return f"{crc:08x}"
+    def load(self, key: str, positions: tuple[int, ...]) -> tuple[Any, list[Any]] | None:
+        """Their part of `key`: the layers' element and one per checkpoint (none when their
+        layers can all be cut back); None when any of them could not read it."""
+        ...
 
 
 @dataclass
@@ -103,34 +95,24 @@ class DiskRecord:
         return len(self.tokens)
 
 
-def read_metadata(path: Path) -> dict[str, Any]:
-    """A safetensors file's own metadata, from its header alone (ValueError when unreadable)."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError("truncated header")
-        (n,) = struct.unpack("<Q", head)
-        if not 0 < n <= _MAX_HEADER:
-            raise ValueError(f"header length {n}")
-        raw = f.read(n)
-    if len(raw) != n:
-        raise ValueError("truncated header")
-    header = json.loads(raw)
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(meta, dict):
-        raise ValueError("no metadata")
-    # save_prompt_cache flattens [metadata, classes, scalars]: ours are the "0." keys.
-    return {k[2:]: v for k, v in meta.items() if k.startswith("0.")}
-
-
 class DiskTier:
     def __init__(
-        self, directory: Path, budget_bytes: int, fingerprint: str, trimmable: tuple[bool, ...]
+        self,
+        directory: Path,
+        budget_bytes: int,
+        fingerprint: str,
+        trimmable: tuple[bool, ...],
+        remote: RemoteParts | None = None,
     ) -> None:
         self.dir = Path(directory)
         self.budget_bytes = budget_bytes
         self.fingerprint = fingerprint
         self.trimmable = trimmable
+        # Under a pipeline each layer list ends with the followers' element: this tier writes
+        # this process's layers, `remote` has the followers keep theirs.
+        self.remote = remote
+        self._local = len(trimmable) - (1 if remote is not None else 0)
+        self._remote_state = remote is not None and not trimmable[-1]
         self._lock = threading.Lock()  # the records, shared with the writer thread
         self._records: dict[str, DiskRecord] = {}
         self._foreign: dict[Path, tuple[int, float]] = {}  # other models' entries: size, mtime
@@ -221,24 +203,32 @@ class DiskTier:
     def load(self, rec: DiskRecord) -> PrefixEntry | None:
         """The entry of `rec`, or None (with a warning, the file removed) when it cannot be read."""
         try:
-            caches, meta = load_prompt_cache(str(rec.path), return_metadata=True)
-            if meta.get("fingerprint") != self.fingerprint or meta.get("format") != FORMAT:
-                raise ValueError("written for another model, moed version or layout")
-            if meta.get("crc32") != checksum(caches):
-                raise ValueError("its data does not match its checksum")
-            layers, rest = caches[: len(self.trimmable)], caches[len(self.trimmable) :]
-            width = sum(not t for t in self.trimmable)
-            if len(layers) != len(self.trimmable) or len(rest) != width * len(rec.checkpoints):
+            caches, _ = read_caches(rec.path, self.fingerprint)
+            local = self.trimmable[: self._local]
+            layers, rest = caches[: self._local], caches[self._local :]
+            width = sum(not t for t in local)
+            if len(layers) != self._local or len(rest) != width * len(rec.checkpoints):
                 raise ValueError("its layers do not match the model's")
             checkpoints = {
                 p: rest[i * width : (i + 1) * width] for i, p in enumerate(rec.checkpoints)
             }
-            entry = PrefixEntry(rec.tokens.copy(), layers, checkpoints, key=rec.key)
         except Exception as exc:  # corrupt, truncated, foreign: never a failed request
             log.warning("prefix cache: skipping unreadable entry %s (%s)", rec.path.name, exc)
             self.skipped += 1
             self._forget(rec.key, unlink=True)
             return None
+        if self.remote is not None:
+            parts = self.remote.load(rec.key, rec.checkpoints)
+            if parts is None:
+                log.warning("prefix cache: another rank could not read its part of %s", rec.key)
+                self.skipped += 1
+                self._forget(rec.key, unlink=True)
+                return None
+            theirs, states = parts
+            layers = [*layers, theirs]
+            if self._remote_state:
+                checkpoints = {p: [*checkpoints[p], s] for p, s in zip(rec.checkpoints, states)}
+        entry = PrefixEntry(rec.tokens.copy(), layers, checkpoints, key=rec.key)
         self.loads += 1
         return entry
 
@@ -252,10 +242,12 @@ class DiskTier:
                 return
             kept: list[tuple[PrefixEntry, float]] = []
             since = time.monotonic()
+            replaced = []
             for e, t in self._pending:  # the ones `entry` covers leave: it is written instead
                 if covers(entry.tokens, entry.checkpoints, e.tokens, e.checkpoints, self.trimmable):
                     since = min(since, t)  # their queue time: a crash loses no more than before
                     self._unfinished -= 1
+                    replaced.append(e.key)
                 else:
                     kept.append((e, t))
             if len(kept) >= WRITE_QUEUE:
@@ -263,8 +255,13 @@ class DiskTier:
             else:
                 kept.append((entry, since))
                 self._unfinished += 1
+                if self.remote is not None:
+                    self.remote.persist(entry)
             self._pending = deque(kept)
             self._wake.notify_all()
+        if self.remote is not None:
+            for key in replaced:
+                self.remote.forget(key)
 
     def engine_is(self, activity: Activity) -> None:
         """The engine's word on what it does now (it calls this whenever that may change)."""
@@ -317,28 +314,29 @@ class DiskTier:
             except Exception:  # a bug here must not kill the writer silently
                 log.exception("prefix cache: SSD write failed")
             finally:
+                # Not held while the next one is awaited: its arrays (a pipeline's twin lists
+                # in the other ranks too) go with the memory tier's copy.
+                entry = None
                 with self._wake:
                     self._unfinished -= 1
                     self._wake.notify_all()
 
     def _write(self, entry: PrefixEntry) -> None:
         final = self.dir / (entry.key + SUFFIX)
-        tmp = self.dir / f".{entry.key}.{os.getpid()}.tmp{SUFFIX}"
         positions = sorted(entry.checkpoints)
-        caches = list(entry.layers) + [c for p in positions for c in entry.checkpoints[p]]
+        # This process's layers only: the followers' element (a pipeline's) writes its own.
+        caches = list(entry.layers[: self._local]) + [
+            c for p in positions for c in entry.checkpoints[p] if not isinstance(c, RemoteLayers)
+        ]
         meta = {
-            "format": FORMAT,
-            "fingerprint": self.fingerprint,
             "tokens": base64.b64encode(np.asarray(entry.tokens, dtype="<i4").tobytes()).decode(),
             "checkpoints": json.dumps(positions),
-            "crc32": checksum(caches),
         }
         try:
-            save_prompt_cache(str(tmp), caches, meta)
-            os.replace(tmp, final)  # a reader sees the whole file or none
-            size = final.stat().st_size
+            size = write_caches(final, caches, self.fingerprint, meta)
         except (OSError, RuntimeError, ValueError) as exc:  # full disk, read-only folder, ...
-            _unlink(tmp)
+            if self.remote is not None:
+                self.remote.forget(entry.key)
             self.write_errors += 1
             self._warn(
                 "write:" + type(exc).__name__,
@@ -350,7 +348,7 @@ class DiskTier:
         rec = DiskRecord(entry.key, final, entry.tokens, tuple(positions), size, time.time())
         with self._lock:
             if self._writing_epoch != self._cleared:  # a clear came while it was written
-                _unlink(final)
+                _unlink(final)  # (the followers' part went with the clear)
                 return
             self._records[entry.key] = rec
             superseded = [r for r in self._records.values() if self._covers(rec, r)]
@@ -387,6 +385,8 @@ class DiskTier:
             rec = self._records.pop(key, None)
         if rec is not None and unlink:
             _unlink(rec.path)
+            if self.remote is not None:
+                self.remote.forget(key)
 
     def _warn(self, kind: str, message: str) -> None:
         if kind not in self._warned:  # one warning per kind of failure, not one per request
@@ -409,6 +409,8 @@ class DiskTier:
             self._foreign.clear()
         for path, _ in paths:
             _unlink(path)
+        if self.remote is not None:
+            self.remote.clear()
         return sum(s for _, s in paths)
 
     def snapshot(self) -> dict[str, Any]:
@@ -450,7 +452,7 @@ def clear_folder(directory: Path) -> int:
     """Remove every entry file of a folder (no tier open on it); returns the bytes removed."""
     removed = 0
     try:
-        paths = list(Path(directory).glob("*" + SUFFIX))
+        paths = list(Path(directory).rglob("*" + SUFFIX))  # a pipeline's ranks: a folder each
     except OSError:
         return 0
     for path in paths:
@@ -461,10 +463,3 @@ def clear_folder(directory: Path) -> int:
         except OSError:
             pass
     return removed
-
-
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except OSError:
-        pass

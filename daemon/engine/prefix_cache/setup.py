@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING, cast
 from mlx_lm.models.cache import make_prompt_cache
 
 from moed.daemon.config import ServeConfig
+from moed.daemon.distributed.rank_disk import LeaderDisk, rank_disk_place
 from moed.daemon.engine.prefix_cache.cache import PrefixCache, PrefixCacheConfig
-from moed.daemon.engine.prefix_cache.disk_tier import DiskTier, model_fingerprint
+from moed.daemon.engine.prefix_cache.disk_tier import DiskTier
 from moed.daemon.experts.budget import parse_size
 from moed.daemon.experts.memory_plan import auto_prefix_cache_bytes, machine_memory
+from moed.daemon.model.cache_file import model_fingerprint
 from moed.daemon.model.layer_caches import trimmable_layers
 
 if TYPE_CHECKING:  # types only: the functions below import what they run
@@ -42,9 +44,7 @@ def prefix_cache_config(
     disk_dir = Path(serve.prefix_cache_dir) if serve.prefix_cache_dir else None
     return PrefixCacheConfig(
         memory_bytes=memory_tier_bytes(serve, plan, share),
-        # Under a pipeline each rank would need an SSD tier of its own, in step with rank 0's
-        # (and across a group restart): not built, so a pipeline caches in memory only.
-        disk_bytes=0 if serve.pipelined else parse_size(serve.prefix_cache_disk_bytes),
+        disk_bytes=parse_size(serve.prefix_cache_disk_bytes),
         disk_dir=disk_dir or Path(serve.state_dir) / "prefix-cache",
         # Chunk boundaries: a checkpoint lands where a chunk ends anyway.
         checkpoint_every=-(-serve.prefix_checkpoint_tokens // serve.prefill_chunk)
@@ -58,12 +58,18 @@ def open_prefix_cache(
     plan = loaded.streamer.plan if loaded.streamer else None
     leader = loaded.pipeline
     if leader is not None:  # every rank keeps its own layers of each entry (cache_ops.py)
-        share = (leader.rank.layers.end - leader.rank.layers.start) / leader.rank.layers.num_layers
+        share = leader.rank.layers.share
         cfg = prefix_cache_config(serve, plan, share)
         if not cfg.enabled:
             return None
-        log.info("prefix cache under a pipeline: memory tier only (no SSD tier)")
-        return PrefixCache(cfg, leader.cache_trimmable())
+        trimmable = leader.cache_trimmable()
+        pipeline_disk = None
+        if cfg.disk_bytes > 0:  # each rank's files of its layers, in a folder of its own
+            folder, fingerprint = rank_disk_place(cfg.disk_dir, model_path, leader.rank)
+            pipeline_disk = DiskTier(
+                folder, int(cfg.disk_bytes * share), fingerprint, trimmable, LeaderDisk(leader)
+            )
+        return PrefixCache(cfg, trimmable, pipeline_disk)
     cfg = prefix_cache_config(serve, plan)
     if not cfg.enabled:
         return None
