@@ -100,6 +100,7 @@ class RankProcess:
         self.host = host
         self.popen = popen
         self.last_beat: float | None = None  # silence counts only once it has started beating
+        self.formed_at: float | None = None  # the group's ring came up: its init is over
         self._pipe = popen.stdout.fileno()
         self._partial = b""
         os.set_blocking(self._pipe, False)
@@ -118,9 +119,16 @@ class RankProcess:
             for line in lines:
                 # `wait`: the rank is inside mx.distributed.init, which holds the GIL while the
                 # ring connects (retrying for seconds): starting again, only its exit counts.
-                self.last_beat = None if line.strip() == WAIT_LINE else now
+                waits = line.strip() == WAIT_LINE and self.formed_at is None
+                self.last_beat = None if waits else now
             if len(self._partial) > 64:
                 self._partial = b"-"  # a long unfinished line is no `wait`: only that matters
+
+    def group_formed(self, now: float) -> None:
+        """Rank 0's ring is up, so this rank's init is done: its silence counts from now on,
+        even if none of its beats since came through yet (a rank frozen right after the group
+        formed was otherwise "still starting" for ever)."""
+        self.formed_at = now
 
     def failure(self, timeout_s: float) -> GroupFailure | None:
         now = time.monotonic()
@@ -132,9 +140,10 @@ class RankProcess:
             # does not fit): rank 0 exits with the same code, so the service leaves it down.
             final = code if code in PERMANENT_EXITS else DaemonExit.RANK_FAILED
             return GroupFailure(f"{where} exited with code {code}", final)
-        if self.last_beat is None:
-            return None  # still starting (imports): only its exit counts
-        silent = now - self.last_beat
+        last = self.last_beat if self.last_beat is not None else self.formed_at
+        if last is None:
+            return None  # still starting (imports, the ring's init): only its exit counts
+        silent = now - max(last, self.formed_at or last)
         if silent > timeout_s:
             return GroupFailure(
                 f"{where} stopped responding ({silent:.1f}s without a heartbeat)",
@@ -215,6 +224,12 @@ class RankGroup:
                         self.on_failure(failure)
                     return
 
+    def group_formed(self) -> None:
+        """Rank 0's mx.distributed.init returned: every rank is past its own."""
+        now = time.monotonic()
+        for rank in self.ranks:
+            rank.group_formed(now)
+
     @property
     def files(self) -> Path:
         return self._files
@@ -274,6 +289,9 @@ class Heartbeat:
     def resume(self) -> None:
         with self._lock:
             self._held = False
+            # A beat now, from the thread that just left init: the beat thread may not run for a
+            # while (this process's GIL), and rank 0 hears this rank is serving at once.
+            self._write(b".\n")
 
     def _write(self, line: bytes) -> None:
         out = sys.stdout.buffer

@@ -85,6 +85,7 @@ def load_leader(serve: ServeConfig, path: Path) -> LoadedModel:
     if spec.backend == Backend.RING.value:
         os.environ["MLX_HOSTFILE"] = write_ring_hostfile(ring, ranks.files)
     group = mx.distributed.init(backend=spec.backend, strict=True)
+    ranks.group_formed()  # every follower is past its init: silence counts from here
     split = spec.split_for(group.size(), num_layers(path))
     streaming = spec.streaming(0)
     if streaming is not None:

@@ -219,3 +219,31 @@ def test_beats_that_waited_while_rank_0_did_not_run_are_not_silence():
     finally:
         popen.kill()
         popen.wait()
+
+
+def test_a_rank_frozen_before_its_first_beat_after_init_is_seen_once_the_group_formed():
+    # CI: the follower froze (SIGSTOP) right after the ring formed, before any beat after its
+    # `wait` reached rank 0: "still starting" let only its exit count, and the request stalled.
+    import subprocess
+    import sys
+    import time
+
+    from moed.daemon.distributed.hostfile import RankHost
+    from moed.daemon.distributed.launch import RankProcess
+
+    script = "import os, signal\nprint('wait', flush=True)\nos.kill(os.getpid(), signal.SIGSTOP)\n"
+    popen = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    rank = RankProcess(1, RankHost(1, "127.0.0.1", ("127.0.0.1",)), popen)
+    try:
+        deadline = time.monotonic() + 20
+        while rank.failure(timeout_s=0.5) is None and time.monotonic() < deadline:
+            if rank.formed_at is None and time.monotonic() > deadline - 15:
+                rank.group_formed(time.monotonic())  # rank 0's init returned
+            time.sleep(0.05)
+        failure = rank.failure(timeout_s=0.5)
+        assert failure is not None and "stopped responding" in failure.reason, failure
+    finally:
+        popen.kill()
+        popen.wait()
