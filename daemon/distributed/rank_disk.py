@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from mlx_lm.models.cache import make_prompt_cache
 
 from moed.daemon.distributed.cache_ops import CacheOp, key_words
+from moed.daemon.distributed.failure import is_group_failure
 from moed.daemon.model.cache_file import (
     SUFFIX,
     model_fingerprint,
@@ -60,8 +61,9 @@ class LeaderDisk:
 
     def persist(self, entry: PrefixEntry) -> None:
         handle = entry.layers[-1]
-        states = [entry.checkpoints[p][-1].handle for p in sorted(entry.checkpoints)]
-        states = states if self._states else []
+        states: list[int] = []
+        if self._states:  # else a checkpoint list holds only rank 0's own layers' states
+            states = [entry.checkpoints[p][-1].handle for p in sorted(entry.checkpoints)]
         self._leader.record(
             CacheOp.PERSIST, *key_words(entry.key), handle.handle, len(states), *states
         )
@@ -73,7 +75,15 @@ class LeaderDisk:
         self._leader.record(CacheOp.CLEAR_DISK)
 
     def load(self, key: str, positions: tuple[int, ...]) -> tuple[Any, list[Any]] | None:
-        return self._leader.load_prefix(key_words(key), len(positions) if self._states else 0)
+        try:
+            return self._leader.load_prefix(key_words(key), len(positions) if self._states else 0)
+        except RuntimeError as exc:
+            if not is_group_failure(exc):
+                raise
+            # A rank went during the load (at admission, outside a step): a miss here, and the
+            # next step's collectives fail the group as lost (rank_failed, retryable).
+            log.warning("prefix cache: the group could not load %s: %s", key, exc)
+            return None
 
 
 class FollowerDisk:
