@@ -25,6 +25,7 @@ from moed.daemon.distributed.cache_ops import CacheOp, key_words
 from moed.daemon.distributed.failure import is_group_failure
 from moed.daemon.model.cache_file import (
     SUFFIX,
+    entry_files,
     model_fingerprint,
     read_caches,
     unlink,
@@ -110,15 +111,11 @@ class FollowerDisk:
 
     def _scan(self) -> bool:
         try:
-            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            paths = list(self.dir.glob("*" + SUFFIX))
+            paths = entry_files(self.dir)
         except OSError as exc:
             log.warning("prefix cache: cannot use %s (%s); no SSD tier on this rank", self.dir, exc)
             return False
         for path in paths:
-            if path.name.startswith("."):  # a write cut short by a crash
-                unlink(path)
-                continue
             try:
                 self._sizes[path.stem] = path.stat().st_size  # before the writer starts
             except OSError:

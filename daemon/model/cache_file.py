@@ -100,6 +100,19 @@ def read_caches(path: Path, fingerprint: str) -> tuple[list[LayerCache], dict[st
     return caches, meta
 
 
+def entry_files(directory: Path) -> list[Path]:
+    """The entry files of a folder (made, private, if missing), in name order; a write a crash
+    cut short is removed. OSError when the folder cannot be made or read."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    paths = []
+    for path in sorted(directory.glob("*" + SUFFIX)):
+        if path.name.startswith("."):  # a temporary file of write_caches'
+            unlink(path)
+        else:
+            paths.append(path)
+    return paths
+
+
 def unlink(path: Path) -> None:
     try:
         path.unlink()

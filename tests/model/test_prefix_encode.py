@@ -10,21 +10,7 @@ from mlx_lm.utils import load_tokenizer
 
 from moed.daemon.model.demo import demo_model_path
 from moed.daemon.model.prefix_encode import CHECKED_REUSES, PrefixEncoder
-
-
-class CountingTokenizer:
-    """A real tokenizer that counts its whole encodes."""
-
-    def __init__(self, inner):
-        self._inner = inner
-        self.encodes = 0
-
-    def encode(self, *args, **kwargs):
-        self.encodes += 1
-        return self._inner.encode(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+from tests.fixtures.tokenizer import CountingTokenizer
 
 
 def whole(tok, text):

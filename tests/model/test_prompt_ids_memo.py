@@ -8,29 +8,13 @@ from mlx_lm.utils import load_tokenizer
 from moed.daemon.model.chat_template import PROMPT_IDS, prompt_token_ids
 from moed.daemon.model.prompt_ids_memo import PromptIdsMemo
 from moed.protocol import GenerateRequest
-
-
-class CountingTokenizer:
-    """A real tokenizer that counts its encodes (the memo's only way to be bypassed)."""
-
-    _tokenizer = None  # no fast tokenizer to reach: every encode is a whole one, and counted
-
-    def __init__(self, inner):
-        self._inner = inner
-        self.encodes = 0
-
-    def encode(self, *args, **kwargs):
-        self.encodes += 1
-        return self._inner.encode(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+from tests.fixtures.tokenizer import CountingTokenizer
 
 
 def test_a_count_then_its_generate_tokenize_once_and_give_the_same_ids(tiny_model):
     PROMPT_IDS.clear()
-    tok = CountingTokenizer(load_tokenizer(tiny_model))
-    fresh = CountingTokenizer(load_tokenizer(tiny_model))
+    tok = CountingTokenizer(load_tokenizer(tiny_model), reach_fast=False)
+    fresh = CountingTokenizer(load_tokenizer(tiny_model), reach_fast=False)
     chat = [{"role": "user", "content": "a long system prompt and a question"}]
     for fields in ({"prompt": "hello there, model", "raw": True}, {"messages": chat}):
         counted = prompt_token_ids(tok, GenerateRequest.from_checked(fields))

@@ -27,6 +27,10 @@ class PrefixCacheConfig:
     disk_dir: Path
     checkpoint_every: int  # tokens between recurrent-state checkpoints (hybrid models)
     max_checkpoints: int = 16  # per prompt: a long prompt spaces them wider
+    # A checkpoint fewer tokens than this after where the row resumed is skipped: it would split a
+    # chunk (under streaming one more read of every layer's experts) to save re-reading less than
+    # a chunk, from the resume point, itself kept.
+    min_split: int = 1
 
     @property
     def enabled(self) -> bool:
@@ -101,7 +105,8 @@ class PrefixCache:
         end = context_len - 1  # the end of the prompt read: a message boundary
         every = max(self.cfg.checkpoint_every, -(-end // self.cfg.max_checkpoints))
         every = -(-every // self.cfg.checkpoint_every) * self.cfg.checkpoint_every
-        return tuple(p for p in range(every, end, every) if p > start)
+        first = start + max(1, self.cfg.min_split)
+        return tuple(p for p in range(every, end, every) if p >= first)
 
     def store(
         self, tokens: list[int], layers: list[LayerCache], checkpoints: dict[int, list[LayerCache]]

@@ -38,6 +38,7 @@ from moed.daemon.engine.prefix_cache.entry import PrefixEntry, common_prefix, co
 from moed.daemon.model.cache_file import (
     FORMAT,
     SUFFIX,
+    entry_files,
     read_caches,
     read_metadata,
     write_caches,
@@ -139,16 +140,12 @@ class DiskTier:
     # ---- the index ----------------------------------------------------------------------------
     def _scan(self) -> None:
         try:
-            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            paths = sorted(self.dir.glob("*" + SUFFIX))
+            paths = entry_files(self.dir)
         except OSError as exc:
             self._warn("dir", f"prefix cache: cannot use {self.dir} ({exc}); no SSD tier")
             return
         foreign = 0
         for path in paths:
-            if path.name.startswith("."):  # a write cut short by a crash
-                _unlink(path)
-                continue
             try:
                 meta, st = read_metadata(path), path.stat()
                 if meta.get("format") != FORMAT or meta.get("fingerprint") != self.fingerprint:

@@ -49,6 +49,7 @@ def prefix_cache_config(
         # Chunk boundaries: a checkpoint lands where a chunk ends anyway.
         checkpoint_every=-(-serve.prefix_checkpoint_tokens // serve.prefill_chunk)
         * serve.prefill_chunk,
+        min_split=serve.prefill_chunk,
     )
 
 
