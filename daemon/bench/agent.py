@@ -291,6 +291,15 @@ def run_moed_side(
     is_flag=True,
     help="Skip the mlx_lm.server column and the plain mlx-lm floor (both hold the whole model).",
 )
+@click.option(
+    "--pipeline",
+    "ranks",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 8),
+    help="Both moed sides as a pipeline of this many local ranks (each keeps its own layers' "
+    "cache, in memory and on the SSD).",
+)
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Also write JSON here.")
 def bench_agent(
     model,
@@ -303,6 +312,7 @@ def bench_agent(
     repeats,
     seed,
     no_mlx_lm,
+    ranks,
     json_out,
 ) -> None:
     """Growing agent conversations through the gateway, resident and streaming, beside
@@ -320,6 +330,8 @@ def bench_agent(
     ]
     run_dir = Path(tempfile.mkdtemp(prefix="moed-bench-agent-", dir="/tmp"))
     chunk = ("--prefill-chunk", str(prefill_chunk))
+    if ranks > 1:
+        chunk = (*chunk, "--pipeline", str(ranks))
     sides = [
         (MoedSide("resident", path, run_dir, ("--resident", *chunk)), False),
         (MoedSide(budget, path, run_dir, ("--cache-budget", budget, *chunk)), True),
@@ -364,6 +376,7 @@ def bench_agent(
         "max_tokens": max_tokens,
         "prefill_chunk": prefill_chunk,
         "repeats": repeats,
+        "ranks": ranks,
     }
     print_report(header, results, bound)
     if json_out:

@@ -40,6 +40,7 @@ def print_report(header: dict, results: list, bound=None) -> None:
         f"{n} turns of {header['user_tokens']} user tokens + the answers, "
         f"{header['max_tokens']} tokens per answer, prefill chunk {header['prefill_chunk']}, "
         f"{header['repeats']} conversations per side"
+        + (f", moed as a pipeline of {header['ranks']} ranks" if header.get("ranks", 1) > 1 else "")
     )
     picks = [lambda r, k=k: r.turns[k] if k < len(r.turns) else None for k in range(n)]
     picks += [lambda r: r.restarted, lambda r: r.new_only]

@@ -36,3 +36,20 @@ def test_bench_agent_runs_a_conversation_and_a_restart_beside_mlx_lm(tiny_model,
             assert all(t["ttft_s"] > 0 for t in turns)
     assert sides["25%"]["runs"][0]["turns"][0]["read_bytes"] > 0  # a streaming side reads experts
     assert report["model_bound"]["after_context_s"] > 0 and report["model_bound"]["alone_s"] > 0
+
+
+def test_bench_agent_as_a_pipeline_continues_from_every_ranks_ssd_files(tiny_model, tmp_path):
+    out = tmp_path / "agent.json"
+    args = ["bench", "agent", "--model", str(tiny_model), "--system-tokens", "40", "--turns", "2"]
+    args += ["--user-tokens", "8", "--max-tokens", "4", "--prefill-chunk", "16", "--repeats", "1"]
+    args += ["--pipeline", "2", "--no-mlx-lm", "--json", str(out)]
+    done = moed(*args, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "a pipeline of 2 ranks" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["ranks"] == 2
+    for side in report["sides"]:
+        (run,) = side["runs"]
+        assert run["turns"][1]["cached_tokens"] > 0
+        # The restarted group read its prefix from every rank's own files.
+        assert run["restarted"]["cached_tokens"] >= run["turns"][1]["prompt_tokens"] - 8, run
