@@ -3,12 +3,13 @@ entry, in a folder of its own, and rank 0 decides everything.
 
 Rank 0's SSD tier (engine/prefix_cache/disk_tier.py) holds the index (tokens, checkpoints, least
 recently used order) and its own layers; through `LeaderDisk` it tells the followers, as cache
-ops carried by the next step (cache_ops.py), to write their part of an entry it takes, to remove
-the part of one it lets go, and to clear. A follower's `FollowerDisk` writes on a thread of its
-own, atomically, fingerprinted and checksummed like rank 0's files (model/cache_file.py). On a hit
-from the SSD rank 0 asks every rank to read its part (one PREFIX_LOAD step, answered by all): a
-rank that cannot (a missing, corrupt or foreign file, another host's folder that cannot be used)
-makes it a miss with a warning, never a wrong token. The files survive restarts of the group.
+ops carried by the next step (cache_ops.py), to write their part of an entry it has written
+(so their writes wait out a prefill as its own do), to remove the part of one it lets go, and to
+clear. A follower's `FollowerDisk` writes on a thread of its own, atomically, fingerprinted and
+checksummed like rank 0's files (model/cache_file.py). On a hit from the SSD rank 0 asks every
+rank to read its part (one PREFIX_LOAD step, answered by all): a rank that cannot (a missing,
+corrupt or foreign file, another host's folder that cannot be used) makes it a miss with a
+warning, never a wrong token. The files survive restarts of the group.
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ class RemoteParts(Protocol):
     last element of every layer list): they keep files of their own, in step with this tier."""
 
     def persist(self, entry: PrefixEntry) -> None:
-        """Write their part of `entry` (called when this tier takes it for writing)."""
+        """Write their part of `entry` (called once this tier has written its own; from its
+        writer thread)."""
         ...
 
     def forget(self, key: str) -> None:
@@ -239,12 +240,10 @@ class DiskTier:
                 return
             kept: list[tuple[PrefixEntry, float]] = []
             since = time.monotonic()
-            replaced = []
             for e, t in self._pending:  # the ones `entry` covers leave: it is written instead
                 if covers(entry.tokens, entry.checkpoints, e.tokens, e.checkpoints, self.trimmable):
                     since = min(since, t)  # their queue time: a crash loses no more than before
                     self._unfinished -= 1
-                    replaced.append(e.key)
                 else:
                     kept.append((e, t))
             if len(kept) >= WRITE_QUEUE:
@@ -252,13 +251,8 @@ class DiskTier:
             else:
                 kept.append((entry, since))
                 self._unfinished += 1
-                if self.remote is not None:
-                    self.remote.persist(entry)
             self._pending = deque(kept)
             self._wake.notify_all()
-        if self.remote is not None:
-            for key in replaced:
-                self.remote.forget(key)
 
     def engine_is(self, activity: Activity) -> None:
         """The engine's word on what it does now (it calls this whenever that may change)."""
@@ -332,8 +326,6 @@ class DiskTier:
         try:
             size = write_caches(final, caches, self.fingerprint, meta)
         except (OSError, RuntimeError, ValueError) as exc:  # full disk, read-only folder, ...
-            if self.remote is not None:
-                self.remote.forget(entry.key)
             self.write_errors += 1
             self._warn(
                 "write:" + type(exc).__name__,
@@ -349,6 +341,10 @@ class DiskTier:
                 return
             self._records[entry.key] = rec
             superseded = [r for r in self._records.values() if self._covers(rec, r)]
+        if self.remote is not None:
+            # The followers write their part now too, when this tier's hold let it go (not
+            # beside a prefill), and only parts of entries this tier holds.
+            self.remote.persist(entry)
         for old in superseded:
             self._forget(old.key, unlink=True)
         self._enforce_budget()
