@@ -118,6 +118,12 @@ def format_status(body: dict) -> str:
             f"layers {rank.get('layers')}  rss {format_bytes(rank.get('rss_bytes'))}  "
             f"experts {format_bytes(experts.get('resident_bytes'))}"
             + (f"  hits {hit:.1%}  reads {experts.get('reads')}" if hit is not None else "")
+            + (
+                f"  prefix ssd {disk.get('disk_entries')} entries "
+                f"{format_bytes(disk.get('disk_bytes'))}"
+                if (disk := rank.get("prefix_disk"))
+                else ""
+            )
         )
     keep = body.get("keep_alive_s")
     if keep is not None:

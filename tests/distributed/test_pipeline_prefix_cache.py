@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from mlx_lm.utils import load
 
 from moed.client import Client, DoneEvent, TokenEvent
 from tests.fixtures import pipeline_worker
+from tests.fixtures.daemon_harness import moe_command
 from tests.fixtures.engine_driver import SYSTEM, TURNS
 from tests.fixtures.pipeline_requests import rank_lists
 
@@ -125,6 +127,10 @@ def test_every_rank_resumes_its_layers_from_the_ssd_after_a_crash(
     with Client(sup.socket) as c:
         assert converse(c, TURNS[:1]) == [(expected[0], 0)]
     assert same_files(folders), [list(d.iterdir()) for d in folders]
+    human = subprocess.run(
+        moe_command(sup.socket, "status"), capture_output=True, text=True, check=True
+    ).stdout
+    assert "prefix ssd" in human, human  # the follower's line says what its folder holds
     os.kill(first["pid"], signal.SIGKILL)  # a crash: only what reached the SSD is left
 
     second = sup.wait_ready(not_boot=first["boot_id"])
