@@ -111,6 +111,15 @@ class ServeConfig:
         return parse_keep_alive(self.keep_alive)
 
     @property
+    def prefix_cache_folder(self) -> Path:
+        """The SSD tier's folder (a pipeline's ranks each keep a folder inside it)."""
+        return (
+            Path(self.prefix_cache_dir)
+            if self.prefix_cache_dir
+            else Path(self.state_dir) / "prefix-cache"
+        )
+
+    @property
     def pipelined(self) -> bool:
         """This daemon is rank 0 of a pipeline group (`--pipeline N` or `--hostfile`)."""
         return bool(self.pipeline or self.hostfile)

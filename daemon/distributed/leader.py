@@ -101,7 +101,7 @@ class PipelineLeader:
 
     def sync(self) -> None:
         """Carry the cache ops recorded since the last step to the followers now (an idle
-        engine's: a follower writes its part of an entry soon after rank 0 takes it)."""
+        engine's: a follower writes its part of an entry soon after rank 0 wrote its own)."""
         with self._lock:
             if self._ops.pending:
                 self.channel.send(Step(StepOp.SYNC, 0, ops=self._ops.drain()))

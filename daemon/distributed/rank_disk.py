@@ -14,16 +14,18 @@ warning, never a wrong token. The files survive restarts of the group.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections import deque
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
 from moed.daemon.distributed.cache_ops import CacheOp, key_words
-from moed.daemon.distributed.failure import is_group_failure
+from moed.daemon.distributed.failure import outside_a_step
 from moed.daemon.model.cache_file import (
     SUFFIX,
     entry_files,
@@ -40,6 +42,15 @@ if TYPE_CHECKING:  # types only: the leader imports this module's users
     from moed.daemon.engine.prefix_cache.entry import PrefixEntry
 
 log = logging.getLogger("moed.prefix_cache")
+
+
+class _Action(enum.Enum):
+    """What a follower's writer does next, in the order rank 0 asked."""
+
+    WRITE = "write"
+    FORGET = "forget"
+    CLEAR = "clear"
+
 
 WRITE_QUEUE = 16  # actions waiting for a follower's writer; a write beyond is dropped (advisory)
 SLACK = 2.0  # a follower keeps up to this many times its share: rank 0's evictions decide first
@@ -77,15 +88,9 @@ class LeaderDisk:
         self._leader.record(CacheOp.CLEAR_DISK)
 
     def load(self, key: str, positions: tuple[int, ...]) -> tuple[Any, list[Any]] | None:
-        try:
-            return self._leader.load_prefix(key_words(key), len(positions) if self._states else 0)
-        except RuntimeError as exc:
-            if not is_group_failure(exc):
-                raise
-            # A rank went during the load (at admission, outside a step): a miss here, and the
-            # next step's collectives fail the group as lost (rank_failed, retryable).
-            log.warning("prefix cache: the group could not load %s: %s", key, exc)
-            return None
+        n_states = len(positions) if self._states else 0
+        load = partial(self._leader.load_prefix, key_words(key), n_states)
+        return outside_a_step("prefix load", load, log)  # a rank gone: a miss here
 
 
 class FollowerDisk:
@@ -105,7 +110,7 @@ class FollowerDisk:
         self._sizes: dict[str, int] = {}
         self._usable = self._scan()
         self._wake = threading.Condition()
-        self._queue: deque[tuple[str, str, list, list]] = deque()  # (action, key, layers, states)
+        self._queue: deque[tuple[_Action, str, list, list]] = deque()  # action, key, layers, states
         self._closing = False
         self._writer = threading.Thread(target=self._run, name="moed-rank-ssd", daemon=True)
         self._writer.start()
@@ -128,21 +133,21 @@ class FollowerDisk:
         with self._wake:
             if not self._usable or self._closing:
                 return
-            if sum(a == "write" for a, *_ in self._queue) >= WRITE_QUEUE:
+            if sum(a is _Action.WRITE for a, *_ in self._queue) >= WRITE_QUEUE:
                 log.debug("prefix cache: this rank's SSD writer is busy; %s not written", key)
                 return
-            self._queue.append(("write", key, layers, states))
+            self._queue.append((_Action.WRITE, key, layers, states))
             self._wake.notify_all()
 
     def forget(self, key: str) -> None:
         with self._wake:
-            self._queue.append(("forget", key, [], []))
+            self._queue.append((_Action.FORGET, key, [], []))
             self._wake.notify_all()
 
     def clear(self) -> None:
         with self._wake:
             self._queue.clear()  # what was queued before goes with everything else
-            self._queue.append(("clear", "", [], []))
+            self._queue.append((_Action.CLEAR, "", [], []))
             self._wake.notify_all()
 
     def load(self, key: str, n_states: int) -> tuple[list, list[list]] | None:
@@ -150,7 +155,7 @@ class FollowerDisk:
         with self._wake:
             for action, queued, layers, states in reversed(self._queue):
                 if queued == key:  # not written yet: the arrays rank 0 asked to write are here
-                    if action == "write" and len(states) == n_states:
+                    if action is _Action.WRITE and len(states) == n_states:
                         return list(layers), [list(s) for s in states]
                     break
         path = self.dir / (key + SUFFIX)
@@ -159,10 +164,9 @@ class FollowerDisk:
             layers, rest = caches[: self._layers], caches[self._layers :]
             if len(layers) != self._layers or len(rest) != self._width * n_states:
                 raise ValueError("its layers do not match this rank's")
-        except Exception as exc:  # missing, corrupt, foreign: rank 0 makes it a miss
+        except Exception as exc:  # missing, corrupt, foreign: rank 0 makes it a miss, forgets it
             self.load_errors += 1
             log.warning("prefix cache: this rank cannot read %s (%s)", path.name, exc)
-            self.forget(key)
             return None
         self.loads += 1
         w = self._width
@@ -178,9 +182,9 @@ class FollowerDisk:
                     return
                 action, key, layers, states = self._queue.popleft()
             try:
-                if action == "write":
+                if action is _Action.WRITE:
                     self._write(key, layers, states)
-                elif action == "forget":
+                elif action is _Action.FORGET:
                     unlink(self.dir / (key + SUFFIX))
                     with self._lock:
                         self._sizes.pop(key, None)
@@ -190,7 +194,9 @@ class FollowerDisk:
                     for k in keys:
                         unlink(self.dir / (k + SUFFIX))
             except Exception:  # a bug here must not kill the writer silently
-                log.exception("prefix cache: this rank's SSD %s failed", action)
+                log.exception("prefix cache: this rank's SSD %s failed", action.value)
+            finally:
+                layers = states = []  # not held while the next is awaited (rank 0 dropped them)
 
     def _write(self, key: str, layers: list, states: list[list]) -> None:
         caches = list(layers) + [c for s in states for c in s]

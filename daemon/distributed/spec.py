@@ -96,7 +96,7 @@ def rank_spec(
         kv_bytes=estimate_kv_bytes(model_config, serve.plan_context_tokens),
         prefix_cache_bytes=memory,
         prefix_disk_bytes=0 if memory == 0 else parse_size(serve.prefix_cache_disk_bytes),
-        prefix_disk_dir=serve.prefix_cache_dir or str(Path(serve.state_dir) / "prefix-cache"),
+        prefix_disk_dir=str(serve.prefix_cache_folder),
         backend=group.backend.value,
         control=[not h.is_local for h in group.hosts],
         guard=f"{group.guard_address[0]}:{group.guard_address[1]}",

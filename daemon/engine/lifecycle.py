@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 
 from moed.daemon.config import ServeConfig
-from moed.daemon.distributed.failure import is_group_failure
+from moed.daemon.distributed.failure import outside_a_step
 from moed.daemon.distributed.rank0 import load_leader
 from moed.daemon.engine.batch import DecodeBatch
 from moed.daemon.engine.chunk_budget import ChunkBudget, chunk_budget
@@ -242,14 +242,8 @@ class ModelLifecycle:
         """An idle pipeline carries the cache ops recorded since its last step (the SSD tier's
         writes and removals) to the followers now, not with the next request."""
         pipeline = self.loaded.pipeline if self.loaded else None
-        if pipeline is None or not pipeline.ops_pending:
-            return
-        try:
-            pipeline.sync()
-        except RuntimeError as exc:
-            if not is_group_failure(exc):
-                raise
-            log.warning("pipeline sync: %s", exc)  # the next step fails the group as lost
+        if pipeline is not None and pipeline.ops_pending:
+            outside_a_step("sync", pipeline.sync, log)
 
     def _refresh_ranks(self, force: bool = False) -> None:
         """Every rank's status into `status.ranks` (collectives: on the engine thread only, and
@@ -259,17 +253,9 @@ class ModelLifecycle:
         if pipeline is None or (not force and now - self._ranks_at < RANKS_REFRESH_S):
             return
         self._ranks_at = now
-        try:
-            ranks = pipeline.status()
-        except RuntimeError as exc:
-            if not is_group_failure(exc):
-                raise
-            # A rank went while its counters were gathered (outside a step: a telemetry or a
-            # `done`): the next step's collectives raise the same and fail the group as lost
-            # (rank_failed, retryable), where raising here failed the engine (internal).
-            log.warning("pipeline status: %s", exc)
-            return
-        self.status.update(ranks=ranks)
+        ranks = outside_a_step("status", pipeline.status, log)  # a telemetry's or a `done`'s
+        if ranks is not None:
+            self.status.update(ranks=ranks)
 
     def _stream_snapshot(self) -> dict[str, Any] | None:
         if self.loaded is None or self.loaded.streamer is None:

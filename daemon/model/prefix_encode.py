@@ -78,11 +78,12 @@ def _occurrences(text: str, contents: tuple[str, ...]) -> list[int]:
 
 
 def _common_prefix(a: str, b: str) -> int:
-    """The length of a and b's common start: slice comparisons run at C speed."""
+    """The length of a and b's common start, by bisection: one slice and a C-speed compare per
+    halving (a char loop over a 20K-token conversation costs more than encoding it)."""
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
+        if b.startswith(a[:mid]):
             lo = mid
         else:
             hi = mid - 1

@@ -64,8 +64,9 @@ def test_a_part_written_reads_back_after_a_restart_and_goes_when_forgotten(tmp_p
 def test_a_part_still_queued_is_read_from_memory_and_clear_removes_everything(tmp_path):
     disk = store(tmp_path)
     with disk._wake:  # the writer cannot take it while this thread holds the queue's lock
-        disk._queue.append(("write", KEY, layers(3), []))
+        disk.write(KEY, layers(3), [])
         got = disk.load(KEY, 0)
+        assert not (tmp_path / "rank1of2" / f"{KEY}.safetensors").exists()  # not on disk yet
     assert got is not None and same(got[0], layers(3))
     other = "f" * 32
     disk.write(other, layers(4), [])

@@ -114,7 +114,6 @@ class DiskTier:
         # this process's layers, `remote` has the followers keep theirs.
         self.remote = remote
         self._local = len(trimmable) - (1 if remote is not None else 0)
-        self._remote_state = remote is not None and not trimmable[-1]
         self._lock = threading.Lock()  # the records, shared with the writer thread
         self._records: dict[str, DiskRecord] = {}
         self._foreign: dict[Path, tuple[int, float]] = {}  # other models' entries: size, mtime
@@ -224,7 +223,7 @@ class DiskTier:
                 return None
             theirs, states = parts
             layers = [*layers, theirs]
-            if self._remote_state:
+            if states:  # the followers keep recurrent state: each checkpoint's list ends with it
                 checkpoints = {p: [*checkpoints[p], s] for p, s in zip(rec.checkpoints, states)}
         entry = PrefixEntry(rec.tokens.copy(), layers, checkpoints, key=rec.key)
         self.loads += 1

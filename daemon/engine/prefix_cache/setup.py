@@ -41,11 +41,10 @@ def memory_tier_bytes(serve: ServeConfig, plan: MemoryPlan | None, share: float 
 def prefix_cache_config(
     serve: ServeConfig, plan: MemoryPlan | None = None, share: float = 1.0
 ) -> PrefixCacheConfig:
-    disk_dir = Path(serve.prefix_cache_dir) if serve.prefix_cache_dir else None
     return PrefixCacheConfig(
         memory_bytes=memory_tier_bytes(serve, plan, share),
         disk_bytes=parse_size(serve.prefix_cache_disk_bytes),
-        disk_dir=disk_dir or Path(serve.state_dir) / "prefix-cache",
+        disk_dir=serve.prefix_cache_folder,
         # Chunk boundaries: a checkpoint lands where a chunk ends anyway.
         checkpoint_every=-(-serve.prefix_checkpoint_tokens // serve.prefill_chunk)
         * serve.prefill_chunk,
