@@ -59,14 +59,17 @@ WATCHDOG_ARGS = [
     "600",
 ]
 
+# Paced (about 270 MiB/s, so 1 GiB takes 4 s): each of the watchdog's three steps needs fresh
+# growth after the one before it, and a hog done in 1.2 s (CI, once) left the last with none.
 HOG = """
-import sys
+import sys, time
 sys.stdin.readline()  # wait until the test has moved us into the cgroup
 chunk, held = 16 << 20, []
 for i in range(int(sys.argv[1]) // 16):
     block = bytearray(chunk)
     block[::4096] = b"\\1" * (chunk // 4096)  # touch every page so it is really charged
     held.append(block)
+    time.sleep(0.06)
 print("allocated", flush=True)
 sys.stdin.readline()  # hold it until told (or killed)
 """
