@@ -231,6 +231,13 @@ def stream(
                 contenders.append(
                     load_streaming(path, "100%", workers, page_cache, preload_all=True)
                 )
+                # The same, every layer still read back to the host: the serial floor's
+                # compute and syncs (stream_report.floor_tok_s).
+                contenders.append(
+                    load_streaming(
+                        path, "100%", workers, page_cache, preload_all=True, host_routed=True
+                    )
+                )
             click.echo(
                 "decoding, interleaved token by token: "
                 f"{', '.join(c.name for c in contenders)} ...",

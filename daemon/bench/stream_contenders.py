@@ -147,6 +147,7 @@ def load_streaming(
     speculative: bool = False,
     active_experts: int = 0,
     landing: str = "auto",
+    host_routed: bool = False,
 ) -> Contender:
     # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
@@ -178,9 +179,11 @@ def load_streaming(
         streamer.preload([list(range(n)) for n in streamer.layout.num_experts])
     simulate = not (preload_all or speculative)
     # The simulations replay the routing trace, which needs the choices on the host: a traced
-    # run never routes on the device, so the preloaded run (no simulation) goes untraced.
-    streamer.trace = [] if simulate else None
+    # run never routes on the device, so the preloaded run (no simulation) goes untraced, and
+    # a host-routed one is traced only to keep every layer's read-back (nothing can miss).
+    streamer.trace = [] if simulate or host_routed else None
     name = budget + ("+pre" if preload_all else "") + ("+spec" if speculative else "")
+    name += ",host" if host_routed else ""
     name += f",K={active_experts}" if active_experts else ""
     name += f",{landing}" if landing != "auto" else ""  # a landing other than the default
     return Contender(name, model, streamer, preloaded=preload_all, simulate=simulate)

@@ -78,30 +78,52 @@ def bound_tok_s(run: RunResult, resident: RunResult, raw_mb_s: float) -> float:
     return 1.0 / max(read_s, compute_s) if max(read_s, compute_s) else 0.0
 
 
+def floor_tok_s(run: RunResult, host_routed: RunResult | None, raw_mb_s: float) -> float:
+    """The serial floor of a streaming run: one token per (the host-routed preloaded run's token
+    time + its bytes read at the raw read bandwidth), what a decoder reaches that reads a layer's
+    misses only once its router is known (no read overlaps compute) at zero read overhead."""
+    if host_routed is None or not host_routed.tok_s or not raw_mb_s:
+        return 0.0
+    per_tok = run.counters["bytes_read"] / max(1, run.decode_tokens)
+    return 1.0 / (1.0 / host_routed.tok_s + per_tok / (raw_mb_s * 1e6))
+
+
 def gpu_report(raw: dict, resident: RunResult, runs: list[RunResult]) -> list[str]:
     """Per budget, what a GPU (or Metal) exposes and a CPU hides: host syncs, host time between
-    kernels and read stalls, against resident and the physical bound."""
+    kernels and read stalls, against resident, the physical bound and the serial floor."""
+    host_routed = next((r for r in runs if r.name.endswith("+pre,host")), None)
     lines = [
         "",
         "per budget (host syncs drain a GPU's queue; host time leaves it idle):",
         f"{'budget':>8} {'tok/s':>7} {'x res':>6} {'syncs/tok':>9} {'on device':>9} "
-        f"{'host us/call':>12} {'stall ms/tok':>12} {'bound tok/s':>11} {'x bound':>7}",
+        f"{'host us/call':>12} {'stall ms/tok':>12} {'bound tok/s':>11} {'x bound':>7}"
+        + (f" {'floor tok/s':>11} {'floor x bound':>13}" if host_routed else ""),
         f"{'resident':>8} {resident.tok_s:7.2f} {1.0:6.2f}",
     ]
     for r in runs:
         c, n = r.counters, max(1, r.decode_tokens)
         bound = bound_tok_s(r, resident, raw["mb_s"])
-        lines.append(
+        line = (
             f"{r.name:>8} {r.tok_s:7.2f} {paired_speed(r, resident):6.2f} "
             f"{c['host_syncs'] / n:9.2f} "
             f"{100 * c.get('device_routed', 0) / max(1, c['layer_calls']):8.0f}% "
             f"{host_us_per_call(c):12.0f} {1e3 * c['stall_s'] / n:12.2f} "
             f"{bound:11.2f} {_ratio(r.tok_s, bound):>7}"
         )
+        if host_routed is not None and c["bytes_read"]:
+            floor = floor_tok_s(r, host_routed, raw["mb_s"])
+            line += f" {floor:11.2f} {_ratio(floor, bound):>13}"
+        lines.append(line)
     lines.append(
         "on device: layer calls routed on the device (every expert held: no read-back). bound: one "
         "token per max(bytes read at the raw bandwidth, resident token time)."
     )
+    if host_routed is not None:
+        lines.append(
+            "floor: one token per (100%+pre,host's token time + bytes read at the raw bandwidth): "
+            "every layer read back, its misses read only once its router is known, at raw "
+            "bandwidth with no overhead (no read overlapping compute)."
+        )
     return lines
 
 
@@ -204,7 +226,8 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
     lines += [
         "",
         "100%+pre: every expert preloaded before the warm-up (no cold misses): "
-        "the streaming machinery's own cost.",
+        "the streaming machinery's own cost; 100%+pre,host: the same with every layer still "
+        "read back to the host.",
         "+spec: speculative next-layer prefetch (hits include prefetched experts; "
         "read MB/s: demand + prefetch",
         "bytes over the time stalled, so reads hidden behind compute push it above "

@@ -76,7 +76,8 @@ def test_bench_stream_tiny(tmp_path):
     assert "read path sweep" in text and "best:" in text and "syncs/tok" in text
     assert "reproduces" in text
     data = json.loads(out.read_text())
-    assert [r["name"] for r in data["runs"]] == ["25%", "100%", "25%+spec", "100%+pre"]
+    names = [r["name"] for r in data["runs"]]
+    assert names == ["25%", "100%", "25%+spec", "100%+pre", "100%+pre,host"]
     resident = data["resident"]["tokens"]
     for run in data["runs"]:
         assert run["tokens"] == resident
@@ -89,4 +90,8 @@ def test_bench_stream_tiny(tmp_path):
                 bh / (bh + bm)
                 >= run["hits_total"] / (run["hits_total"] + run["misses_total"]) - 1e-9
             )
-    assert data["runs"][-1]["counters"]["misses"] == 0  # everything preloaded
+    preloaded, host_routed = data["runs"][-2:]
+    assert preloaded["counters"]["misses"] == host_routed["counters"]["misses"] == 0
+    # The host-routed twin reads every layer back (the floor's syncs); the other routes on device.
+    assert host_routed["counters"]["host_syncs"] > 0 == preloaded["counters"]["host_syncs"]
+    assert "floor tok/s" in text
