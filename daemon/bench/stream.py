@@ -145,6 +145,13 @@ SWEEP_BURST = 2  # experts per burst in the read sweep: a layer's misses in a de
     help="budgets also run with the DIRECT landing (reads into the slots' own bytes; the default "
     "off CUDA); empty: none",
 )
+@click.option(
+    "--early-budgets",
+    default="",
+    show_default=True,
+    help="budgets also run submitting each streamed layer's output to the device once built "
+    "(launch_early); empty: none",
+)
 @click.option("--seed", default=0, show_default=True, help="Seed for the weights and prompts.")
 def stream(
     layers,
@@ -169,6 +176,7 @@ def stream(
     model_path,
     staged_budgets,
     direct_budgets,
+    early_budgets,
     seed,
 ) -> None:
     """Expert streaming vs resident mlx-lm on a model with Qwen3.6-35B-A3B expert shapes."""
@@ -221,6 +229,10 @@ def stream(
                     contenders.append(
                         load_streaming(path, budget, workers, page_cache, landing=landing)
                     )
+            for budget in [b.strip() for b in early_budgets.split(",") if b.strip()]:
+                contenders.append(
+                    load_streaming(path, budget, workers, page_cache, launch_early=True)
+                )
             budget_list = [b.strip() for b in budgets.split(",") if b.strip()]
             ks = [int(k) for k in active_experts.split(",") if k.strip()]
             for k in [k for k in ks if 0 < k < top_k and budget_list]:
@@ -233,11 +245,18 @@ def stream(
                 )
                 # The same, every layer still read back to the host: the serial floor's
                 # compute and syncs (stream_report.floor_tok_s).
-                contenders.append(
-                    load_streaming(
-                        path, "100%", workers, page_cache, preload_all=True, host_routed=True
+                for early in (False, True) if early_budgets.strip() else (False,):
+                    contenders.append(
+                        load_streaming(
+                            path,
+                            "100%",
+                            workers,
+                            page_cache,
+                            preload_all=True,
+                            host_routed=True,
+                            launch_early=early,
+                        )
                     )
-                )
             click.echo(
                 "decoding, interleaved token by token: "
                 f"{', '.join(c.name for c in contenders)} ...",

@@ -57,6 +57,9 @@ class StreamingConfig:
     prefetch_next: bool = False
     cache_policy: str = DEFAULT_POLICY  # a name in experts/policies (the registry)
     landing: Landing = Landing.AUTO  # where reads land (landing.py): STAGED on CUDA, else DIRECT
+    # Submit each host-routed layer's output to the device once built (mx.async_eval), so the
+    # device computes it while the host builds the graph up to the next router's read-back.
+    launch_early: bool = False
 
 
 @dataclass
@@ -116,6 +119,7 @@ class ExpertStreamer(CacheWarmth):
         self.budget_bytes = self.plan.cache_budget_bytes
         slots = self.plan.slots_per_layer
         self.landing = Landing(cfg.landing).resolve(on_cuda())
+        self.launch_early = cfg.launch_early
         self.pools = []
         for i, s in enumerate(switches):
             n = min(slots, s.num_experts)

@@ -64,6 +64,7 @@ class LayerCache(Protocol):
 
     counters: Counters
     overlap: Switch  # whether to compute resident rows during the reads
+    launch_early: bool  # submit a host-routed call's output to the device once built
 
     def output_unused(self) -> bool: ...
 
@@ -338,6 +339,8 @@ class StreamingSwitch(nn.Module):
             # Not evaluated here: the streamer fences it before any slot it reads is reused.
             done = streamer.one_pass(layer, host, partial(self._decode_graph, x))
             if done is not None:
+                if streamer.launch_early:
+                    mx.async_eval(done)
                 streamer.counters.layer_s += time.perf_counter() - t0
                 return done
         x = mx.expand_dims(x, (-2, -3))
@@ -358,5 +361,7 @@ class StreamingSwitch(nn.Module):
         if inv_order is not None:  # the rows were sorted (do_sort)
             out = scatter_unsort(out, inv_order, indices.shape)
         out = out.squeeze(-2)
+        if streamer.launch_early:
+            mx.async_eval(out)
         streamer.counters.layer_s += time.perf_counter() - t0
         return out
