@@ -146,11 +146,11 @@ SWEEP_BURST = 2  # experts per burst in the read sweep: a layer's misses in a de
     "off CUDA); empty: none",
 )
 @click.option(
-    "--early-budgets",
+    "--late-budgets",
     default="",
     show_default=True,
-    help="budgets also run submitting each streamed layer's output to the device once built "
-    "(launch_early); empty: none",
+    help="budgets also run without submitting each streamed layer's output to the device once "
+    "built (launch_early off: it waits for the next read-back); empty: none",
 )
 @click.option("--seed", default=0, show_default=True, help="Seed for the weights and prompts.")
 def stream(
@@ -176,7 +176,7 @@ def stream(
     model_path,
     staged_budgets,
     direct_budgets,
-    early_budgets,
+    late_budgets,
     seed,
 ) -> None:
     """Expert streaming vs resident mlx-lm on a model with Qwen3.6-35B-A3B expert shapes."""
@@ -229,9 +229,9 @@ def stream(
                     contenders.append(
                         load_streaming(path, budget, workers, page_cache, landing=landing)
                     )
-            for budget in [b.strip() for b in early_budgets.split(",") if b.strip()]:
+            for budget in [b.strip() for b in late_budgets.split(",") if b.strip()]:
                 contenders.append(
-                    load_streaming(path, budget, workers, page_cache, launch_early=True)
+                    load_streaming(path, budget, workers, page_cache, launch_early=False)
                 )
             budget_list = [b.strip() for b in budgets.split(",") if b.strip()]
             ks = [int(k) for k in active_experts.split(",") if k.strip()]
@@ -245,7 +245,7 @@ def stream(
                 )
                 # The same, every layer still read back to the host: the serial floor's
                 # compute and syncs (stream_report.floor_tok_s).
-                for early in (False, True) if early_budgets.strip() else (False,):
+                for early in (True, False) if late_budgets.strip() else (True,):
                     contenders.append(
                         load_streaming(
                             path,

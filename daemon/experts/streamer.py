@@ -58,8 +58,9 @@ class StreamingConfig:
     cache_policy: str = DEFAULT_POLICY  # a name in experts/policies (the registry)
     landing: Landing = Landing.AUTO  # where reads land (landing.py): STAGED on CUDA, else DIRECT
     # Submit each host-routed layer's output to the device once built (mx.async_eval), so the
-    # device computes it while the host builds the graph up to the next router's read-back.
-    launch_early: bool = False
+    # device computes it while the host builds the graph up to the next router's read-back
+    # (H200: a read-back's wait 5.5 -> 3.4 ms a token; BENCHMARKS.md, issue 22 fifth session).
+    launch_early: bool = True
 
 
 @dataclass
