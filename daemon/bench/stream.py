@@ -150,7 +150,8 @@ SWEEP_BURST = 2  # experts per burst in the read sweep: a layer's misses in a de
     default="",
     show_default=True,
     help="budgets also run without submitting each streamed layer's output to the device once "
-    "built (launch_early off: it waits for the next read-back); empty: none",
+    "built (launch_early off: it waits for the next read-back; the default on the CPU); "
+    "empty: none",
 )
 @click.option("--seed", default=0, show_default=True, help="Seed for the weights and prompts.")
 def stream(
@@ -245,7 +246,7 @@ def stream(
                 )
                 # The same, every layer still read back to the host: the serial floor's
                 # compute and syncs (stream_report.floor_tok_s).
-                for early in (True, False) if late_budgets.strip() else (True,):
+                for early in (None, False) if late_budgets.strip() else (None,):
                     contenders.append(
                         load_streaming(
                             path,

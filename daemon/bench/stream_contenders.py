@@ -148,7 +148,7 @@ def load_streaming(
     active_experts: int = 0,
     landing: str = "auto",
     host_routed: bool = False,
-    launch_early: bool = True,
+    launch_early: bool | None = None,
 ) -> Contender:
     # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
@@ -186,7 +186,7 @@ def load_streaming(
     streamer.trace = [] if simulate or host_routed else None
     name = budget + ("+pre" if preload_all else "") + ("+spec" if speculative else "")
     name += ",host" if host_routed else ""
-    name += ",late" if not launch_early else ""
+    name += ",late" if launch_early is False else ""
     name += f",K={active_experts}" if active_experts else ""
     name += f",{landing}" if landing != "auto" else ""  # a landing other than the default
     return Contender(name, model, streamer, preloaded=preload_all, simulate=simulate)

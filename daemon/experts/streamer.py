@@ -59,8 +59,9 @@ class StreamingConfig:
     landing: Landing = Landing.AUTO  # where reads land (landing.py): STAGED on CUDA, else DIRECT
     # Submit each host-routed layer's output to the device once built (mx.async_eval), so the
     # device computes it while the host builds the graph up to the next router's read-back
-    # (H200: a read-back's wait 5.5 -> 3.4 ms a token; BENCHMARKS.md, issue 22 fifth session).
-    launch_early: bool = True
+    # (H200: a read-back's wait 5.3 -> 3.2 ms a token; BENCHMARKS.md, issue 22 fifth session).
+    # None: where MLX computes on a GPU; on the CPU it bought nothing and cost host time.
+    launch_early: bool | None = None
 
 
 @dataclass
@@ -120,7 +121,11 @@ class ExpertStreamer(CacheWarmth):
         self.budget_bytes = self.plan.cache_budget_bytes
         slots = self.plan.slots_per_layer
         self.landing = Landing(cfg.landing).resolve(on_cuda())
-        self.launch_early = cfg.launch_early
+        self.launch_early = (
+            cfg.launch_early
+            if cfg.launch_early is not None
+            else mx.default_device().type == mx.DeviceType.gpu
+        )
         self.pools = []
         for i, s in enumerate(switches):
             n = min(slots, s.num_experts)
