@@ -34,7 +34,11 @@ def main() -> None:
             path = write_checkpoint(Path(tmp) / arch, arch, num_layers=4, num_experts=16, bits=4)
             model = resident(path)
             want = decode(model, PROMPT, tokens), decode(model, PROMPT, tokens, SAMPLER)
+            again = decode(model, PROMPT, tokens), decode(model, PROMPT, tokens, SAMPLER)
             del model
+            # Is the device itself deterministic? The resident model's second run, the same way.
+            same = ["yes" if g == w else "NO" for g, w in zip(again, want)]
+            print(f"{arch:>12} resident again       greedy {same[0]:>3} seeded {same[1]:>3}")
             for budget in BUDGETS:
                 for early in (True, False):
                     model, streamer = streaming(path, budget, launch_early=early)
@@ -44,9 +48,13 @@ def main() -> None:
                         streamer.close()
                     same = ["yes" if g == w else "NO" for g, w in zip(got, want)]
                     failed += same.count("NO")
+                    at = [
+                        next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), -1)
+                        for g, w in zip(got, want)
+                    ]
                     print(
                         f"{arch:>12} {budget:>5} launch_early={'on ' if early else 'off'} "
-                        f"greedy {same[0]:>3} seeded {same[1]:>3}"
+                        f"greedy {same[0]:>3} seeded {same[1]:>3} (first difference at {at})"
                     )
     print("all identical" if not failed else f"{failed} differ")
 
