@@ -2,7 +2,7 @@
 runs (a Mac's Metal, CUDA, this CPU), for the test fixtures' architectures at several budgets,
 each with `launch_early` (a host-routed layer's output submitted once built) on and off:
 
-    python benchmarks/decode_exactness.py [TOKENS]
+    python benchmarks/decode_exactness.py [TOKENS] [ARCH ...]
 
 The checkpoints are the tests' own (tests/fixtures/checkpoints.py), written to a temporary folder.
 """
@@ -30,7 +30,7 @@ def main() -> None:
     print(f"device {mx.default_device()}, {tokens} tokens after a {len(PROMPT)}-token prompt")
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for arch in ARCHS:
+        for arch in sys.argv[2:] or ARCHS:
             path = write_checkpoint(Path(tmp) / arch, arch, num_layers=4, num_experts=16, bits=4)
             model = resident(path)
             want = decode(model, PROMPT, tokens), decode(model, PROMPT, tokens, SAMPLER)
