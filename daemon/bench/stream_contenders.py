@@ -181,9 +181,9 @@ def load_streaming(
         streamer.preload([list(range(n)) for n in streamer.layout.num_experts])
     simulate = not (preload_all or speculative)
     # The simulations replay the routing trace, which needs the choices on the host: a traced
-    # run never routes on the device, so the preloaded run (no simulation) goes untraced, and
-    # a host-routed one is traced only to keep every layer's read-back (nothing can miss).
-    streamer.trace = [] if simulate or host_routed else None
+    # run never routes on the device, so the preloaded run (no simulation) goes untraced.
+    streamer.trace = [] if simulate else None
+    streamer.device_routing = not host_routed
     name = budget + ("+pre" if preload_all else "") + ("+spec" if speculative else "")
     name += ",host" if host_routed else ""
     name += ",late" if launch_early is False else ""

@@ -96,9 +96,14 @@ def _loaded_cudart() -> str | None:
     return None
 
 
+def on_gpu() -> bool:
+    """MLX computes on a GPU here (its default device: Metal or CUDA)."""
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 def on_cuda() -> bool:
     """MLX computes on a CUDA GPU here (its default device)."""
-    return bool(mx.cuda.is_available()) and mx.default_device().type == mx.DeviceType.gpu
+    return bool(mx.cuda.is_available()) and on_gpu()
 
 
 @functools.cache

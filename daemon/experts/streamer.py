@@ -17,7 +17,7 @@ import numpy as np
 from moed.daemon.experts.budget import CacheBudget
 from moed.daemon.experts.cache import LayerPool
 from moed.daemon.experts.counters import Counters, LayerCounters
-from moed.daemon.experts.cuda_memory import on_cuda
+from moed.daemon.experts.cuda_memory import on_cuda, on_gpu
 from moed.daemon.experts.discover import SwitchInfo
 from moed.daemon.experts.fence import LazyFence
 from moed.daemon.experts.held import DeviceTally
@@ -121,11 +121,7 @@ class ExpertStreamer(CacheWarmth):
         self.budget_bytes = self.plan.cache_budget_bytes
         slots = self.plan.slots_per_layer
         self.landing = Landing(cfg.landing).resolve(on_cuda())
-        self.launch_early = (
-            cfg.launch_early
-            if cfg.launch_early is not None
-            else mx.default_device().type == mx.DeviceType.gpu
-        )
+        self.launch_early = cfg.launch_early if cfg.launch_early is not None else on_gpu()
         self.pools = []
         for i, s in enumerate(switches):
             n = min(slots, s.num_experts)
@@ -157,6 +153,8 @@ class ExpertStreamer(CacheWarmth):
         self._engine_thread = threading.get_ident()  # the loading thread until the first layer call
         self._lock = threading.Lock()
         self.trace: list[list[np.ndarray]] | None = None  # set to [] to record routing (bench)
+        # False: every layer is read back to the host even when it holds every expert (bench).
+        self.device_routing = True
         # A router-trace recorder (moed.daemon.telemetry.trace), attached around one request's step.
         self.observer = None
         # Called on the engine thread when a layer routed or its reads landed: progress inside a
@@ -208,7 +206,7 @@ class ExpertStreamer(CacheWarmth):
             pool.hold()  # device arrays in expert order: the router's indices are slots
             self._held[layer] = True
             log.debug("MoE layer %d holds every expert: routed on the device", layer)
-        return self.trace is None and self.observer is None
+        return self.device_routing and self.trace is None and self.observer is None
 
     def route_on_device(self, layer: int, indices: mx.array) -> mx.array | None:
         """A held layer's call: its bookkeeping without the host. Returns an array the layer's

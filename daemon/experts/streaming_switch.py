@@ -339,10 +339,7 @@ class StreamingSwitch(nn.Module):
             # Not evaluated here: the streamer fences it before any slot it reads is reused.
             done = streamer.one_pass(layer, host, partial(self._decode_graph, x))
             if done is not None:
-                if streamer.launch_early:
-                    mx.async_eval(done)
-                streamer.counters.layer_s += time.perf_counter() - t0
-                return done
+                return self._routed_out(done, t0)
         x = mx.expand_dims(x, (-2, -3))
         needed = distinct(host)
         passes = streamer.plan_passes(layer, needed)
@@ -360,7 +357,12 @@ class StreamingSwitch(nn.Module):
 
         if inv_order is not None:  # the rows were sorted (do_sort)
             out = scatter_unsort(out, inv_order, indices.shape)
-        out = out.squeeze(-2)
+        return self._routed_out(out.squeeze(-2), t0)
+
+    def _routed_out(self, out: mx.array, t0: float) -> mx.array:
+        """A host-routed call's output, submitted to the device now where the streamer launches
+        early (it then runs while the host builds the graph up to the next read-back)."""
+        streamer = self._streamer
         if streamer.launch_early:
             mx.async_eval(out)
         streamer.counters.layer_s += time.perf_counter() - t0

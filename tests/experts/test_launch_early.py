@@ -7,9 +7,9 @@ reads, whose slots the early evaluation must not race.
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 
+from moed.daemon.experts.cuda_memory import on_gpu
 from moed.daemon.experts.landing import Landing
 from tests.fixtures.batch_decode import batch_tokens
 from tests.fixtures.reference import SAMPLER, decode, resident, streaming
@@ -58,6 +58,6 @@ def test_early_launch_defaults_to_the_gpu_only(checkpoint_factory):
     path = checkpoint_factory("qwen3_moe")
     model, streamer = streaming(path, "25%")
     try:
-        assert streamer.launch_early is (mx.default_device().type == mx.DeviceType.gpu)
+        assert streamer.launch_early is on_gpu()
     finally:
         streamer.close()
