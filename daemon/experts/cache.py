@@ -69,7 +69,7 @@ class PooledTensor:
         return self.loc.expert_stride
 
 
-def _alloc(loc: TensorLoc, slots: int) -> mx.array:
+def alloc_slots(loc: TensorLoc, slots: int) -> mx.array:
     np_dtype, mx_dtype = _pool_dtypes(loc.dtype)
     # Built from numpy so the array owns a dense buffer (mx.zeros may be a broadcast scalar).
     arr = mx.array(np.zeros((slots, *loc.shape[1:]), dtype=np_dtype))
@@ -112,7 +112,7 @@ class LayerPool(SlotTable):
             self.ring = StagingRing(min(DEFAULT_ROWS, num_experts), shapes)
 
     def _allocate(self, slots: int) -> None:
-        alloc = _alloc_on_device if self.staged else _alloc
+        alloc = _alloc_on_device if self.staged else alloc_slots
         self.arrays: dict[str, mx.array] = {t.key: alloc(t.loc, slots) for t in self.tensors}
         # Byte views of each pool; workers write through these (no MLX calls off the engine thread).
         # A staged pool has none: a host view would move a CUDA array back to managed memory.

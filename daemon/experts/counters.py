@@ -22,6 +22,7 @@ CUMULATIVE_KEYS = frozenset(
         "bytes_read",
         "reads",
         "evictions",
+        "lane_loads",
         "read_s",
         "stall_s",
         "router_readback_s",
@@ -66,6 +67,7 @@ class Counters:
     bytes_read: int = 0
     reads: int = 0  # preadv jobs (each a run of adjacent experts of one tensor)
     evictions: int = 0
+    lane_loads: int = 0  # misses read into the pass lane (pass_lane.py): never cached
     read_s: float = 0.0  # worker time in preadv, summed
     stall_s: float = 0.0  # engine thread waiting for reads
     router_sync_s: float = (
@@ -107,6 +109,7 @@ class Counters:
             "bytes_read": self.bytes_read,
             "reads": self.reads,
             "evictions": self.evictions,
+            "lane_loads": self.lane_loads,
             "read_s": self.read_s,
             "stall_s": self.stall_s,
             "router_readback_s": self.router_sync_s + self.router_copy_s,

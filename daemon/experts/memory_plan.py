@@ -14,6 +14,8 @@ import mlx.core as mx
 import psutil
 
 from moed.daemon.experts.budget import CacheBudget, slots_per_layer
+from moed.daemon.experts.cuda_memory import on_cuda
+from moed.daemon.experts.landing import Landing
 from moed.daemon.experts.safetensors_index import CheckpointIndex
 from moed.protocol.model_config import ModelConfig
 from moed.protocol.units import format_bytes
@@ -46,6 +48,7 @@ class MemoryPlan:
     slots_per_layer: int
     num_experts: int  # per layer
     prefix_cache_bytes: int = 0  # the prefix KV cache's memory tier (engine/prefix_cache/)
+    lane_bytes: int = 0  # the pass lane (pass_lane.py): one more pool of a layer's slots
 
     @property
     def required_bytes(self) -> int:
@@ -53,6 +56,7 @@ class MemoryPlan:
             self.baseline_bytes
             + self.resident_bytes
             + self.cache_budget_bytes
+            + self.lane_bytes
             + self.kv_bytes
             + self.prefix_cache_bytes
             + self.working_bytes
@@ -74,6 +78,7 @@ class MemoryPlan:
                 f"  expert cache     {_gb(self.cache_budget_bytes):>10}  "
                 f"({pct:.0f}% of {_gb(self.experts_bytes)} of experts: "
                 f"{self.slots_per_layer} of {self.num_experts} slots x {self.num_layers} layers)",
+                f"  pass lane        {_gb(self.lane_bytes):>10}",
                 f"  KV cache         {_gb(self.kv_bytes):>10}",
                 f"  prefix cache     {_gb(self.prefix_cache_bytes):>10}",
                 f"  working memory   {_gb(self.working_bytes):>10}",
@@ -195,6 +200,13 @@ def auto_prefix_cache_bytes(usable_memory: int) -> int:
     return int(min(PREFIX_AUTO_CAP, PREFIX_AUTO_SHARE * usable_memory))
 
 
+def lane_bytes(slots: list[int], layout: ExpertLayout) -> int:
+    """The pass lane's bytes (pass_lane.py): as large as the largest pool of a layer whose experts
+    do not all fit its slots; 0 where every layer holds all of its experts."""
+    pools = [s * b for s, b, e in zip(slots, layout.expert_bytes, layout.num_experts) if s < e]
+    return max(pools, default=0)
+
+
 def make_plan(
     layout: ExpertLayout,
     resident_bytes: int,
@@ -205,9 +217,11 @@ def make_plan(
     baseline_bytes: int | None = None,
     memory: tuple[int, int, str] | None = None,
     prefix_cache_bytes: int | None = 0,
+    pass_lane: bool = True,
 ) -> MemoryPlan:
     """`baseline_bytes` None: this process's RSS now (call before materializing weights);
-    `prefix_cache_bytes` None: the automatic share of usable memory."""
+    `prefix_cache_bytes` None: the automatic share of usable memory; `pass_lane`: the pools
+    land reads directly (the streamer then allocates the pass lane beside them)."""
     total, usable, source = memory or machine_memory()
     if prefix_cache_bytes is None:
         prefix_cache_bytes = auto_prefix_cache_bytes(usable)
@@ -217,6 +231,9 @@ def make_plan(
     auto = usable - baseline - resident_bytes - kv_bytes - prefix_cache_bytes - working
     if not isinstance(cache_budget, CacheBudget):  # a StreamingConfig given text (bench, tests)
         cache_budget = CacheBudget.parse(cache_budget)
+    per_slot = sum(layout.expert_bytes)
+    if pass_lane and per_slot:  # an automatic budget leaves the lane its room: one more slot each
+        auto = auto * per_slot // (per_slot + max(layout.expert_bytes))
     budget = cache_budget.resolve(experts, auto_bytes=max(0, auto))
     slots = (
         slots_per_layer(budget, layout.expert_bytes, layout.num_experts)
@@ -238,6 +255,7 @@ def make_plan(
         slots_per_layer=min(slots) if slots else 0,
         num_experts=max(layout.num_experts) if layout.num_experts else 0,
         prefix_cache_bytes=prefix_cache_bytes,
+        lane_bytes=lane_bytes(slots, layout) if pass_lane and layout.num_experts else 0,
     )
 
 
@@ -263,6 +281,7 @@ def plan_memory(
         baseline_bytes=baseline_bytes,
         memory=memory or _memory_override(cfg),
         prefix_cache_bytes=getattr(cfg, "prefix_cache_bytes", 0),
+        pass_lane=Landing(cfg.landing).resolve(on_cuda()) is Landing.DIRECT,
     )
 
 

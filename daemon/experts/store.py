@@ -23,12 +23,12 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from moed.daemon.experts.landing import Staging
 
 if TYPE_CHECKING:  # types only: cache.py imports mlx, and the configuration imports this module
-    from moed.daemon.experts.cache import LayerPool, PooledTensor
+    from moed.daemon.experts.cache import PooledTensor
 
 F_NOCACHE = 48  # macOS <sys/fcntl.h>: turn data caching off for this file descriptor
 IOV_MAX = 1024  # POSIX minimum guaranteed is 16; Linux and macOS allow 1024
@@ -48,6 +48,14 @@ class PageCachePolicy(str, enum.Enum):
     AUTO = "auto"  # bypass when the experts are much larger than RAM, trust otherwise
     BYPASS = "bypass"  # F_NOCACHE on macOS, POSIX_FADV_DONTNEED / O_DIRECT on Linux
     TRUST = "trust"
+
+
+class ReadTarget(Protocol):
+    """What reads fill: a layer's pool (cache.py LayerPool) or the pass lane (pass_lane.py)."""
+
+    tensors: list[PooledTensor]  # where each expert's bytes are in the checkpoint
+
+    def destination(self, staging: Staging, tensor: PooledTensor, i: int) -> memoryview: ...
 
 
 @dataclass(slots=True)  # a few per layer call's misses: no instance dict to build
@@ -171,7 +179,7 @@ class ExpertStore:
             self._reads_of[id(tensors)] = cached
         return cached[1]
 
-    def jobs_for(self, pool: LayerPool, staging: Staging) -> list[ReadJob]:
+    def jobs_for(self, pool: ReadTarget, staging: Staging) -> list[ReadJob]:
         """Read jobs that fill `staging`'s loads [(expert, slot)] of `pool` (in expert order),
         adjacent experts coalesced."""
         jobs: list[ReadJob] = []

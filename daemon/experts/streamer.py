@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from moed.daemon.experts.fence import LazyFence
 from moed.daemon.experts.held import DeviceTally
 from moed.daemon.experts.landing import Landing, Staging
 from moed.daemon.experts.memory_plan import ExpertLayout, MemoryPlan, _memory_override, make_plan
+from moed.daemon.experts.pass_lane import LANE, PassLane, lane_loads
 from moed.daemon.experts.policies import DEFAULT_POLICY, make_policy
 from moed.daemon.experts.prefetch import ReadBatch, ReadPool, ReadResult
 from moed.daemon.experts.safetensors_index import CheckpointIndex
@@ -85,6 +86,26 @@ class PendingLoad:
         return set(self.hits).difference(self.kept)
 
 
+@dataclass(frozen=True)
+class LoadedPass:
+    """One pass of a multi-pass call, its experts resident in `arrays` (a layer's pool, or the
+    pass lane) at `table[expert]`."""
+
+    experts: np.ndarray
+    table: np.ndarray
+    arrays: dict[str, mx.array]
+    key: int  # the fence's key of `arrays`: the layer, or LANE
+    pipelined: bool  # the next pass's reads land while this one computes (submit_pass)
+
+
+@dataclass(frozen=True)
+class _LaneRead:
+    """A lane pass whose reads are queued."""
+
+    experts: np.ndarray
+    batch: ReadBatch
+
+
 class ExpertStreamer(CacheWarmth):
     """Owns the slot pools, the store, the read workers, the counters and the usage profile."""
 
@@ -108,6 +129,7 @@ class ExpertStreamer(CacheWarmth):
         if resident_weight_bytes is None:
             resident_weight_bytes = index.total_bytes - self.layout.experts_bytes
         self.resident_weight_bytes = resident_weight_bytes
+        self.landing = Landing(cfg.landing).resolve(on_cuda())
         self.plan = make_plan(
             self.layout,
             self.resident_weight_bytes,
@@ -116,17 +138,18 @@ class ExpertStreamer(CacheWarmth):
             working_bytes=cfg.working_bytes,
             memory=_memory_override(cfg),
             prefix_cache_bytes=cfg.prefix_cache_bytes,
+            pass_lane=self.landing is Landing.DIRECT,
         )
         self.baseline_bytes = self.plan.baseline_bytes  # measured before weights and pools exist
         self.budget_bytes = self.plan.cache_budget_bytes
         slots = self.plan.slots_per_layer
-        self.landing = Landing(cfg.landing).resolve(on_cuda())
         self.launch_early = cfg.launch_early if cfg.launch_early is not None else on_gpu()
         self.pools = []
         for i, s in enumerate(switches):
             n = min(slots, s.num_experts)
             policy = make_policy(cfg.cache_policy, s.num_experts, n)
             self.pools.append(LayerPool(i, s.tensors, s.num_experts, n, policy, self.landing))
+        self.lane = self._make_lane()
         self.bypass_page_cache = resolve_page_cache(
             cfg.page_cache, self.layout.experts_bytes, self.plan.total_memory
         )
@@ -336,6 +359,63 @@ class ExpertStreamer(CacheWarmth):
         self.defer(layer, early, slots)
         return early
 
+    def load_passes(self, layer: int, passes: list[np.ndarray]) -> Iterator[LoadedPass]:
+        """Each pass's experts made resident, in turn. Where the pass lane fits the layer, passes
+        alternate between the pool and the lane, and the next pass's reads are issued once the
+        caller has submitted the pass it was given (`submit_pass`): they land while it computes
+        (pass_lane.py). Otherwise each pass is loaded into the pool after the one before."""
+        pool, lane = self.pools[layer], self.lane
+        if lane is None or len(passes) < 2 or not lane.fits(pool):
+            for experts in passes:
+                table, arrays = self.load(layer, experts)
+                yield LoadedPass(experts, table, arrays, layer, False)
+            return
+        pending: PendingLoad | _LaneRead = self.begin_load(layer, passes[0])
+        for i in range(len(passes)):
+            if isinstance(pending, _LaneRead):
+                self._count_reads(self.reader.wait([pending.batch]))
+                table = np.zeros(pool.num_experts, dtype=np.uint32)
+                table[pending.experts] = np.arange(pending.experts.size, dtype=np.uint32)
+                yield LoadedPass(pending.experts, table, lane.arrays, LANE, True)
+            else:
+                self.finish_load(pending)
+                table = self.table(pool, pending.experts)
+                yield LoadedPass(pending.experts, table, pool.arrays, layer, True)
+            if i + 1 < len(passes):  # odd passes in the lane, even ones in the pool
+                nxt = passes[i + 1]
+                pending = (
+                    self._begin_lane(layer, lane, nxt)
+                    if i % 2 == 0
+                    else self.begin_load(layer, nxt)
+                )
+
+    def _begin_lane(self, layer: int, lane: PassLane, experts: np.ndarray) -> _LaneRead:
+        """Queue the reads of a lane pass (none of its experts is in the pool: passes put the
+        resident ones first, and the pool's passes admit only their own)."""
+        pool = self.pools[layer]
+        loads = lane_loads(experts.tolist())
+        self.counters.layers[layer].misses += len(loads)
+        self.counters.lane_loads += len(loads)
+        if self.observer is not None:
+            self.observer.on_load(layer, pool, [], loads)
+        self.fence.guard(LANE, loads)  # the lane's pass before this one has run
+        staging = Staging(loads)
+        return _LaneRead(
+            experts, self.reader.submit(self.store.jobs_for(lane.target(pool), staging))
+        )
+
+    def submit_pass(
+        self, layer: int, done: LoadedPass, out: mx.array, slots_read: list[int]
+    ) -> None:
+        """`out`, computed from `done`'s arrays, is deferred behind the fence (and submitted to
+        the device now when the next pass's reads are to land while it runs)."""
+        if done.key == LANE:
+            self.fence.defer(LANE, out, slots_read)
+        else:
+            self.defer(layer, out, slots_read)
+        if done.pipelined:
+            mx.async_eval(out)
+
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]:
         """Make `experts` resident in `layer`; returns (expert -> slot table, pools)."""
         pending = self.begin_load(layer, experts)
@@ -469,6 +549,12 @@ class ExpertStreamer(CacheWarmth):
         else:
             c.bytes_read += res.bytes_read
 
+    def _make_lane(self) -> PassLane | None:
+        """The pass lane (pass_lane.py) as wide as the widest DIRECT pool that cannot hold its
+        layer's experts; None where no layer needs passes."""
+        partial = [p for p in self.pools if p.slots < p.num_experts and not p.staged]
+        return PassLane(max(partial, key=lambda p: p.pool_bytes)) if partial else None
+
     # -- public API ------------------------------------------------------------------------
 
     @property
@@ -486,6 +572,7 @@ class ExpertStreamer(CacheWarmth):
         snap.update(
             {
                 "resident_bytes": self.resident_bytes,
+                "lane_bytes": self.lane.nbytes if self.lane is not None else 0,
                 "budget_bytes": self.budget_bytes,
                 "resident_weight_bytes": self.resident_weight_bytes,
                 "experts_bytes": self.layout.experts_bytes,
@@ -520,6 +607,7 @@ class ExpertStreamer(CacheWarmth):
             baseline_bytes=self.baseline_bytes,
             memory=_memory_override(self.cfg),
             prefix_cache_bytes=self.cfg.prefix_cache_bytes,
+            pass_lane=self.landing is Landing.DIRECT,
         )
 
     def shed(self, fraction: float) -> int:
@@ -536,6 +624,9 @@ class ExpertStreamer(CacheWarmth):
                 for p in self.pools
                 if p.slots > target
             )
+            lane = self.lane
+            if lane is not None and lane.slots > target:  # narrowed with the pools
+                released += (lane.slots - target) * (lane.nbytes // lane.slots)
             self._pending_slots = target
         if self._engine_thread == threading.get_ident():
             self._apply_shed()
@@ -549,6 +640,8 @@ class ExpertStreamer(CacheWarmth):
         if target is None:
             return
         released = sum(p.resize(min(p.slots, target)) for p in self.pools)
+        if self.lane is not None:  # as wide as the pools again
+            self.lane = self._make_lane()
         self._held = [False] * len(self.pools)  # re-checked (and re-sorted) at their next call
         self.budget_bytes = self.resident_bytes
         mx.clear_cache()  # hand the freed pool buffers back to the OS

@@ -12,7 +12,7 @@ Results stay bit-identical on the CPU backend (tests/experts); see _rows_by_pass
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Protocol
@@ -25,7 +25,7 @@ from mlx_lm.models.switch_layers import SwiGLU
 if TYPE_CHECKING:  # types only: the cache is reached through LayerCache (streamer imports us)
     from moed.daemon.experts.cache import LayerPool
     from moed.daemon.experts.counters import Counters
-    from moed.daemon.experts.streamer import PendingLoad
+    from moed.daemon.experts.streamer import LoadedPass, PendingLoad
     from moed.daemon.experts.tuning import Switch
 
 
@@ -88,6 +88,12 @@ class LayerCache(Protocol):
     def plan_passes(self, layer: int, needed: np.ndarray) -> list[np.ndarray]: ...
 
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]: ...
+
+    def load_passes(self, layer: int, passes: list[np.ndarray]) -> Iterator[LoadedPass]: ...
+
+    def submit_pass(
+        self, layer: int, done: LoadedPass, out: mx.array, slots_read: list[int]
+    ) -> None: ...
 
     def begin_load(self, layer: int, experts: np.ndarray) -> PendingLoad: ...
 
@@ -242,15 +248,15 @@ class StreamingSwitch(nn.Module):
         rows = mx.broadcast_to(x, (*indices.shape, 1, x.shape[-1])).reshape(-1, 1, x.shape[-1])
         parts: list[mx.array] = []
         picked: list[np.ndarray] = []
-        for experts in passes:
-            table, pools = streamer.load(layer, experts)
-            sel = np.flatnonzero(np.isin(flat, experts))
+        for done in streamer.load_passes(layer, passes):
+            sel = np.flatnonzero(np.isin(flat, done.experts))
             if do_sort:
                 sel = sel[np.argsort(flat[sel], kind="stable")]
-            slots = table[flat[sel]]
-            y = self._experts(rows[mx.array(sel)], mx.array(slots), do_sort, pools)
-            # Not evaluated here: the streamer fences it before any slot it reads is reused.
-            streamer.defer(layer, y, slots.tolist())
+            slots = done.table[flat[sel]]
+            y = self._experts(rows[mx.array(sel)], mx.array(slots), do_sort, done.arrays)
+            # Fenced before any slot it reads is reused; submitted now when the next pass's reads
+            # land while it computes (pass_lane.py).
+            streamer.submit_pass(layer, done, y, slots.tolist())
             parts.append(y)
             picked.append(sel)
         order = mx.array(np.argsort(np.concatenate(picked)))

@@ -122,6 +122,9 @@ def _families(stats: dict) -> list[Family]:
         fam("expert_cache_resident_bytes", "gauge", "Bytes of expert slots allocated.").add(
             ex.get("resident_bytes")
         )
+        fam("expert_pass_lane_bytes", "gauge", "Bytes of the pass lane beside the slots.").add(
+            ex.get("lane_bytes")
+        )
         fam("expert_cache_experts", "gauge", "Experts resident in the cache.").add(
             ex.get("cached_experts")
         )

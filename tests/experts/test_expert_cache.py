@@ -14,6 +14,7 @@ from moed.daemon.experts import (
     parse_budget,
     plan_memory,
 )
+from moed.daemon.experts.landing import Landing
 from moed.daemon.experts.memory_plan import cgroup_memory_limit, machine_memory
 from tests.fixtures.checkpoints import ARCHS
 from tests.fixtures.reference import MEMORY, decode, resident, streaming
@@ -142,11 +143,17 @@ def test_memory_plan(checkpoint_factory):
         plan.fits and plan.slots_per_layer == 4 and plan.num_experts == 8 and plan.num_layers == 2
     )
     assert plan.cache_budget_bytes * 2 == plan.experts_bytes
-    assert plan.required_bytes == plan.resident_bytes + plan.cache_budget_bytes + 7000
+    # the pass lane: one more pool of a layer's 4 slots (pass_lane.py)
+    assert plan.lane_bytes * plan.num_layers == plan.cache_budget_bytes
+    assert (
+        plan.required_bytes
+        == plan.resident_bytes + plan.cache_budget_bytes + plan.lane_bytes + 7000
+    )
     text = plan.describe()
     for word in (
         "resident weights",
         "expert cache",
+        "pass lane",
         "KV cache",
         "working memory",
         "process baseline",
@@ -164,15 +171,24 @@ def test_memory_plan(checkpoint_factory):
     )
     assert not tight.fits and "does not fit" in tight.refusal()
 
-    # auto: what is left after resident weights, KV and working memory; clamped to [1 slot, all].
+    # auto: what is left after resident weights, KV and working memory, and the pass lane's
+    # room where not every expert fits; clamped to [1 slot, all].
     roomy = plan_memory(path, StreamingConfig(), working_bytes=1, baseline_bytes=0, memory=mem)
-    assert roomy.slots_per_layer == 8
-    per_slot = plan.cache_budget_bytes // 4
-    room = plan.resident_bytes + 1 + 3 * per_slot + per_slot // 2
+    assert roomy.slots_per_layer == 8 and roomy.lane_bytes == 0
+    per_slot = plan.cache_budget_bytes // 4  # one slot in each of the 2 layers
+    room = plan.resident_bytes + 1 + 3 * per_slot + 3 * per_slot // 2 + per_slot // 4
     auto = plan_memory(
         path, StreamingConfig(), working_bytes=1, baseline_bytes=0, memory=(room, room, "test")
     )
-    assert auto.slots_per_layer == 3 and auto.fits
+    assert auto.slots_per_layer == 3 and auto.fits and auto.lane_bytes == 3 * per_slot // 2
+    no_lane = plan_memory(
+        path,
+        StreamingConfig(landing=Landing.STAGED),
+        working_bytes=1,
+        baseline_bytes=0,
+        memory=(room, room, "test"),
+    )
+    assert no_lane.lane_bytes == 0 and no_lane.slots_per_layer == 4  # a staged pool has no lane
     none = plan_memory(
         path, StreamingConfig(), working_bytes=1, baseline_bytes=0, memory=(1000, 1000, "test")
     )
@@ -192,6 +208,7 @@ def test_plan_from_names_matches_the_model(checkpoint_factory, arch):
         assert plan.resident_bytes == streamer.resident_weight_bytes
         assert plan.cache_budget_bytes == streamer.resident_bytes
         assert streamer.memory_plan().cache_budget_bytes == streamer.resident_bytes
+        assert streamer.lane is not None and plan.lane_bytes == streamer.lane.nbytes
     finally:
         streamer.close()
 

@@ -15,8 +15,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
 from moed.daemon.experts import StreamingConfig, install_streaming
+from moed.daemon.experts.fence import LazyFence
 from moed.daemon.experts.policies import POLICIES, AllProtectedError, LRUPolicy
-from moed.daemon.experts.streamer import ExpertStreamer
 from tests.fixtures.matrix import first_fast
 from tests.fixtures.reference import step_logits
 
@@ -97,16 +97,21 @@ def test_fence_keeps_every_output_exact(checkpoint_factory, adversary, budget):
         assert snap["evictions"] > 0
 
 
-def test_without_the_fence_outputs_go_wrong(checkpoint_factory, adversary, monkeypatch):
-    """The same multi-pass call with nothing deferred: a later pass overwrites slots an earlier
-    pass's unevaluated output reads, and the logits differ. So the exact runs above are exact
-    because of the fence, not by luck."""
+@pytest.mark.parametrize("lane", [True, False])
+def test_without_the_fence_outputs_go_wrong(checkpoint_factory, adversary, monkeypatch, lane):
+    """The same multi-pass call with nothing deferred (nor submitted early): a later pass
+    overwrites slots an earlier pass's unevaluated output reads (in the pool, or in the pass lane
+    the passes alternate with), and the logits differ. So the exact runs above are exact because
+    of the fence, not by luck."""
     path = checkpoint_factory("qwen3_moe", num_experts=16, top_k=4)
     resident, _ = load_model(path)
     want = logits(resident)
     del resident
-    monkeypatch.setattr(ExpertStreamer, "defer", lambda self, layer, out, slots: None)
+    monkeypatch.setattr(LazyFence, "defer", lambda self, key, out, slots: None)
+    monkeypatch.setattr(mx, "async_eval", lambda *arrays: None)
     model, streamer = streaming(path, 1, adversary)
+    if not lane:
+        streamer.lane = None
     try:
         assert not np.array_equal(logits(model), want)
     finally:

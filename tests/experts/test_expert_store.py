@@ -12,7 +12,7 @@ from mlx_lm.utils import load_model
 from safetensors import safe_open
 
 from moed.daemon.experts import CheckpointIndex, StreamingConfig, install_streaming
-from moed.daemon.experts.cache import LayerPool, PooledTensor, _alloc
+from moed.daemon.experts.cache import LayerPool, PooledTensor, alloc_slots
 from moed.daemon.experts.policies import LRUPolicy
 from moed.daemon.experts.prefetch import ReadPool
 from moed.daemon.experts.safetensors_index import TensorLoc
@@ -68,7 +68,7 @@ def test_adjacent_misses_coalesce_into_one_preadv(checkpoint_factory):
 
 def test_reads_land_in_the_mlx_array_without_a_copy():
     loc = TensorLoc("x", None, "BF16", (4, 3, 8), 0, 4 * 3 * 8 * 2)
-    arr = _alloc(loc, 2)
+    arr = alloc_slots(loc, 2)
     assert arr.dtype == mx.bfloat16 and arr.shape == (2, 3, 8)
     view = memoryview(arr).cast("B")
     view[48:96] = np.full(24, 0x3F80, dtype=np.uint16).tobytes()  # bf16 1.0 into slot 1

@@ -73,7 +73,8 @@ def test_tokens_identical_to_resident(checkpoint_factory, arch, bits):
         assert (
             2 * (len(PROMPT) + MAX_TOKENS - 1) <= snap["tokens"] <= 2 * (len(PROMPT) + MAX_TOKENS)
         )
-        assert snap["cached_experts"] == snap["misses"] - snap["evictions"]
+        # every miss is cached until evicted, but those read into the pass lane
+        assert snap["cached_experts"] == snap["misses"] - snap["evictions"] - snap["lane_loads"]
         assert (
             snap0["bytes_read"] == 0 and snap["bytes_read"] == snap["misses"] * snap["expert_bytes"]
         )
