@@ -1,10 +1,13 @@
 """Time to first token of agent turns through the gateway: a resident daemon on MODEL plays a
 5-turn conversation, then TURNS more turns each sending that history plus new user text (a prefix
 hit on the history); daemons started with each serve-argument set in turn, ROUNDS times
-alternating, so the sets see the same machine. Prints each run's median and the sets' medians.
+alternating, so the sets see the same machine (resident unless a set gives --cache-budget).
+Prints each run's median and the sets' medians.
 
     .venv/bin/python benchmarks/agent_turn_ttft.py MODEL [TURNS] [ROUNDS] \
         -- "" "--prefix-cache-disk 0"
+    .venv/bin/python benchmarks/agent_turn_ttft.py MODEL 25 2 \
+        -- "" "--cache-budget 25%" "--cache-budget 25% --prefetch-workers 1"
 """
 
 import random
@@ -49,11 +52,14 @@ def main() -> None:
     model = Path(head[0])
     turns = int(head[1]) if len(head) > 1 else 25
     rounds = int(head[2]) if len(head) > 2 else 2
-    base = ("--resident", "--prefill-chunk", "256")
+    base = ("--prefill-chunk", "256")
     medians: dict[str, list[float]] = {s: [] for s in sets}
     for r in range(rounds):
         for s in sets:
-            t = run(model, (*base, *shlex.split(s)), turns, 7 + r)
+            args = shlex.split(s)
+            if "--cache-budget" not in args:  # resident unless the set streams
+                args.insert(0, "--resident")
+            t = run(model, (*base, *args), turns, 7 + r)
             medians[s].append(t)
             print(f"[{s or 'defaults'}] round {r}: median time to first token {t * 1e3:.1f} ms")
     first = statistics.median(medians[sets[0]])
