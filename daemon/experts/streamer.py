@@ -361,29 +361,35 @@ class ExpertStreamer(CacheWarmth):
 
     def load_passes(self, layer: int, passes: list[np.ndarray]) -> Iterator[LoadedPass]:
         """Each pass's experts made resident, in turn. Where the pass lane fits the layer, passes
-        alternate between the pool and the lane, and the next pass's reads are issued once the
-        caller has submitted the pass it was given (`submit_pass`): they land while it computes
-        (pass_lane.py). Otherwise each pass is loaded into the pool after the one before."""
+        alternate between the pool and the lane: the first two passes' reads are issued at once,
+        each later pass's once the caller has submitted the pass before it (`submit_pass`), so
+        they land while it computes (pass_lane.py). Otherwise each pass is loaded into the pool
+        after the one before."""
         pool, lane = self.pools[layer], self.lane
         if lane is None or len(passes) < 2 or not lane.fits(pool):
             for experts in passes:
                 table, arrays = self.load(layer, experts)
                 yield LoadedPass(experts, table, arrays, layer, False)
             return
-        pending: PendingLoad | _LaneRead = self.begin_load(layer, passes[0])
+        # The lane is free as the call starts (the read-back settled every output): pass 1's
+        # reads go out with pass 0's, before pass 0 is built.
+        pending: list[PendingLoad | _LaneRead] = [
+            self.begin_load(layer, passes[0]),
+            self._begin_lane(layer, lane, passes[1]),
+        ]
         for i in range(len(passes)):
-            if isinstance(pending, _LaneRead):
-                self._count_reads(self.reader.wait([pending.batch]))
+            p = pending[i]
+            if isinstance(p, _LaneRead):
+                self._count_reads(self.reader.wait([p.batch]))
                 table = np.zeros(pool.num_experts, dtype=np.uint32)
-                table[pending.experts] = np.arange(pending.experts.size, dtype=np.uint32)
-                yield LoadedPass(pending.experts, table, lane.arrays, LANE, True)
+                table[p.experts] = np.arange(p.experts.size, dtype=np.uint32)
+                yield LoadedPass(p.experts, table, lane.arrays, LANE, True)
             else:
-                self.finish_load(pending)
-                table = self.table(pool, pending.experts)
-                yield LoadedPass(pending.experts, table, pool.arrays, layer, True)
-            if i + 1 < len(passes):  # odd passes in the lane, even ones in the pool
+                self.finish_load(p)
+                yield LoadedPass(p.experts, self.table(pool, p.experts), pool.arrays, layer, True)
+            if 0 < i < len(passes) - 1:  # odd passes in the lane, even ones in the pool
                 nxt = passes[i + 1]
-                pending = (
+                pending.append(
                     self._begin_lane(layer, lane, nxt)
                     if i % 2 == 0
                     else self.begin_load(layer, nxt)
