@@ -112,8 +112,9 @@ class Contender:
         if self.simulate:
             trace = [[set(layer.tolist()) for layer in call] for call in self.streamer.trace]
             res.policy = self.streamer.cfg.cache_policy
-            res.policy_sim = simulate_layers(trace, res.slots, res.policy)
-            res.belady = simulate_layers(trace, res.slots, "belady")
+            lane = self.streamer.lane_layers()
+            res.policy_sim = simulate_layers(trace, res.slots, res.policy, lane)
+            res.belady = simulate_layers(trace, res.slots, "belady", lane)
         return res
 
     def close(self) -> None:

@@ -555,6 +555,11 @@ class ExpertStreamer(CacheWarmth):
         else:
             c.bytes_read += res.bytes_read
 
+    def lane_layers(self) -> list[bool]:
+        """Per layer, whether its multi-pass calls alternate with the pass lane (load_passes)."""
+        lane = self.lane
+        return [lane is not None and lane.fits(p) for p in self.pools]
+
     def _make_lane(self) -> PassLane | None:
         """The pass lane (pass_lane.py) as wide as the widest DIRECT pool that cannot hold its
         layer's experts; None where no layer needs passes."""

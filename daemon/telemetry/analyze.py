@@ -6,13 +6,16 @@ reuse; and the expert-cache hit rate against cache size for every registered evi
 future). The
 simulations replay what the daemon does per layer call: the call's distinct experts are admitted
 together (more than fit run in passes of `slots`, resident experts first), hits counted per distinct
-expert, as the daemon's own counters count them.
+expert, as the daemon's own counters count them. Where the daemon had a pass lane
+(experts/pass_lane.py), a multi-pass call's odd passes are read into the lane: misses that are not
+cached; the replay of a recorded run and `moed bench stream` model it, the size curves do not
+(they compare the policies' caching alone).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,16 +33,24 @@ BELADY = "belady"  # the offline optimum's column
 
 
 def simulate(
-    calls: Calls, slots: int, policy: EvictionPolicy, initial: Iterable[int] = ()
+    calls: Calls,
+    slots: int,
+    policy: EvictionPolicy,
+    initial: Iterable[int] = (),
+    lane: bool = False,
 ) -> tuple[int, int]:
     """(hits, misses) of one layer's calls through a `slots`-slot cache run by `policy`: the
-    daemon's own slot table (experts/slots.py), pass planning and admission, minus the bytes."""
+    daemon's own slot table (experts/slots.py), pass planning and admission, minus the bytes.
+    `lane`: the layer's multi-pass calls alternate with the pass lane (streamer.load_passes)."""
     num_experts = 1 + max([int(c.max()) for c in calls if c.size] + [int(e) for e in initial] + [0])
     table = SlotTable(num_experts, slots, policy)
     table.admit(list(initial)[:slots])
     hits = misses = 0
     for needed in calls:
-        for chunk in table.plan_passes(needed):
+        for i, chunk in enumerate(table.plan_passes(needed)):
+            if lane and i % 2:  # read into the lane, which caches nothing
+                misses += len(chunk)
+                continue
             h, loads = table.admit(chunk)
             hits += len(h)
             misses += len(loads)
@@ -91,21 +102,21 @@ def simulate_belady(calls: Calls, slots: int) -> tuple[int, int]:
     return simulate(calls, slots, BeladyPolicy(calls))
 
 
-def simulate_layers(trace: list[list[set[int]]], slots: int, policy: str) -> tuple[int, int]:
+def simulate_layers(
+    trace: list[list[set[int]]], slots: int, policy: str, lane: Sequence[bool] = ()
+) -> tuple[int, int]:
     """(hits, misses) of one layer-by-layer trace [call][layer] -> experts, counted as the
     streamer counts them (each distinct expert of a call once), for a registered policy (with
-    its default parameters) or "belady". The simulators are `moed trace analyze`'s, so both
-    commands judge a cache the same way."""
+    its default parameters) or "belady"; `lane[layer]`: that layer's passes use the pass lane.
+    The simulators are `moed trace analyze`'s, so both commands judge a cache the same way."""
     hits = misses = 0
     layers = len(trace[0]) if trace else 0
     for layer in range(layers):
         calls = [np.array(sorted(call[layer]), dtype=np.int64) for call in trace]
         experts = 1 + max((max(c) for call in trace for c in call if c), default=0)
-        h, m = (
-            simulate_belady(calls, slots)
-            if policy == BELADY
-            else simulate(calls, slots, make_policy(policy, experts, slots))
-        )
+        laned = layer < len(lane) and lane[layer]
+        chosen = BeladyPolicy(calls) if policy == BELADY else make_policy(policy, experts, slots)
+        h, m = simulate(calls, slots, chosen, lane=laned)
         hits += h
         misses += m
     return hits, misses
@@ -294,6 +305,7 @@ def _replay(traces: list[Trace], policy: str, E: int) -> dict:
     t = traces[0]
     slots = t.header.get("slots_per_layer") or []
     start = t.header.get("resident_at_start") or [[] for _ in slots]
+    lane = t.header.get("pass_lane") or []  # absent from traces written before the lane
     hits = misses = 0
     for layer, s in enumerate(slots):
         h, m = simulate(
@@ -301,6 +313,7 @@ def _replay(traces: list[Trace], policy: str, E: int) -> dict:
             int(s),
             make_policy(policy, E, int(s)),
             start[layer] if layer < len(start) else (),
+            lane=bool(layer < len(lane) and lane[layer]),
         )
         hits, misses = hits + h, misses + m
     rec = t.class_counts()

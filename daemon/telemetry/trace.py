@@ -324,6 +324,7 @@ def trace_header(streamer: Any, model: dict, request: dict) -> dict:
         "expert_bytes": [int(p.expert_bytes) for p in pools],
         "budget_bytes": int(streamer.budget_bytes),
         "slots_per_layer": [int(p.slots) for p in pools],
+        "pass_lane": streamer.lane_layers(),  # the replay's passes alternate with the lane
         "policy": pools[0].policy.name if pools else None,
         "page_cache_bypass": bool(streamer.bypass_page_cache),
         "id_dtype": "u1" if max((p.num_experts for p in pools), default=0) <= 256 else "u2",

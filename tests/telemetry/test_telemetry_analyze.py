@@ -109,6 +109,16 @@ def test_simulators_on_a_worked_example():
     assert simulate_belady(calls({0, 1, 2}, {0, 1, 2}), 2) == (2, 4)
 
 
+def test_the_pass_lane_caches_none_of_its_passes():
+    # Two slots, five experts: passes [0 1] [2 3] [4]. In the pool alone the last two passes
+    # evict 0 and 1; with the lane [2 3] is read into it, not cached, and [4] evicts 0 (LRU).
+    seq = calls({0, 1, 2, 3, 4}, {1})
+    assert simulate(seq, 2, LRUPolicy()) == (0, 6)
+    assert simulate(seq, 2, LRUPolicy(), lane=True) == (1, 5)
+    # A call that fits one pass never uses the lane.
+    assert simulate(calls({0, 1}, {0, 1}), 2, LRUPolicy(), lane=True) == (2, 2)
+
+
 @pytest.mark.slow
 def test_belady_is_never_worse_and_full_cache_misses_once():
     rng = random.Random(7)
