@@ -23,7 +23,12 @@ from moed.daemon.engine.chunk_budget import ChunkBudget
 from moed.daemon.engine.decode_mask import fit_masks
 from moed.daemon.engine.sampling import greedy
 from moed.daemon.model.layer_caches import LayerCache, extract_state
-from moed.daemon.model.mlx_compat import generation_batch, prompt_batch, set_prefill_step
+from moed.daemon.model.mlx_compat import (
+    generation_batch,
+    next_tokens,
+    prompt_batch,
+    set_prefill_step,
+)
 from moed.protocol import FinishReason
 
 if TYPE_CHECKING:
@@ -141,7 +146,8 @@ class DecodeBatch:
         trimmable: tuple[bool, ...] | None = None,
         unused_output: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> None:
-        stop = [[int(t)] for t in eos_token_ids]
+        self._eos = frozenset(int(t) for t in eos_token_ids)
+        stop = [[t] for t in sorted(self._eos)]
         self._gen = BatchGenerator(
             model,
             stop_tokens=stop or None,
@@ -153,6 +159,7 @@ class DecodeBatch:
         )
         self._live: set[int] = set()  # rows inserted and not yet finished or removed
         self._decoding: set[int] = set()  # ... of them past their prompt
+        self._early: set[int] = set()  # ... whose first token went out before the generator's
         self._read: dict[int, int] = {}  # prompt tokens read so far, per prompting row
         self._kv: dict[int, int] = {}  # the KV rows each live row may grow to
         self._sizer = ChunkSizer(prefill_chunk, budget)
@@ -227,6 +234,7 @@ class DecodeBatch:
     def _forget(self, uid: int) -> None:
         self._live.discard(uid)
         self._decoding.discard(uid)
+        self._early.discard(uid)
         self._read.pop(uid, None)
         self._prefix.pop(uid, None)
         self._kv.pop(uid, None)
@@ -245,6 +253,10 @@ class DecodeBatch:
         tokens = []
         for r in generated:
             finish = _FINISH.get(r.finish_reason) if r.finish_reason else None
+            if r.uid in self._early:  # out already (_first_tokens); it cannot finish the row
+                self._early.discard(r.uid)
+                if finish is None:
+                    continue
             if finish is not None:
                 row = self._prefix.get(r.uid)
                 if row is not None and r.prompt_cache:
@@ -264,7 +276,30 @@ class DecodeBatch:
                 self._read.pop(p.uid, None)
         self._sizer.measured(step_s, bool(generated), read)
         self._fit_masks()
+        tokens += self._first_tokens(p.uid for p in progress if p.done >= p.total)
         return StepOutput(progress, tuple(tokens), tuple(saved))
+
+    def _first_tokens(self, finished: Iterable[int]) -> list[TokenOut]:
+        """The first token of each row whose prompt ended this step, out now. The generator
+        hands a token out at the step after the one computing it, once that step's graph is
+        built: under host-routed streaming building a step computes most of it (a read-back a
+        layer), so the first token would wait for the second. The generator still counts the
+        token at its next step, where step() drops it; a token that would end its row there
+        (an end of sequence, a one-token request) is left to it, so only tokens without a
+        finish go out early. Any later token keeps the generator's pace (its overlap)."""
+        firsts = next_tokens(self._gen, (u for u in finished if u not in self._decoding))
+        if not firsts:
+            return []
+        mx.eval([f.token for f in firsts])  # the step that just ran computed them
+        out = []
+        for f in firsts:
+            token = int(f.token.item())
+            if token in self._eos or f.max_tokens <= 1:
+                continue
+            self._early.add(f.uid)
+            self._decoding.add(f.uid)
+            out.append(TokenOut(f.uid, token, None, f.logprobs))
+        return out
 
     def _capture(self, prompts: list[Any]) -> list[SavedRow]:
         """Keep what the prefix cache asked for of the rows whose prompt segment just ended: the

@@ -31,6 +31,9 @@ Reached into here:
 8. BatchGenerator's `next()` calls the model over several positions only for prompt chunks and
    reads only their caches, never the output: inside it a streaming model's last layer skips
    its experts for such calls (experts/unused_output.py, engine/batch.py).
+9. GenerationBatch's `_next_tokens` and `_next_logprobs` (row i's next token and its
+   distribution, submitted by the step that made them and handed out by the one after) and its
+   `max_tokens`: a row's first token goes out as soon as it is computed (engine/batch.py).
 
 Outside daemon/ (which alone may import mlx-lm): client/hub.py's `mlx_lm_knows` takes an
 architecture as known when mlx_lm/models/<model_type>.py exists, found without importing mlx-lm.
@@ -50,10 +53,12 @@ on the layer's input (a plain Linear, or DeepSeek's MoEGate returning (indices, 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm.models
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
@@ -74,6 +79,27 @@ def prompt_batch(gen: BatchGenerator) -> PromptProcessingBatch:
 def generation_batch(gen: BatchGenerator) -> GenerationBatch:
     """The decoding rows (use 1)."""
     return gen._generation_batch
+
+
+@dataclass(frozen=True)
+class NextToken:
+    """A decoding row's token that the generator hands out at its next step (use 9)."""
+
+    uid: int
+    token: mx.array  # a 0-d slice of the batch's tokens, evaluated by the caller
+    logprobs: mx.array
+    max_tokens: int
+
+
+def next_tokens(gen: BatchGenerator, uids: Iterable[int]) -> list[NextToken]:
+    """The next token of each decoding row among `uids` (use 9)."""
+    batch = gen._generation_batch
+    wanted = set(uids)
+    return [
+        NextToken(uid, batch._next_tokens[i], batch._next_logprobs[i], int(batch.max_tokens[i]))
+        for i, uid in enumerate(batch.uids)
+        if uid in wanted
+    ]
 
 
 def set_prefill_step(gen: BatchGenerator, tokens: int) -> None:

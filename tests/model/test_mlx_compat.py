@@ -23,6 +23,7 @@ from moed.daemon.model.mlx_compat import (
     BATCH_CACHE_CALLS,
     generation_batch,
     model_class_for,
+    next_tokens,
     pipeline_layers,
     pipelined_architectures,
     prompt_batch,
@@ -80,6 +81,30 @@ def test_stages_of_the_batch_generator(model):
     )
     assert len(decoding.prompt_cache) == len(model.layers), (
         "_generation_batch.prompt_cache is not the decoding rows' per-layer caches"
+    )
+    gen.close()
+
+
+def test_next_tokens_are_the_ones_the_next_step_hands_out(model):
+    """Use 9: right after the step that moves a row to decoding, its next token (and the
+    distribution it was sampled from) is the one the generator hands out at its next step."""
+    gen = _generator(model)
+    (uid,) = gen.insert([PROMPT], max_tokens=[3])
+    while not generation_batch(gen).uids:
+        gen.next()
+    (first,) = next_tokens(gen, [uid])
+    assert next_tokens(gen, [uid + 1]) == [], "next_tokens returned a row it was not asked for"
+    mx.eval(first.token)
+    assert first.uid == uid and first.max_tokens == 3, (
+        "GenerationBatch.max_tokens no longer holds the rows' limits (mlx_compat.next_tokens)"
+    )
+    _, (handed,) = gen.next()
+    assert handed.uid == uid and handed.token == int(first.token.item()), (
+        "GenerationBatch._next_tokens[i] is not the token its next step hands out: engine/batch.py "
+        "sends a row's first token from it (mlx_compat.next_tokens)"
+    )
+    assert mx.array_equal(handed.logprobs, first.logprobs), (
+        "GenerationBatch._next_logprobs[i] is not the distribution the next step hands out"
     )
     gen.close()
 
