@@ -293,7 +293,7 @@ class DecodeBatch:
         mx.eval([f.token for f in firsts])  # the step that just ran computed them
         out = []
         for f in firsts:
-            token = int(f.token.item())
+            token = int(f.token.item())  # type: ignore[arg-type]  # mlx types item() int/float/complex
             if token in self._eos or f.max_tokens <= 1:
                 continue
             self._early.add(f.uid)

@@ -14,7 +14,7 @@ from moed.protocol import ErrorCode, GenerateRequest, ProtocolError
 # A gateway counts a prompt right before it generates it: the second asks the memo.
 PROMPT_IDS = PromptIdsMemo()
 # An agent's next turn re-sends the last one's text: only its new part is tokenized.
-TEMPLATED = PrefixEncoder()
+PREFIX_ENCODER = PrefixEncoder()
 
 
 def prompt_token_ids(tokenizer: Any, req: GenerateRequest) -> list[int]:
@@ -46,7 +46,7 @@ def _encode_prompt(tokenizer: Any, req: GenerateRequest) -> list[int]:
         )
     bos = getattr(tokenizer, "bos_token", None)
     add_special = bos is None or not prompt.startswith(bos)
-    ids = list(tokenizer.encode(prompt, add_special_tokens=add_special))
+    ids = PREFIX_ENCODER.encode(tokenizer, prompt, add_special_tokens=add_special)
     if not ids:
         raise ProtocolError(ErrorCode.INVALID_REQUEST, "the prompt tokenizes to nothing")
     return ids
@@ -85,4 +85,4 @@ def render_messages(
 
 def _encode_templated(tokenizer: Any, text: str) -> list[int]:
     # The template wrote the special tokens already (as mlx_lm.generate does for chat prompts).
-    return TEMPLATED.encode(tokenizer, text)
+    return PREFIX_ENCODER.encode(tokenizer, text)

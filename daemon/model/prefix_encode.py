@@ -1,22 +1,32 @@
-"""Tokenizing a chat prompt that begins like an earlier one: only what follows their shared part is
+"""Tokenizing a prompt that begins like an earlier one: only what follows their shared part is
 encoded. An agent re-sends its whole conversation every turn, and tokenizing it again was the
 largest cost in front of a turn with a prefix-cache hit (4-6 ms of a 3K-token turn's 12-14 ms from
 the gateway's send to the engine; 27 ms at 20K tokens).
 
-Exact by the tokenizer's own rule: a fast tokenizer splits its text at the added tokens first, and
-encodes each piece between them alone. So the ids of the text before an added special token
-(one that strips nothing and is matched before normalization) are the same whatever follows it:
-an earlier prompt's ids up to such a token, where both texts agree beyond it, are the new
-prompt's ids up to there, and only the rest is encoded. A tokenizer without such tokens, or not a
-fast one, is encoded whole. The first few reuses on each tokenizer are checked against a whole
-encoding; one difference turns reuse off for that tokenizer for good, with a warning.
+Exact by the tokenizer's own rules, at two kinds of cut:
+- Before an added special token (one that strips nothing and is matched before normalization): a
+  fast tokenizer splits its text at the added tokens first and encodes each piece alone, so the
+  ids before such a token are the same whatever follows it (chat templates write them).
+- After a newline and before an ASCII letter, for the byte-level BPE tokenizers whose
+  pre-tokenizer is known (NEWLINE_SAFE_SPLITS: GPT-2's, Llama 3's, Qwen's): the text is split into
+  pieces by a regex and each piece encoded alone, and under those regexes no piece holds both a
+  newline and the letter after it (a letter run takes at most one non-newline character before
+  it, a punctuation run takes trailing newlines but no letter, whitespace runs take no letter)
+  and none looks behind; NFC composes nothing into an ASCII letter. So the pieces of the text
+  after the cut are those of that text alone (raw prompts: completions, `moe run --raw`).
+An earlier prompt's ids up to a cut, where both texts agree beyond it, are the new prompt's ids up
+to there, and only the rest is encoded. A tokenizer with neither kind, or not a fast one, is
+encoded whole. The first few reuses on each tokenizer are checked against a whole encoding; one
+difference turns reuse off for that tokenizer for good, with a warning.
 """
 
 from __future__ import annotations
 
 import array
 import bisect
+import json
 import logging
+import re
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -27,6 +37,22 @@ log = logging.getLogger("moed.tokenize")
 ENTRIES = 8  # earlier prompts remembered per tokenizer: a few conversations at once
 CHECKED_REUSES = 3  # reuses compared with a whole encoding before reuse is trusted
 MIN_REUSE_CHARS = 256  # below this a shared start is not worth the bookkeeping
+MIN_MARGIN = 8  # characters of the shared part kept past a cut (the regexes look one ahead)
+
+# Split regexes (behavior Isolated) under which a newline cut is exact: Qwen2/Qwen3's, Qwen3.5's
+# (letters with their marks) and Llama 3's (digits in threes). Matched as written: another
+# regex's pieces are not known to add up, so its tokenizer gets no newline cuts.
+NEWLINE_SAFE_SPLITS = frozenset(
+    {
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+        r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    }
+)
+_NEWLINE_CUT = re.compile(r"\n(?=[A-Za-z])")
 
 
 @dataclass
@@ -43,6 +69,8 @@ class _TokenizerPlan:
     splitting: dict[int, int]  # a splitting special token's id -> its length in characters
     margin: int  # the longest added token: a cut this far inside the shared part is safe
     contents: tuple[str, ...]  # the splitting tokens' texts
+    newline_cuts: bool  # the pre-tokenizer is one NEWLINE_SAFE_SPLITS knows
+    adds_specials: bool  # encode(add_special_tokens=True) adds ids (a BOS) to any text
     backend_checked: bool = False  # its encode gave the tokenizer's own ids once
     checks_left: int = CHECKED_REUSES
     entries: list[_Encoded] = field(default_factory=list)
@@ -59,11 +87,45 @@ def _plan_for(tokenizer: Any) -> _TokenizerPlan | None:
         for i, t in added.items()
         if t.special and not (t.lstrip or t.rstrip or t.single_word or t.normalized)
     }
-    if not splitting:
+    newline_cuts = _newline_cuts_exact(backend)
+    if not splitting and not newline_cuts:
         return None
-    margin = max(len(t.content) for t in added.values())
+    margin = max([MIN_MARGIN, *(len(t.content) for t in added.values())])
     contents = tuple(sorted({added[i].content for i in splitting}))
-    return _TokenizerPlan(backend, splitting, margin, contents)
+    probe = "a"
+    adds = len(hf.encode(probe, add_special_tokens=True)) != len(
+        hf.encode(probe, add_special_tokens=False)
+    )
+    return _TokenizerPlan(backend, splitting, margin, contents, newline_cuts, adds)
+
+
+def _newline_cuts_exact(backend: Any) -> bool:
+    """Whether `backend` (a tokenizers.Tokenizer) is a byte-level BPE whose pieces never hold a
+    newline and the ASCII letter after it (the module's second kind of cut)."""
+    try:
+        spec = json.loads(backend.to_str())
+    except Exception:  # not a tokenizers.Tokenizer (or one that cannot say): no such cuts
+        return False
+    if (spec.get("model") or {}).get("type") != "BPE":
+        return False
+    if spec.get("normalizer") not in (None, {"type": "NFC"}):
+        return False
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
+    byte_level = steps[-1] if steps else {}
+    if byte_level.get("type") != "ByteLevel" or byte_level.get("add_prefix_space", True):
+        return False
+    if len(steps) == 1:  # GPT-2's own regex
+        return bool(byte_level.get("use_regex", True))
+    if len(steps) != 2 or byte_level.get("use_regex", True):
+        return False
+    split = steps[0]
+    return (
+        split.get("type") == "Split"
+        and split.get("behavior") == "Isolated"
+        and not split.get("invert", False)
+        and (split.get("pattern") or {}).get("Regex") in NEWLINE_SAFE_SPLITS
+    )
 
 
 def _occurrences(text: str, contents: tuple[str, ...]) -> list[int]:
@@ -98,11 +160,11 @@ class PrefixEncoder:
             weakref.WeakKeyDictionary()
         )
 
-    def encode(self, tokenizer: Any, text: str) -> list[int]:
-        """`tokenizer.encode(text, add_special_tokens=False)`, reusing an earlier prompt's ids."""
+    def encode(self, tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`tokenizer.encode(text, add_special_tokens=...)`, reusing an earlier prompt's ids."""
         plan = self._plan(tokenizer)
-        if plan is None:
-            return _whole(tokenizer, text)
+        if plan is None or (add_special_tokens and plan.adds_specials):
+            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
         with self._lock:
             start, prefix_ids, prefix_cuts = self._reusable(plan, text)
         if start == 0:
@@ -182,12 +244,20 @@ class PrefixEncoder:
         tail = text[start:]
         enc = plan.backend.encode(tail, add_special_tokens=False)
         ids = enc.ids
-        cut_chars, cut_ids = list(prefix_cuts[0]), list(prefix_cuts[1])
+        cuts = []
         for char in _occurrences(tail, plan.contents):  # found by C-speed search, not per id
             j = enc.char_to_token(char)
             if j is not None and ids[j] in plan.splitting and enc.token_to_chars(j)[0] == char:
-                cut_chars.append(start + char)
-                cut_ids.append(len(prefix_ids) + j)
+                cuts.append((start + char, len(prefix_ids) + j))
+        if plan.newline_cuts:
+            for m in _NEWLINE_CUT.finditer(tail):
+                # A token starts at the letter: the cut is no added token's inside.
+                j = enc.char_to_token(m.end())
+                if j is not None and enc.token_to_chars(j)[0] == m.end():
+                    cuts.append((start + m.end(), len(prefix_ids) + j))
+        cuts.sort()
+        cut_chars = list(prefix_cuts[0]) + [c for c, _ in cuts]
+        cut_ids = list(prefix_cuts[1]) + [i for _, i in cuts]
         return _Encoded(text, prefix_ids + array.array("q", ids), cut_chars, cut_ids)
 
 
