@@ -7,6 +7,8 @@ experts per layer than the small budgets hold in one pass.
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 import mlx_lm
 import pytest
@@ -93,8 +95,12 @@ def test_no_stacked_experts_in_the_model(checkpoint_factory):
 
 @pytest.mark.slow
 def test_stacked_experts_are_never_materialized(checkpoint_factory):
-    """MLX's peak memory over load + prefill + decode stays near resident weights + slot pools."""
+    """MLX's peak memory over load + prefill + decode stays near resident weights + slot pools
+    (and the pass lane)."""
     path = checkpoint_factory("qwen3_moe", num_layers=4, num_experts=64, expert_width=256)
+    # Models of the tests before this one in the process may wait in reference cycles: their
+    # arrays would count in the peak (CI: 10.3 MB against 10.2, where this test alone peaks at 7.7).
+    gc.collect()
     mx.clear_cache()
     mx.reset_peak_memory()
     model, streamer = streaming(path, "10%")
@@ -103,7 +109,9 @@ def test_stacked_experts_are_never_materialized(checkpoint_factory):
         peak = mx.get_peak_memory()
         experts = streamer.layout.experts_bytes
         assert streamer.resident_bytes < 0.15 * experts
-        assert peak < streamer.resident_weight_bytes + streamer.resident_bytes + 0.1 * experts
+        # The pools and the pass lane (one more layer's slots, which the memory plan counts).
+        held = streamer.resident_bytes + (streamer.lane.nbytes if streamer.lane else 0)
+        assert peak < streamer.resident_weight_bytes + held + 0.1 * experts
     finally:
         streamer.close()
 
