@@ -18,6 +18,9 @@ from moed.client import TokenEvent
 
 SEND_HWM = 16
 PER_CLIENT = 2
+# A reading client's generations stay under the send limit in all (tokens, telemetry, done): on a
+# loaded machine its reader may not run while a resident tiny model sends 20 tokens in 30 ms (CI).
+READER_TOKENS = 8
 
 
 BOUNDS = {"MOED_CLIENT_SEND_HWM": str(SEND_HWM), "MOED_MAX_PENDING_PER_CLIENT": str(PER_CLIENT)}
@@ -54,7 +57,7 @@ def _gen(request_id, **fields) -> bytes:
 def test_a_client_that_does_not_read_loses_its_streams_not_the_daemons_memory(bounded_daemon):
     d = bounded_daemon
     with d.client() as c:  # warm up first: the comparison is about the flood, not the first run
-        list(c.generate("hi", max_tokens=20, raw=True))
+        list(c.generate("hi", max_tokens=READER_TOKENS, raw=True))
         rss_before = c.status()["rss_bytes"]
     slow = _raw(d, rcvhwm=1)
     slow.send(_gen("g", max_tokens=3000, telemetry_every=1))
@@ -64,7 +67,8 @@ def test_a_client_that_does_not_read_loses_its_streams_not_the_daemons_memory(bo
         slow.send(ping)
     # Another client streams normally meanwhile.
     with d.client() as c:
-        got = [e for e in c.generate("hi", max_tokens=20, raw=True) if isinstance(e, TokenEvent)]
+        stream = c.generate("hi", max_tokens=READER_TOKENS, raw=True)
+        got = [e for e in stream if isinstance(e, TokenEvent)]
         assert got
         status = c.status()
     reply_bytes = flood * len(
