@@ -276,10 +276,12 @@ class DecodeBatch:
                 self._read.pop(p.uid, None)
         self._sizer.measured(step_s, bool(generated), read)
         self._fit_masks()
-        tokens += self._first_tokens(p.uid for p in progress if p.done >= p.total)
+        ended = [p.uid for p in progress if p.done >= p.total and p.uid not in self._decoding]
+        if ended:  # a decode step has none: no lookup in the generator's rows
+            tokens += self._first_tokens(ended)
         return StepOutput(progress, tuple(tokens), tuple(saved))
 
-    def _first_tokens(self, finished: Iterable[int]) -> list[TokenOut]:
+    def _first_tokens(self, ended: list[int]) -> list[TokenOut]:
         """The first token of each row whose prompt ended this step, out now. The generator
         hands a token out at the step after the one computing it, once that step's graph is
         built: under host-routed streaming building a step computes most of it (a read-back a
@@ -287,7 +289,7 @@ class DecodeBatch:
         token at its next step, where step() drops it; a token that would end its row there
         (an end of sequence, a one-token request) is left to it, so only tokens without a
         finish go out early. Any later token keeps the generator's pace (its overlap)."""
-        firsts = next_tokens(self._gen, (u for u in finished if u not in self._decoding))
+        firsts = next_tokens(self._gen, ended)
         if not firsts:
             return []
         mx.eval([f.token for f in firsts])  # the step that just ran computed them

@@ -114,12 +114,16 @@ def simulate_layers(
     for layer in range(layers):
         calls = [np.array(sorted(call[layer]), dtype=np.int64) for call in trace]
         experts = 1 + max((max(c) for call in trace for c in call if c), default=0)
-        laned = layer < len(lane) and lane[layer]
         chosen = BeladyPolicy(calls) if policy == BELADY else make_policy(policy, experts, slots)
-        h, m = simulate(calls, slots, chosen, lane=laned)
+        h, m = simulate(calls, slots, chosen, lane=_laned(lane, layer))
         hits += h
         misses += m
     return hits, misses
+
+
+def _laned(lane: Sequence[bool], layer: int) -> bool:
+    """Whether `layer`'s passes used the pass lane (past the list's end: they did not)."""
+    return layer < len(lane) and bool(lane[layer])
 
 
 def trace_policy(name: str | None) -> tuple[str, str]:
@@ -313,7 +317,7 @@ def _replay(traces: list[Trace], policy: str, E: int) -> dict:
             int(s),
             make_policy(policy, E, int(s)),
             start[layer] if layer < len(start) else (),
-            lane=bool(layer < len(lane) and lane[layer]),
+            lane=_laned(lane, layer),
         )
         hits, misses = hits + h, misses + m
     rec = t.class_counts()
