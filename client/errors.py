@@ -12,7 +12,13 @@ class ClientError(Exception):
 class RequestFailed(ClientError):
     """The daemon answered this request with a typed `error` message."""
 
-    def __init__(self, code: ErrorCode | str, message: str, retryable: bool = False):
+    def __init__(
+        self,
+        code: ErrorCode | str,
+        message: str,
+        retryable: bool = False,
+        budget: dict | None = None,
+    ):
         try:
             code = ErrorCode(code)
         except ValueError:
@@ -21,11 +27,19 @@ class RequestFailed(ClientError):
         self.code = code
         self.message = message
         self.retryable = retryable
+        # A refused prompt or max_tokens: {prompt_tokens, max_tokens?, limit}.
+        self.budget = budget
 
     @classmethod
     def from_message(cls, msg: dict) -> RequestFailed:
         """From the daemon's `error` message."""
-        return cls(msg.get("code"), msg.get("message", ""), bool(msg.get("retryable")))
+        budget = msg.get("budget")
+        return cls(
+            msg.get("code"),
+            msg.get("message", ""),
+            bool(msg.get("retryable")),
+            budget if isinstance(budget, dict) else None,
+        )
 
 
 class DaemonUnavailable(ClientError):

@@ -23,4 +23,6 @@ def checked_request(**fields: Any) -> GenerateRequest:
     try:
         return validate_generate(wire.request(MessageType.GENERATE, _LOCAL_ID, **fields))
     except ProtocolError as exc:
-        raise RequestFailed(exc.code, exc.message, exc.code in RETRYABLE) from None
+        raise RequestFailed(
+            exc.code, exc.message, exc.code in RETRYABLE, exc.wire_fields().get("budget")
+        ) from None

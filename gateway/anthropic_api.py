@@ -19,7 +19,7 @@ from . import fields as f
 from .context import REASONING, Api, Gateway
 from .errors import ApiError, ErrorKind, invalid
 from .generation import KEEPALIVE_S, Finish, Outcome, Stream, Waiting
-from .token_budget import BudgetError, Overrun, check_budget
+from .token_budget import BudgetError, Overrun
 
 API = Api.ANTHROPIC
 STOP_REASON = {
@@ -379,9 +379,8 @@ async def messages(request: Request) -> Response:
     body = await f.json_body(request)
     req = parse_messages(body)
     model = (await gateway.model()).get("name")
-    # Counted first: message_start reports the input tokens, and an over-long prompt is answered
-    # in the words Claude Code reads.
-    budget = await check_budget(gateway.client, req)
+    # message_start reports the input tokens (the stream's first event says them), and an
+    # over-long prompt is answered in the words Claude Code reads (a BudgetError from start).
     stream = await gateway.start(req, API)
     message = {
         "id": f"msg_{uuid.uuid4().hex}",
@@ -391,7 +390,7 @@ async def messages(request: Request) -> Response:
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": _usage(None, budget.prompt_tokens),
+        "usage": _usage(None, stream.prompt_tokens),
     }
     if f.get(body, "stream", bool, False):
         return StreamingResponse(

@@ -48,6 +48,8 @@ _KIND_OF_CODE = {
     ErrorCode.UNSUPPORTED_VERSION: ErrorKind.INTERNAL,
     ErrorCode.FRAME_TOO_LARGE: ErrorKind.TOO_LARGE,
     ErrorCode.PROMPT_TOO_LONG: ErrorKind.INVALID_REQUEST,  # every API answers it 400
+    ErrorCode.CONTEXT_EXCEEDED: ErrorKind.INVALID_REQUEST,
+    ErrorCode.MAX_TOKENS_TOO_LARGE: ErrorKind.INVALID_REQUEST,
     ErrorCode.MODEL_NOT_FOUND: ErrorKind.NOT_FOUND,
     ErrorCode.DUPLICATE_ID: ErrorKind.INTERNAL,
     ErrorCode.UNKNOWN_REQUEST: ErrorKind.INVALID_REQUEST,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
@@ -17,6 +18,7 @@ from moed.client.async_client import AsyncClient
 from moed.protocol import GenerateRequest
 
 from .errors import from_client_error
+from .token_budget import BudgetError, budget_error, check_budget
 from .wire_limits import check_generate
 
 
@@ -68,6 +70,9 @@ class Outcome:
 # `ping`) after each prompt chunk and after this long without one: a client with a first-byte or
 # read timeout keeps waiting while a long prompt is read.
 KEEPALIVE_S = 5.0
+# ... but not for a chunk that ends sooner than this after the last keep-alive (or the start): a
+# write no client needs, made while the prompt's last token is computed on a few shared cores.
+KEEPALIVE_GAP_S = 1.0
 
 
 class Waiting(enum.Enum):
@@ -87,6 +92,7 @@ class Stream:
         self._next: asyncio.Future | None = None  # the event being awaited across keep-alives
         self.outcome: Outcome | None = None
         self.tool_calls = 0  # calls the model made so far
+        self.prompt_tokens = 0  # the prompt as the daemon tokenized it (set by start)
 
     @classmethod
     async def start(
@@ -97,33 +103,52 @@ class Stream:
     ) -> Stream:
         """Send the generation and await its first event. Cancelled while it waits (the client
         left before the answer started, or the answer deadline passed), the generation is
-        cancelled in the daemon and `on_cancel` is called."""
+        cancelled in the daemon and `on_cancel` is called.
+
+        The daemon checks the budget as it tokenizes (`strict_max_tokens`): a prompt or
+        max_tokens over a limit is its first event, a BudgetError here, and otherwise that event
+        is the prompt's progress, which says how many tokens it has. Only while the model loads
+        (after an idle unload) is the first event something else: then the prompt is counted
+        and checked here, so that the answer starts at once and an over-long request is still
+        refused before it."""
         # A long prompt's chunks give keep-alives before the first token; per-request telemetry
         # is for moe's live view (the gateway reports its own metrics).
-        req = replace(req, progress=True, telemetry_every=1 << 30)
+        req = replace(req, progress=True, telemetry_every=1 << 30, strict_max_tokens=True)
         await check_generate(client, req)
         # Tokens that queued up while the HTTP side was busy come as one event (one chunk).
         stream = cls(client.generate(request=req, coalesce=True))
         try:
-            stream._pending.append(await anext(stream._events))
+            first = await anext(stream._events)
+            stream._pending.append(first)
+            if isinstance(first, ProgressEvent) and first.unit == "tokens":
+                stream.prompt_tokens = int(first.total or 0)
+            else:
+                stream.prompt_tokens = (await check_budget(client, req)).prompt_tokens
         except ClientError as exc:
-            raise from_client_error(exc) from None
+            raise (budget_error(exc) or from_client_error(exc)) from None
         except asyncio.CancelledError:  # the generator's cleanup sent the daemon a cancel
             if on_cancel is not None:
                 on_cancel()
+            raise
+        except BudgetError:
+            await stream.close()  # refused while the model loads: not left running
             raise
         return stream
 
     async def tokens(self, keepalive_s: float | None = None) -> AsyncIterator[TokenEvent | Waiting]:
         """The token events; sets `outcome` at the end. Daemon errors raise ApiError. With
-        `keepalive_s`, until the first token: Waiting.WAITING after each prompt chunk and after
+        `keepalive_s`, until the first token: Waiting.WAITING when the daemon takes the request,
+        after each prompt chunk that ends KEEPALIVE_GAP_S or more after the last one, and after
         `keepalive_s` without an event."""
         waiting = keepalive_s is not None
+        sent_at = -KEEPALIVE_GAP_S  # the first (the daemon took the request) goes out at once
         try:
             while True:
                 event = await self._next_event(keepalive_s if waiting else None)
                 if waiting and (event is None or isinstance(event, ProgressEvent)):
-                    yield Waiting.WAITING
+                    if event is None or time.monotonic() - sent_at >= KEEPALIVE_GAP_S:
+                        sent_at = time.monotonic()
+                        yield Waiting.WAITING
                     continue
                 if isinstance(event, TokenEvent):
                     waiting = False

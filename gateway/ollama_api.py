@@ -213,9 +213,8 @@ async def _run(request: Request, endpoint: str, parse, piece) -> Response:
             }
         )
     num_predict = (f.get(body, "options", dict) or {}).get("num_predict")
-    if req.max_tokens is not None:  # over the context: a 400 saying so, never a shorter answer
-        await check_budget(gateway.client, req)
-    elif isinstance(num_predict, int) and num_predict < 0:
+    # Over the context: a 400 saying so, never a shorter answer (the daemon checks as it starts).
+    if req.max_tokens is None and isinstance(num_predict, int) and num_predict < 0:
         budget = await check_budget(gateway.client, req)
         if budget.context_tokens is not None:
             req = dataclasses.replace(req, max_tokens=budget.context_tokens - budget.prompt_tokens)

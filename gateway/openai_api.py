@@ -20,7 +20,7 @@ from .context import REASONING, Api, Gateway
 from .errors import ApiError, ErrorKind
 from .generation import KEEPALIVE_S, Finish, Outcome, Stream, Waiting
 from .openai_requests import parse_chat, parse_completion
-from .token_budget import BudgetError, Overrun, check_budget, daemon_limits
+from .token_budget import BudgetError, Overrun, daemon_limits
 
 API = Api.OPENAI
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -197,8 +197,7 @@ async def _start(
     streaming = f.get(body, "stream", bool, False)
     include_usage = _include_usage(body)
     model = (await gateway.model()).get("name")
-    if req.max_tokens is not None:  # over the context: OpenAI's 400, not a shorter completion
-        await check_budget(gateway.client, req)
+    # Over the context: OpenAI's 400, not a shorter completion (the daemon checks as it starts).
     stream = await gateway.start(req, API)
     envelope = {
         "id": f"{id_prefix}-{uuid.uuid4().hex}",

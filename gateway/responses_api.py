@@ -20,7 +20,6 @@ from .errors import ApiError
 from .generation import Finish, Outcome, Stream
 from .openai_api import SSE_HEADERS, error_body
 from .responses_input import parse_response_request
-from .token_budget import check_budget
 
 API = Api.OPENAI
 ENDPOINT = "/v1/responses"
@@ -262,8 +261,7 @@ async def create_response(request: Request) -> Response:
     body = await f.json_body(request)
     req = parse_response_request(body)
     envelope = _Envelope(body, (await gateway.model()).get("name"))
-    if req.max_tokens is not None:  # over the context: OpenAI's 400, not a shorter answer
-        await check_budget(gateway.client, req)
+    # Over the context: OpenAI's 400, not a shorter answer (the daemon checks as it starts it).
     stream = await gateway.start(req, API)
     if f.get(body, "stream", bool, False):
         return StreamingResponse(

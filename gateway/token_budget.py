@@ -1,6 +1,11 @@
 """A request's token budget, checked before it starts: the prompt (counted by the daemon with the
 model's own template and tokenizer) against the context, and `max_tokens` against the daemon's
-limit, so each API answers in its own words instead of the daemon capping the request silently."""
+limit, so each API answers in its own words instead of the daemon capping the request silently.
+
+Every generation asks the daemon to check as it tokenizes (`strict_max_tokens`): a refusal comes
+back with its numbers (`budget_error`), so no request waits for a `count_tokens` first. Counting
+first (`check_budget`) is left to what needs the count before it can start: a stream whose model
+is still loading, Ollama's `num_predict: -1` (the rest of the context)."""
 
 from __future__ import annotations
 
@@ -8,14 +13,14 @@ import enum
 from dataclasses import dataclass
 
 from moed.client import ClientError
-from moed.protocol import GenerateRequest, MessageType
+from moed.protocol import ErrorCode, GenerateRequest, MessageType
 
 from .errors import ApiError, ErrorKind, from_client_error
 from .wire_limits import check_frame
 
 
 class Overrun(str, enum.Enum):
-    """Which bound a request crosses."""
+    """Which bound a request crosses (named as the daemon's error codes for it)."""
 
     PROMPT = "prompt_too_long"  # the prompt alone fills the context (or the daemon's prompt cap)
     CONTEXT = "context_exceeded"  # prompt + max_tokens is over the context
@@ -43,6 +48,22 @@ class BudgetError(ApiError):
         param = "max_tokens" if too_many else "messages"
         code = "max_tokens_too_large" if too_many else "context_length_exceeded"
         super().__init__(ErrorKind.INVALID_REQUEST, message, param=param, code=code)
+
+
+def budget_error(exc: ClientError) -> BudgetError | None:
+    """The daemon's refusal of a prompt or max_tokens over a limit (`strict_max_tokens`), when it
+    carries the numbers, as the BudgetError each API phrases in its own words."""
+    budget = getattr(exc, "budget", None)
+    code = getattr(exc, "code", None)
+    if not isinstance(budget, dict) or not isinstance(code, ErrorCode):
+        return None
+    try:
+        overrun = Overrun(code.value)
+        return BudgetError(
+            overrun, int(budget["prompt_tokens"]), budget.get("max_tokens"), int(budget["limit"])
+        )
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 @dataclass(frozen=True)

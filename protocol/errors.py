@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 
 class ErrorCode(str, enum.Enum):
@@ -12,6 +13,10 @@ class ErrorCode(str, enum.Enum):
     UNSUPPORTED_VERSION = "unsupported_version"
     FRAME_TOO_LARGE = "frame_too_large"
     PROMPT_TOO_LONG = "prompt_too_long"
+    # With `strict_max_tokens`: max_tokens past the context left after the prompt, or past
+    # limits.max_tokens (refused, not capped).
+    CONTEXT_EXCEEDED = "context_exceeded"
+    MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"
     MODEL_NOT_FOUND = "model_not_found"
     DUPLICATE_ID = "duplicate_id"
     UNKNOWN_REQUEST = "unknown_request"  # cancel of an id the daemon does not know
@@ -50,3 +55,26 @@ class ProtocolError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+    def wire_fields(self) -> dict[str, Any]:
+        """What the `error` message carries besides code and message."""
+        return {}
+
+
+class BudgetExceeded(ProtocolError):
+    """A prompt or max_tokens over the model's limits, with the numbers (the error's `budget`), so
+    a gateway can answer in its API's own words without counting the prompt first."""
+
+    def __init__(
+        self, code: ErrorCode, message: str, prompt_tokens: int, max_tokens: int | None, limit: int
+    ):
+        super().__init__(code, message)
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.limit = limit
+
+    def wire_fields(self) -> dict[str, Any]:
+        budget = {"prompt_tokens": self.prompt_tokens, "limit": self.limit}
+        if self.max_tokens is not None:
+            budget["max_tokens"] = self.max_tokens
+        return {"budget": budget}

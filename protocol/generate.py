@@ -83,6 +83,9 @@ class GenerateRequest:
     prompt_ids: tuple[int, ...] | None = _field(TokenIds(non_empty=True), decode=tuple)
     resume_ids: tuple[int, ...] = _field(TokenIds(), (), tuple)  # tokens a broken stream had
     max_tokens: int | None = _field(Int(lo=1))  # over limits.max_tokens: capped, `done` says so
+    # ... unless strict: a max_tokens the limits or the context cannot hold is refused, with the
+    # numbers (a gateway's 400 in its API's words, no count_tokens before every request)
+    strict_max_tokens: bool = _field(Bool(), False)
     temperature: float | None = _field(Number(lo=0.0, hi=100.0))
     top_p: float | None = _field(Number(lo=0.0, hi=1.0, lo_open=True))
     seed: int | None = _field(Int(lo=0))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from .errors import RETRYABLE, ErrorCode
+from .errors import RETRYABLE, ErrorCode, ProtocolError
 from .version import PROTOCOL_MAJOR
 
 # One wire message: a map with str keys (the codec refuses others), values as msgpack carries them.
@@ -88,13 +88,19 @@ def _base(kind: MessageType, request_id: Any) -> Message:
     return {"v": PROTOCOL_MAJOR, "type": kind.value, "id": request_id}
 
 
-def error(request_id: Any, code: ErrorCode, message: str) -> Message:
+def error(request_id: Any, code: ErrorCode, message: str, **fields: Any) -> Message:
     return {
         **_base(MessageType.ERROR, request_id),
         "code": code.value,
         "message": message,
         "retryable": code in RETRYABLE,
+        **fields,
     }
+
+
+def refusal(request_id: Any, exc: ProtocolError) -> Message:
+    """The `error` answering a refused request, with what the refusal carries (a `budget`)."""
+    return error(request_id, exc.code, exc.message, **exc.wire_fields())
 
 
 def result(request_id: Any, **body: Any) -> Message:

@@ -17,7 +17,7 @@ from typing import Any
 
 from .chat import prompt_sources, validate_chat_fields
 from .constraints import validate_constraint_fields, validate_template_kwargs
-from .errors import ErrorCode, ProtocolError
+from .errors import BudgetExceeded, ErrorCode, ProtocolError
 from .generate import GENERATE_FIELDS, GenerateRequest
 from .messages import REQUEST_TYPES, Message, MessageType, PrefixCacheAction, ShedLevel
 from .rules import (
@@ -92,6 +92,8 @@ def _ids_within_context(msg: Message, limits: Limits | None) -> None:
     prompt = len(msg["prompt_ids"])
     max_tokens = resolve_max_tokens(msg.get("max_tokens"), prompt, limits)
     check_context(prompt, len(msg.get("resume_ids") or []), max_tokens, limits)
+    if msg.get("strict_max_tokens"):
+        check_max_tokens(msg.get("max_tokens"), prompt, limits)
 
 
 CROSS_CHECKS: dict[MessageType, list[Callable[[Message, Limits | None], None]]] = {
@@ -176,19 +178,50 @@ def check_context(prompt_tokens: int, resume_tokens: int, max_tokens: int, limit
         refuse("generate", "the prompt is empty after templating and tokenizing")
     total = prompt_tokens + resume_tokens
     if total > limits.max_prompt_tokens:
-        raise ProtocolError(
+        raise BudgetExceeded(
             ErrorCode.PROMPT_TOO_LONG,
             f"prompt is {total} tokens; this daemon accepts at most {limits.max_prompt_tokens}",
+            total,
+            None,
+            limits.max_prompt_tokens,
         )
     context = limits.context_tokens
     if context is not None and total + 1 > context:
-        raise ProtocolError(
+        raise BudgetExceeded(
             ErrorCode.PROMPT_TOO_LONG,
             f"prompt ({prompt_tokens} tokens) and resume_ids ({resume_tokens}) leave no room in "
             f"the model's context of {context} tokens",
+            total,
+            None,
+            context - 1,
         )
     if resume_tokens >= max_tokens:
         refuse("generate", f"resume_ids ({resume_tokens}) already reach max_tokens ({max_tokens})")
+
+
+def check_max_tokens(requested: int | None, prompt_tokens: int, limits: Limits) -> None:
+    """`strict_max_tokens`: a max_tokens over limits.max_tokens or past the context left after
+    the prompt is refused with the numbers, where resolve_max_tokens would cap it."""
+    if requested is None:
+        return
+    if requested > limits.max_tokens:
+        raise BudgetExceeded(
+            ErrorCode.MAX_TOKENS_TOO_LARGE,
+            f"max_tokens {requested} is over this daemon's limit of {limits.max_tokens}",
+            prompt_tokens,
+            requested,
+            limits.max_tokens,
+        )
+    context = limits.context_tokens
+    if context is not None and prompt_tokens + requested > context:
+        raise BudgetExceeded(
+            ErrorCode.CONTEXT_EXCEEDED,
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({requested}) is over the model's "
+            f"context of {context} tokens",
+            prompt_tokens,
+            requested,
+            context,
+        )
 
 
 def check_token_ids(ids: list[int], limits: Limits) -> None:

@@ -102,7 +102,7 @@ class RankControl:
             kind, request_id = validate_request(msg)
             return self._dispatch(kind, msg)
         except ProtocolError as exc:
-            return wire.error(request_id, exc.code, exc.message)
+            return wire.refusal(request_id, exc)
         except Exception as exc:  # a bad request must not take the rank (and its group) down
             log.exception("control request failed")
             return wire.error(request_id, ErrorCode.INTERNAL, str(exc))

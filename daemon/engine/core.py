@@ -148,6 +148,10 @@ class EngineCore(ModelLifecycle):
         """End a request that never started with a typed error."""
         self.sink.emit(job.identity, wire.error(job.request_id, code, message), terminal=True)
 
+    def refuse(self, job: GenerateJob, exc: ProtocolError) -> None:
+        """End a request that never started with its refusal (and what that carries)."""
+        self.sink.emit(job.identity, wire.refusal(job.request_id, exc), terminal=True)
+
     # ---- work ------------------------------------------------------------------------------
     def step(self) -> None:
         """Admit what the scheduler says, then one step of the running batch."""
@@ -200,7 +204,7 @@ class EngineCore(ModelLifecycle):
                 gen.prompt_tokens,
             )
         except ProtocolError as exc:
-            self.reject(job, exc.code, exc.message)
+            self.refuse(job, exc)
             return
         except Exception as exc:
             log.exception("request %r could not start", job.request_id)

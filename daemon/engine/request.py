@@ -23,7 +23,12 @@ from moed.daemon.model.loader import LoadedModel
 from moed.daemon.telemetry.trace import TraceRecorder
 from moed.protocol import Channel, GenerateRequest
 from moed.protocol.generate import RequestId
-from moed.protocol.validation import check_context, check_token_ids, resolve_max_tokens
+from moed.protocol.validation import (
+    check_context,
+    check_max_tokens,
+    check_token_ids,
+    resolve_max_tokens,
+)
 
 if TYPE_CHECKING:  # types only: _constraint imports the grammar where one is asked for
     from moed.daemon.engine.grammar import GrammarConstraint
@@ -80,6 +85,8 @@ class Generation:
         limits = limits_for(serve, loaded.config)
         max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), limits)
         check_context(len(prompt_ids), len(resume_ids), max_tokens, limits)
+        if req.strict_max_tokens:
+            check_max_tokens(req.max_tokens, len(prompt_ids), limits)
         check_token_ids(prompt_ids, limits)
         asked = req.max_tokens
         self.notice = (

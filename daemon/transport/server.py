@@ -284,9 +284,7 @@ class Server:
         except ProtocolError as exc:
             if request_id is None:  # refused before decoding: name the request all the same
                 request_id = peek_id(body[0])
-            reply = wire.error(
-                request_id if isinstance(request_id, (str, int)) else None, exc.code, exc.message
-            )
+            reply = wire.refusal(request_id if isinstance(request_id, (str, int)) else None, exc)
         except Exception as exc:  # a bug in one request must not take the daemon down
             log.exception("request handling failed")
             reply = wire.error(

@@ -4,6 +4,8 @@ where clients look for it, and a 400 in the API's own words instead of a silent 
 
 from __future__ import annotations
 
+import time
+
 import anthropic
 import httpx
 import ollama
@@ -99,6 +101,40 @@ def test_anthropic_reports_input_tokens_first_and_folds_system_entries(stack):
     assert folded.status_code == 200, folded.text
     assert folded.json()["content"][0]["text"] == final.content[0].text
     assert folded.json()["usage"]["input_tokens"] == counted.input_tokens
+
+
+def _unload(daemon, gateway, name) -> None:
+    """The model unloaded as after an idle keep-alive (an Ollama request with keep_alive 0)."""
+    llama = ollama.Client(host=gateway.url)
+    llama.generate(model=name, prompt="Hi", raw=True, options={"num_predict": 1}, keep_alive=0)
+    with daemon.client() as client:
+        deadline = time.monotonic() + 10
+        while client.status()["state"] != "idle" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.status()["state"] == "idle"
+
+
+@pytest.mark.process
+def test_while_the_model_loads_the_budget_is_still_checked_before_the_answer(gateway_stack):
+    """The daemon checks a request's budget once the model is loaded; a request that finds it
+    unloaded is counted by the gateway first, so it is still a 400 (not an error inside a started
+    stream), and message_start still carries the prompt's tokens."""
+    daemon, gateway = gateway_stack
+    name = daemon.client().connect()["model"]["name"]
+    claude = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Hello!"}]
+    prompt = claude.messages.count_tokens(model=name, messages=messages).input_tokens
+
+    _unload(daemon, gateway, name)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(model=name, messages=messages, max_tokens=CONTEXT)
+    assert f"exceed context limit: {prompt} + {CONTEXT} > {CONTEXT}" in str(refused.value)
+
+    _unload(daemon, gateway, name)
+    with claude.messages.stream(model=name, messages=messages, max_tokens=3) as stream:
+        events = list(stream)
+    start = next(e for e in events if e.type == "message_start")
+    assert start.message.usage.input_tokens == prompt
 
 
 @pytest.mark.process

@@ -57,7 +57,12 @@ TEXT = GenerateRequest(
     format=ResponseFormat(FormatType.JSON_SCHEMA, {"type": "object"}),
     **SHARED,
 )
-IDS = GenerateRequest(prompt_ids=(5, 17, 33), format=ResponseFormat(FormatType.JSON), **SHARED)
+IDS = GenerateRequest(
+    prompt_ids=(5, 17, 33),
+    format=ResponseFormat(FormatType.JSON),
+    strict_max_tokens=True,
+    **SHARED,
+)
 
 
 def test_every_field_has_its_rule():

@@ -182,3 +182,47 @@ def test_text_prompt_over_context_is_refused_after_tokenizing(daemon, raw):
     reply = _reply(raw, msgpack.packb(gen("long", prompt=words)))
     assert reply["code"] == "prompt_too_long", reply
     assert str(limits["context_tokens"]) in reply["message"]
+
+
+def test_a_strict_max_tokens_is_refused_with_the_numbers(daemon, raw):
+    """`strict_max_tokens`: what the daemon would cap is refused, and every budget refusal says
+    prompt tokens and the limit crossed (a gateway answers in its API's words from them), for a
+    text prompt once tokenized and for prompt_ids at the edge."""
+    limits = _reply(raw, msgpack.packb({"v": 1, "type": "hello", "id": 0}))["limits"]
+    context = limits["context_tokens"]
+    text = "hello there, how are you"
+    counted = _reply(
+        raw, msgpack.packb({"v": 1, "type": "count_tokens", "id": 1, "prompt": text, "raw": True})
+    )
+    n = counted["tokens"]
+
+    reply = _reply(
+        raw, msgpack.packb(gen("ctx", prompt=text, max_tokens=context, strict_max_tokens=True))
+    )
+    assert reply["code"] == "context_exceeded", reply
+    assert reply["budget"] == {"prompt_tokens": n, "max_tokens": context, "limit": context}
+
+    over = limits["max_tokens"] + 1
+    ids = [5] * 10
+    reply = _reply(
+        raw, msgpack.packb(gen("cap", prompt_ids=ids, max_tokens=over, strict_max_tokens=True))
+    )
+    assert reply["code"] == "max_tokens_too_large", reply
+    assert reply["budget"] == {
+        "prompt_tokens": 10,
+        "max_tokens": over,
+        "limit": limits["max_tokens"],
+    }
+
+    reply = _reply(
+        raw, msgpack.packb(gen("long", prompt_ids=[5] * context, strict_max_tokens=True))
+    )
+    assert reply["code"] == "prompt_too_long", reply
+    assert reply["budget"] == {"prompt_tokens": context, "limit": context - 1}
+
+    # Within the budget the strict request runs as any other.
+    reply = _reply(raw, msgpack.packb(gen("ok", prompt=text, max_tokens=2, strict_max_tokens=True)))
+    while reply["type"] not in ("done", "error"):
+        assert raw.poll(10_000)
+        reply = msgpack.unpackb(raw.recv())
+    assert reply["type"] == "done" and "notice" not in reply, reply
