@@ -25,6 +25,7 @@ from moed.daemon.engine.sampling import greedy
 from moed.daemon.model.layer_caches import LayerCache, extract_state
 from moed.daemon.model.mlx_compat import (
     generation_batch,
+    move_whole_splits,
     next_tokens,
     prompt_batch,
     set_prefill_step,
@@ -157,6 +158,7 @@ class DecodeBatch:
             prefill_batch_size=max_batch,
             prefill_step_size=prefill_chunk,
         )
+        move_whole_splits(self._gen)  # a prompt's end copies no cache
         self._live: set[int] = set()  # rows inserted and not yet finished or removed
         self._decoding: set[int] = set()  # ... of them past their prompt
         self._early: set[int] = set()  # ... whose first token went out before the generator's

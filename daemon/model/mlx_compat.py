@@ -34,6 +34,9 @@ Reached into here:
 9. GenerationBatch's `_next_tokens` and `_next_logprobs` (row i's next token and its
    distribution, submitted by the step that made them and handed out by the one after) and its
    `max_tokens`: a row's first token goes out as soon as it is computed (engine/batch.py).
+10. PromptProcessingBatch's `split(indices)` (a `_copy()` with deep-copied caches, then `filter`
+   of both) and its per-row lists: when every row moves on to decoding at once, the rows move,
+   caches and all, instead (engine/batch.py, `move_whole_splits`).
 
 Outside daemon/ (which alone may import mlx-lm): client/hub.py's `mlx_lm_knows` takes an
 architecture as known when mlx_lm/models/<model_type>.py exists, found without importing mlx-lm.
@@ -53,6 +56,7 @@ on the layer's input (a plain Linear, or DeepSeek's MoEGate returning (indices, 
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +66,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm.models
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache
 from mlx_lm.models.pipeline import PipelineMixin
 from mlx_lm.utils import _get_classes
 
@@ -100,6 +104,40 @@ def next_tokens(gen: BatchGenerator, uids: Iterable[int]) -> list[NextToken]:
         for i, uid in enumerate(batch.uids)
         if uid in wanted
     ]
+
+
+# PromptProcessingBatch's per-row lists, which `split` divides between the two batches (use 10).
+_ROW_LISTS = ("uids", "tokens", "samplers", "logits_processors", "stop_sequences", "max_tokens")
+
+
+def move_whole_splits(gen: BatchGenerator) -> None:
+    """Use 10. When every prompting row moves on to decoding in one step (a request read alone,
+    the usual case), the generator's split gathers every row of a copy of the caches
+    (`filter`): a whole second KV cache at each prompt's end, built on the way to the first
+    token. Then the rows move instead, as that filter would leave them: unpadded BatchKVCache
+    rows and ArraysCache rows, in their order, are already what it returns. Any other split (some
+    rows stay, padded rows, a pipeline's cache handles) is the generator's own."""
+    batch = gen._prompt_batch
+    batch.split = types.MethodType(_split, batch)
+
+
+def _split(batch: PromptProcessingBatch, indices: list[int]) -> PromptProcessingBatch:
+    whole = sorted(indices) == list(range(len(batch.uids)))
+    if not whole or not all(_as_filtered(c) for c in batch.prompt_cache):
+        return PromptProcessingBatch.split(batch, indices)
+    moved = PromptProcessingBatch.__new__(PromptProcessingBatch)
+    moved.__dict__.update({k: v for k, v in batch.__dict__.items() if k != "split"})
+    for name in _ROW_LISTS:
+        setattr(batch, name, [])
+    batch.prompt_cache = []
+    return moved
+
+
+def _as_filtered(cache: Any) -> bool:
+    """`cache.filter(all rows, in order)` would return its rows as they are (same values)."""
+    if isinstance(cache, BatchKVCache):
+        return unpadded(cache)  # no padding to cut back
+    return isinstance(cache, ArraysCache)
 
 
 def set_prefill_step(gen: BatchGenerator, tokens: int) -> None:

@@ -109,6 +109,42 @@ def test_next_tokens_are_the_ones_the_next_step_hands_out(model):
     gen.close()
 
 
+def test_a_whole_split_moves_the_rows_as_the_generators_split_leaves_them(model):
+    """Use 10: mlx-lm's split of every prompting row and moed's move leave the same batch (its
+    attributes, rows and cache states) and an empty one behind; the move copies no cache."""
+    stepped = []
+    for _ in range(2):
+        gen = _generator(model)
+        gen.insert([PROMPT, PROMPT[:7]])
+        gen.next()  # the rows' first chunks are in the prompt batch's caches
+        stepped.append(gen)
+    theirs_gen, ours_gen = stepped
+    theirs_batch = prompt_batch(theirs_gen)
+    theirs = theirs_batch.split([0, 1])
+    mlx_compat.move_whole_splits(ours_gen)
+    ours_batch = prompt_batch(ours_gen)
+    before = list(ours_batch.prompt_cache)
+    ours = ours_batch.split([1, 0])
+    assert set(vars(ours)) == set(vars(theirs)), (
+        "PromptProcessingBatch's attributes changed: mlx_compat._split must move them all"
+    )
+    for name in mlx_compat._ROW_LISTS:
+        mine, split = getattr(ours, name), getattr(theirs, name)
+        if name in ("uids", "tokens", "max_tokens"):
+            assert mine == split, f"split's `{name}` differs"
+        assert [type(v) for v in mine] == [type(v) for v in split], f"split's `{name}` differs"
+        assert getattr(ours_batch, name) == getattr(theirs_batch, name) == [], (
+            f"split no longer empties the batch's `{name}` when every row leaves"
+        )
+    assert ours_batch.prompt_cache == theirs_batch.prompt_cache == []
+    assert all(a is b for a, b in zip(ours.prompt_cache, before)), "the move copied a cache"
+    for a, b in zip(ours.prompt_cache, theirs.prompt_cache):
+        for x, y in zip(a.state, b.state):
+            assert mx.array_equal(x, y), "split's filter changed a cache's values"
+    for gen in stepped:
+        gen.close()
+
+
 def test_prefill_step_is_read_at_every_step(model, monkeypatch):
     """Use 2: the chunk sizer changes the prompt chunk between two steps of one prompt, and each
     chunk is one forward pass of its size (not passes of the size the generator started with)."""
