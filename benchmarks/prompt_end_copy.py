@@ -46,7 +46,7 @@ def prompt_end(model, moved: bool, tokens: int) -> tuple[float, int, int]:
 
 
 def main() -> None:
-    tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 4000
+    tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
     path = Path(tempfile.mkdtemp(prefix="prompt-end-")) / "qwen3_moe"
     write_checkpoint(
         path, "qwen3_moe", num_layers=8, hidden=256, num_experts=8, top_k=2, expert_width=64
