@@ -17,8 +17,8 @@ from moed.client import ClientError, DoneEvent, Event, ProgressEvent, TokenEvent
 from moed.client.async_client import AsyncClient
 from moed.protocol import GenerateRequest
 
-from .errors import from_client_error
-from .token_budget import BudgetError, budget_error, check_budget
+from .errors import ApiError, from_client_error
+from .token_budget import budget_error, check_budget
 from .wire_limits import check_generate
 
 
@@ -130,8 +130,8 @@ class Stream:
             if on_cancel is not None:
                 on_cancel()
             raise
-        except BudgetError:
-            await stream.close()  # refused while the model loads: not left running
+        except ApiError:  # counted while the model loads, and refused: not left running
+            await stream.close()
             raise
         return stream
 
