@@ -13,6 +13,7 @@ the median of its per-turn ratios to the first side's (drift on a shared machine
 import os
 import random
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -76,6 +77,7 @@ def main() -> None:
     finally:
         for side in sides:
             side.stop()
+            shutil.rmtree(side.dir.parent, ignore_errors=True)  # its state, logs and SSD tier
     for spec, ts in zip(specs, times):
         paired = statistics.median(a / b for a, b in zip(ts, times[0]))
         print(f"[{spec}] median {statistics.median(ts) * 1e3:.1f} ms, {paired:.3f}x the first side")

@@ -47,11 +47,12 @@ def prompt_end(model, moved: bool, tokens: int) -> tuple[float, int, int]:
 
 def main() -> None:
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
-    path = Path(tempfile.mkdtemp(prefix="prompt-end-")) / "qwen3_moe"
-    write_checkpoint(
-        path, "qwen3_moe", num_layers=8, hidden=256, num_experts=8, top_k=2, expert_width=64
-    )
-    model, _ = load_model(path)
+    with tempfile.TemporaryDirectory(prefix="prompt-end-") as folder:
+        path = Path(folder) / "qwen3_moe"
+        write_checkpoint(
+            path, "qwen3_moe", num_layers=8, hidden=256, num_experts=8, top_k=2, expert_width=64
+        )
+        model, _ = load_model(path)  # loaded whole: the folder can go
     mx.eval(model.parameters())
     prompt_end(model, True, tokens)  # kernels warm
     runs: dict[bool, list[tuple[float, int, int]]] = {False: [], True: []}

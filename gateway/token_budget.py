@@ -9,11 +9,14 @@ is still loading, Ollama's `num_predict: -1` (the rest of the context)."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
 from moed.client import ClientError
-from moed.protocol import ErrorCode, GenerateRequest, MessageType
+from moed.protocol import ErrorCode, GenerateRequest, Limits, MessageType
+from moed.protocol.errors import BudgetExceeded
+from moed.protocol.validation import check_context, check_max_tokens
 
 from .errors import ApiError, ErrorKind, from_client_error
 from .wire_limits import check_frame
@@ -66,6 +69,12 @@ def budget_error(exc: ClientError) -> BudgetError | None:
         return None
 
 
+def _limits(described: dict) -> Limits:
+    """The daemon's limits from its welcome's description of them."""
+    names = {f.name for f in dataclasses.fields(Limits)}
+    return Limits(**{k: v for k, v in described.items() if k in names and v is not None})
+
+
 @dataclass(frozen=True)
 class Budget:
     prompt_tokens: int
@@ -108,21 +117,16 @@ async def count_prompt(client, req: GenerateRequest) -> int:
 
 
 async def check_budget(client, req: GenerateRequest) -> Budget:
-    """Count the prompt and check it, and `max_tokens` when given, against the daemon's limits;
-    a request over any of them is a BudgetError, never a generation cut short without a word."""
-    limits = await daemon_limits(client)
+    """Count the prompt and check it, and `max_tokens` when given, against the daemon's limits
+    by the daemon's own rules (protocol/validation.py, as a `strict_max_tokens` generate is
+    checked); a request over any of them is a BudgetError, never a generation cut short without
+    a word."""
+    limits = _limits(await daemon_limits(client))
     prompt = await count_prompt(client, req)
-    context = limits.get("context_tokens")
-    max_prompt = limits.get("max_prompt_tokens")
-    if max_prompt is not None and prompt > max_prompt:
-        raise BudgetError(Overrun.PROMPT, prompt, req.max_tokens, max_prompt)
-    if context is not None and prompt + 1 > context:
-        raise BudgetError(Overrun.PROMPT, prompt, req.max_tokens, context - 1)
-    asked = req.max_tokens
-    if asked is not None:
-        cap = limits.get("max_tokens")
-        if cap is not None and asked > cap:
-            raise BudgetError(Overrun.MAX_TOKENS, prompt, asked, cap)
-        if context is not None and prompt + asked > context:
-            raise BudgetError(Overrun.CONTEXT, prompt, asked, context)
-    return Budget(prompt, context)
+    try:
+        if prompt:  # an empty prompt is the generate's own `invalid_request`
+            check_context(prompt, 0, 1, limits)  # no resumed tokens: max_tokens plays no part
+        check_max_tokens(req.max_tokens, prompt, limits)
+    except BudgetExceeded as exc:
+        raise BudgetError(Overrun(exc.code.value), prompt, exc.max_tokens, exc.limit) from None
+    return Budget(prompt, limits.context_tokens)
