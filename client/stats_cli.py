@@ -61,6 +61,8 @@ def format_stats(s: dict) -> str:
             f"{_bytes(ex.get('bytes_read_per_token'))}/token  "
             f"{_bytes(ex.get('read_bandwidth_bps'))}/s while stalled  "
             f"{_bytes(ex.get('recent_bytes_read_per_s'))}/s recent",
+            f"read ahead   {_bytes(ex.get('prefetch_bytes'))}  prompt ends "
+            f"{ex.get('prompt_end_hits', 0)} of {ex.get('prompt_end_reads', 0)} experts used",
             f"per token    stall {_num(ex.get('stall_ms_per_token'), '{:.2f}', ' ms')}  "
             f"router read-back {_num(ex.get('router_readback_ms_per_token'), '{:.2f}', ' ms')}  "
             f"({ex.get('tokens')} routed tokens)",

@@ -184,8 +184,10 @@ class MoedSide:
         self.gateway, self.url = start_gateway(self.socket, self.dir / "gateway.log")
 
     def read_bytes(self) -> int:
+        """Expert bytes read, on demand and ahead of their call."""
         with Client(self.socket, timeout=10.0) as c:
-            return int((c.stats().get("experts") or {}).get("bytes_read") or 0)
+            ex = c.stats().get("experts") or {}
+            return int(ex.get("bytes_read") or 0) + int(ex.get("prefetch_bytes") or 0)
 
     def stop(self) -> None:
         for proc in (self.gateway, self.daemon):

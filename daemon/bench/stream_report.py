@@ -170,7 +170,7 @@ def report(meta: dict, raw: dict, resident: RunResult, runs: list[RunResult]) ->
         c = r.counters
         if c.get("prefetched"):
             lines.append(
-                f"{r.name}: {c['prefetched']} experts prefetched for the next layer, "
+                f"{r.name}: {c['prefetched']} experts read ahead (next layer, prompt ends), "
                 f"{100 * c['prefetch_hits'] / c['prefetched']:.0f}% "
                 "of them used; with prefetch "
                 f"{(c['bytes_read'] + c['prefetch_bytes']) / max(1, r.decode_tokens) / 1e6:.1f}"

@@ -28,6 +28,7 @@ from moed.daemon.model.mlx_compat import (
     move_whole_splits,
     next_tokens,
     prompt_batch,
+    scope_prompt_ends,
     set_prefill_step,
 )
 from moed.protocol import FinishReason
@@ -146,6 +147,7 @@ class DecodeBatch:
         budget: ChunkBudget | None = None,
         trimmable: tuple[bool, ...] | None = None,
         unused_output: Callable[[], AbstractContextManager[None]] = nullcontext,
+        prompt_end: Callable[[], AbstractContextManager[None]] | None = None,
     ) -> None:
         self._eos = frozenset(int(t) for t in eos_token_ids)
         stop = [[t] for t in sorted(self._eos)]
@@ -159,6 +161,8 @@ class DecodeBatch:
             prefill_step_size=prefill_chunk,
         )
         move_whole_splits(self._gen)  # a prompt's end copies no cache
+        if prompt_end is not None:  # entered around each step reading prompts' last tokens
+            scope_prompt_ends(self._gen, prompt_end)
         self._live: set[int] = set()  # rows inserted and not yet finished or removed
         self._decoding: set[int] = set()  # ... of them past their prompt
         self._early: set[int] = set()  # ... whose first token went out before the generator's

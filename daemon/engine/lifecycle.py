@@ -160,6 +160,7 @@ class ModelLifecycle:
             lone_chunk_budget(self.loaded, self.serve),
             trimmable,
             streamer.unused_output.scope if streamer is not None else nullcontext,
+            streamer.prompt_end_step if streamer is not None else None,
         )
 
     def _open_prefix_cache(self) -> None:

@@ -36,6 +36,8 @@ CUMULATIVE_KEYS = frozenset(
         "prefetch_dropped",
         "prefetch_cancelled_bytes",
         "prefetch_bytes",
+        "prompt_end_reads",
+        "prompt_end_hits",
         "warm_bytes",
         "warm_s",
     }
@@ -82,6 +84,8 @@ class Counters:
     prefetch_dropped: int = 0  # ... that it did not: cancelled (or finished) and given back
     prefetch_cancelled_bytes: int = 0  # speculative reads cancelled before they started
     prefetch_bytes: int = 0  # not in bytes_read (demand misses only)
+    prompt_end_reads: int = 0  # of `prefetched`: read ahead for a prompt's last token
+    prompt_end_hits: int = 0  # ... that the prompt-end step routed to
     warm_bytes: int = 0  # read by warm(), not counted as misses
     warm_s: float = 0.0
 
@@ -130,6 +134,8 @@ class Counters:
             "prefetch_dropped": self.prefetch_dropped,
             "prefetch_cancelled_bytes": self.prefetch_cancelled_bytes,
             "prefetch_bytes": self.prefetch_bytes,
+            "prompt_end_reads": self.prompt_end_reads,
+            "prompt_end_hits": self.prompt_end_hits,
             "warm_bytes": self.warm_bytes,
             "warm_s": self.warm_s,
         }

@@ -54,11 +54,13 @@ class SlotTable:
         self.policy.begin_call()
         self.policy.touch_many(needed)
 
-    def admit(self, experts: Iterable[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    def admit(
+        self, experts: Iterable[int], keep: Sequence[int] = ()
+    ) -> tuple[list[int], list[tuple[int, int]]]:
         """Make room for `experts` (at most `slots` of them): hits are touched first, then each
-        miss takes a free slot or evicts the policy's victim outside `experts`. Returns (hits,
-        [(expert, slot) to read]). The caller guarantees no pending computation still reads an
-        evicted slot."""
+        miss takes a free slot or evicts the policy's victim outside `experts` and `keep`.
+        Returns (hits, [(expert, slot) to read]). The caller guarantees no pending computation
+        still reads an evicted slot."""
         experts = np.asarray(experts, dtype=np.int64).reshape(-1)
         if experts.size > self.slots:
             raise ValueError(f"{experts.size} experts do not fit {self.slots} slots")
@@ -74,7 +76,7 @@ class SlotTable:
         missing = list(dict.fromkeys(e for e, slot in zip(ids, found) if slot < 0))  # once each
         short = len(missing) - len(self._free)
         # The victims are ranked once for the whole call: evicting one never reorders the rest.
-        victims = policy.victims(short, experts) if short > 0 else []
+        victims = policy.victims(short, [*ids, *keep] if keep else experts) if short > 0 else []
         loads = []
         for e in missing:
             if not self._free:

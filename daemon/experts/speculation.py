@@ -37,6 +37,7 @@ class Inflight:
     slots: dict[int, int] = field(default_factory=dict)
     batches: dict[int, ReadBatch] = field(default_factory=dict)
     stagings: dict[int, Staging] = field(default_factory=dict)  # where each expert's reads land
+    prompt_end: bool = False  # read ahead for a prompt's last token, not for the next layer
 
 
 class Speculator:
@@ -100,20 +101,31 @@ class Speculator:
         if self._predicted is None or self._predicted[0] != layer:
             return
         experts, self._predicted = self._predicted[1], None
+        self._step_guessed += len(self.read_ahead(layer, experts))
+
+    def read_ahead(self, layer: int, experts: np.ndarray, prompt_end: bool = False) -> list[int]:
+        """Queue speculative reads of those of `experts` that `layer`'s pool does not hold,
+        unless reads are in flight for the layer already; returns the experts queued.
+        `prompt_end`: a guess for a prompt's last token (prompt_end.py), counted apart from
+        next-layer ones."""
         s = self.s
         pool = s.pools[layer]
-        wanted = [int(e) for e in experts if pool.slot_of[e] < 0]
-        if not wanted or layer in self._inflight:
-            return
-        loads = s.claim_slots(layer, wanted)
-        entry = Inflight()
+        ids = [int(e) for e in experts]
+        wanted = [e for e in ids if pool.slot_of[e] < 0]
+        if not wanted or layer in self._inflight or len(ids) > pool.slots:
+            return []
+        # The guessed experts already held stay: the reads make room among the others.
+        loads = s.claim_slots(layer, wanted, keep=[e for e in ids if pool.slot_of[e] >= 0])
+        entry = Inflight(prompt_end=prompt_end)
         for e, slot in loads:  # a batch per expert: each can be cancelled on its own
             entry.slots[e] = slot
             entry.stagings[e] = staging = pool.stage([(e, slot)])
             entry.batches[e] = s.reader.submit(s.store.jobs_for(pool, staging), True)
         self._inflight[layer] = entry
         s.counters.prefetched += len(loads)
-        self._step_guessed += len(loads)
+        if prompt_end:
+            s.counters.prompt_end_reads += len(loads)
+        return [e for e, _slot in loads]
 
     def inflight(self, layer: int) -> bool:
         """Speculative reads into `layer` are queued or running."""
@@ -149,7 +161,8 @@ class Speculator:
                 pass  # those experts are dropped anyway
         s.pools[layer].forget(dropped)
         s.counters.prefetch_dropped += len(dropped)
-        self._step_used += len(keep)
+        if not entry.prompt_end:  # the next-layer switch's accuracy
+            self._step_used += len(keep)
         self._kept_stagings = {e: entry.stagings[e] for e in keep}
         return keep, batches, [(e, entry.slots[e]) for e in keep]
 
@@ -158,20 +171,28 @@ class Speculator:
         kept, self._kept_stagings = self._kept_stagings, {}
         return [kept[e] for e, _slot in loads if e in kept]
 
+    def complete(self, layer: int) -> None:
+        """Wait for `layer`'s speculative reads and land them all: its next call finds them
+        resident, as plain hits (a failed read gives its slot back)."""
+        entry = self._inflight.pop(layer, None)
+        if entry is None:
+            return
+        s = self.s
+        pool = s.pools[layer]
+        try:
+            res = s.reader.wait(list(entry.batches.values()))
+        except OSError as exc:
+            pool.forget(list(entry.slots.items()))
+            log.warning("prefetch read failed: %s", exc)
+            return
+        for staging in entry.stagings.values():
+            pool.land(staging)
+        s.counters.prefetch_bytes += res.bytes_read
+
     def drain(self) -> None:
-        """Settle every layer's speculative reads (before a shed or a preload)."""
+        """Land every layer's speculative reads (before a shed or a preload)."""
         for layer in list(self._inflight):
-            _keep, batches, loads = self.settle(layer, set(self._inflight[layer].slots))
-            stagings = self.stagings_of(loads)
-            try:
-                res = self.s.reader.wait(batches)
-            except OSError as exc:
-                self.s.pools[layer].forget(loads)
-                log.warning("prefetch read failed: %s", exc)
-                continue
-            for staging in stagings:
-                self.s.pools[layer].land(staging)
-            self.s.counters.prefetch_bytes += res.bytes_read
+            self.complete(layer)
 
     def snapshot(self) -> dict[str, Any]:
         return {

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from moed.daemon.experts.memory_plan import ExpertLayout, MemoryPlan, _memory_ov
 from moed.daemon.experts.pass_lane import LANE, PassLane, lane_loads
 from moed.daemon.experts.policies import DEFAULT_POLICY, make_policy
 from moed.daemon.experts.prefetch import ReadBatch, ReadPool, ReadResult
+from moed.daemon.experts.prompt_end import PromptEnd
 from moed.daemon.experts.safetensors_index import CheckpointIndex
 from moed.daemon.experts.speculation import Speculator
 from moed.daemon.experts.store import ExpertStore, PageCachePolicy, resolve_page_cache
@@ -169,6 +171,7 @@ class ExpertStreamer(CacheWarmth):
         # Computing resident experts' rows while the misses are read (streaming_switch.py).
         self.overlap = Switch("overlap_reads")
         self.unused_output = UnusedOutput()  # the engine's prompt chunks (unused_output.py)
+        self.prompt_end = PromptEnd(len(switches))  # a prompt's last token (prompt_end.py)
         self.tuner = StepTuner([self.overlap] + ([self.spec.switch] if cfg.prefetch_next else []))
         self._step_layer_s: float | None = None
         self._pending_slots: int | None = None  # a shed requested from another thread
@@ -261,6 +264,14 @@ class ExpertStreamer(CacheWarmth):
         host = np.array(indices, dtype=np.intp)  # intp: numpy indexes with it without a cast
         if spec.enabled:
             spec.predicted(layer, predicted)
+        if self.prompt_end.active:
+            c.prompt_end_hits += self.prompt_end.record(layer, host)
+        elif host.ndim >= 3 and host.shape[-2] > 1:  # a prompt chunk
+            # Its read-back settled the layer before: that pool is free until the next step.
+            if layer > 0:
+                self._read_ahead(layer - 1)
+            elif self.unused_output.active:  # the chunk skips the last layer: idle all along
+                self._read_ahead(len(self.pools) - 1)
         routed = self._routed[layer]
         routed.append(host)  # folded into `usage` in bulk (_fold_usage)
         if len(routed) >= 256:
@@ -277,6 +288,27 @@ class ExpertStreamer(CacheWarmth):
             self.observer.on_route(layer, host)
         self.on_progress()
         return host
+
+    @contextmanager
+    def prompt_end_step(self) -> Iterator[None]:
+        """The engine's scope around a step that reads prompts' last tokens (mlx_compat.py, use
+        11): what the last such step used and no pool holds yet is read ahead, layer by layer
+        behind each other, and this step's choices are kept for the next (prompt_end.py)."""
+        for layer in range(len(self.pools)):
+            if self.spec.inflight(layer):  # read during the chunk: long landed, as a rule
+                self.spec.complete(layer)
+            self._read_ahead(layer)
+        with self.prompt_end.scope():
+            yield
+
+    def _read_ahead(self, layer: int) -> None:
+        # Only reads that wait on the SSD are worth hiding: page-cache copies are quick, and a
+        # copy beside the chunk takes a core from it (BENCHMARKS.md, agent turns, tenth session).
+        if not self.bypass_page_cache:
+            return
+        experts = self.prompt_end.experts[layer]
+        if experts is not None and not self._held[layer] and self.prompt_end.worthwhile:
+            self.prompt_end.read(layer, self.spec.read_ahead(layer, experts, prompt_end=True))
 
     def _fold_usage(self, layer: int) -> None:
         routed, self._routed[layer] = self._routed[layer], []
@@ -492,10 +524,13 @@ class ExpertStreamer(CacheWarmth):
         """`out` reads `slots_read` of `layer`'s pools and is not evaluated yet (fence.py)."""
         self.fence.defer(layer, out, None if self.pools[layer].staged else slots_read)
 
-    def claim_slots(self, layer: int, experts: Iterable[int]) -> list[tuple[int, int]]:
+    def claim_slots(
+        self, layer: int, experts: Iterable[int], keep: Sequence[int] = ()
+    ) -> list[tuple[int, int]]:
         """Give `experts` (not resident) slots of `layer`'s pool for reads the caller issues, once
-        the pending outputs that read those slots are evaluated; returns (expert, slot) loads."""
-        _hits, loads = self._admit(self.pools[layer], experts)
+        the pending outputs that read those slots are evaluated, evicting none of `keep`; returns
+        (expert, slot) loads."""
+        _hits, loads = self._admit(self.pools[layer], experts, keep)
         self.fence.guard(layer, loads)
         return loads
 
@@ -533,10 +568,10 @@ class ExpertStreamer(CacheWarmth):
         return True
 
     def _admit(
-        self, pool: LayerPool, experts: Iterable[int]
+        self, pool: LayerPool, experts: Iterable[int], keep: Sequence[int] = ()
     ) -> tuple[list[int], list[tuple[int, int]]]:
         free_before = pool.free_slots
-        hits, loads = pool.admit(experts)
+        hits, loads = pool.admit(experts, keep)
         self.counters.evictions += max(
             0, len(loads) - free_before
         )  # loads beyond free slots evicted
@@ -598,6 +633,7 @@ class ExpertStreamer(CacheWarmth):
                 "direct_io": bool(self.store.direct),
                 "landing": self.landing.value,
                 **self.spec.snapshot(),
+                "prompt_end_shared": self.prompt_end.shared,
                 "overlap_reads_active": self.overlap.active,
                 "overlap_net_ms_per_step": self.overlap.net_ms,
             }

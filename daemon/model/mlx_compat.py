@@ -37,6 +37,9 @@ Reached into here:
 10. PromptProcessingBatch's `split(indices)` (a `_copy()` with deep-copied caches, then `filter`
    of both) and its per-row lists: when every row moves on to decoding at once, the rows move,
    caches and all, instead (engine/batch.py, `move_whole_splits`).
+11. The split batch's `generate(last_inputs)`, which makes the GenerationBatch whose first step
+   (in its constructor) reads each moving row's last prompt token, and nothing else: the engine's
+   scope around it lets a streaming model read ahead for that step (experts/prompt_end.py).
 
 Outside daemon/ (which alone may import mlx-lm): client/hub.py's `mlx_lm_knows` takes an
 architecture as known when mlx_lm/models/<model_type>.py exists, found without importing mlx-lm.
@@ -58,6 +61,7 @@ from __future__ import annotations
 import sys
 import types
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +123,28 @@ def move_whole_splits(gen: BatchGenerator) -> None:
     rows stay, padded rows, a pipeline's cache handles) is the generator's own."""
     batch = gen._prompt_batch
     batch.split = types.MethodType(_split, batch)
+
+
+def scope_prompt_ends(
+    gen: BatchGenerator, scope: Callable[[], AbstractContextManager[None]]
+) -> None:
+    """Use 11. `scope()` is entered around each step that reads prompts' last tokens: the split
+    batch's `generate`, whose GenerationBatch runs that step as it is made, and only it."""
+    batch = gen._prompt_batch
+    split = batch.split  # the class's, or use 10's
+
+    def scoped_split(indices: list[int]) -> PromptProcessingBatch:
+        moving = split(indices)
+        generate = moving.generate
+
+        def scoped_generate(tokens: list[list[int]]) -> GenerationBatch:
+            with scope():
+                return generate(tokens)
+
+        moving.generate = scoped_generate  # type: ignore[method-assign]
+        return moving
+
+    batch.split = scoped_split  # type: ignore[method-assign]
 
 
 def _split(batch: PromptProcessingBatch, indices: list[int]) -> PromptProcessingBatch:

@@ -88,6 +88,13 @@ def expert_stats(snap: dict | None) -> dict | None:
         "evictions": snap.get("evictions", 0),
         "passes": snap.get("passes", 0),
         "warm_bytes": snap.get("warm_bytes", 0),
+        # Read ahead of their call (next-layer guesses, prompt ends); not in bytes_read.
+        "prefetch_bytes": snap.get("prefetch_bytes", 0),
+        # The step reading a prompt's last token (experts/prompt_end.py): experts read ahead for
+        # it, those it used, and how much prompt ends repeat each other (None: not known yet).
+        "prompt_end_reads": snap.get("prompt_end_reads", 0),
+        "prompt_end_hits": snap.get("prompt_end_hits", 0),
+        "prompt_end_shared": snap.get("prompt_end_shared"),
     }
 
 

@@ -145,6 +145,21 @@ def _families(stats: dict) -> list[Family]:
         fam("expert_warm_bytes", "counter", "Expert bytes read to warm the cache.").add(
             ex.get("warm_bytes")
         )
+        fam(
+            "expert_speculative_read_bytes",
+            "counter",
+            "Expert bytes read ahead of their call (next-layer guesses, a prompt's end).",
+        ).add(ex.get("prefetch_bytes"))
+        fam(
+            "expert_prompt_end_reads",
+            "counter",
+            "Experts read ahead for the step reading a prompt's last token.",
+        ).add(ex.get("prompt_end_reads"))
+        fam(
+            "expert_prompt_end_hits",
+            "counter",
+            "Of them, experts that step routed to.",
+        ).add(ex.get("prompt_end_hits"))
         fam("expert_reads", "counter", "preadv jobs run by the read workers.").add(ex.get("reads"))
         fam("expert_evictions", "counter", "Experts evicted from the cache.").add(
             ex.get("evictions")

@@ -4,6 +4,7 @@ fails, saying what changed, when an mlx-lm upgrade changes the name, signature o
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -143,6 +144,47 @@ def test_a_whole_split_moves_the_rows_as_the_generators_split_leaves_them(model)
             assert mx.array_equal(x, y), "split's filter changed a cache's values"
     for gen in stepped:
         gen.close()
+
+
+def test_the_prompt_end_scope_holds_exactly_the_steps_reading_last_prompt_tokens(
+    model, monkeypatch
+):
+    """Use 11: the split batch's `generate` runs the one step that reads each moving row's last
+    prompt token (a call of one position a row, over those rows only), and no other call; with a
+    whole split (use 10) or the generator's own (a row staying behind) alike."""
+    calls: list[tuple[bool, tuple[int, int]]] = []  # (inside the scope, inputs' shape)
+    inside = [False]
+
+    @contextmanager
+    def scope():
+        inside[0] = True
+        try:
+            yield
+        finally:
+            inside[0] = False
+
+    call = type(model).__call__
+
+    def recorded(self, inputs, *args, **kwargs):
+        calls.append((inside[0], tuple(inputs.shape)))
+        return call(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "__call__", recorded)
+    gen = _generator(model, chunk=4)
+    mlx_compat.move_whole_splits(gen)
+    mlx_compat.scope_prompt_ends(gen, scope)
+    gen.insert([PROMPT])  # 11 tokens: chunks of 4, 4 and 2, then its last token
+    for _ in range(6):
+        gen.next()
+    gen.insert([PROMPT[:4], PROMPT])  # two rows, ending at different steps
+    for _ in range(6):
+        gen.next()
+    gen.close()
+    scoped = [shape for was, shape in calls if was]
+    assert scoped == [(1, 1), (1, 1), (1, 1)], (
+        f"calls inside the prompt-end scope: {scoped}; mlx-lm's split no longer reads each "
+        "prompt's last token in the moving batch's `generate` alone (mlx_compat.scope_prompt_ends)"
+    )
 
 
 def test_prefill_step_is_read_at_every_step(model, monkeypatch):

@@ -85,6 +85,26 @@ def test_metrics_parse_and_counters_move(tiny_model, daemon_factory):
     assert value(after, "moed_process_resident_bytes") > 0
 
 
+def test_prompt_ends_read_ahead_are_counted(tiny_model, daemon_factory):
+    """Prompts that end alike (as a chat template ends them): from the second on, the daemon
+    reads the experts of the step reading the last token ahead, and says so."""
+    d = daemon_factory(
+        tiny_model, "--cache-budget", BUDGET, "--prefix-cache", "0", "--page-cache", "bypass"
+    )
+    with d.client() as c:
+        for body in ("the cat sat on the mat", "a bird in the hand", "hello again world"):
+            for _ in c.generate(f"{body}\nAnswer:", max_tokens=2, raw=True):
+                pass
+        parsed = samples(c.metrics()["text"])
+        experts = c.stats()["experts"]
+    reads = value(parsed, "moed_expert_prompt_end_reads_total")
+    assert reads == experts["prompt_end_reads"] > 0
+    assert 0 <= value(parsed, "moed_expert_prompt_end_hits_total") <= reads
+    assert value(parsed, "moed_expert_speculative_read_bytes_total") > 0
+    assert experts["prompt_end_shared"] is not None
+    assert "prompt ends" in moe(d.socket, "stats").stdout
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
