@@ -21,8 +21,15 @@ from mlx_lm.generate import BatchGenerator
 
 from moed.daemon.engine.chunk_budget import ChunkBudget
 from moed.daemon.engine.decode_mask import fit_masks
+from moed.daemon.engine.prefix_cache.ladder import DecodeLadder
 from moed.daemon.engine.sampling import greedy
-from moed.daemon.model.layer_caches import LayerCache, extract_state
+from moed.daemon.model.layer_caches import (
+    LayerCache,
+    RemoteLayers,
+    cache_nbytes,
+    extract_state,
+    lone_state,
+)
 from moed.daemon.model.mlx_compat import (
     generation_batch,
     move_whole_splits,
@@ -148,6 +155,7 @@ class DecodeBatch:
         trimmable: tuple[bool, ...] | None = None,
         unused_output: Callable[[], AbstractContextManager[None]] = nullcontext,
         prompt_end: Callable[[], AbstractContextManager[None]] | None = None,
+        ladder: DecodeLadder | None = None,
     ) -> None:
         self._eos = frozenset(int(t) for t in eos_token_ids)
         stop = [[t] for t in sorted(self._eos)]
@@ -173,6 +181,7 @@ class DecodeBatch:
         # With a prefix cache: which layers can be cut back, and what each row owes it.
         self._trimmable = trimmable
         self._prefix: dict[int, _RowPrefix] = {}
+        self._ladder = ladder  # a hybrid model's checkpoints while a row decodes alone
         # Entered around each generator step: its prompt chunks' model outputs are never read
         # (mlx_compat.py, use 8), which a streaming model uses to skip its last layer's experts.
         self._unused_output = unused_output
@@ -281,6 +290,8 @@ class DecodeBatch:
             if p.done >= p.total:
                 self._read.pop(p.uid, None)
         self._sizer.measured(step_s, bool(generated), read)
+        if self._ladder is not None and self._prefix:
+            self._climb(self._ladder)
         self._fit_masks()
         ended = [p.uid for p in progress if p.done >= p.total and p.uid not in self._decoding]
         if ended:  # a decode step has none: no lookup in the generator's rows
@@ -336,6 +347,25 @@ class DecodeBatch:
                     if not cut
                 ]
         return saved
+
+    def _climb(self, ladder: DecodeLadder) -> None:
+        """A row decoding alone keeps its untrimmable layers' state on a ladder behind its
+        newest token (prefix_cache/ladder.py). Beside other rows it keeps none: a row's slice
+        would hold the whole batch's state alive at every rung."""
+        batch = generation_batch(self._gen)
+        if len(batch.uids) != 1 or (row := self._prefix.get(batch.uids[0])) is None:
+            return
+        trimmable = self._trimmable
+        assert trimmable is not None  # rows have a prefix only with a prefix cache
+        caches = [c for c, cut in zip(batch.prompt_cache, trimmable) if not cut]
+        if any(isinstance(c, RemoteLayers) for c in caches):
+            return  # a pipeline's other ranks hold them: checkpoints at prompt segments only
+        start, now = len(row.context), len(batch.tokens[0])
+        state = [lone_state(c) for c in caches]
+        rungs = [p for p in row.checkpoints if p >= start]
+        row.checkpoints[now] = state
+        for p in ladder.drop([*rungs, now], now, start, cache_nbytes(state)):
+            del row.checkpoints[p]
 
     def _fit_masks(self) -> None:
         decoding = generation_batch(self._gen)  # its rows and per-layer caches

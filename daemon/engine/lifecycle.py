@@ -161,6 +161,7 @@ class ModelLifecycle:
             trimmable,
             streamer.unused_output.scope if streamer is not None else nullcontext,
             streamer.prompt_end_step if streamer is not None else None,
+            self.prefix_cache.decode_ladder() if self.prefix_cache is not None else None,
         )
 
     def _open_prefix_cache(self) -> None:

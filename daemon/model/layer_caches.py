@@ -53,6 +53,15 @@ def extract_state(cache: LayerCache, idx: int) -> LayerCache:
     return cache.extract_state(idx) if isinstance(cache, RemoteLayers) else cache.extract(idx)
 
 
+def lone_state(cache: LayerCache) -> LayerCache:
+    """The state of a one-row batch's untrimmable cache, for a checkpoint: linear-attention
+    state over the same arrays (a step replaces them, never writes into them), other caches
+    sliced out (their arrays are written in place)."""
+    if isinstance(cache, ArraysCache):
+        return _copy_layer(cache)
+    return extract_state(cache, 0)
+
+
 def own_arrays(caches: list[LayerCache]) -> list[LayerCache]:
     """Evaluate the caches' arrays into buffers of their own: a row sliced out of a batch would
     otherwise keep the whole batch's buffer alive."""

@@ -56,12 +56,35 @@ def test_prefix_hits_give_the_tokens_of_the_cache_off(
     assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
     if arch == "qwen3_moe":  # attention layers cut back to the exact common prefix
         assert cached[1] == 30 and cached[2] == len(SYSTEM)
-    else:  # recurrent state resumes from the nearest checkpoint (every 8 tokens, prompt end)
-        assert cached[1] == 24 and cached[2] == len(SYSTEM) - 1
+    else:  # recurrent state resumes from the nearest checkpoint (every 8 tokens, and the
+        # first turn's answer kept its state once the prompt was read: ladder.py)
+        assert cached[1] == 24 and cached[2] == len(SYSTEM)
     # the fourth turn extends the third: all of it but the last token's read is reused
     assert cached[3] >= len(TURNS[2]) - 1
     assert snap["hits"] == len(TURNS) - 1 and snap["tokens_reused"] == sum(cached)
     assert snap["memory_bytes"] > 0 and snap["hybrid"] is (arch != "qwen3_moe")
+
+
+@pytest.mark.parametrize("resident", first_fast([False, True]), ids=["streaming", "resident"])
+def test_a_turn_parting_from_the_last_answer_resumes_inside_it(
+    checkpoint_factory, tmp_path, resident
+):
+    """A hybrid model's row decoding alone keeps its recurrent state behind its newest token
+    (prefix_cache/ladder.py): a next turn that sends back only part of the answer (a client
+    trimming it, a template writing it otherwise) resumes inside it, with the cache-off tokens."""
+    model = checkpoint_factory("qwen3_5_moe")
+    off = engine(model, tmp_path / "off", "0", resident)
+    ((answer, _),) = converse(off, [SYSTEM])
+    turns = [SYSTEM + answer[:k] + [5, 6, 7] for k in (3, 5)]
+    expected = converse(off, turns, first_id=1)
+    off.close()
+    on = engine(model, tmp_path / "on", "64MB", resident)
+    assert converse(on, [SYSTEM])[0][0] == answer
+    got = converse(on, turns, first_id=1)
+    on.close()
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    # Without the ladder: the prompt's end (len(SYSTEM) - 1), the nearest checkpoint before.
+    assert [c for _, c in got] == [len(SYSTEM) + 3, len(SYSTEM) + 5]
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moed.daemon.engine.prefix_cache.entry import PrefixEntry
+from moed.daemon.engine.prefix_cache.ladder import DecodeLadder
 from moed.daemon.engine.prefix_cache.memory_tier import MemoryTier
 from moed.daemon.model.layer_caches import LayerCache, own_arrays
 
@@ -31,6 +32,9 @@ class PrefixCacheConfig:
     # chunk (under streaming one more read of every layer's experts) to save re-reading less than
     # a chunk, from the resume point, itself kept.
     min_split: int = 1
+    # A row decoding alone keeps up to this many checkpoints behind its newest token (ladder.py),
+    # in all at most a quarter of the memory tier.
+    decode_checkpoints: int = 8
 
     @property
     def enabled(self) -> bool:
@@ -96,6 +100,12 @@ class PrefixCache:
         return PrefixHit(
             length, entry.resume(length, self.trimmable), entry.checkpoints_upto(length)
         )
+
+    def decode_ladder(self) -> DecodeLadder | None:
+        """The checkpoints a hybrid model's row keeps while it decodes (None: none)."""
+        if not self.hybrid or self.cfg.decode_checkpoints <= 0:
+            return None
+        return DecodeLadder(self.cfg.decode_checkpoints, self.cfg.memory_bytes // 4)
 
     def checkpoint_positions(self, start: int, context_len: int) -> tuple[int, ...]:
         """Where a hybrid model's row keeps recurrent state while its prompt is read: every
