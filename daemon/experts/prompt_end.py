@@ -21,21 +21,21 @@ is read ahead.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
+
+from moed.daemon.experts.engine_scope import EngineScope
 
 MIN_SHARED = 0.3  # below this share of a prompt end's experts also used by the one before: off
 RECENT = 64  # layer records (a prompt end's layers, latest prompt ends) the share covers
 
 
-class PromptEnd:
+class PromptEnd(EngineScope):
     """The experts of the last prompt-end step per layer, and whether one runs now (the engine
     enters `scope()` around it, on its thread)."""
 
     def __init__(self, layers: int) -> None:
-        self.active = False
+        super().__init__()
         self.experts: list[np.ndarray | None] = [None] * layers
         self.ahead: list[frozenset[int]] = [frozenset()] * layers  # read ahead, per layer
         # Per layer record: (experts also used by the prompt end before, experts used).
@@ -51,14 +51,6 @@ class PromptEnd:
     def worthwhile(self) -> bool:
         shared = self.shared
         return shared is None or shared >= MIN_SHARED
-
-    @contextmanager
-    def scope(self) -> Iterator[None]:
-        self.active = True
-        try:
-            yield
-        finally:
-            self.active = False
 
     def read(self, layer: int, experts: list[int]) -> None:
         """`experts` were read ahead into `layer` for the next prompt-end step."""

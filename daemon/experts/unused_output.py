@@ -12,21 +12,12 @@ nor is any call while a request's router trace records (it shows the model's own
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from moed.daemon.experts.engine_scope import EngineScope
 
 
-class UnusedOutput:
+class UnusedOutput(EngineScope):
     """Whether the current forward passes' output is unused (set by the engine, on its thread)."""
 
     def __init__(self) -> None:
-        self.active = False
+        super().__init__()
         self.skipped = 0  # last-layer calls skipped, for tests and benches
-
-    @contextmanager
-    def scope(self) -> Iterator[None]:
-        self.active = True
-        try:
-            yield
-        finally:
-            self.active = False
