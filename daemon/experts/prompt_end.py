@@ -20,11 +20,10 @@ is read ahead.
 
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 
 from moed.daemon.experts.engine_scope import EngineScope
+from moed.daemon.experts.tuning import RecentShare
 
 MIN_SHARED = 0.3  # below this share of a prompt end's experts also used by the one before: off
 RECENT = 64  # layer records (a prompt end's layers, latest prompt ends) the share covers
@@ -38,14 +37,13 @@ class PromptEnd(EngineScope):
         super().__init__()
         self.experts: list[np.ndarray | None] = [None] * layers
         self.ahead: list[frozenset[int]] = [frozenset()] * layers  # read ahead, per layer
-        # Per layer record: (experts also used by the prompt end before, experts used).
-        self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=RECENT)
+        # Per layer record: experts the prompt end before used too, of those used.
+        self._shared = RecentShare(RECENT)
 
     @property
     def shared(self) -> float | None:
         """The share of recent prompt ends' experts that the prompt end before used too."""
-        used = sum(n for _s, n in self._recent)
-        return sum(s for s, _n in self._recent) / used if used else None
+        return self._shared.value
 
     @property
     def worthwhile(self) -> bool:
@@ -64,6 +62,6 @@ class PromptEnd(EngineScope):
         used = now.tolist()
         if before is not None:
             last = set(before.tolist())
-            self._recent.append((sum(1 for e in used if e in last), len(used)))
+            self._shared.add(sum(1 for e in used if e in last), len(used))
         ahead, self.ahead[layer] = self.ahead[layer], frozenset()
         return sum(1 for e in used if e in ahead)

@@ -9,7 +9,6 @@ reads, and the ones a layer turns out not to need are cancelled before they star
 
 from __future__ import annotations
 
-import collections
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -19,7 +18,7 @@ import numpy as np
 
 from moed.daemon.experts.landing import Staging
 from moed.daemon.experts.prefetch import ReadBatch
-from moed.daemon.experts.tuning import Switch
+from moed.daemon.experts.tuning import RecentShare, Switch
 
 if TYPE_CHECKING:  # the streamer owns its Speculator: a cycle at run time
     from moed.daemon.experts.streamer import ExpertStreamer
@@ -49,22 +48,20 @@ class Speculator:
         self.switch = Switch("prefetch_next", active=enabled, allowed=self._accurate)
         self._predicted: tuple[int, np.ndarray] | None = None  # (layer, experts) to read next
         self._inflight: dict[int, Inflight] = {}
-        self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=ACCURACY_STEPS)
+        self._recent = RecentShare(ACCURACY_STEPS)
         self._step_used = self._step_guessed = 0
         self._kept_stagings: dict[int, Staging] = {}
 
     @property
     def accuracy(self) -> float | None:
         """Share of the guesses that the next layer used, over recent steps with it on."""
-        guessed = sum(g for _u, g in self._recent)
-        return sum(u for u, _g in self._recent) / guessed if guessed else None
+        return self._recent.value
 
     def _accurate(self) -> bool:
         return (self.accuracy or 0.0) >= MIN_ACCURACY
 
     def end_step(self) -> None:
-        if self._step_guessed:
-            self._recent.append((self._step_used, self._step_guessed))
+        self._recent.add(self._step_used, self._step_guessed)
         self._step_used = self._step_guessed = 0
 
     # -- prediction ------------------------------------------------------------------------

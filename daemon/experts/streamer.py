@@ -295,8 +295,7 @@ class ExpertStreamer(CacheWarmth):
         11): what the last such step used and no pool holds yet is read ahead, layer by layer
         behind each other, and this step's choices are kept for the next (prompt_end.py)."""
         for layer in range(len(self.pools)):
-            if self.spec.inflight(layer):  # read during the chunk: long landed, as a rule
-                self.spec.complete(layer)
+            self.spec.complete(layer)  # what was read during the chunk: long landed, as a rule
             self._read_ahead(layer)
         with self.prompt_end.scope():
             yield

@@ -10,6 +10,7 @@ graph building): what these switches change, with less of the noise of the rest 
 
 from __future__ import annotations
 
+import collections
 import logging
 import statistics
 from collections.abc import Callable
@@ -29,6 +30,23 @@ class Switch:
     allowed: Callable[[], bool] = lambda: True
     net_ms: float | None = None  # step cost saved by having it on, in the last probe
     changes: int = 0
+
+
+class RecentShare:
+    """How much of what was guessed turned out used, over the last `window` samples."""
+
+    def __init__(self, window: int) -> None:
+        self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=window)
+
+    def add(self, used: int, guessed: int) -> None:
+        if guessed:
+            self._recent.append((used, guessed))
+
+    @property
+    def value(self) -> float | None:
+        """None until something was guessed."""
+        guessed = sum(g for _u, g in self._recent)
+        return sum(u for u, _g in self._recent) / guessed if guessed else None
 
 
 class StepTuner:
