@@ -37,7 +37,8 @@ from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Schedu
 from moed.daemon.engine.sink import EventSink
 from moed.daemon.engine.status import DaemonState, EngineStatus, ShedRecord
 from moed.daemon.engine.step_abort import CancelBoard, StepAborted
-from moed.daemon.ground.crashlog import CrashKind, is_out_of_memory
+from moed.daemon.ground.crashlog import CrashKind
+from moed.daemon.ground.device_errors import classify
 from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.ground.faults import Faults
 from moed.daemon.model.loader import (
@@ -174,7 +175,7 @@ class EngineCore(ModelLifecycle):
             self._abandon_step()
             return
         except Exception as exc:
-            if is_out_of_memory(exc):
+            if classify(exc) is not None:  # a device failure: out of memory, a timeout, other
                 self._out_of_memory(exc)
                 return
             assert self.loaded is not None  # a batch runs on a loaded model

@@ -37,17 +37,6 @@ BACKOFF_STEP = 0.5
 BACKOFF_FLOOR = 0.125
 MAX_HISTORY = 50
 
-# MLX >= 0.32 raises these at the next sync after a Metal command buffer fails; the CPU backend
-# raises MemoryError (std::bad_alloc) instead.
-_OOM_MARKERS = (
-    "command buffer execution failed",
-    "insufficient memory",
-    "[metal]",
-    "outofmemory",
-    "out of memory",
-    "[metal::malloc]",
-)
-
 
 class CrashKind(str, enum.Enum):
     OUT_OF_MEMORY = "out_of_memory"  # a Metal command-buffer failure raised as a Python error
@@ -68,13 +57,6 @@ MEMORY_KINDS = frozenset(
 # Another rank's death says nothing about this daemon or the requests it had in flight: it spends
 # no restart budget and never makes a request poison (the group restart is the retry).
 NOT_THE_DAEMONS_OWN = frozenset({CrashKind.RANK_FAILED.value})
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    if isinstance(exc, MemoryError):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(marker in text for marker in _OOM_MARKERS)
 
 
 def crash_path(state_dir: Path) -> Path:
@@ -157,7 +139,7 @@ def plan_start(
     within = [e for e in data.get("history", []) if now - float(e["at"]) <= window_s]
     recent = [e for e in within if e.get("kind") not in NOT_THE_DAEMONS_OWN]
     memory = [e for e in recent if e.get("kind") in {k.value for k in MEMORY_KINDS}]
-    factor = max(BACKOFF_FLOOR, BACKOFF_STEP ** len(memory))
+    factor = backoff_factor(len(memory))
     refuse = None
     if restart_budget > 0 and len(recent) >= restart_budget:
         first = min(float(e["at"]) for e in recent)
@@ -258,6 +240,11 @@ def _poison(recent: list[dict]) -> frozenset[str]:
             if isinstance(fp, str):
                 seen[fp] = seen.get(fp, 0) + 1
     return frozenset(fp for fp, n in seen.items() if n >= POISON_AFTER)
+
+
+def backoff_factor(memory_failures: int) -> float:
+    """The share of the budget left after `memory_failures` (each halves it, down to 1/8)."""
+    return max(BACKOFF_FLOOR, BACKOFF_STEP**memory_failures)
 
 
 def scale_budget(budget_bytes: int, factor: float) -> int:

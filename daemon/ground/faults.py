@@ -1,8 +1,9 @@
 """Fault injection for tests: `ServeConfig.debug_faults`, empty (off) by default.
 
-A comma-separated list of `<fault>_after=<N>`: once this process has produced N tokens, the next
-engine step
-- `oom_after`: raises the error MLX >= 0.32 raises after a Metal command-buffer failure,
+A comma-separated list of `<fault>_after=<N>`: once this process has produced N tokens, every
+later engine step
+- `oom_after`: raises the error MLX >= 0.32 raises after a Metal command-buffer failure (at every
+  step: the in-place recovery fails again, so the daemon takes the restart path),
 - `abort_after`: aborts the process (SIGABRT, what older MLX does on a Metal OOM),
 - `hang_after`: blocks the engine thread for good (the transport still answers pings),
 - `step_error_after`: raises an ordinary error (a bug in a step, not a memory failure).
@@ -14,6 +15,10 @@ Two more act inside a prompt chunk's forward pass, layer by layer (engine/heartb
   thread cannot answer pings meanwhile, as on a heavily loaded machine),
 - `layer_hang_after=<N>`: after N layers of prompt chunks, the engine thread blocks for good inside
   a layer (a wedge in the middle of a step).
+
+Device failures at the real sync points, once each: `<message>_at_<point>=<N>` raises the message
+MLX formats (DeviceMessage) at the first `point` (SyncPoint) reached after this process produced N
+tokens, e.g. `metal_oom_at_router=30,metal_timeout_at_chunk=60`.
 """
 
 from __future__ import annotations
@@ -28,10 +33,57 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("moed.faults")
 
-METAL_OOM_MESSAGE = (
-    "[METAL] Command buffer execution failed: Insufficient Memory "
-    "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)"
-)
+
+class DeviceMessage(str, enum.Enum):
+    """What a device fault raises: the messages MLX 0.32 formats (ground/device_errors.py)."""
+
+    METAL_OOM = "metal_oom"
+    METAL_MALLOC = "metal_malloc"
+    CUDA_OOM = "cuda_oom"
+    METAL_TIMEOUT = "metal_timeout"
+    METAL_INTERACTIVITY = "metal_interactivity"
+    METAL_INTERNAL = "metal_internal"  # a device error that is neither memory nor a timeout
+
+
+# "[METAL] Command buffer execution failed: {}." (mlx/backend/metal/device.cpp) around Metal's
+# descriptions; the allocators' own words (metal/allocator.cpp, cuda/allocator.cpp, cuda/utils.cpp).
+DEVICE_MESSAGES: dict[DeviceMessage, str] = {
+    DeviceMessage.METAL_OOM: "[METAL] Command buffer execution failed: Insufficient Memory "
+    "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory).",
+    DeviceMessage.METAL_MALLOC: "[malloc] Unable to allocate 17179869184 bytes.",
+    DeviceMessage.CUDA_OOM: "cudaMallocAsync(&data, size, stream) failed: out of memory",
+    DeviceMessage.METAL_TIMEOUT: "[METAL] Command buffer execution failed: Caused GPU Timeout "
+    "Error (00000002:kIOGPUCommandBufferCallbackErrorTimeout).",
+    DeviceMessage.METAL_INTERACTIVITY: "[METAL] Command buffer execution failed: Impacting "
+    "Interactivity (0000000e:kIOGPUCommandBufferCallbackErrorImpactingInteractivity).",
+    DeviceMessage.METAL_INTERNAL: "[METAL] Command buffer execution failed: Internal Error "
+    "(0000000a:Internal Error).",
+}
+METAL_OOM_MESSAGE = DEVICE_MESSAGES[DeviceMessage.METAL_OOM]
+
+
+class SyncPoint(str, enum.Enum):
+    """Where MLX raises a device failure: the host waits on the device there."""
+
+    ROUTER = "router"  # a streamed layer's router read-back (experts/streamer.py)
+    FENCE = "fence"  # the lazy fence evaluating outputs before a slot is overwritten
+    EVAL = "eval"  # the step's final evaluation: its tokens read back (engine/batch.py)
+    CHUNK = "chunk"  # a decoder layer's evaluation inside a prompt chunk (model/layer_progress.py)
+
+
+@dataclass(frozen=True)
+class DeviceFault:
+    message: DeviceMessage
+    point: SyncPoint
+    after: int  # tokens this process produced before it fires
+
+
+class _Fired:
+    """The running state of the device faults: tokens seen so far, which fired."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.fired: set[DeviceFault] = set()
 
 
 class Fault(str, enum.Enum):
@@ -57,30 +109,55 @@ class LayerStall(str, enum.Enum):
 class Faults:
     after: dict[Fault, int]
     layer_s: dict[LayerStall, float] = field(default_factory=dict)
+    device: tuple[DeviceFault, ...] = ()
+    _state: _Fired = field(default_factory=_Fired, compare=False, repr=False)
 
     @classmethod
     def parse(cls, spec: str) -> Faults:
         after: dict[Fault, int] = {}
         layer_s: dict[LayerStall, float] = {}
+        device: list[DeviceFault] = []
         for item in filter(None, (part.strip() for part in (spec or "").split(","))):
             name, _, value = item.partition("=")
-            if not value.strip().isdigit() or not name.endswith(("_after", "_ms")):
+            name = name.strip()
+            if not value.strip().isdigit() or not (
+                name.endswith(("_after", "_ms")) or "_at_" in name
+            ):
                 raise ValueError(
                     f"debug_faults: cannot parse {item!r} (use oom_after=N, abort_after=N, "
                     "hang_after=N, step_error_after=N, layer_hang_after=N, layer_delay_ms=N, "
-                    "layer_gil_ms=N, step_delay_ms=N)"
+                    "layer_gil_ms=N, step_delay_ms=N, <message>_at_<point>=N)"
                 )
             try:
-                if name.endswith("_ms"):
+                if "_at_" in name:
+                    message, _, point = name.rpartition("_at_")
+                    device.append(DeviceFault(DeviceMessage(message), SyncPoint(point), int(value)))
+                elif name.endswith("_ms"):
                     layer_s[LayerStall(name[: -len("_ms")])] = int(value) / 1000.0
                 else:
                     after[Fault(name[: -len("_after")])] = int(value)
             except ValueError:
-                raise ValueError(f"debug_faults: unknown fault {name!r}") from None
-        return cls(after, layer_s)
+                raise ValueError(
+                    f"debug_faults: unknown fault {name!r} (device messages: "
+                    f"{', '.join(m.value for m in DeviceMessage)}; sync points: "
+                    f"{', '.join(p.value for p in SyncPoint)})"
+                ) from None
+        return cls(after, layer_s, tuple(device))
 
     def __bool__(self) -> bool:
-        return bool(self.after) or bool(self.layer_s)
+        return bool(self.after) or bool(self.layer_s) or bool(self.device)
+
+    def at(self, point: SyncPoint) -> None:
+        """Called at a sync point on the engine thread: raise the armed device fault of `point`
+        (once), as MLX raises a device failure there."""
+        state = self._state
+        for fault in self.device:
+            if fault.point is point and state.tokens >= fault.after and fault not in state.fired:
+                state.fired.add(fault)
+                log.warning(
+                    "debug fault %s at %s after %d tokens", fault.message.value, point, fault.after
+                )
+                raise RuntimeError(DEVICE_MESSAGES[fault.message])
 
     def in_layer(self, layers_so_far: int) -> None:
         """Called on the engine thread after each decoder layer of a prompt chunk."""
@@ -92,9 +169,12 @@ class Faults:
         if n is not None and layers_so_far >= n:
             log.warning("debug fault layer_hang after %d prompt layers", n)
             threading.Event().wait()
+        if self.device:
+            self.at(SyncPoint.CHUNK)
 
     def before_step(self, tokens_so_far: int) -> None:
         """Called on the engine thread before each decoding step."""
+        self._state.tokens = tokens_so_far
         if (delay := self.layer_s.get(LayerStall.STEP)) is not None:
             time.sleep(delay)
         for fault, n in self.after.items():

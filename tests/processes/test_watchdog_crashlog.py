@@ -1,5 +1,5 @@
 """The crash record: unclean-exit detection, budget backoff and its restoration, the restart budget,
-OOM classification and the fault-injection setting (pure functions over a temp state dir)."""
+and the fault-injection setting (pure functions over a temp state dir)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from moed.daemon.ground.crashlog import (
     CrashKind,
     begin_run,
     end_run,
-    is_out_of_memory,
     plan_start,
     record_crash,
 )
@@ -102,30 +101,6 @@ def test_corrupt_record_reads_as_empty(tmp_path):
     assert plan_start(tmp_path, 5, WINDOW).last_crash is None
     record_crash(tmp_path, CrashKind.OUT_OF_MEMORY, "oom", "b")
     assert json.loads((tmp_path / "crash.json").read_text())["last"]["kind"] == "out_of_memory"
-
-
-@pytest.mark.parametrize(
-    "exc, oom",
-    [
-        (RuntimeError(METAL_OOM_MESSAGE), True),
-        (RuntimeError("[METAL] Command buffer execution failed: Caused GPU Timeout Error"), True),
-        (
-            RuntimeError(
-                "[metal::malloc] Attempting to allocate 70000000000 bytes which is greater "
-                "than the maximum allowed"
-            ),
-            True,
-        ),
-        (MemoryError(), True),
-        (RuntimeError("shapes (3,4) and (5,6) cannot be broadcast"), False),
-        (
-            ValueError("Insufficient Memory"),
-            False,
-        ),  # only MLX's RuntimeError carries the Metal failure
-    ],
-)
-def test_out_of_memory_classification(exc, oom):
-    assert is_out_of_memory(exc) is oom
 
 
 def test_faults_setting():
