@@ -112,8 +112,11 @@ class Stream:
         and checked here, so that the answer starts at once and an over-long request is still
         refused before it."""
         # A long prompt's chunks give keep-alives before the first token; per-request telemetry
-        # is for moe's live view (the gateway reports its own metrics).
-        req = replace(req, progress=True, telemetry_every=1 << 30, strict_max_tokens=True)
+        # is for moe's live view (the gateway reports its own metrics). A request that names no
+        # limit runs to its end of turn or the end of the context, as OpenAI's and ollama's do.
+        req = replace(
+            req, progress=True, telemetry_every=1 << 30, strict_max_tokens=True, open_ended=True
+        )
         await check_generate(client, req)
         # Tokens that queued up while the HTTP side was busy come as one event (one chunk).
         stream = cls(client.generate(request=req, coalesce=True))

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -23,7 +22,7 @@ from .config import moed_version
 from .context import REASONING, Api, Gateway
 from .errors import ApiError, ErrorKind, invalid
 from .generation import Finish, Outcome, Stream
-from .token_budget import check_budget, daemon_limits
+from .token_budget import daemon_limits
 
 API = Api.OLLAMA
 TAG = ":latest"
@@ -59,7 +58,7 @@ def _options(body: dict) -> dict:
     if top_p is not None and not 0 < top_p <= 1:
         raise invalid("'options.top_p' must be in (0, 1]")
     return {
-        # -1 (forever) and -2 (fill the context) run to the end of the context (see _run).
+        # None, -1 (forever) and -2 (fill the context): to the end of the context (open-ended).
         "max_tokens": num_predict if num_predict and num_predict > 0 else None,
         "temperature": f.at_least(f.get(options, "temperature", float, prefix=p), 0, "temperature"),
         "top_p": top_p,
@@ -212,12 +211,6 @@ async def _run(request: Request, endpoint: str, parse, piece) -> Response:
                 "done_reason": "load",
             }
         )
-    num_predict = (f.get(body, "options", dict) or {}).get("num_predict")
-    # Over the context: a 400 saying so, never a shorter answer (the daemon checks as it starts).
-    if req.max_tokens is None and isinstance(num_predict, int) and num_predict < 0:
-        budget = await check_budget(gateway.client, req)
-        if budget.context_tokens is not None:
-            req = dataclasses.replace(req, max_tokens=budget.context_tokens - budget.prompt_tokens)
     stream = await gateway.start(req, API)
     if f.get(body, "stream", bool, True):
         return StreamingResponse(

@@ -86,6 +86,9 @@ class GenerateRequest:
     # ... unless strict: a max_tokens the limits or the context cannot hold is refused, with the
     # numbers (a gateway's 400 in its API's words, no count_tokens before every request)
     strict_max_tokens: bool = _field(Bool(), False)
+    # Without max_tokens: run to the end of turn or of the context (limits.max_tokens), as
+    # OpenAI's and ollama's servers run a request that names no limit, not default_max_tokens.
+    open_ended: bool = _field(Bool(), False)
     temperature: float | None = _field(Number(lo=0.0, hi=100.0))
     top_p: float | None = _field(Number(lo=0.0, hi=1.0, lo_open=True))
     seed: int | None = _field(Int(lo=0))

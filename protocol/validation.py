@@ -90,7 +90,8 @@ def _ids_within_context(msg: Message, limits: Limits | None) -> None:
     if limits is None or msg.get("prompt_ids") is None:
         return  # a text prompt is checked once tokenized (check_context)
     prompt = len(msg["prompt_ids"])
-    max_tokens = resolve_max_tokens(msg.get("max_tokens"), prompt, limits)
+    open_ended = bool(msg.get("open_ended"))
+    max_tokens = resolve_max_tokens(msg.get("max_tokens"), prompt, limits, open_ended)
     check_context(prompt, len(msg.get("resume_ids") or []), max_tokens, limits)
     if msg.get("strict_max_tokens"):
         check_max_tokens(msg.get("max_tokens"), prompt, limits)
@@ -162,11 +163,15 @@ def is_generate(msg: Any) -> bool:
     return isinstance(msg, dict) and msg.get("type") == MessageType.GENERATE.value
 
 
-def resolve_max_tokens(requested: int | None, prompt_tokens: int, limits: Limits) -> int:
-    """The `max_tokens` a generation runs with: as asked (or the default), capped to the limit and
-    to the context left after the prompt. The `done` of a capped request carries a notice."""
+def resolve_max_tokens(
+    requested: int | None, prompt_tokens: int, limits: Limits, open_ended: bool = False
+) -> int:
+    """The `max_tokens` a generation runs with: as asked (or, unasked, the default; open-ended,
+    the limit), capped to the limit and to the context left after the prompt. The `done` of a
+    capped request carries a notice."""
     room = (limits.context_tokens or math.inf) - prompt_tokens
-    asked = limits.default_max_tokens if requested is None else requested
+    unasked = limits.max_tokens if open_ended else limits.default_max_tokens
+    asked = unasked if requested is None else requested
     return int(max(1, min(asked, limits.max_tokens, room)))
 
 

@@ -83,7 +83,7 @@ class Generation:
         resume_ids = list(req.resume_ids)
         # The text prompt is checked here, once tokenized: same rules as prompt_ids at the edge.
         limits = limits_for(serve, loaded.config)
-        max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), limits)
+        max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), limits, req.open_ended)
         check_context(len(prompt_ids), len(resume_ids), max_tokens, limits)
         if req.strict_max_tokens:
             check_max_tokens(req.max_tokens, len(prompt_ids), limits)

@@ -25,6 +25,7 @@ from moed.protocol import messages as wire
 from moed.protocol.constraints import FormatType, ToolChoice
 from moed.protocol.generate import GENERATE_FIELDS
 from moed.protocol.rules import Limits
+from moed.protocol.validation import resolve_max_tokens
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
 
@@ -61,6 +62,7 @@ IDS = GenerateRequest(
     prompt_ids=(5, 17, 33),
     format=ResponseFormat(FormatType.JSON),
     strict_max_tokens=True,
+    open_ended=True,
     **SHARED,
 )
 
@@ -157,3 +159,13 @@ def test_the_clients_check_fields_as_the_daemon_does():
     )
     with pytest.raises(TypeError):
         checked_request(prompt="hi", max_token=3)  # a misspelt field is not dropped silently
+
+
+def test_open_ended_runs_to_the_limit_and_the_context_without_max_tokens():
+    """Without max_tokens a request gets default_max_tokens, an open-ended one the rest of the
+    context under limits.max_tokens; a max_tokens given wins either way."""
+    limits = Limits(context_tokens=1000, max_tokens=800, default_max_tokens=16)
+    assert resolve_max_tokens(None, 10, limits) == 16
+    assert resolve_max_tokens(None, 10, limits, open_ended=True) == 800
+    assert resolve_max_tokens(None, 300, limits, open_ended=True) == 700
+    assert resolve_max_tokens(5, 10, limits, open_ended=True) == 5
