@@ -333,7 +333,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
         _faults_syntax,
         "empty, or oom_after=N, abort_after=N, hang_after=N, step_error_after=N, "
         "layer_hang_after=N, layer_delay_ms=N, layer_gil_ms=N, step_delay_ms=N, "
-        "<message>_at_<point>=N (ground/faults.py)",
+        "text_<stage>_after=N, <message>_at_<point>=N (ground/faults.py)",
     ),
     "restart_budget": (lambda v: v >= 0, "an integer >= 0 (0: never stop restarting)"),
     "restart_window_s": (lambda v: v > 0, "a number of seconds > 0"),

@@ -37,6 +37,7 @@ from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Schedu
 from moed.daemon.engine.sink import EventSink
 from moed.daemon.engine.status import DaemonState, EngineStatus, ShedRecord
 from moed.daemon.engine.step_abort import CancelBoard, StepAborted
+from moed.daemon.engine.text_path import failure_of
 from moed.daemon.ground.crashlog import CrashKind
 from moed.daemon.ground.device_errors import classify
 from moed.daemon.ground.exit_codes import DaemonExit
@@ -195,7 +196,7 @@ class EngineCore(ModelLifecycle):
             return
         assert self.loaded is not None  # loaded, or loaded again just now
         try:
-            gen = Generation(job, self.loaded, self.serve, self._stream_snapshot())
+            gen = Generation(job, self.loaded, self.serve, self._stream_snapshot(), self.faults)
             gen.trace = start_request_trace(
                 self.loaded,
                 job.request_id,
@@ -346,13 +347,28 @@ class EngineCore(ModelLifecycle):
                 continue
             if gen.first_token_at is None:
                 gen.first_token_at = time.perf_counter()
+            if gen.constraint is not None and gen.constraint.failure is not None:
+                self._row_failed(gen, gen.constraint.failure)  # before a token it refused
+                continue
             if tok.finish is FinishReason.STOP:  # end of sequence: the EOS token is not text
                 self._finish(gen, FinishReason.STOP)
                 continue
-            if self._emit_token(gen, tok.token, tok.logprobs):
+            try:
+                stopped = self._emit_token(gen, tok.token, tok.logprobs)
+            except Exception as exc:  # this row's own text path: it fails alone
+                self._row_failed(gen, exc)
+                continue
+            if stopped:
                 self._finish(gen, FinishReason.STOP)  # a stop sequence matched
             elif tok.finish is not None:
                 self._finish(gen, tok.finish)
+
+    def _row_failed(self, gen: Generation, exc: BaseException) -> None:
+        """One request's text path failed (text_path.py): it ends with a typed error, and the
+        batch's other rows and the daemon carry on."""
+        code, message = failure_of(exc)
+        log.warning("request %r failed alone: %s", gen.job.request_id, exc, exc_info=exc)
+        self._finish(gen, code, message)
 
     def _emit_token(self, gen: Generation, token: int, row_logprobs: mx.array) -> bool:
         """Send a token (and telemetry when due); True when a stop sequence ended the text."""
@@ -431,13 +447,18 @@ class EngineCore(ModelLifecycle):
         self._forget(gen.job.key, keep=not isinstance(reason, ErrorCode))
         req_id = gen.job.request_id
         finish_request_trace(gen.trace)  # its last chunk goes out before the terminal message
+        if not isinstance(reason, ErrorCode):
+            try:  # the text held back: a call left open by max_tokens or a cancel is dropped
+                tail = gen.final_text(cut=reason is not FinishReason.STOP)
+                if tail.segments or tail.tool_calls:
+                    self._emit_segments(gen, [], tail)
+            except Exception as exc:  # this row's own text path: it fails alone
+                log.warning("request %r failed alone: %s", req_id, exc, exc_info=exc)
+                reason, message = failure_of(exc)
         if isinstance(reason, ErrorCode):
             self.status.add(requests_failed=1)
             self.sink.emit(gen.job.identity, wire.error(req_id, reason, message), terminal=True)
             return
-        tail = gen.final_text()
-        if tail.segments or tail.tool_calls:
-            self._emit_segments(gen, [], tail)
         self.status.add(requests_served=1)
         self._refresh_ranks(force=True)  # a client that saw `done` sees every rank's counters
         usage = {

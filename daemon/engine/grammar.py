@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import numpy as np
 
+from moed.daemon.engine.text_path import RowFailed, TextGuard
 from moed.daemon.engine.tool_grammar import tool_call_grammar
+from moed.daemon.ground.faults import TextStage
 from moed.protocol import ErrorCode, GenerateRequest, NamedTool, ProtocolError
 from moed.protocol.constraints import FormatType, tool_name
 
@@ -81,7 +83,14 @@ class GrammarConstraint:
     the row's tokens so far and its logits) that advances the matcher by the previous token and
     masks every token the grammar does not allow next."""
 
-    def __init__(self, tokenizer: Any, grammar: str, reasoning: bool, resumed: list[int]):
+    def __init__(
+        self,
+        tokenizer: Any,
+        grammar: str,
+        reasoning: bool,
+        resumed: list[int],
+        guard: TextGuard | None = None,
+    ):
         from llguidance import LLMatcher
 
         self.lltok = ll_tokenizer(tokenizer)
@@ -97,24 +106,48 @@ class GrammarConstraint:
         self._eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._recent: list[int] = []
         self._first = True
+        self.guard = guard or TextGuard()
+        # Why the row cannot go on (the engine fails it before its next token goes out): the
+        # stage raised (RowFailed), or the matcher met a dead end the schema led it into.
+        self.failure: RowFailed | ProtocolError | None = None
         for token in resumed:
             self._advance(token)
+        if self.failed:
+            raise _invalid(f"resume_ids leave the grammar: {self.failed[:300]}")
 
     @property
     def failed(self) -> str | None:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
     def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
+        """Never raises (it runs inside the batch's step, for every row): a failure is kept in
+        `failure`, and the row gets only the end of sequence until the engine fails it."""
+        if self.failure is None:
+            try:
+                with self.guard(TextStage.GRAMMAR):
+                    return self._masked(context, logits)
+            except RowFailed as exc:
+                self.failure = exc
+        try:
+            return self._masked_to(self._eos_only(logits.shape[-1]), logits)
+        except Exception:  # the row is failed before this position's token goes out
+            return logits
+
+    def _masked(self, context: mx.array, logits: mx.array) -> mx.array:
         if not self._first:  # the token sampled at the previous call ends the context
             self._advance(int(context[-1].item()))  # type: ignore[arg-type]  # mlx types item() int/float/complex
         self._first = False
         if self.waiting:
             return logits
-        # A matcher that failed (it never should: it chose the mask) ends the answer, never lets
-        # it run on unconstrained.
-        allowed = (
-            self._eos_only(logits.shape[-1]) if self.failed else self._allowed(logits.shape[-1])
-        )
+        words = None if self.failed else np.frombuffer(self.matcher.compute_bitmask(), np.uint32)
+        if words is None or not words.any():  # a dead end the schema led the matcher into
+            why = self.failed or "no token can continue it"
+            self.failure = _invalid(f"the schema's grammar cannot complete the answer: {why:.300}")
+            return self._masked_to(self._eos_only(logits.shape[-1]), logits)
+        return self._masked_to(self._allowed(words, logits.shape[-1]), logits)
+
+    @staticmethod
+    def _masked_to(allowed: mx.array, logits: mx.array) -> mx.array:
         return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
     def _advance(self, token: int) -> None:
@@ -133,10 +166,11 @@ class GrammarConstraint:
         allowed[[t for t in self._eos if t < width]] = True
         return mx.array(allowed)
 
-    def _allowed(self, width: int) -> mx.array:
+    @staticmethod
+    def _allowed(packed: np.ndarray, width: int) -> mx.array:
         # The packed words go to MLX as they are (vocab/32 of them) and expand there, in the
         # step's graph: no per-token host loop over a 150k vocabulary.
-        words = mx.array(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32))
+        words = mx.array(packed)
         # Built on the engine thread, in the graph: an array made at import would belong to the
         # importing thread's stream, which MLX refuses to evaluate on another thread.
         bits = mx.arange(_MASK_BITS, dtype=mx.uint32)

@@ -16,7 +16,9 @@ from moed.daemon.engine.logprobs import token_logprobs
 from moed.daemon.engine.reasoning import ReasoningSplit, Segment, initial_channel
 from moed.daemon.engine.sampling import SamplingParams, make_position_sampler
 from moed.daemon.engine.stop_sequences import StopSequences
+from moed.daemon.engine.text_path import TextGuard
 from moed.daemon.engine.tool_calls import ToolCalls
+from moed.daemon.ground.faults import Faults, TextStage
 from moed.daemon.model.chat_template import prompt_token_ids
 from moed.daemon.model.limits import limits_for
 from moed.daemon.model.loader import LoadedModel
@@ -75,6 +77,7 @@ class Generation:
         loaded: LoadedModel,
         serve: ServeConfig,
         stream_snapshot: dict[str, Any] | None,
+        faults: Faults | None = None,
     ):
         req = job.request
         self.job = job
@@ -95,6 +98,8 @@ class Generation:
             if asked is not None and asked > max_tokens
             else None
         )
+        # Every stage after the step is contained per row (text_path.py).
+        self.guard = TextGuard.for_prompt(faults, loaded.tokenizer, prompt_ids)
         self.context = prompt_ids + resume_ids  # what the model reads before the first new token
         self.max_new_tokens = max_tokens - len(resume_ids)
         params = SamplingParams(float(req.temperature or 0.0), float(req.top_p or 1.0), req.seed)
@@ -112,7 +117,7 @@ class Generation:
         self.reasoning = ReasoningSplit(
             loaded.tokenizer, req.templated, initial_channel(loaded.tokenizer, prompt_ids)
         )
-        self.constraint = _constraint(req, loaded.tokenizer, self.reasoning, resume_ids)
+        self.constraint = _constraint(req, loaded.tokenizer, self.reasoning, resume_ids, self.guard)
         self.top_logprobs: int | None = req.logprobs  # None: the request wants none
         self.detokenizer = loaded.tokenizer.detokenizer
         for token in resume_ids:  # so that text deltas continue mid-character after a resume
@@ -139,22 +144,34 @@ class Generation:
         """Detokenize a sampled token: the text to send by channel (think markers, tool calls and
         stop strings cut out), its logprobs if asked, finished tool calls, and whether the text
         ended (a stop string matched). `logprobs` is the distribution the token was sampled
-        from (this request's row)."""
-        self.detokenizer.add_token(token)
-        segments, calls = self._route(self.reasoning.feed(self.detokenizer.last_segment), False)
+        from (this request's row). A stage that raises raises RowFailed (text_path.py)."""
+        guard = self.guard
+        guard.tokens = self.completion
+        with guard(TextStage.DETOKENIZE):
+            self.detokenizer.add_token(token)
+            delta = self.detokenizer.last_segment
+        with guard(TextStage.REASONING):
+            split = self.reasoning.feed(delta)
+        segments, calls = self._route(split, False)
         entries = None
         if self.top_logprobs is not None:
-            entries = [token_logprobs(logprobs, token, self.top_logprobs, self.tokenizer)]
+            with guard(TextStage.LOGPROBS):
+                entries = [token_logprobs(logprobs, token, self.top_logprobs, self.tokenizer)]
         return Emitted(segments, entries, calls, self._ended)
 
-    def final_text(self) -> Emitted:
+    def final_text(self, cut: bool = False) -> Emitted:
         """What is still held back (by the detokenizer, a marker, a tool call or a stop) at the
-        end."""
+        end; `cut`: the answer was cut short (max_tokens, a cancel), so a tool call still open
+        is dropped, never sent as text or as a call."""
         if self._ended:
             return Emitted((), None, [], True)
-        self.detokenizer.finalize()
-        split = self.reasoning.feed(self.detokenizer.last_segment) + self.reasoning.flush()
-        segments, calls = self._route(split, True)
+        guard = self.guard
+        with guard(TextStage.DETOKENIZE):
+            self.detokenizer.finalize()
+            delta = self.detokenizer.last_segment
+        with guard(TextStage.REASONING):
+            split = self.reasoning.feed(delta) + self.reasoning.flush()
+        segments, calls = self._route(split, True, cut)
         return Emitted(segments, None, calls, False)
 
     @property
@@ -163,24 +180,30 @@ class Generation:
         return self.stops.matched is not None or one_call_made
 
     def _route(
-        self, split: list[Segment], final: bool
+        self, split: list[Segment], final: bool, cut: bool = False
     ) -> tuple[tuple[Segment, ...], list[dict[str, Any]]]:
         """Reasoning goes out as it is; the answer passes the tool-call cutter and the stops.
         Nothing goes out once the text ended."""
+        guard = self.guard
         out: list[Segment] = []
         calls: list[dict[str, Any]] = []
         for channel, text in split:
             if self._ended:
                 break
             if channel is Channel.ANSWER:
-                text, made = self.tool_calls.feed(text)
+                with guard(TextStage.TOOL_CALLS):
+                    text, made = self.tool_calls.feed(text)
                 calls.extend(made)
-                text = self.stops.feed(text)
+                with guard(TextStage.STOPS):
+                    text = self.stops.feed(text)
             out.append((channel, text))
         if final and not self._ended:
-            rest, more = self.tool_calls.flush()
+            with guard(TextStage.TOOL_CALLS):
+                rest, more = self.tool_calls.flush(cut)
             calls.extend(more)
-            out.append((Channel.ANSWER, self.stops.feed(rest) + self.stops.flush()))
+            with guard(TextStage.STOPS):
+                rest = self.stops.feed(rest) + self.stops.flush()
+            out.append((Channel.ANSWER, rest))
         if self.one_tool_call and len(calls) > 1:
             calls = calls[:1]
         return tuple((c, t) for c, t in out if t), calls
@@ -202,10 +225,16 @@ class Generation:
 
 
 def _constraint(
-    req: GenerateRequest, tokenizer: Any, reasoning: ReasoningSplit, resumed: list[int]
+    req: GenerateRequest,
+    tokenizer: Any,
+    reasoning: ReasoningSplit,
+    resumed: list[int],
+    guard: TextGuard,
 ) -> GrammarConstraint | None:
     """The row's grammar (a logits processor), when `format` or a forced tool_choice asks."""
     grammar = grammar_for(req, tokenizer)
     if grammar is None:
         return None
-    return GrammarConstraint(tokenizer, grammar, reasoning.channel is Channel.REASONING, resumed)
+    return GrammarConstraint(
+        tokenizer, grammar, reasoning.channel is Channel.REASONING, resumed, guard
+    )

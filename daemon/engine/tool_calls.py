@@ -2,7 +2,10 @@
 tool parser for that model (the tokenizer wrapper infers both from the chat template).
 
 Text between the start and end markers never reaches the client as text; each finished call goes
-out as `{id, name, arguments}`. Text that might begin a start marker is held back, as for stops.
+out as `{id, name, arguments}`. Text that might begin a start marker is held back, as for stops. A
+call the answer's end leaves open is parsed if it can be (a model that ends its turn without the
+end marker) and else given back as the text it was; one cut short (max_tokens: `done` says
+`length`) is dropped, never sent as text.
 """
 
 from __future__ import annotations
@@ -54,23 +57,31 @@ class ToolCalls:
             self._buffer = self._buffer[at + len(self.start) :]
             self._inside = True
 
-    def flush(self) -> tuple[str, list[dict[str, Any]]]:
-        """At the end: an unterminated call is parsed if it can be, else given back as text."""
+    def flush(self, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """At the end: an unterminated call is parsed if it can be, else given back as text;
+        unless the answer was `cut` short: then it is dropped, as is text held back as the start
+        of a marker."""
         held, self._buffer = self._buffer, ""
         if not self._inside:
-            return held, []
+            return ("" if cut else held), []
         self._inside = False
+        if cut:
+            log.info("a tool call cut short at the answer's end was dropped: %.200r", held)
+            return "", []
         calls = self._parsed(held)
         return ("", calls) if calls else (self.start + held, [])
 
     def _parsed(self, text: str) -> list[dict[str, Any]]:
         try:
             parsed = self.parse(text, self.tools)
-        except (ValueError, KeyError, json.JSONDecodeError) as exc:
+        except Exception as exc:  # a parser's own error on the model's text: the call is dropped
             log.warning("could not parse a tool call (%s): %.200r", exc.__class__.__name__, text)
             return []
         calls = []
         for call in parsed if isinstance(parsed, list) else [parsed]:
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                log.warning("a tool call without a name was dropped: %.200r", text)
+                continue
             arguments = call.get("arguments")
             if isinstance(arguments, str):  # some parsers keep the JSON text
                 try:

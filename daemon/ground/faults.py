@@ -19,6 +19,11 @@ Two more act inside a prompt chunk's forward pass, layer by layer (engine/heartb
 Device failures at the real sync points, once each: `<message>_at_<point>=<N>` raises the message
 MLX formats (DeviceMessage) at the first `point` (SyncPoint) reached after this process produced N
 tokens, e.g. `metal_oom_at_router=30,metal_timeout_at_chunk=60`.
+
+And one per stage of a request's text path (engine/text_path.py), for one hostile request among
+others: `text_<stage>_after=<N>` (stage: detokenize, reasoning, stops, tool_calls, grammar,
+logprobs) raises in that stage of a request whose prompt holds `HOSTILE_MARKER:<stage>`, once
+the request has produced N tokens; that request fails alone, every other stream carries on.
 """
 
 from __future__ import annotations
@@ -96,6 +101,20 @@ class Fault(str, enum.Enum):
 
 _LAYER_FAULTS = frozenset({Fault.LAYER_HANG})
 
+# A prompt holding `HOSTILE_MARKER:<stage>` is one a `text_<stage>_after` fault hits.
+HOSTILE_MARKER = "moed-hostile-request"
+
+
+class TextStage(str, enum.Enum):
+    """The stages between a row's sampled token and its client (engine/text_path.py)."""
+
+    DETOKENIZE = "detokenize"
+    REASONING = "reasoning"  # the think-marker channel split
+    STOPS = "stops"
+    TOOL_CALLS = "tool_calls"  # cutting out and parsing tool calls
+    GRAMMAR = "grammar"  # advancing the row's grammar and masking its logits
+    LOGPROBS = "logprobs"
+
 
 class LayerStall(str, enum.Enum):
     """How a prompt chunk's layer is slowed: `<name>_ms=N` in the spec."""
@@ -110,6 +129,7 @@ class Faults:
     after: dict[Fault, int]
     layer_s: dict[LayerStall, float] = field(default_factory=dict)
     device: tuple[DeviceFault, ...] = ()
+    text_after: dict[TextStage, int] = field(default_factory=dict)
     _state: _Fired = field(default_factory=_Fired, compare=False, repr=False)
 
     @classmethod
@@ -117,6 +137,7 @@ class Faults:
         after: dict[Fault, int] = {}
         layer_s: dict[LayerStall, float] = {}
         device: list[DeviceFault] = []
+        text_after: dict[TextStage, int] = {}
         for item in filter(None, (part.strip() for part in (spec or "").split(","))):
             name, _, value = item.partition("=")
             name = name.strip()
@@ -126,10 +147,13 @@ class Faults:
                 raise ValueError(
                     f"debug_faults: cannot parse {item!r} (use oom_after=N, abort_after=N, "
                     "hang_after=N, step_error_after=N, layer_hang_after=N, layer_delay_ms=N, "
-                    "layer_gil_ms=N, step_delay_ms=N, <message>_at_<point>=N)"
+                    "layer_gil_ms=N, step_delay_ms=N, text_<stage>_after=N, "
+                    "<message>_at_<point>=N)"
                 )
             try:
-                if "_at_" in name:
+                if name.startswith("text_") and name.endswith("_after"):
+                    text_after[TextStage(name[len("text_") : -len("_after")])] = int(value)
+                elif "_at_" in name:
                     message, _, point = name.rpartition("_at_")
                     device.append(DeviceFault(DeviceMessage(message), SyncPoint(point), int(value)))
                 elif name.endswith("_ms"):
@@ -142,10 +166,10 @@ class Faults:
                     f"{', '.join(m.value for m in DeviceMessage)}; sync points: "
                     f"{', '.join(p.value for p in SyncPoint)})"
                 ) from None
-        return cls(after, layer_s, tuple(device))
+        return cls(after, layer_s, tuple(device), text_after=text_after)
 
     def __bool__(self) -> bool:
-        return bool(self.after) or bool(self.layer_s) or bool(self.device)
+        return bool(self.after) or bool(self.layer_s) or bool(self.device) or bool(self.text_after)
 
     def at(self, point: SyncPoint) -> None:
         """Called at a sync point on the engine thread: raise the armed device fault of `point`
@@ -158,6 +182,20 @@ class Faults:
                     "debug fault %s at %s after %d tokens", fault.message.value, point, fault.after
                 )
                 raise RuntimeError(DEVICE_MESSAGES[fault.message])
+
+    def hostile_stages(self, prompt: str) -> frozenset[TextStage]:
+        """The text stages whose fault a request with this prompt meets."""
+        if HOSTILE_MARKER not in prompt:
+            return frozenset()
+        return frozenset(s for s in self.text_after if f"{HOSTILE_MARKER}:{s.value}" in prompt)
+
+    def in_text(self, stage: TextStage, tokens_so_far: int) -> None:
+        """Called in a text stage of a hostile request (hostile_stages): raises there once the
+        request has produced the fault's N tokens."""
+        n = self.text_after.get(stage)
+        if n is not None and tokens_so_far >= n:
+            log.warning("debug fault text_%s after %d tokens", stage.value, n)
+            raise RuntimeError(f"debug fault: the {stage.value} stage failed")
 
     def in_layer(self, layers_so_far: int) -> None:
         """Called on the engine thread after each decoder layer of a prompt chunk."""

@@ -57,3 +57,17 @@ def test_an_unterminated_call_that_parses_is_a_call(tokenizer):
     calls = ToolCalls(tokenizer, TOOLS)
     text, found = run(calls, ['<tool_call>{"name": "get_weather", "arguments": {}}'])
     assert text == "" and found[0]["name"] == "get_weather" and calls.made == 1
+
+
+def test_a_call_cut_short_is_dropped_never_text(tokenizer):
+    """max_tokens cut the answer inside a call (or inside its start marker): nothing of it is
+    text, and no half call goes out."""
+    for deltas in (
+        ["a <tool_call>{not json"],
+        ['<tool_call>{"name": "get_weather", "arguments": {}}'],
+        ["a <tool_c"],
+    ):
+        calls = ToolCalls(tokenizer, TOOLS)
+        text = "".join(calls.feed(d)[0] for d in deltas)
+        rest, found = calls.flush(cut=True)
+        assert (text + rest, found) == ("a " if deltas[0].startswith("a") else "", []), deltas
