@@ -120,6 +120,14 @@ class ServeConfig:
         )
 
     @property
+    def prefix_cache_ssd_folder(self) -> Path | None:
+        """The SSD tier's folder when these settings use one (a start checks it first)."""
+        off = self.prefix_cache_bytes != "auto" and parse_size(self.prefix_cache_bytes) == 0
+        if off or parse_size(self.prefix_cache_disk_bytes) <= 0:
+            return None
+        return self.prefix_cache_folder
+
+    @property
     def pipelined(self) -> bool:
         """This daemon is rank 0 of a pipeline group (`--pipeline N` or `--hostfile`)."""
         return bool(self.pipeline or self.hostfile)

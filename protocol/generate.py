@@ -19,6 +19,7 @@ from .constraints import FormatType, ToolChoice
 from .messages import MessageType
 from .messages import request as wire_request
 from .rules import (
+    MAX_ID_CHARS,
     AnyChoice,
     AnyList,
     AnyMap,
@@ -32,6 +33,7 @@ from .rules import (
 )
 
 RequestId = str | int  # client-chosen; unique per connection while the request runs
+MAX_SALT_CHARS = 1024  # a cache_salt: vLLM suggests 43 characters (256 random bits, base64)
 # JSON values as the codec decoded them (chat turns, tool specs, schemas): passed on, never changed.
 JsonMap = Mapping[str, Any]
 TemplateValue = bool | int | float | str | None
@@ -107,6 +109,11 @@ class GenerateRequest:
     tool_choice: ToolChoice | NamedTool | None = _field(AnyChoice(), decode=_tool_choice)
     parallel_tool_calls: bool | None = _field(Bool())  # false: at most one tool call
     chat_template_kwargs: Mapping[str, TemplateValue] | None = _field(AnyMap())
+    # The prefix cache's scope: requests resume only from prefixes cached under the same
+    # principal and salt. `principal`: who sent it, set by a gateway that serves several (an API
+    # key's identity, a peer's uid); `cache_salt`: the client's own separation (vLLM's field).
+    principal: str | None = _field(Str(max_chars=MAX_ID_CHARS, non_empty=True))
+    cache_salt: str | None = _field(Str(max_chars=MAX_SALT_CHARS, non_empty=True))
 
     def to_wire(self, request_id: str | int) -> dict[str, Any]:
         """The `generate` message of this request; fields at their default are left off."""

@@ -34,6 +34,7 @@ from moed.daemon.model.cache_file import (
     unlink,
     write_caches,
 )
+from moed.daemon.model.entry_file import EntryRejected
 from moed.daemon.model.layer_caches import LayerCache
 
 if TYPE_CHECKING:  # types only: the leader imports this module's users
@@ -123,7 +124,7 @@ class FollowerDisk:
             return False
         for path in paths:
             try:
-                self._sizes[path.stem] = path.stat().st_size  # before the writer starts
+                self._sizes[path.stem] = path.lstat().st_size  # before the writer starts
             except OSError:
                 pass
         return True
@@ -160,13 +161,15 @@ class FollowerDisk:
                     break
         path = self.dir / (key + SUFFIX)
         try:
-            caches, _ = read_caches(path, self.fingerprint)
+            caches, _ = read_caches(path, self.fingerprint, int(self.budget_bytes * SLACK))
             layers, rest = caches[: self._layers], caches[self._layers :]
             if len(layers) != self._layers or len(rest) != self._width * n_states:
                 raise ValueError("its layers do not match this rank's")
         except Exception as exc:  # missing, corrupt, foreign: rank 0 makes it a miss, forgets it
             self.load_errors += 1
-            log.warning("prefix cache: this rank cannot read %s (%s)", path.name, exc)
+            # The reason only (EntryRejected's is a fixed sentence): nothing of the file's.
+            why = exc.why if isinstance(exc, EntryRejected) else type(exc).__name__
+            log.warning("prefix cache: this rank cannot read %s (%s)", ascii(path.name), why)
             return None
         self.loads += 1
         w = self._width
@@ -222,7 +225,7 @@ class FollowerDisk:
         by_age = []
         for k in sizes:
             try:
-                by_age.append(((self.dir / (k + SUFFIX)).stat().st_mtime, k))
+                by_age.append(((self.dir / (k + SUFFIX)).lstat().st_mtime, k))
             except OSError:
                 by_age.append((0.0, k))
         for _, k in sorted(by_age):

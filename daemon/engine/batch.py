@@ -85,6 +85,7 @@ class SavedRow:
     tokens: list[int]
     layers: list[LayerCache]
     checkpoints: dict[int, list[LayerCache]]
+    scope: str  # whose (prefix_cache/scope.py): kept where only its scope finds it
 
 
 @dataclass
@@ -94,6 +95,7 @@ class _RowPrefix:
     context: list[int]
     start: int  # context tokens its caches held when it joined
     wanted: frozenset[int]  # positions to checkpoint recurrent state at
+    scope: str  # the prefix-cache scope its caches are kept in
     checkpoints: dict[int, list[LayerCache]] = field(default_factory=dict)
 
 
@@ -198,11 +200,13 @@ class DecodeBatch:
         constraint: LogitsProcessor | None = None,
         hit: PrefixHit | None = None,
         checkpoints: tuple[int, ...] = (),
+        scope: str = "",
     ) -> int:
         """Queue a request's context for prefill; returns its row id. A `constraint` (a grammar's
         token mask) applies to this row's logits only. With a prefix-cache `hit` (a PrefixHit) the
         row starts from its caches and reads only the rest; the prompt is cut into segments at
-        `checkpoints` so that the row's recurrent state can be kept there."""
+        `checkpoints` so that the row's recurrent state can be kept there; what the row keeps
+        for the prefix cache goes to `scope`."""
         start = hit.length if hit is not None else 0
         cuts = [p for p in checkpoints if start < p < len(context) - 1]
         if self._trimmable is not None and len(context) - 1 > start:
@@ -226,7 +230,7 @@ class DecodeBatch:
         self._kv[uid] = len(context) + max_new_tokens
         if self._trimmable is not None:
             inherited = dict(hit.inherited) if hit is not None else {}
-            self._prefix[uid] = _RowPrefix(context, start, frozenset(cuts), inherited)
+            self._prefix[uid] = _RowPrefix(context, start, frozenset(cuts), scope, inherited)
         return uid
 
     def remove(self, uid: int, keep: bool = False) -> SavedRow | None:
@@ -244,7 +248,7 @@ class DecodeBatch:
         assert row is not None  # caches come back only for a row with a prefix (keep)
         if not layers or len(tokens) <= row.start:
             return None  # nothing read that the cache does not hold already
-        return SavedRow(uid, list(tokens), list(layers), dict(row.checkpoints))
+        return SavedRow(uid, list(tokens), list(layers), dict(row.checkpoints), row.scope)
 
     def _forget(self, uid: int) -> None:
         self._live.discard(uid)
@@ -276,7 +280,13 @@ class DecodeBatch:
                 row = self._prefix.get(r.uid)
                 if row is not None and r.prompt_cache:
                     saved.append(
-                        SavedRow(r.uid, list(r.all_tokens), r.prompt_cache, dict(row.checkpoints))
+                        SavedRow(
+                            r.uid,
+                            list(r.all_tokens),
+                            r.prompt_cache,
+                            dict(row.checkpoints),
+                            row.scope,
+                        )
                     )
                 self._forget(r.uid)
             else:
@@ -337,7 +347,8 @@ class DecodeBatch:
             idx = batch.uids.index(p.uid)
             if pos == len(row.context) - 1:
                 layers = batch.extract_cache(idx)
-                saved.append(SavedRow(p.uid, row.context[:pos], layers, dict(row.checkpoints)))
+                kept = SavedRow(p.uid, row.context[:pos], layers, dict(row.checkpoints), row.scope)
+                saved.append(kept)
                 if not all(trimmable):
                     row.checkpoints[pos] = [c for c, t in zip(layers, trimmable) if not t]
             else:

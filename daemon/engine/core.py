@@ -30,7 +30,8 @@ from moed.daemon.engine.heartbeat import StepHeartbeat
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.lifecycle import ModelLifecycle
 from moed.daemon.engine.prefix_cache.cache import PrefixHit
-from moed.daemon.engine.prefix_cache.disk_tier import Activity, clear_folder
+from moed.daemon.engine.prefix_cache.disk_tier import clear_folder
+from moed.daemon.engine.prefix_cache.disk_writer import Activity
 from moed.daemon.engine.prefix_cache.setup import prefix_cache_config
 from moed.daemon.engine.request import Emitted, GenerateJob, Generation, RequestKey
 from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Scheduler
@@ -223,24 +224,32 @@ class EngineCore(ModelLifecycle):
     def _join(self, gen: Generation) -> None:
         """A request takes its row: its context is queued for prefill in the next steps."""
         gen.started = time.perf_counter()
-        hit, marks = self._prefix_lookup(gen.context)
+        hit, marks = self._prefix_lookup(gen.context, gen.cache_scope)
         gen.cached_tokens = hit.length if hit is not None else 0
         assert self.batch is not None  # rows join the batch of a loaded model
         gen.uid = self.batch.insert(
-            gen.context, gen.max_new_tokens, gen.sampler, gen.constraint, hit, marks
+            gen.context,
+            gen.max_new_tokens,
+            gen.sampler,
+            gen.constraint,
+            hit,
+            marks,
+            gen.cache_scope,
         )
         self._rows[gen.uid] = gen
         self._publish_counts()
         if len(self._rows) > self.status.get("peak_running_requests"):
             self.status.update(peak_running_requests=len(self._rows))
 
-    def _prefix_lookup(self, context: list[int]) -> tuple[PrefixHit | None, tuple[int, ...]]:
-        """The prefix cache's hit for a joining row and where to checkpoint it (advisory: a
-        failure here is a warning and a full prompt read)."""
+    def _prefix_lookup(
+        self, context: list[int], scope: str
+    ) -> tuple[PrefixHit | None, tuple[int, ...]]:
+        """The prefix cache's hit in `scope` for a joining row and where to checkpoint it
+        (advisory: a failure here is a warning and a full prompt read)."""
         if self.prefix_cache is None:
             return None, ()
         try:
-            hit = self.prefix_cache.lookup(context)
+            hit = self.prefix_cache.lookup(context, scope)
             start = hit.length if hit is not None else 0
             return hit, self.prefix_cache.checkpoint_positions(start, len(context))
         except Exception:
@@ -277,7 +286,7 @@ class EngineCore(ModelLifecycle):
                 waiting.append(row)
                 continue
             try:
-                self.prefix_cache.store(row.tokens, row.layers, row.checkpoints)
+                self.prefix_cache.store(row.tokens, row.layers, row.checkpoints, row.scope)
             except Exception:
                 log.exception("prefix cache store failed")
         stored = len(waiting) < len(self._unsaved)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from moed.daemon.config import ServeConfig
 from moed.daemon.engine.grammar import GrammarConstraint, grammar_for
 from moed.daemon.engine.logprobs import token_logprobs
+from moed.daemon.engine.prefix_cache.scope import cache_scope
 from moed.daemon.engine.reasoning import ReasoningSplit, Segment, initial_channel
 from moed.daemon.engine.sampling import SamplingParams, make_position_sampler
 from moed.daemon.engine.stop_sequences import StopSequences
@@ -130,6 +131,8 @@ class Generation:
         self.started: float | None = None  # when it joined the batch
         self.first_token_at: float | None = None
         self.cached_tokens = 0  # context tokens the prefix cache held when it joined the batch
+        # Whose cached prefixes it may resume from and keeps its own in (prefix_cache/scope.py).
+        self.cache_scope = cache_scope(req.principal, req.cache_salt)
 
     @property
     def client(self) -> bytes:

@@ -29,6 +29,7 @@ from moed.daemon.ground.run_log import (
     read_start_records,
     record_start,
 )
+from moed.daemon.model.cache_folder import UnsafeCacheFolder, check_cache_folder
 from moed.daemon.model.source import ModelNotFound, ModelUnreadable, resolve_model
 from moed.daemon.runtime.load_progress import show_load_progress
 from moed.daemon.runtime.start_plan import plan_start
@@ -56,6 +57,9 @@ def run_daemon(config: Config) -> int:
         return DaemonExit.MODEL_UNUSABLE
     if serve.pipelined and (why := _check_pipeline(serve, model_path)):
         print(f"moed: pipeline: {why}", file=sys.stderr)
+        return DaemonExit.CONFIG
+    if why := _unsafe_prefix_cache_folder(serve):  # before anything is loaded
+        print(f"moed: {why}", file=sys.stderr)
         return DaemonExit.CONFIG
     try:
         server = _compose(serve, model_path)
@@ -119,6 +123,19 @@ def run_daemon(config: Config) -> int:
         logging.shutdown()
         os._exit(for_supervisor(code))
     return code
+
+
+def _unsafe_prefix_cache_folder(serve: ServeConfig) -> str | None:
+    """Why the SSD tier's folder is refused (others can write it: cache_folder.py), or None."""
+    try:
+        folder = serve.prefix_cache_ssd_folder
+        if folder is not None:
+            check_cache_folder(folder)
+    except UnsafeCacheFolder as exc:
+        return str(exc)
+    except ValueError:  # a malformed size: the plan below says so
+        pass
+    return None
 
 
 def _compose(serve: ServeConfig, model_path: Path) -> Server:

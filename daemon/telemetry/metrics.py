@@ -217,6 +217,11 @@ def _prefix_cache_families(pc: dict | None, fam) -> None:
     fam("prefix_cache_disk_skipped", "counter", "SSD entries skipped: corrupt or foreign.").add(
         pc.get("disk_skipped")
     )
+    refused = fam(
+        "prefix_cache_disk_rejected", "counter", "SSD entry files refused, by why (not foreign)."
+    )
+    for reason, count in sorted((pc.get("disk_rejected") or {}).items()):
+        refused.add(count, reason=reason)
 
 
 def render_metrics(stats: dict) -> str:

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import KVCache
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.engine.core import EngineCore
-from moed.daemon.engine.prefix_cache import disk_tier
+from moed.daemon.engine.prefix_cache import disk_writer
 from moed.daemon.engine.prefix_cache.disk_tier import Activity, DiskTier
 from moed.daemon.engine.prefix_cache.entry import PrefixEntry
 from moed.daemon.engine.status import EngineStatus
@@ -235,12 +235,12 @@ def test_the_ssd_writer_waits_while_a_prompt_is_read_and_writes_a_turn_once(tier
 def test_a_held_write_waits_at_most_hold_max_and_flush_and_close_write_whatever_the_hold(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(disk_tier, "HOLD_MAX_S", 0.2)
+    monkeypatch.setattr(disk_writer, "HOLD_MAX_S", 0.2)
     tier = _tier(tmp_path)
     tier.engine_is(Activity.PROMPT)  # an engine that is never quiet
     tier.write(_entry(range(3, 20)))
     assert _wait_for(lambda: tier.writes == 1)  # a crash would lose at most HOLD_MAX_S of it
-    monkeypatch.setattr(disk_tier, "HOLD_MAX_S", 60.0)
+    monkeypatch.setattr(disk_writer, "HOLD_MAX_S", 60.0)
     tier.write(_entry(range(50, 60)))
     tier.flush()
     assert tier.writes == 2
@@ -251,7 +251,7 @@ def test_a_held_write_waits_at_most_hold_max_and_flush_and_close_write_whatever_
 
 def test_a_server_always_reading_a_prompt_still_writes_once_entries_pile_up(tier):
     tier.engine_is(Activity.PROMPT)
-    for k in range(disk_tier.HOLD_QUEUE - 1):
+    for k in range(disk_writer.HOLD_QUEUE - 1):
         tier.write(_entry(range(100 * k + 3, 100 * k + 20)))  # unrelated prompts
     time.sleep(0.3)
     assert tier.writes == 0  # a few wait for the engine to be quiet
@@ -259,7 +259,7 @@ def test_a_server_always_reading_a_prompt_still_writes_once_entries_pile_up(tier
     # One more makes HOLD_QUEUE: the oldest go out while the hold lasts, none is dropped.
     assert _wait_for(lambda: tier.writes >= 1)
     tier.close()  # the rest land before the writer leaves
-    assert tier.writes == disk_tier.HOLD_QUEUE
+    assert tier.writes == disk_writer.HOLD_QUEUE
 
 
 def test_the_engine_tells_the_ssd_writer_when_prompts_are_read(checkpoint_factory, tmp_path):
@@ -291,7 +291,7 @@ def test_the_engine_tells_the_ssd_writer_when_prompts_are_read(checkpoint_factor
 
 
 def test_writes_go_out_while_rows_decode_and_an_idle_engine_waits_a_moment(tier, monkeypatch):
-    monkeypatch.setattr(disk_tier, "QUIET_S", 3.0)  # wide margins on a loaded machine
+    monkeypatch.setattr(disk_writer, "QUIET_S", 3.0)  # wide margins on a loaded machine
     tier.engine_is(Activity.PROMPT)
     tier.write(_entry(range(3, 20)))
     time.sleep(0.3)

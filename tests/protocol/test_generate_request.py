@@ -50,6 +50,8 @@ CHAT = GenerateRequest(
     tools=(TOOL,),
     tool_choice=NamedTool("get_weather"),
     chat_template_kwargs={"enable_thinking": False},
+    principal="key:0123456789abcdef",
+    cache_salt="a-salt-of-this-tenant",
     **SHARED,
 )
 TEXT = GenerateRequest(
@@ -129,6 +131,10 @@ def test_values_are_typed():
         ({"prompt": "x", "format": {"type": "yaml"}}, ErrorCode.INVALID_REQUEST, "format.type"),
         ({"prompt_ids": [1, 99]}, ErrorCode.INVALID_REQUEST, "vocabulary"),
         ({"prompt": "x" * 5000}, ErrorCode.PROMPT_TOO_LONG, "over"),
+        ({"prompt": "x", "cache_salt": ""}, ErrorCode.INVALID_REQUEST, "'cache_salt'"),
+        ({"prompt": "x", "cache_salt": 7}, ErrorCode.INVALID_REQUEST, "must be a string"),
+        ({"prompt": "x", "principal": ""}, ErrorCode.INVALID_REQUEST, "'principal'"),
+        ({"prompt": "x", "principal": "p" * 300}, ErrorCode.INVALID_REQUEST, "characters"),
     ],
 )
 def test_a_bad_field_is_the_wire_error(fields, code, words):

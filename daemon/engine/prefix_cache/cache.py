@@ -13,10 +13,12 @@ import numpy as np
 from moed.daemon.engine.prefix_cache.entry import PrefixEntry
 from moed.daemon.engine.prefix_cache.ladder import DecodeLadder
 from moed.daemon.engine.prefix_cache.memory_tier import MemoryTier
+from moed.daemon.engine.prefix_cache.scope import DEFAULT_SCOPE
 from moed.daemon.model.layer_caches import LayerCache, own_arrays
 
 if TYPE_CHECKING:  # the SSD tier is imported only where one is opened (setup.py)
-    from moed.daemon.engine.prefix_cache.disk_tier import Activity, DiskTier
+    from moed.daemon.engine.prefix_cache.disk_tier import DiskTier
+    from moed.daemon.engine.prefix_cache.disk_writer import Activity
 
 log = logging.getLogger("moed.prefix_cache")
 
@@ -75,16 +77,16 @@ class PrefixCache:
     def hybrid(self) -> bool:
         return not all(self.trimmable)
 
-    def lookup(self, context: list[int]) -> PrefixHit | None:
-        """The caches that resume `context` furthest, leaving at least its last token to read
-        (the step that reads it samples the first new token)."""
+    def lookup(self, context: list[int], scope: str = DEFAULT_SCOPE) -> PrefixHit | None:
+        """The caches of `scope` (scope.py) that resume `context` furthest, leaving at least its
+        last token to read (the step that reads it samples the first new token)."""
         self.counters.lookups += 1
         self.counters.tokens_looked_up += len(context)
         limit = len(context) - 1
         ctx = np.asarray(context, dtype=np.int32)
-        entry, length = self.memory.best(ctx, limit)
+        entry, length = self.memory.best(ctx, limit, scope)
         if self.disk is not None:
-            record, on_disk = self.disk.best(ctx, limit)
+            record, on_disk = self.disk.best(ctx, limit, scope)
             if record is not None and on_disk > length:
                 loaded = self.disk.load(record)
                 if loaded is not None:
@@ -119,15 +121,20 @@ class PrefixCache:
         return tuple(p for p in range(every, end, every) if p >= first)
 
     def store(
-        self, tokens: list[int], layers: list[LayerCache], checkpoints: dict[int, list[LayerCache]]
+        self,
+        tokens: list[int],
+        layers: list[LayerCache],
+        checkpoints: dict[int, list[LayerCache]],
+        scope: str = DEFAULT_SCOPE,
     ) -> None:
-        """Keep a row's caches (its `tokens`, with recurrent-state `checkpoints`)."""
+        """Keep a row's caches (its `tokens`, with recurrent-state `checkpoints`) in `scope`."""
         if not tokens or not layers:
             return
         entry = PrefixEntry(
             np.asarray(tokens, dtype=np.int32),
             own_arrays(layers),
             {p: own_arrays(s) for p, s in checkpoints.items() if 0 < p < len(tokens)},
+            scope=scope,
         )
         self.counters.stores += 1
         if self.memory.put(entry) and self.disk is not None:
@@ -161,6 +168,7 @@ class PrefixCache:
             for rec in self.disk.records():
                 rows[rec.key] = {
                     "key": rec.key,
+                    "scope": rec.scope,
                     "tokens": rec.length,
                     "checkpoints": len(rec.checkpoints),
                     "bytes": rec.nbytes,
@@ -172,6 +180,7 @@ class PrefixCache:
                 e.key,
                 {
                     "key": e.key,
+                    "scope": e.scope,
                     "tokens": len(e.tokens),
                     "checkpoints": len(e.checkpoints),
                     "bytes": e.nbytes,

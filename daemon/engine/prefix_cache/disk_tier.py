@@ -1,32 +1,26 @@
-"""The SSD tier: prefix entries as safetensors files (mlx-lm's save_prompt_cache) in one folder,
-bounded in bytes, least recently used out first, written on a thread of its own and atomically
-(a temporary file renamed into place), each stamped with a fingerprint of the model's files,
-moed's version and the cache layout. It survives idle unloads, restarts and crashes.
+"""The SSD tier: prefix entries as safetensors files (model/cache_file.py) in one private folder,
+bounded in bytes, least recently used out first, written on a thread of its own
+(disk_writer.py: out of time to first token) and atomically, each stamped with a fingerprint of
+the model's files, moed's version and the cache layout, and bound by a digest to its name, its
+token ids, checkpoints and scope. It survives idle unloads, restarts and crashes.
 
-The writer stays out of time to first token. The engine tells the tier what it is doing
-(`Activity`): while a row reads its prompt, queued entries wait (at most HOLD_MAX_S each, and
-never while HOLD_QUEUE of them wait: a server always reading some prompt still writes them);
-while rows only decode, they are written at once; on an idle engine, once it has been idle for
-QUIET_S (an agent's next turn often follows its answer at once, and a write started then shares
-the prefill's cores and GIL). An entry queued behind one that it covers (a row's whole generation
-after its prompt) replaces it, so a short turn is written once. Measured on a 2-core machine, a
-prefix-hit turn's first token came 14 ms later (of 100) while its prompt's entry was written
-beside it.
-
-Like every side file it is advisory: a corrupt, truncated or foreign entry is skipped with a
-warning, a full disk or a read-only folder is a warning, and the request is served either way.
+Like every side file it is advisory and trusts nothing it finds: a file that is not a regular file
+of this user's, a header that does not add up, a digest or name that disagrees with the contents
+is skipped, counted by reason (`disk_rejected`) and, when it is a file of ours, removed; another
+model's entries are kept until they are the least recently used. A full disk or a read-only folder
+is a warning. The request is served either way, and never from an entry it cannot trust.
 """
 
 from __future__ import annotations
 
 import base64
-import enum
 import json
 import logging
 import os
+import re
 import threading
 import time
-from collections import deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,32 +28,34 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from moed.daemon.engine.prefix_cache.entry import PrefixEntry, common_prefix, covers, resumable
+from moed.daemon.engine.prefix_cache.disk_writer import Activity, WriteQueue
+from moed.daemon.engine.prefix_cache.entry import (
+    PrefixEntry,
+    common_prefix,
+    covers,
+    resumable,
+    tokens_key,
+)
 from moed.daemon.model.cache_file import (
-    FORMAT,
     SUFFIX,
+    check_stamp,
     entry_files,
     read_caches,
     read_metadata,
     write_caches,
 )
 from moed.daemon.model.cache_file import unlink as _unlink
+from moed.daemon.model.entry_file import EntryProblem, EntryRejected
 from moed.daemon.model.layer_caches import RemoteLayers
 
 log = logging.getLogger("moed.prefix_cache")
 
-WRITE_QUEUE = 8  # entries waiting for the writer; more are dropped (the cache is advisory)
-HOLD_MAX_S = 10.0  # a busy engine delays an entry's write at most this long (a crash loses less)
-HOLD_QUEUE = WRITE_QUEUE // 2  # this many waiting are written anyway: a busy server drops none
-QUIET_S = 0.2  # an idle engine's writes wait this long: a client's next turn may come at once
+__all__ = ["Activity", "DiskRecord", "DiskTier", "RemoteParts", "clear_folder"]
 
-
-class Activity(enum.Enum):
-    """What the engine is doing, as the SSD writer needs to know it."""
-
-    PROMPT = "prompt"  # a row is reading its prompt: writes wait
-    DECODE = "decode"  # rows only decode: writes go out now
-    IDLE = "idle"  # no rows: writes go out once it has been idle for QUIET_S
+# Problems of a file of ours that can never be used: it is removed. Others (not a regular
+# file, another user's, an I/O error) are left where they are, skipped at every start.
+_REMOVED = frozenset({EntryProblem.MALFORMED, EntryProblem.MISMATCH, EntryProblem.TOO_LARGE})
+_SCOPE = re.compile(r"(?:[0-9a-f]{32})?")
 
 
 class RemoteParts(Protocol):
@@ -91,10 +87,33 @@ class DiskRecord:
     checkpoints: tuple[int, ...]
     nbytes: int
     last_used: float
+    scope: str = ""
 
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+
+def record_of(path: Path, meta: dict[str, str], size: int, mtime: float) -> DiskRecord:
+    """The index row of an entry's metadata; EntryRejected unless its token ids, checkpoints and
+    scope are well formed and name the file (a flipped bit in its ids is caught here)."""
+    try:
+        raw = base64.b64decode(meta["tokens"], validate=True)
+        checkpoints = json.loads(meta["checkpoints"])
+        scope = meta["scope"]
+    except (KeyError, ValueError, RecursionError):
+        raise EntryRejected(EntryProblem.MALFORMED, "its token ids are malformed") from None
+    n = len(raw) // 4
+    if not raw or len(raw) % 4 or not _SCOPE.fullmatch(scope):
+        raise EntryRejected(EntryProblem.MALFORMED, "its token ids or scope are malformed")
+    if not isinstance(checkpoints, list) or not all(
+        type(p) is int and 0 < p < n for p in checkpoints
+    ):
+        raise EntryRejected(EntryProblem.MALFORMED, "its checkpoints are malformed")
+    tokens = np.frombuffer(raw, dtype="<i4").astype(np.int32)
+    if tokens_key(tokens, scope) != path.stem:
+        raise EntryRejected(EntryProblem.MISMATCH, "its token ids do not match its name")
+    return DiskRecord(path.stem, path, tokens, tuple(checkpoints), size, mtime, scope)
 
 
 class DiskTier:
@@ -119,66 +138,75 @@ class DiskTier:
         self._foreign: dict[Path, tuple[int, float]] = {}  # other models' entries: size, mtime
         self._warned: set[str] = set()
         self.loads = self.writes = self.evictions = self.skipped = self.write_errors = 0
+        self.rejected: Counter[EntryProblem] = Counter()  # entries skipped, by why
         self.on_written: Callable[[], None] = lambda: (
             None
         )  # the owner republishes its counters (writer thread)
-        self._scan()
-        # The writer's queue: (entry, when queued), and what the engine is doing since when.
-        self._wake = threading.Condition()
-        self._pending: deque[tuple[PrefixEntry, float]] = deque()
-        self._activity, self._idle_since = Activity.IDLE, time.monotonic()
-        self._closing = False
-        self._cleared = self._writing_epoch = 0  # clears: a write begun before one is dropped
-        self._flushing = 0  # callers of flush(): the queue is written whatever the hold
-        self._urgent = 0  # memory is short: this many of the first queued go out now
-        self._unfinished = 0  # queued or being written
-        self._writer = threading.Thread(
-            target=self._write_loop, name="moed-prefix-ssd", daemon=True
-        )
-        self._writer.start()
+        self.usable = self._scan()
+        self._queue = WriteQueue(self._write_and_publish, trimmable)
 
     # ---- the index ----------------------------------------------------------------------------
-    def _scan(self) -> None:
+    def _scan(self) -> bool:
         try:
             paths = entry_files(self.dir)
-        except OSError as exc:
+        except OSError as exc:  # cannot be made or read, or others can write it
             self._warn("dir", f"prefix cache: cannot use {self.dir} ({exc}); no SSD tier")
-            return
-        foreign = 0
+            return False
+        skipped: dict[EntryProblem, list[str]] = {}
         for path in paths:
             try:
-                meta, st = read_metadata(path), path.stat()
-                if meta.get("format") != FORMAT or meta.get("fingerprint") != self.fingerprint:
-                    self._foreign[path] = (st.st_size, st.st_mtime)
-                    foreign += 1
+                meta, size, mtime = read_metadata(path, self.budget_bytes)
+                try:
+                    check_stamp(meta, self.fingerprint, path)
+                except EntryRejected as exc:
+                    if exc.problem is not EntryProblem.FOREIGN:
+                        raise
+                    self._foreign[path] = (size, mtime)  # it leaves as the least recently used
+                    self.skipped += 1
+                    skipped.setdefault(EntryProblem.FOREIGN, []).append(path.name)
                     continue
-                self._records[path.stem] = self._record(path, meta, st.st_size, st.st_mtime)
-            except (OSError, ValueError, KeyError) as exc:
-                self.skipped += 1
-                log.warning("prefix cache: skipping corrupt entry %s (%s)", path.name, exc)
-                _unlink(path)
-        if foreign:
-            self.skipped += foreign
+                self._records[path.stem] = record_of(path, meta, size, mtime)
+            except EntryRejected as exc:
+                self._reject(path, exc)
+                skipped.setdefault(exc.problem, []).append(f"{path.name}: {exc.why}")
+        for problem, names in skipped.items():
+            self._report_scan(problem, names)
+        return True
+
+    def _report_scan(self, problem: EntryProblem, names: list[str]) -> None:
+        """One warning per kind of problem a start found, naming a few of the files."""
+        if problem is EntryProblem.FOREIGN:
             log.warning(
-                "prefix cache: %d entries in %s are of another model, moed version or cache "
-                "layout; skipped (they leave as the least recently used)",
-                foreign,
+                "prefix cache: %d entries in %s are of another model, moed version or file "
+                "format; skipped (they leave as the least recently used)",
+                len(names),
                 self.dir,
             )
+            return
+        shown = "; ".join(ascii(n) for n in names[:3]) + ("; ..." if len(names) > 3 else "")
+        log.warning(
+            "prefix cache: skipped %d entries in %s (%s): %s",
+            len(names),
+            self.dir,
+            problem.value,
+            shown,
+        )
 
-    @staticmethod
-    def _record(path: Path, meta: dict[str, Any], size: int, mtime: float) -> DiskRecord:
-        tokens = np.frombuffer(base64.b64decode(meta["tokens"]), dtype="<i4").astype(np.int32)
-        checkpoints = tuple(int(p) for p in json.loads(meta["checkpoints"]))
-        return DiskRecord(path.stem, path, tokens, checkpoints, size, mtime)
+    def _reject(self, path: Path, exc: EntryRejected) -> None:
+        self.skipped += 1
+        self.rejected[exc.problem] += 1
+        if exc.problem in _REMOVED:
+            _unlink(path)
 
     def records(self) -> list[DiskRecord]:
         with self._lock:
             return list(self._records.values())
 
-    def best(self, context: np.ndarray, limit: int) -> tuple[DiskRecord | None, int]:
+    def best(self, context: np.ndarray, limit: int, scope: str) -> tuple[DiskRecord | None, int]:
         found, length = None, 0
         for rec in self.records():
+            if rec.scope != scope:
+                continue
             common = min(common_prefix(rec.tokens, context), limit)
             usable = resumable(rec.length, rec.checkpoints, common, self.trimmable)
             if usable > length:
@@ -192,27 +220,31 @@ class DiskTier:
                 return
             rec.last_used = time.time()
         try:
-            os.utime(rec.path)  # the LRU order survives a restart
-        except OSError:
+            os.utime(rec.path, follow_symlinks=False)  # the LRU order survives a restart
+        except (OSError, NotImplementedError):
             pass
 
     # ---- reading ------------------------------------------------------------------------------
     def load(self, rec: DiskRecord) -> PrefixEntry | None:
-        """The entry of `rec`, or None (with a warning, the file removed) when it cannot be read."""
+        """The entry of `rec`, or None (with a warning; a file of ours that cannot be trusted is
+        removed) when it cannot be read."""
         try:
-            caches, _ = read_caches(rec.path, self.fingerprint)
+            caches, meta = read_caches(rec.path, self.fingerprint, self.budget_bytes)
+            again = record_of(rec.path, meta, rec.nbytes, rec.last_used)
+            if not np.array_equal(again.tokens, rec.tokens) or again.checkpoints != rec.checkpoints:
+                raise EntryRejected(EntryProblem.MISMATCH, "it changed since it was listed")
             local = self.trimmable[: self._local]
             layers, rest = caches[: self._local], caches[self._local :]
             width = sum(not t for t in local)
             if len(layers) != self._local or len(rest) != width * len(rec.checkpoints):
-                raise ValueError("its layers do not match the model's")
+                raise EntryRejected(EntryProblem.MALFORMED, "its layers do not match the model's")
             checkpoints = {
                 p: rest[i * width : (i + 1) * width] for i, p in enumerate(rec.checkpoints)
             }
-        except Exception as exc:  # corrupt, truncated, foreign: never a failed request
-            log.warning("prefix cache: skipping unreadable entry %s (%s)", rec.path.name, exc)
-            self.skipped += 1
-            self._forget(rec.key, unlink=True)
+        except EntryRejected as exc:  # never a failed request, never a wrong token
+            log.warning("prefix cache: skipping entry %s (%s)", ascii(rec.path.name), exc.why)
+            self._reject(rec.path, exc)
+            self._forget(rec.key, unlink=False)
             return None
         if self.remote is not None:
             parts = self.remote.load(rec.key, rec.checkpoints)
@@ -225,93 +257,27 @@ class DiskTier:
             layers = [*layers, theirs]
             if states:  # the followers keep recurrent state: each checkpoint's list ends with it
                 checkpoints = {p: [*checkpoints[p], s] for p, s in zip(rec.checkpoints, states)}
-        entry = PrefixEntry(rec.tokens.copy(), layers, checkpoints, key=rec.key)
+        entry = PrefixEntry(rec.tokens.copy(), layers, checkpoints, key=rec.key, scope=rec.scope)
         self.loads += 1
         return entry
 
     # ---- writing ------------------------------------------------------------------------------
     def write(self, entry: PrefixEntry) -> None:
         """Queue `entry` for the writer (its arrays are evaluated: the writer only reads them)."""
-        if entry.nbytes > self.budget_bytes:
-            return
-        with self._wake:
-            if self._closing:
-                return
-            kept: list[tuple[PrefixEntry, float]] = []
-            since = time.monotonic()
-            for e, t in self._pending:  # the ones `entry` covers leave: it is written instead
-                if covers(entry.tokens, entry.checkpoints, e.tokens, e.checkpoints, self.trimmable):
-                    since = min(since, t)  # their queue time: a crash loses no more than before
-                    self._unfinished -= 1
-                else:
-                    kept.append((e, t))
-            if len(kept) >= WRITE_QUEUE:
-                log.debug("prefix cache: SSD writer busy; entry %s not written", entry.key)
-            else:
-                kept.append((entry, since))
-                self._unfinished += 1
-            self._pending = deque(kept)
-            self._wake.notify_all()
+        if self.usable and entry.nbytes <= self.budget_bytes:
+            self._queue.put(entry)
 
     def engine_is(self, activity: Activity) -> None:
-        """The engine's word on what it does now (it calls this whenever that may change)."""
-        with self._wake:
-            if activity is not self._activity:
-                if activity is Activity.IDLE:
-                    self._idle_since = time.monotonic()
-                self._activity = activity
-                self._wake.notify_all()
+        self._queue.engine_is(activity)
 
     def write_now(self) -> None:
-        """Memory is short (the watchdog's shed): the queued entries hold arrays the memory tier
-        let go, so they are written at once, whatever the engine does, and released."""
-        with self._wake:
-            self._urgent = len(self._pending)
-            self._wake.notify_all()
+        self._queue.write_now()
 
-    def _wait_s(self, since: float, now: float) -> float:
-        """How long the first queued entry (queued at `since`) still waits; <= 0: write it."""
-        if self._closing or self._flushing or self._urgent or len(self._pending) >= HOLD_QUEUE:
-            return 0.0
-        if self._activity is Activity.DECODE:
-            return 0.0
-        held = since + HOLD_MAX_S - now
-        if self._activity is Activity.PROMPT:
-            return held
-        return min(held, max(self._idle_since, since) + QUIET_S - now)
+    def _write_and_publish(self, entry: PrefixEntry, epoch: int) -> None:
+        self._write(entry, epoch)
+        self.on_written()
 
-    def _next_entry(self) -> PrefixEntry | None:
-        """The next entry to write once the engine allows it; None when closing with none left."""
-        with self._wake:
-            while True:
-                if self._pending:
-                    wait = self._wait_s(self._pending[0][1], time.monotonic())
-                    if wait <= 0:
-                        self._writing_epoch = self._cleared
-                        self._urgent = max(0, self._urgent - 1)
-                        return self._pending.popleft()[0]
-                    self._wake.wait(wait)
-                elif self._closing:
-                    return None
-                else:
-                    self._wake.wait()
-
-    def _write_loop(self) -> None:
-        while (entry := self._next_entry()) is not None:
-            try:
-                self._write(entry)
-                self.on_written()
-            except Exception:  # a bug here must not kill the writer silently
-                log.exception("prefix cache: SSD write failed")
-            finally:
-                # Not held while the next one is awaited: its arrays (a pipeline's twin lists
-                # in the other ranks too) go with the memory tier's copy.
-                entry = None
-                with self._wake:
-                    self._unfinished -= 1
-                    self._wake.notify_all()
-
-    def _write(self, entry: PrefixEntry) -> None:
+    def _write(self, entry: PrefixEntry, epoch: int) -> None:
         final = self.dir / (entry.key + SUFFIX)
         positions = sorted(entry.checkpoints)
         # This process's layers only: the followers' element (a pipeline's) writes its own.
@@ -321,6 +287,7 @@ class DiskTier:
         meta = {
             "tokens": base64.b64encode(np.asarray(entry.tokens, dtype="<i4").tobytes()).decode(),
             "checkpoints": json.dumps(positions),
+            "scope": entry.scope,
         }
         try:
             size = write_caches(final, caches, self.fingerprint, meta)
@@ -333,9 +300,11 @@ class DiskTier:
             )
             return
         self.writes += 1
-        rec = DiskRecord(entry.key, final, entry.tokens, tuple(positions), size, time.time())
+        rec = DiskRecord(
+            entry.key, final, entry.tokens, tuple(positions), size, time.time(), entry.scope
+        )
         with self._lock:
-            if self._writing_epoch != self._cleared:  # a clear came while it was written
+            if epoch != self._queue.epoch:  # a clear came while it was written
                 _unlink(final)  # (the followers' part went with the clear)
                 return
             self._records[entry.key] = rec
@@ -349,8 +318,10 @@ class DiskTier:
         self._enforce_budget()
 
     def _covers(self, new: DiskRecord, old: DiskRecord) -> bool:
-        return old.key != new.key and covers(
-            new.tokens, new.checkpoints, old.tokens, old.checkpoints, self.trimmable
+        return (
+            old.key != new.key
+            and old.scope == new.scope
+            and covers(new.tokens, new.checkpoints, old.tokens, old.checkpoints, self.trimmable)
         )
 
     def _enforce_budget(self) -> None:
@@ -388,13 +359,8 @@ class DiskTier:
     # ---- the rest -----------------------------------------------------------------------------
     def clear(self) -> int:
         """Remove every entry, the ones still queued for the writer included."""
-        with self._wake:
-            self._unfinished -= len(self._pending)
-            self._pending.clear()
-            self._urgent = 0
-            self._wake.notify_all()
+        self._queue.drop()
         with self._lock:
-            self._cleared += 1
             paths = [(r.path, r.nbytes) for r in self._records.values()]
             paths += [(p, s) for p, (s, _) in self._foreign.items()]
             self._records.clear()
@@ -420,28 +386,20 @@ class DiskTier:
             "disk_writes": self.writes,
             "disk_write_errors": self.write_errors,
             "disk_skipped": self.skipped,
+            "disk_rejected": {p.value: n for p, n in sorted(self.rejected.items())},
         }
 
     def flush(self, timeout: float = 30.0) -> None:
-        """Wait until every queued entry is written (tests, and a clean shutdown); a hold does
-        not delay them."""
-        deadline = time.monotonic() + timeout
-        with self._wake:
-            self._flushing += 1
-            self._wake.notify_all()
-            while self._unfinished and (left := deadline - time.monotonic()) > 0:
-                self._wake.wait(left)
-            self._flushing -= 1
+        """Wait until every queued entry is written (tests, and a clean shutdown)."""
+        self._queue.flush(timeout)
 
     def close(self) -> None:
-        with self._wake:
-            self._closing = True  # the queued entries are written first, whatever the hold
-            self._wake.notify_all()
-        self._writer.join(timeout=60)
+        self._queue.close()
 
 
 def clear_folder(directory: Path) -> int:
-    """Remove every entry file of a folder (no tier open on it); returns the bytes removed."""
+    """Remove every entry file of a folder (no tier open on it); returns the bytes removed. Links
+    and other non-files are removed as names, never followed."""
     removed = 0
     try:
         paths = list(Path(directory).rglob("*" + SUFFIX))  # a pipeline's ranks: a folder each
@@ -449,7 +407,7 @@ def clear_folder(directory: Path) -> int:
         return 0
     for path in paths:
         try:
-            size = path.stat().st_size
+            size = path.lstat().st_size
             path.unlink()
             removed += size
         except OSError:

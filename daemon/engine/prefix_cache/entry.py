@@ -17,9 +17,11 @@ import numpy as np
 from moed.daemon.model.layer_caches import LayerCache, cache_nbytes, resume_layers
 
 
-def tokens_key(tokens: np.ndarray) -> str:
-    """A stable name for a token sequence (the SSD tier's file name)."""
-    return hashlib.sha256(np.ascontiguousarray(tokens, dtype="<i4").tobytes()).hexdigest()[:32]
+def tokens_key(tokens: np.ndarray, scope: str = "") -> str:
+    """A stable name for a token sequence of one scope (the SSD tier's file name)."""
+    h = hashlib.sha256(f"{scope}\0".encode())
+    h.update(np.ascontiguousarray(tokens, dtype="<i4").tobytes())
+    return h.hexdigest()[:32]
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -68,9 +70,10 @@ class PrefixEntry:
     last_used: float = field(default_factory=time.time)
     key: str = ""
     nbytes: int = 0
+    scope: str = ""  # whose it is (scope.py): only requests of the same scope resume from it
 
     def __post_init__(self) -> None:
-        self.key = self.key or tokens_key(self.tokens)
+        self.key = self.key or tokens_key(self.tokens, self.scope)
         self.nbytes = cache_nbytes(self.layers) + sum(
             cache_nbytes(c) for c in self.checkpoints.values()
         )

@@ -25,10 +25,13 @@ class MemoryTier:
         # One C-level copy (atomic under the GIL): the SSD writer's thread lists them too.
         return list(self._entries.values())
 
-    def best(self, context: np.ndarray, limit: int) -> tuple[PrefixEntry | None, int]:
-        """The entry that resumes `context` furthest (at most `limit` tokens) and that length."""
+    def best(self, context: np.ndarray, limit: int, scope: str) -> tuple[PrefixEntry | None, int]:
+        """The entry of `scope` that resumes `context` furthest (at most `limit` tokens) and that
+        length."""
         found, length = None, 0
         for entry in self._entries.values():
+            if entry.scope != scope:
+                continue
             usable = entry.usable(min(common_prefix(entry.tokens, context), limit), self.trimmable)
             if usable > length:
                 found, length = entry, usable
@@ -40,11 +43,13 @@ class MemoryTier:
             self._entries.move_to_end(entry.key)
 
     def put(self, entry: PrefixEntry) -> bool:
-        """Keep `entry` (False when it alone exceeds the budget). Entries it extends are merged
-        into it: their tokens are its prefix, so their checkpoints are still its own."""
+        """Keep `entry` (False when it alone exceeds the budget). Entries of its scope it extends
+        are merged into it: their tokens are its prefix, so their checkpoints are still its own."""
         if entry.nbytes > self.budget_bytes:
             return False
         for old in list(self._entries.values()):
+            if old.scope != entry.scope:
+                continue
             n = len(old.tokens)
             if n <= len(entry.tokens) and common_prefix(old.tokens, entry.tokens) == n:
                 self._drop(old.key)
