@@ -10,6 +10,7 @@ from moed.daemon.bench.pipeline import pipeline
 from moed.daemon.bench.policy import policy
 from moed.daemon.bench.prewarm import prewarm
 from moed.daemon.bench.prompt import prompt_bench
+from moed.daemon.bench.replica import bench_replica
 from moed.daemon.bench.serve import bench_serve
 from moed.daemon.bench.stream import stream
 from moed.daemon.bench.structured import bench_format
@@ -28,4 +29,5 @@ bench.add_command(pipeline)
 bench.add_command(policy)
 bench.add_command(prewarm)
 bench.add_command(prompt_bench)
+bench.add_command(bench_replica)
 bench.add_command(stream)

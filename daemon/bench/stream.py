@@ -32,6 +32,7 @@ from moed.daemon.bench.stream_contenders import (
 )
 from moed.daemon.bench.stream_report import paired_speed, report
 from moed.daemon.experts.prefetch import default_workers
+from moed.protocol.model_config import ModelConfig
 
 SWEEP_BURST = 2  # experts per burst in the read sweep: a layer's misses in a decode step at 25%
 
@@ -121,8 +122,9 @@ SWEEP_BURST = 2  # experts per burst in the read sweep: a layer's misses in a de
     "model_path",
     type=click.Path(path_type=Path, exists=True, file_okay=False),
     default=None,
-    help="measure this existing checkpoint (read only, e.g. daemon/model/demo_model) instead of "
-    "the generated one; the shape options are then ignored",
+    help="measure this existing checkpoint (read only, e.g. daemon/model/demo_model or a "
+    "`moed bench replica` folder) instead of the generated one; the shape options are then "
+    "ignored",
 )
 @click.option(
     "--sweep",
@@ -188,13 +190,19 @@ def stream(
         dtype = "bfloat16" if mx.metal.is_available() else "float32"
     config = bench_config(layers, hidden, expert_width, experts, top_k, vocab, bits=4, group=64)
     if model_path is not None:  # an existing model: its own shapes, never written to
-        config = json.loads((model_path / "config.json").read_text())
-        layers, hidden, vocab = (
-            config[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")
-        )
-        experts, top_k = config["num_experts"], config["num_experts_per_tok"]
-        expert_width = config["moe_intermediate_size"]
-        dtype = config.get("torch_dtype", dtype)
+        try:
+            read = ModelConfig.read(model_path)
+        except (OSError, ValueError) as exc:
+            raise click.BadParameter(
+                f"no readable config.json: {exc}", param_hint="--model"
+            ) from None
+        if not read.is_moe:
+            raise click.BadParameter("not a Mixture-of-Experts model", param_hint="--model")
+        config = dict(read.raw)  # text_config nested or not (qwen3_5_moe: the replica's)
+        layers, hidden, vocab = read.num_layers, read.hidden_size, read.vocab_size
+        experts, top_k = read.num_experts, read.experts_per_token
+        expert_width = read.int_of("moe_intermediate_size")
+        dtype = read.torch_dtype or str(read.text.get("dtype", dtype))
     cleanup = model_dir is None and model_path is None
     path = model_path or (
         Path(model_dir) if model_dir else Path(tempfile.mkdtemp(prefix="moed-bench-stream-"))

@@ -18,7 +18,8 @@ Reached into here:
    lengths=, right_padding=)`, `finalize`, `extract`, `copy.deepcopy`, `state`, `nbytes`,
    `empty`, `size`): distributed/cache_ops.py's CacheHandle answers them to mirror a pipeline
    batch's cache changes on the other ranks. BATCH_CACHE_CALLS names them.
-5. `mlx_lm.utils._get_classes(config)`: the model class a config.json names, and the modules of
+5. `mlx_lm.utils._get_classes(config)`: the model class a config.json names (and its args class:
+   the unloaded model bench/replica_layout.py lists the tensors of), and the modules of
    its class hierarchy, one of which defines a PipelineMixin module when the architecture can
    pipeline (qwen3_5_moe's text model is one module down); and the sources under
    mlx_lm/models/, whose text names PipelineMixin where it is used: an architecture without it
@@ -184,6 +185,13 @@ def model_class_for(config: Mapping[str, Any]) -> type[nn.Module]:
     """The mlx-lm model class a config.json names (use 5)."""
     cls, _args = _get_classes(dict(config))
     return cls
+
+
+def unloaded_model(config: Mapping[str, Any]) -> nn.Module:
+    """The mlx-lm model a config.json describes, its parameters lazy and never evaluated (use 5):
+    its parameter names and shapes without the memory (bench/replica_layout.py)."""
+    cls, args = _get_classes(dict(config))
+    return cls(args.from_dict(dict(config)))
 
 
 def supports_pipeline(config: Mapping[str, Any]) -> bool:

@@ -30,6 +30,7 @@ from moed.daemon.model.mlx_compat import (
     prompt_batch,
     set_prefill_step,
     supports_pipeline,
+    unloaded_model,
     unpadded,
     wrap_pipeline_norm,
 )
@@ -365,6 +366,19 @@ def test_model_class_for_a_config():
         f"mlx_lm.utils._get_classes no longer returns (Model, ModelArgs) first: got {cls!r} "
         "(distributed/rank0.py's check_supported)"
     )
+
+
+def test_unloaded_model_has_shapes_and_no_memory():
+    """Use 5: the args class `_get_classes` gives builds the model from a config.json; its
+    parameters stay lazy, so a published model's shapes cost no memory (bench/replica_layout)."""
+    config = make_config("qwen3_moe", vocab=VOCAB)
+    model = unloaded_model(config)
+    assert isinstance(model, qwen3_moe.Model)
+    experts = model.model.layers[0].mlp.switch_mlp.gate_proj.weight
+    assert experts.shape[0] == config["num_experts"]
+    before = mx.get_active_memory()
+    unloaded_model({**config, "num_hidden_layers": 64})
+    assert mx.get_active_memory() == before  # nothing evaluated
 
 
 def test_pipeline_support_found_in_the_sources_and_the_classes():
