@@ -5,6 +5,7 @@ from moed.protocol.paths import default_socket_path
 from .client import Client
 from .errors import (
     ClientError,
+    DaemonNotRunning,
     DaemonRestarted,
     DaemonUnavailable,
     InsecureSocket,
@@ -15,6 +16,7 @@ from .events import DoneEvent, Event, ProgressEvent, TelemetryEvent, TokenEvent,
 __all__ = [
     "Client",
     "ClientError",
+    "DaemonNotRunning",
     "DaemonRestarted",
     "DaemonUnavailable",
     "DoneEvent",

@@ -270,7 +270,7 @@ class AsyncClient(ClientCore):
         if self._socket is not sock:
             return  # already dropped (and maybe reconnected)
         self._read_ready()
-        self._drop(self.lost())
+        self._drop(self.lost(time.monotonic() - self._last_heard))
 
     async def _heartbeat_loop(self) -> None:
         """While requests are open, ping after `heartbeat_s` of silence: a ping answered by a new

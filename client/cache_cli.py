@@ -10,7 +10,7 @@ import click
 
 from moed.protocol.units import format_bytes
 
-from .cli_common import global_options
+from .cli_common import global_options, unavailable
 from .client import Client
 from .errors import DaemonUnavailable, RequestFailed
 from .exit_codes import ExitCode
@@ -53,7 +53,7 @@ def list_entries(obj, as_json: bool) -> None:
         with _client(obj) as client:
             body = {k: v for k, v in client.prefix_cache("list").items() if k not in ("v", "id")}
     except DaemonUnavailable as exc:
-        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc))
+        _fail(ExitCode.DAEMON_UNAVAILABLE, unavailable(exc))
     except RequestFailed as exc:
         _fail(ExitCode.REQUEST_FAILED, f"{exc.code.value}: {exc}")
     body.pop("type", None)
@@ -68,7 +68,7 @@ def clear(obj) -> None:
         with _client(obj) as client:
             client.prefix_cache("clear")
     except DaemonUnavailable as exc:
-        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc))
+        _fail(ExitCode.DAEMON_UNAVAILABLE, unavailable(exc))
     except RequestFailed as exc:
         _fail(ExitCode.REQUEST_FAILED, f"{exc.code.value}: {exc}")
     click.echo("moe: prefix cache cleared", err=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,20 +11,37 @@ import click
 from moed.protocol.units import format_bytes, format_duration
 
 from .cache_cli import cache as _cache
-from .cli_common import CONTEXT_SETTINGS, add_global_options, fail, global_options, json_line
+from .cli_common import (
+    CONTEXT_SETTINGS,
+    add_global_options,
+    fail,
+    global_options,
+    json_line,
+    unavailable,
+)
 from .client import Client
-from .errors import DaemonUnavailable, RequestFailed
+from .errors import DaemonNotRunning, DaemonUnavailable, InsecureSocket, RequestFailed
 from .exit_codes import ExitCode
+from .liveness import process_gone
 from .models_cli import list_cmd as _list
 from .models_cli import ps as _ps
 from .models_cli import pull as _pull
 from .models_cli import rm as _rm
+from .offline import describe_crash, describe_watchdog, offline_lines, offline_state
 from .run_cli import run as _run
 from .stats_cli import metrics as _metrics
 from .stats_cli import stats as _stats
 
 
-@click.group(context_settings=CONTEXT_SETTINGS)
+class _Moe(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except InsecureSocket as exc:  # any command: one line, as `moed serve` says it
+            fail(ExitCode.USAGE, str(exc))
+
+
+@click.group(cls=_Moe, context_settings=CONTEXT_SETTINGS)
 @click.version_option(package_name="moed", prog_name="moe")
 @click.option(
     "--timeout",
@@ -50,29 +67,6 @@ def _fail(exit_code: ExitCode, message: str, as_json: bool = False, **fields: An
     fail(exit_code, message, as_json, **fields)
 
 
-def offline_state(state_dir: Path) -> dict:
-    """What the state directory says when no daemon answers: the last crash and the watchdog's
-    last word."""
-    out = {}
-    for key, name, field in (
-        ("last_crash", "crash.json", "last"),
-        ("watchdog", "watchdog.json", None),
-    ):
-        try:
-            data = json.loads((state_dir / name).read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(data, dict):
-            continue  # a misshapen file says nothing (the daemon sets it aside at its next start)
-        value = (
-            data.get(field)
-            if field
-            else {k: data.get(k) for k in ("state", "last_action", "updated_at")}
-        )
-        out[key] = value if isinstance(value, dict) else None
-    return out
-
-
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="The status body as one JSON object.")
 @click.pass_obj
@@ -82,12 +76,18 @@ def status(obj, as_json: bool) -> None:
     try:
         with Client(_socket(), timeout=obj["timeout"]) as client:
             body = client.status()
+    except InsecureSocket as exc:
+        _fail(ExitCode.USAGE, str(exc), as_json, code="insecure_socket")
     except DaemonUnavailable as exc:
         offline = offline_state(global_options().state_path)
-        for key, value in offline.items():
-            if not as_json and value:
-                click.echo(f"{key:<12} {json.dumps(value, default=str)}", err=True)
-        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc), as_json, code="daemon_unavailable", **offline)
+        not_running = isinstance(exc, DaemonNotRunning)
+        if not as_json:
+            if not_running:
+                click.echo("state        not running", err=True)
+            for line in offline_lines(offline):
+                click.echo(line, err=True)
+        code = "not_running" if not_running else "daemon_unavailable"
+        _fail(ExitCode.DAEMON_UNAVAILABLE, unavailable(exc), as_json, code=code, **offline)
     except RequestFailed as exc:
         _fail(ExitCode.REQUEST_FAILED, str(exc), as_json, code=getattr(exc.code, "value", exc.code))
     body = {k: v for k, v in body.items() if k not in ("v", "type", "id")}
@@ -132,9 +132,10 @@ def format_status(body: dict) -> str:
         lines.append(f"keep-alive   model released {after}{note}")
     if (load := body.get("load")) and load.get("stage") != "ready":
         lines.append(f"loading      {load.get('stage')}: {load.get('done')} of {load.get('total')}")
-    for key in ("last_crash", "watchdog"):
-        if body.get(key):
-            lines.append(f"{key:<12} {json.dumps(body[key], default=str)}")
+    if body.get("last_crash"):
+        lines.append(f"last crash   {describe_crash(body['last_crash'])}")
+    if body.get("watchdog"):
+        lines.append(f"watchdog     {describe_watchdog(body['watchdog'])}")
     return "\n".join(lines)
 
 
@@ -145,15 +146,36 @@ def format_status(body: dict) -> str:
     show_default=True,
     help="Why, for the daemon's log (the watchdog and the service manager give their own).",
 )
+@click.option(
+    "--wait",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Seconds to wait for the daemon to exit (0: ask and return).",
+)
 @click.pass_obj
-def stop(obj, reason: str) -> None:
-    """Ask the daemon to drain and exit."""
+def stop(obj, reason: str, wait: float) -> None:
+    """Ask the daemon to drain and exit, and wait until it has."""
     try:
         with Client(_socket(), timeout=obj["timeout"]) as client:
             client.shutdown(reason)
+            pid = (client.welcome or {}).get("pid")
+    except InsecureSocket as exc:
+        _fail(ExitCode.USAGE, str(exc))
+    except DaemonNotRunning as exc:
+        _fail(ExitCode.DAEMON_UNAVAILABLE, f"{exc}; nothing to stop")
     except DaemonUnavailable as exc:
-        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc))
+        _fail(ExitCode.DAEMON_UNAVAILABLE, unavailable(exc))
     click.echo("moe: daemon stopping", err=True)
+    # Until the process is gone: a `moe status` or `moe run` right after sees no daemon, not
+    # one half way out (it drains its requests first, up to its drain_timeout_s).
+    deadline = time.monotonic() + (wait if isinstance(pid, int) else 0)
+    while not process_gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if process_gone(pid):
+        click.echo("moe: daemon stopped", err=True)
+    elif wait > 0:
+        click.echo(f"moe: daemon still draining (pid {pid}) after {wait:g}s", err=True)
 
 
 main.add_command(_run)

@@ -19,6 +19,8 @@ import click
 
 from moed.protocol import paths
 
+from .errors import START_HINT, ClientError, DaemonNotRunning
+
 _META_KEY = "moed.global_options"
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
 
@@ -103,6 +105,11 @@ def global_options(ctx: click.Context | None = None) -> GlobalOptions:
 def json_line(obj: dict) -> None:
     """One JSON object on its own stdout line (the --json modes)."""
     click.echo(json.dumps(obj, default=str))
+
+
+def unavailable(exc: ClientError) -> str:
+    """A DaemonUnavailable's message; when none runs, with how to start one."""
+    return f"{exc}; {START_HINT}" if isinstance(exc, DaemonNotRunning) else str(exc)
 
 
 def fail(exit_code: int, message: str, as_json: bool = False, prog: str = "moe", **fields) -> None:

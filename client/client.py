@@ -309,7 +309,7 @@ class Client(ClientCore):
                     frame = self._socket.recv()
                 elif self._monitor in ready:
                     if self._monitor.recv_multipart() and not self._socket.poll(0):
-                        raise self.lost() from None
+                        raise self.lost(time.monotonic() - last_heard) from None
                     continue
                 else:
                     continue

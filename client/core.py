@@ -7,6 +7,7 @@ for the socket (client.py polls it, async_client.py reads it from a file-descrip
 from __future__ import annotations
 
 import itertools
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -15,10 +16,22 @@ import zmq
 
 from moed.protocol import MessageType, ProtocolError, decode, encode
 from moed.protocol import messages as wire
-from moed.protocol.paths import UnsafeSocketPath, check_socket, default_socket_path, endpoint_for
+from moed.protocol.paths import (
+    UnsafeSocketPath,
+    check_socket,
+    default_socket_path,
+    endpoint_for,
+    nobody_listens,
+)
 
-from .errors import DaemonRestarted, DaemonUnavailable, InsecureSocket, RequestFailed
-from .liveness import connection_lost, dealer_socket
+from .errors import (
+    DaemonNotRunning,
+    DaemonRestarted,
+    DaemonUnavailable,
+    InsecureSocket,
+    RequestFailed,
+)
+from .liveness import connection_lost, dealer_socket, process_gone
 
 
 class ClientCore:
@@ -53,15 +66,23 @@ class ClientCore:
     def open_socket(self) -> tuple[zmq.Socket, zmq.Socket]:
         """A DEALER connected to the daemon, and its disconnect monitor. Nothing is sent to a
         socket that is missing or that another user could own."""
-        if not self.socket_path.exists():
-            raise DaemonUnavailable(f"no daemon socket at {self.socket_path}")
-        try:
-            check_socket(self.socket_path)
+        try:  # an unsafe folder is said first, socket or not: nothing may start there either
+            if os.path.lexists(self.socket_path.parent):
+                check_socket(self.socket_path)
             endpoint = endpoint_for(self.socket_path)
         except UnsafeSocketPath as exc:
             raise InsecureSocket(str(exc)) from None
         except ValueError as exc:  # a path no daemon can bind
             raise DaemonUnavailable(str(exc)) from None
+        if not self.socket_path.exists():
+            raise DaemonNotRunning(f"no daemon is running (no socket at {self.socket_path})")
+        # A socket file left by a daemon that died: ZMQ would retry the connect silently until
+        # the handshake's timeout; the kernel's refusal says it at once.
+        if nobody_listens(self.socket_path):
+            raise DaemonNotRunning(
+                f"no daemon is running on {self.socket_path} (the socket is left from one "
+                "that exited or was killed)"
+            )
         sock = dealer_socket(self.heartbeat_s, self.dead_after_s)
         # The daemon's death drops the ipc connection at once, and a frozen daemon's connection
         # misses its heartbeats (client/liveness.py): watch for that, not for silence.
@@ -105,10 +126,12 @@ class ClientCore:
             f"no answer from the daemon at {self.socket_path} within {self.timeout:.1f}s"
         )
 
-    def lost(self) -> DaemonUnavailable:
-        """The connection closed: the process is gone, or frozen past its heartbeats."""
+    def lost(self, silent_s: float) -> DaemonUnavailable:
+        """The connection closed `silent_s` after the daemon's last reply: the process is gone
+        (DaemonNotRunning), stopping, or frozen past its heartbeats."""
         pid = (self.welcome or {}).get("pid")
-        return DaemonUnavailable(connection_lost(self.socket_path, pid, self.dead_after_s))
+        message = connection_lost(self.socket_path, pid, self.dead_after_s, silent_s)
+        return DaemonNotRunning(message) if process_gone(pid) else DaemonUnavailable(message)
 
 
 def read_frame(frame: bytes) -> dict | None:

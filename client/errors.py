@@ -49,6 +49,15 @@ class DaemonUnavailable(ClientError):
     retryable = True
 
 
+class DaemonNotRunning(DaemonUnavailable):
+    """No daemon runs on the socket: none bound it, or the one that did exited, was killed or is
+    a zombie. Known at once (a refused connect, a process that is gone), never after a wait."""
+
+
+# One line that says how to get a daemon, for every place that reports none.
+START_HINT = "start one with `moe run` (it starts one on the demo model) or `moed serve`"
+
+
 class InsecureSocket(ClientError):
     """The socket's directory is not this user's private directory: nothing was sent."""
 

@@ -6,6 +6,7 @@ Imports no mlx: whether mlx-lm knows an architecture is read from its package fo
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import importlib.util
 import os
@@ -159,6 +160,7 @@ class CachedModel:
     experts_per_token: int | None
     servable: bool
     why_not: str | None  # when not servable
+    builtin: bool = False  # the demo that ships inside moed (`--model demo`, the default)
 
     @property
     def is_moe(self) -> bool:
@@ -175,6 +177,7 @@ class CachedModel:
             "experts_per_token": self.experts_per_token,
             "servable": self.servable,
             "why_not": self.why_not,
+            "builtin": self.builtin,
         }
 
 
@@ -202,6 +205,20 @@ def describe_folder(repo_id: str, folder: Path, size_bytes: int) -> CachedModel:
     if why is None and not (model_type and model_type.isidentifier() and mlx_lm_knows(model_type)):
         why = f"mlx-lm has no {model_type!r} architecture"
     return CachedModel(repo_id, folder, size_bytes, model_type, experts, top_k, why is None, why)
+
+
+DEMO_NAME = "demo"  # what `--model` takes for it
+
+
+def demo_model() -> CachedModel | None:
+    """The demo checkpoint that ships inside the package (moed.daemon.model.demo_model, data
+    only): found beside this package, as the editable layout and the wheel both place it, so
+    `moe` never imports the daemon."""
+    folder = Path(__file__).resolve().parent.parent / "daemon" / "model" / "demo_model"
+    if not (folder / "config.json").is_file():
+        return None
+    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    return dataclasses.replace(describe_folder(DEMO_NAME, folder, size), builtin=True)
 
 
 def cached_models() -> list[CachedModel]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import psutil
 import zmq
 
 
@@ -26,22 +27,30 @@ def dealer_socket(heartbeat_s: float, dead_after_s: float) -> zmq.Socket:
     return sock
 
 
-def connection_lost(socket_path: Path, pid: object, dead_after_s: float) -> str:
-    """Why the connection closed, for the DaemonUnavailable message: the process is gone, or it
-    is there and stopped answering the connection's heartbeats."""
-    if isinstance(pid, int) and pid > 0 and _exists(pid):
-        return (
-            f"the daemon at {socket_path} stopped answering: its connection missed heartbeats "
-            f"for {dead_after_s:g}s (process {pid} is frozen or the machine is overloaded)"
-        )
-    return f"the connection to the daemon at {socket_path} dropped (it exited or crashed)"
+def connection_lost(socket_path: Path, pid: object, dead_after_s: float, silent_s: float) -> str:
+    """Why the connection closed, for the DaemonUnavailable message: the process is gone; or it
+    closed the connection itself (it is stopping: the heartbeats cannot have missed sooner than
+    `dead_after_s` after the last reply, `silent_s` ago); or it stopped answering them."""
+    if not isinstance(pid, int):  # before the welcome: no process to ask about
+        return f"the connection to the daemon at {socket_path} dropped before its handshake"
+    if process_gone(pid):
+        return f"the daemon at {socket_path} is gone (process {pid} exited or was killed)"
+    if silent_s < dead_after_s:
+        return f"the daemon at {socket_path} closed the connection (process {pid} is stopping)"
+    return (
+        f"the daemon at {socket_path} stopped answering: its connection missed heartbeats "
+        f"for {dead_after_s:g}s (process {pid} is frozen or the machine is overloaded)"
+    )
 
 
-def _exists(pid: int) -> bool:
+def process_gone(pid: object) -> bool:
+    """Whether the daemon's process has ended: no such process, another user's process of that
+    number, or a zombie (exited, not yet reaped: `kill(pid, 0)` still succeeds on one, so its
+    state is read, /proc/<pid>/stat on Linux and the kernel's process table on macOS)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False  # unknown: nothing says it is gone
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process of that number: not our daemon
-        return False
-    return True
+        process = psutil.Process(pid)
+        return process.status() == psutil.STATUS_ZOMBIE or process.uids().real != os.getuid()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return True

@@ -8,7 +8,7 @@ import click
 
 from moed.protocol.units import format_bytes, format_duration
 
-from .cli_common import fail, global_options, json_line
+from .cli_common import fail, global_options, json_line, unavailable
 from .client import Client
 from .errors import DaemonUnavailable, RequestFailed
 from .exit_codes import ExitCode
@@ -74,10 +74,12 @@ def pull(repo_id: str, revision: str | None, as_json: bool) -> None:
 @click.option("--all", "show_all", is_flag=True, help="Also list models moed cannot serve.")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 def list_cmd(show_all: bool, as_json: bool) -> None:
-    """Models in the local Hugging Face cache that moed can serve: size, MoE or not, experts."""
-    from .hub import cached_models
+    """Models moed can serve: the built-in demo and those in the local Hugging Face cache (size,
+    MoE or not, experts)."""
+    from .hub import cached_models, demo_model
 
-    models = [m for m in cached_models() if show_all or m.servable]
+    demo = demo_model()
+    models = [m for m in [demo, *cached_models()] if m and (show_all or m.servable)]
     if as_json:
         for m in models:
             json_line({"type": "model", **m.to_json()})
@@ -88,8 +90,15 @@ def list_cmd(show_all: bool, as_json: bool) -> None:
     rows = [("NAME", "SIZE", "TYPE", "EXPERTS", "")]
     for m in models:
         experts = f"{m.num_experts} x top-{m.experts_per_token}" if m.is_moe else "dense"
+        note = "built in, the default of `moe run` (a toy: MODEL_CARD.md)" if m.builtin else ""
         rows.append(
-            (m.repo_id, format_bytes(m.size_bytes), m.model_type or "?", experts, m.why_not or "")
+            (
+                m.repo_id,
+                format_bytes(m.size_bytes),
+                m.model_type or "?",
+                experts,
+                m.why_not or note,
+            )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
@@ -135,7 +144,7 @@ def ps(obj, as_json: bool) -> None:
         with Client(global_options().socket_path, timeout=obj["timeout"]) as client:
             status = client.status()
     except DaemonUnavailable as exc:
-        fail(ExitCode.DAEMON_UNAVAILABLE, str(exc), as_json, code="daemon_unavailable")
+        fail(ExitCode.DAEMON_UNAVAILABLE, unavailable(exc), as_json, code="daemon_unavailable")
     except RequestFailed as exc:
         fail(ExitCode.REQUEST_FAILED, str(exc), as_json, code=getattr(exc.code, "value", exc.code))
     row = ps_row(status)

@@ -58,6 +58,7 @@ class Progress:
         self.detail: str | None = None
         self._out = out
         self._last_json = 0.0
+        self._last_event: dict | None = None
         self._bar = None
         if mode is ProgressMode.BAR:
             from tqdm import tqdm  # imported only when a bar is drawn: `moe --help` stays fast
@@ -121,7 +122,6 @@ class Progress:
         now = time.monotonic()
         if not force and now - self._last_json < JSON_EVERY_S:
             return
-        self._last_json = now
         event = {
             "type": "progress",
             "task": self.task,
@@ -133,6 +133,9 @@ class Progress:
             event["detail"] = self.detail
         if final:
             event["final"] = True
+        if event == self._last_event:  # nothing moved (a daemon not answering yet): no new line
+            return
+        self._last_json, self._last_event = now, event
         out = self._out or sys.stdout
         out.write(json.dumps(event) + "\n")
         out.flush()

@@ -13,7 +13,7 @@ from moed.protocol import Channel
 from moed.protocol.messages import PROMPT_STAGE
 from moed.protocol.units import format_bytes
 
-from .cli_common import fail, global_options
+from .cli_common import fail, global_options, unavailable
 from .client import Client
 from .errors import DaemonRestarted, DaemonUnavailable, InsecureSocket, RequestFailed
 from .events import DoneEvent, ProgressEvent, TelemetryEvent, TokenEvent, TraceEvent
@@ -111,8 +111,8 @@ def run(
         _fail(ExitCode.USAGE, "empty prompt", as_json)
     client = _connect_or_start(_socket(), obj["timeout"], no_start, model, start_timeout, as_json)
     _note_capped(client, max_tokens)
-    if not as_json and ((client.welcome or {}).get("model") or {}).get("demo"):
-        click.echo(DEMO_NOTE, err=True)
+    # Said once the demo answers (a --model the daemon refuses gets the refusal alone).
+    demo_note = not as_json and ((client.welcome or {}).get("model") or {}).get("demo")
     events = client.generate(
         prompt,
         max_tokens=max_tokens,
@@ -143,6 +143,9 @@ def run(
                 continue
             loading.close()
             reading.close()
+            if demo_note:
+                click.echo(DEMO_NOTE, err=True)
+                demo_note = False
             _print_event(event, as_json)
     except KeyboardInterrupt:
         try:
@@ -209,13 +212,13 @@ def _connect_or_start(
         client.connect()
         return client
     except InsecureSocket as exc:  # nothing was sent, and no daemon is started there either
-        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc), as_json, code="insecure_socket")
+        _fail(ExitCode.USAGE, str(exc), as_json, code="insecure_socket")
     except DaemonUnavailable as exc:
         client.close()
         if no_start:
             _fail(
                 ExitCode.DAEMON_UNAVAILABLE,
-                f"{exc} (and --no-start was given)",
+                f"{unavailable(exc)} (and --no-start was given)",
                 as_json,
                 code="daemon_unavailable",
             )
@@ -234,7 +237,10 @@ def _connect_or_start(
         if value is not None
         for arg in (flag, str(value))
     ]
-    proc = start_daemon(socket_path, model, tuple(passed))
+    try:
+        proc = start_daemon(socket_path, model, tuple(passed))
+    except InsecureSocket as exc:  # a folder made since the connect, or unsafe in a new way
+        _fail(ExitCode.USAGE, str(exc), as_json, code="insecure_socket")
     bar = StagedProgress("starting daemon", progress_mode(as_json))
     try:
         wait_until_ready(socket_path, proc, start_timeout, on_status=lambda s: show_load(bar, s))
@@ -288,6 +294,8 @@ def _print_event(event, as_json: bool) -> None:
                         "usage": event.usage,
                         "timings": event.timings,
                         "telemetry": event.telemetry,
+                        # Under --max-active-experts the output is not the model's own.
+                        **({"lossy": event.lossy} if event.lossy else {}),
                     }
                 )
             )
@@ -308,8 +316,10 @@ def summary_line(done: DoneEvent) -> str:
     experts = (done.telemetry or {}).get("experts")
     if experts:
         hits, misses = experts.get("hits", 0), experts.get("misses", 0)
-        rate = hits / (hits + misses) if hits + misses else 0.0
-        parts.append(f"expert hits {rate:.1%}")
+        if hits + misses:
+            parts.append(f"expert hits {hits / (hits + misses):.1%}")
+        elif not experts.get("bytes_read"):  # every layer routed on the device: nothing looked up
+            parts.append("experts all in memory")
         parts.append(f"read {format_bytes(experts.get('bytes_read', 0))}")
         if "stall_s" in experts:
             parts.append(f"stall {experts['stall_s'] * 1000:.0f} ms")

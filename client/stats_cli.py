@@ -10,10 +10,11 @@ import click
 
 from moed.protocol.units import format_bytes
 
-from .cli_common import global_options
+from .cli_common import global_options, unavailable
 from .client import Client
 from .errors import DaemonRestarted, DaemonUnavailable, RequestFailed
 from .exit_codes import ExitCode
+from .offline import describe_crash
 
 _bytes = format_bytes
 
@@ -92,7 +93,7 @@ def format_stats(s: dict) -> str:
     crash = s.get("last_crash")
     lines.append(
         f"restarts     {s.get('restarts') if s.get('restarts') is not None else '-'}  "
-        f"last crash {json.dumps(crash, default=str) if crash else '-'}"
+        f"last crash {describe_crash(crash) if crash else '-'}"
     )
     return "\n".join(lines)
 
@@ -143,7 +144,7 @@ def stats(obj, as_json: bool, watch: bool, interval: float) -> None:
     except KeyboardInterrupt:
         return
     except (DaemonUnavailable, DaemonRestarted) as exc:
-        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc))
+        _fail(ExitCode.DAEMON_UNAVAILABLE, unavailable(exc))
     except RequestFailed as exc:
         _fail(ExitCode.REQUEST_FAILED, str(exc))
 
@@ -156,7 +157,7 @@ def metrics(obj) -> None:
         with Client(global_options().socket_path, timeout=obj["timeout"]) as client:
             text = client.metrics().get("text", "")
     except (DaemonUnavailable, DaemonRestarted) as exc:
-        _fail(ExitCode.DAEMON_UNAVAILABLE, str(exc))
+        _fail(ExitCode.DAEMON_UNAVAILABLE, unavailable(exc))
     except RequestFailed as exc:
         _fail(ExitCode.REQUEST_FAILED, str(exc))
     click.echo(text, nl=False)

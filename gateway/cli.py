@@ -10,6 +10,8 @@ from pathlib import Path
 import click
 
 from moed.client.cli_common import global_options, log_level_option, log_to_stderr
+from moed.client.errors import START_HINT
+from moed.protocol.paths import nobody_listens
 
 from .config import (
     DEFAULT_PORT,
@@ -165,6 +167,12 @@ def gateway(
         port,
         _who_is_served(config, api_key_file),
     )
+    if nobody_listens(config.socket):  # it may start later: the gateway serves it then
+        log.warning(
+            "no daemon is running on %s: every API answers 503 (no_daemon) until one starts; %s",
+            config.socket,
+            START_HINT,
+        )
     uvicorn.run(
         build_app(config),
         host=config.host,

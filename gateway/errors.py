@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import enum
 
-from moed.client import ClientError, DaemonUnavailable, RequestFailed
+from moed.client import ClientError, DaemonNotRunning, DaemonUnavailable, RequestFailed
+from moed.client.errors import START_HINT
 from moed.protocol import ErrorCode
 
 
@@ -37,6 +38,8 @@ STATUS = {
     ErrorKind.TIMEOUT: 504,
     ErrorKind.CLIENT_CLOSED: 499,  # nginx's convention, for the metrics only
 }
+
+NO_DAEMON = "no_daemon"  # the error code of a 503 when no daemon runs on the socket
 
 # Seconds a client should wait before retrying: a full queue drains fast, a restart takes longer.
 RETRY_AFTER_S = {ErrorKind.OVERLOADED: 1, ErrorKind.UNAVAILABLE: 5, ErrorKind.TIMEOUT: 5}
@@ -107,6 +110,8 @@ def from_client_error(exc: ClientError) -> ApiError:
         code = exc.code if isinstance(exc.code, ErrorCode) else None
         kind = _KIND_OF_CODE.get(code, ErrorKind.INTERNAL)
         return ApiError(kind, exc.message, code=getattr(exc.code, "value", str(exc.code)))
+    if isinstance(exc, DaemonNotRunning):  # known at once: say how to get one
+        return ApiError(ErrorKind.UNAVAILABLE, f"{exc}; {START_HINT}", code=NO_DAEMON)
     if isinstance(exc, DaemonUnavailable):
         return ApiError(ErrorKind.UNAVAILABLE, f"the moed daemon is unavailable: {exc}")
     return ApiError(ErrorKind.INTERNAL, str(exc))

@@ -1,5 +1,5 @@
-"""GET /health (ready, loading, stalled, restarting; JSON) and GET /metrics (Prometheus text:
-the daemon's counters, then the gateway's own)."""
+"""GET /health (ready, loading, stalled, restarting, no_daemon; JSON) and GET /metrics
+(Prometheus text: the daemon's counters, then the gateway's own)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from moed.client import ClientError
+from moed.client import ClientError, DaemonNotRunning
+from moed.client.errors import START_HINT
 
 from .context import Gateway
 from .errors import ApiError
@@ -25,6 +26,7 @@ class Health(str, enum.Enum):
     LOADING = "loading"  # the daemon is up and loading its model
     STALLED = "stalled"  # busy, but no token or prompt chunk for stall_after_s
     RESTARTING = "restarting"  # unreachable, draining or failed: the service manager restarts it
+    NO_DAEMON = "no_daemon"  # nothing listens on the socket: none started, or it died
 
 
 def error_response(err: ApiError) -> Response:
@@ -53,6 +55,9 @@ async def health(request: Request) -> Response:
     try:
         # A probe answers fast: a daemon that cannot say its status in time is not healthy.
         status = await asyncio.wait_for(gateway.client.status(), HEALTH_TIMEOUT_S)
+    except DaemonNotRunning as exc:
+        body = {"status": Health.NO_DAEMON.value, "daemon": None, "error": f"{exc}; {START_HINT}"}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
     except (ClientError, TimeoutError) as exc:
         reason = str(exc) or "no answer in time"
         body = {"status": Health.RESTARTING.value, "daemon": None, "error": reason}

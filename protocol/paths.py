@@ -5,10 +5,13 @@ Shared by the daemon and its clients (the socket path is part of the protocol); 
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import stat
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # macOS limits AF_UNIX paths to 104 bytes; keep the default short and refuse long ones early.
@@ -123,3 +126,31 @@ def endpoint_for(socket_path: Path) -> str:
             f"over the {MAX_SOCKET_PATH}-byte limit: {text}"
         )
     return f"ipc://{text}"
+
+
+# A refused connect is retried this many times, this far apart: on macOS a full listen backlog
+# (a frozen daemon, many clients) is refused too, and one retry tells it from a dead socket.
+REFUSED_TRIES = 3
+REFUSED_RETRY_S = 0.02
+
+
+def nobody_listens(socket_path: Path) -> bool:
+    """Whether no process listens on the socket: the file is missing, or a connect is refused,
+    as it is at once once the daemon that bound it exited, was killed or is a zombie (its socket
+    closed with its files). A live daemon, even a frozen one, accepts the connect: False."""
+    for attempt in range(REFUSED_TRIES):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(socket_path))
+            return False
+        except (FileNotFoundError, NotADirectoryError):
+            return True
+        except OSError as exc:
+            if exc.errno != errno.ECONNREFUSED:
+                return False  # a full backlog on Linux, a timeout: someone is there
+        finally:
+            probe.close()
+        if attempt + 1 < REFUSED_TRIES:
+            time.sleep(REFUSED_RETRY_S)
+    return True

@@ -3,14 +3,22 @@ socket), so that a stale socket file is removed and a live one is never stolen."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import zmq
 
 from moed.protocol import MessageType, decode, encode
 from moed.protocol import messages as wire
+from moed.protocol.paths import nobody_listens
+
+IPC = "ipc://"
 
 
 def probe_live_daemon(endpoint: str, context: zmq.Context, timeout_s: float = 0.5) -> dict | None:
-    """Ping whoever owns the endpoint; return its answer, or None when nobody answers."""
+    """Ping whoever owns the endpoint; return its answer, or None when nobody answers (at once
+    for an ipc socket whose connect is refused: a file left by a daemon that died)."""
+    if endpoint.startswith(IPC) and nobody_listens(Path(endpoint[len(IPC) :])):
+        return None
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:

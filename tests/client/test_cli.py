@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from moed.client import DoneEvent
 from moed.client.exit_codes import ExitCode
+from moed.client.run_cli import summary_line
 from tests.fixtures.daemon_harness import moe, moe_command
 
 
@@ -205,3 +207,25 @@ def test_run_model_names_the_served_model_in_any_spelling(daemon, tiny_model):
     other = moe(daemon.socket, "run", "--raw", "--no-start", "--json", "--model", "demo", "x")
     assert other.returncode == ExitCode.REQUEST_FAILED
     assert json.loads(other.stdout.splitlines()[-1])["code"] == "model_not_found"
+
+
+def test_the_summary_says_what_is_true_of_a_run_that_read_nothing():
+    """Every layer routed on the device (all experts held): no lookups counted, so no hit rate
+    of 0.0%, but that all were in memory."""
+    timings = {"ttft_s": 0.01, "decode_tps": 50.0}
+    usage = {"completion_tokens": 4, "prompt_tokens": 2}
+    held = {"experts": {"hits": 0, "misses": 0, "bytes_read": 0, "device_routed": 32}}
+    line = summary_line(DoneEvent("length", usage, timings, held))
+    assert "experts all in memory" in line and "%" not in line
+    read = {"experts": {"hits": 3, "misses": 1, "bytes_read": 4096}}
+    assert "expert hits 75.0%" in summary_line(DoneEvent("length", usage, timings, read))
+
+
+@pytest.mark.process
+def test_run_on_another_model_is_refused_without_the_demo_banner(daemon_factory, tiny_model):
+    d = daemon_factory("demo", "--resident")
+    other = moe(d.socket, "run", "--no-start", "--raw", "--model", str(tiny_model), "def f")
+    assert other.returncode == ExitCode.REQUEST_FAILED
+    assert "model_not_found" in other.stderr and "demo model" not in other.stderr
+    demo = moe(d.socket, "run", "--no-start", "--raw", "--max-tokens", "2", "def f")
+    assert demo.returncode == 0 and "demo model" in demo.stderr  # said once the demo answers

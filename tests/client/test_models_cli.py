@@ -48,15 +48,18 @@ def test_pull_fetches_only_what_mlx_lm_needs_with_progress_and_verifies(hub, hf_
     assert after == before
 
     listed = json_lines(moe("list", "--json", env=hf_env).stdout)
-    assert [m["name"] for m in listed] == [REPO]
-    m = listed[0]
+    # The demo that ships inside moed comes first, as `--model demo` (the default) names it.
+    assert [m["name"] for m in listed] == ["demo", REPO]
+    assert listed[0]["builtin"] and listed[0]["servable"] and not listed[1]["builtin"]
+    m = listed[1]
     assert m["servable"] and m["moe"] and m["num_experts"] == 8 and m["experts_per_token"] == 2
     table = moe("list", env=hf_env).stdout
     assert REPO in table and "8 x top-2" in table and "qwen3_moe" in table
+    assert table.splitlines()[1].startswith("demo ") and "built in" in table
 
     gone = moe("rm", REPO, env=hf_env)
     assert gone.returncode == 0, gone.stderr
-    assert json_lines(moe("list", "--json", env=hf_env).stdout) == []
+    assert [m["name"] for m in json_lines(moe("list", "--json", env=hf_env).stdout)] == ["demo"]
     assert moe("rm", REPO, env=hf_env).returncode == ExitCode.MODEL_UNAVAILABLE
 
 

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from moed.client import progress
 from moed.client.progress import Progress, ProgressMode, StagedProgress, Unit
 from tests.fixtures.hub_cli import REPO, moe
 
@@ -162,3 +163,19 @@ def test_moed_serve_in_a_terminal_draws_the_model_load(tiny_model, tmp_path):
         shutil.rmtree(socket.parent, ignore_errors=True)
     drawn = b"".join(chunks).decode(errors="replace")
     assert "loading: ready" in drawn and "%|" in drawn, drawn[-2000:]
+
+
+def test_json_progress_that_does_not_move_is_one_line(monkeypatch):
+    """A daemon that takes seconds to answer: each poll redraws the same wait, one line only."""
+    monkeypatch.setattr(progress, "JSON_EVERY_S", 0.0)
+    out = io.StringIO()
+    staged = StagedProgress("starting daemon", ProgressMode.JSON, out=out)
+    for _ in range(10):
+        staged.update("waiting for the daemon", 0, None, "steps")
+    staged.update("loading weights", 500, 1000, "bytes")
+    staged.update("loading weights", 1000, 1000, "bytes")
+    staged.close()
+    tasks = [json.loads(line)["task"] for line in out.getvalue().splitlines()]
+    waiting = [t for t in tasks if t.endswith("waiting for the daemon")]
+    assert len(waiting) == 2  # the first and its final line
+    assert len([t for t in tasks if t.endswith("weights")]) == 4  # 0, 500, 1000, final

@@ -4,12 +4,14 @@ routing code picks and renormalizes the K gates), reads fewer bytes, and every `
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from mlx_lm.utils import load_model
 
 from moed.client import DoneEvent
 from moed.daemon.experts.active_experts import ActiveExpertsError, limit_active_experts
-from tests.fixtures.daemon_harness import moed, start_daemon
+from tests.fixtures.daemon_harness import moe, moed, start_daemon
 from tests.fixtures.matrix import first_fast
 from tests.fixtures.reference import decode, streaming
 
@@ -62,6 +64,9 @@ def test_daemon_says_every_answer_is_lossy(checkpoint_factory, tmp_path):
                 e for e in c.generate(prompt_ids=PROMPT, max_tokens=4) if isinstance(e, DoneEvent)
             ]
         assert done[0].lossy == {"active_experts": 2, "native_experts": 4, "lossy": True}
+        # ... and `moe run --json`'s done line carries it, for scripts.
+        ran = moe(daemon.socket, "run", "--json", "--no-start", "--raw", "--max-tokens", "2", "f")
+        assert json.loads(ran.stdout.splitlines()[-1])["lossy"] == done[0].lossy
     finally:
         daemon.stop()
     # Above the model's top-k: a configuration error (exit 2), named, not a traceback.

@@ -125,6 +125,30 @@ def test_open_or_symlinked_dirs_are_refused_and_never_chmodded(tiny_model, tmp_p
         shutil.rmtree(real, ignore_errors=True)
 
 
+def test_moe_in_an_open_socket_dir_says_one_line_and_exits_2(tmp_path):
+    """`moe run` (which would start a daemon there) and `moe status` refuse as `moed serve`
+    does: one line, exit 2, no traceback, and nothing started or chmodded."""
+    loose = Path(f"/tmp/moedt-loose-{uuid.uuid4().hex[:8]}")
+    loose.mkdir()
+    os.chmod(loose, 0o755)
+    try:
+        for args in (("run", "hello"), ("status",), ("stats",), ("stop",)):
+            out = subprocess.run(
+                [sys.executable, "-m", "moed.client.cli", "--socket", str(loose / "d.sock"), *args],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env={**os.environ, "MOED_STATE_DIR": str(tmp_path / "state")},
+            )
+            assert out.returncode == 2, (args, out.stderr)
+            lines = out.stderr.strip().splitlines()
+            assert len(lines) == 1 and "mode 0755" in lines[0] and "0700" in lines[0], out.stderr
+            assert lines[0].startswith("moe: "), out.stderr
+        assert list(loose.iterdir()) == [] and stat.S_IMODE(os.stat(loose).st_mode) == 0o755
+    finally:
+        shutil.rmtree(loose, ignore_errors=True)
+
+
 def test_side_files_are_not_followed_through_symlinks(daemon_factory, tiny_model, tmp_path):
     """daemon.log and watchdog.jsonl planted as symlinks: the daemon and the watchdog keep working
     and never write through them."""
