@@ -16,7 +16,7 @@ from moed.protocol import GenerateRequest
 
 from . import agent_fields as agent
 from . import fields as f
-from .context import REASONING, Api, Gateway
+from .context import REASONING, Api, Collected, Gateway, PartKind
 from .errors import ApiError, ErrorKind, invalid
 from .generation import KEEPALIVE_S, Finish, Outcome, Stream, Waiting
 from .token_budget import BudgetError, Overrun
@@ -171,19 +171,19 @@ def _tools(body: dict) -> tuple[dict, ...]:
     choice = f.get(body, "tool_choice", dict) or {}
     if not tools or choice.get("type") == "none":
         return ()
-    # The chat templates expect OpenAI-style function specs.
-    return tuple(
-        {
-            "type": "function",
-            "function": {
-                "name": t.get("name"),
-                "description": t.get("description", ""),
-                "parameters": t.get("input_schema") or {},
-            },
+    # The chat templates expect OpenAI-style function specs (the daemon's edge checks the rest).
+    specs = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise invalid(f"'tools.{i}' must be an object", f"tools.{i}")
+        where = f"tools.{i}."
+        function = {
+            "name": f.required(tool, "name", str, prefix=where),
+            "description": f.get(tool, "description", str, "", prefix=where),
+            "parameters": f.get(tool, "input_schema", dict, prefix=where) or {},
         }
-        for t in tools
-        if isinstance(t, dict)
-    )
+        specs.append({"type": "function", "function": function})
+    return tuple(specs)
 
 
 THINKING_TYPES = ("enabled", "disabled", "adaptive")
@@ -327,6 +327,22 @@ def _tool_use(call: dict) -> dict:
     return {"type": "tool_use", "id": call["id"], "name": call["name"], "input": call["arguments"]}
 
 
+def _content(result: Collected) -> list[dict]:
+    """The content blocks in the order the model wrote them (a text after a call comes after
+    its tool_use block); a turn with neither text nor calls has one empty text block."""
+    blocks = []
+    for kind, value in result.parts:
+        if kind is PartKind.REASONING:
+            blocks.append({"type": "thinking", "thinking": value, "signature": ""})
+        elif kind is PartKind.TEXT:
+            blocks.append({"type": "text", "text": value})
+        else:
+            blocks.append(_tool_use(value))
+    if not any(b["type"] in ("text", "tool_use") for b in blocks):
+        blocks.append({"type": "text", "text": ""})
+    return blocks
+
+
 async def _sse_body(
     gateway: Gateway, stream: Stream, started: float, message: dict
 ) -> AsyncIterator[bytes]:
@@ -401,19 +417,7 @@ async def messages(request: Request) -> Response:
     result = await gateway.collect(request, stream, API, "/v1/messages", started)
     outcome = stream.outcome
     message.update(
-        content=[
-            *(
-                [{"type": "thinking", "thinking": result.reasoning, "signature": ""}]
-                if result.reasoning
-                else []
-            ),
-            *(
-                [{"type": "text", "text": result.text}]
-                if result.text or not result.tool_calls
-                else []
-            ),
-            *(_tool_use(call) for call in result.tool_calls),
-        ],
+        content=_content(result),
         stop_reason=STOP_REASON[outcome.finish],
         stop_sequence=outcome.stop_sequence,
         usage=_usage(outcome),

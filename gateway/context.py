@@ -8,7 +8,8 @@ import contextlib
 import enum
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import Request
 
@@ -41,6 +42,22 @@ class Collected:
     ids: list[int]
     tool_calls: list[dict]
     reasoning: str = ""  # the reasoning channel's text (the think markers' contents)
+    # The turn in the order it was generated: (PartKind, text or tool call), texts of one kind
+    # run together (the APIs whose content is a list of blocks keep this order).
+    parts: list[tuple[PartKind, Any]] = field(default_factory=list)
+
+
+class PartKind(str, enum.Enum):
+    REASONING = "reasoning"
+    TEXT = "text"
+    TOOL_CALL = "tool_call"
+
+
+def _add_part(parts: list[tuple[PartKind, Any]], kind: PartKind, value: Any) -> None:
+    if kind is not PartKind.TOOL_CALL and parts and parts[-1][0] is kind:
+        parts[-1] = (kind, parts[-1][1] + value)
+    else:
+        parts.append((kind, value))
 
 
 @dataclass
@@ -110,13 +127,19 @@ class Gateway:
         generation over the request timeout, cancels it in the daemon."""
 
         async def gather() -> Collected:
-            parts, reasoning, logprobs, ids, calls = [], [], [], [], []
+            texts, reasoning, logprobs, ids, calls = [], [], [], [], []
+            order: list[tuple[PartKind, Any]] = []
             async for event in self.tokens(stream, api, endpoint, started):
-                (reasoning if event.channel == REASONING else parts).append(event.text)
+                thinking = event.channel == REASONING
+                (reasoning if thinking else texts).append(event.text)
+                if event.text:
+                    _add_part(order, PartKind.REASONING if thinking else PartKind.TEXT, event.text)
                 ids.extend(event.ids)
                 logprobs.extend(event.logprobs or ())
                 calls.extend(event.tool_calls or ())
-            return Collected("".join(parts), logprobs, ids, calls, "".join(reasoning))
+                for call in event.tool_calls or ():
+                    _add_part(order, PartKind.TOOL_CALL, call)
+            return Collected("".join(texts), logprobs, ids, calls, "".join(reasoning), order)
 
         work = asyncio.create_task(gather())
         watch = asyncio.create_task(_wait_disconnect(request))

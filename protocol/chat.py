@@ -8,6 +8,7 @@ from typing import Any, NoReturn
 
 from .errors import ErrorCode, ProtocolError
 from .messages import Message
+from .tool_specs import validate_tool_specs
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256  # a stop is matched against held-back text: keep the hold-back small
@@ -53,6 +54,8 @@ def validate_messages(messages: Any, tools: Any, raw: Any, kind: str) -> None:
         isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
     ):
         _refuse(f"{kind}: 'tools' must be a list of maps")
+    if tools:
+        validate_tool_specs(tools, kind)
 
 
 def validate_chat_fields(msg: Message, kind: str = "generate") -> None:

@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import numpy as np
 
+from moed.daemon.engine.grammar_tokens import marker_tokens
+from moed.daemon.engine.reasoning import ThinkEnd
+from moed.daemon.engine.schema_prep import prepared
 from moed.daemon.engine.text_path import RowFailed, TextGuard
 from moed.daemon.engine.tool_grammar import tool_call_grammar
 from moed.daemon.ground.faults import TextStage
@@ -30,8 +33,9 @@ if TYPE_CHECKING:  # types only: llguidance is imported where a grammar is built
 
 log = logging.getLogger("moed.engine")
 
-# Compact JSON: a model cannot spin in whitespace, so a bounded schema ends in bounded tokens.
-JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "coerce_one_of": True}
+# Compact JSON: a model cannot spin in whitespace, so a bounded schema ends in bounded tokens. A
+# oneOf is held exactly or refused (schema_prep.py), never coerced to anyOf.
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "coerce_one_of": False}
 ANY_OBJECT = {"type": "object"}
 
 _MASK_BITS = 32  # bit i of a mask word is token 32 * word + i
@@ -56,6 +60,18 @@ def _invalid(message: str) -> ProtocolError:
     return ProtocolError(ErrorCode.INVALID_SCHEMA, message)
 
 
+def _explained(message: str) -> str:
+    """llguidance's refusal, in the words of what moed enforces (its own hint names an option
+    moed leaves off on purpose)."""
+    if "oneOf constraints are not supported" in message:
+        return (
+            "'oneOf' is enforced exactly only where its branches cannot overlap (different "
+            "types, a const or enum that tells them apart); these may, and an answer matching "
+            "two branches would not validate: use 'anyOf' if either may match"
+        )
+    return message[:500]
+
+
 def grammar_for(req: GenerateRequest, tokenizer: Any) -> str | None:
     """The llguidance grammar a generate asks for; None when its answer is free."""
     from llguidance import LLMatcher
@@ -65,7 +81,7 @@ def grammar_for(req: GenerateRequest, tokenizer: Any) -> str | None:
         schema = fmt.schema if fmt.type is FormatType.JSON_SCHEMA else None
         try:
             return LLMatcher.grammar_from_json_schema(
-                json.dumps(schema or ANY_OBJECT), overrides=JSON_OPTIONS
+                json.dumps(prepared(schema) if schema else ANY_OBJECT), overrides=JSON_OPTIONS
             )
         except (ValueError, TypeError) as exc:
             raise _invalid(
@@ -96,15 +112,16 @@ class GrammarConstraint:
         self.lltok = ll_tokenizer(tokenizer)
         failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.lltok)
         if failed:
-            raise _invalid(f"the grammar does not compile: {messages[0][:500]}")
+            raise _invalid(f"the grammar does not compile: {_explained(messages[0])}")
         self.matcher = LLMatcher(self.lltok, grammar, log_level=0)
         if self.matcher.is_error():
-            raise _invalid(f"the grammar does not compile: {self.matcher.get_error()[:500]}")
-        # The grammar holds the answer: with the reasoning open, it waits for the think end.
+            raise _invalid(f"the grammar does not compile: {_explained(self.matcher.get_error())}")
+        # The grammar holds the answer: with the reasoning open, it waits for the think end's
+        # tokens (the row's reasoning split switches at the same ids: reasoning.py, held).
         self.waiting = reasoning
-        self._think_end = tuple(getattr(tokenizer, "think_end_tokens", None) or ())
+        self._think_end = ThinkEnd(tokenizer)
         self._eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
-        self._recent: list[int] = []
+        self._markers = marker_tokens(tokenizer, self.lltok, self._eos)
         self._first = True
         self.guard = guard or TextGuard()
         # Why the row cannot go on (the engine fails it before its next token goes out): the
@@ -139,7 +156,10 @@ class GrammarConstraint:
         self._first = False
         if self.waiting:
             return logits
-        words = None if self.failed else np.frombuffer(self.matcher.compute_bitmask(), np.uint32)
+        words = None
+        if not self.failed:
+            packed = np.frombuffer(self.matcher.compute_bitmask(), np.uint32)
+            words = self._markers.fix(self.matcher, packed)
         if words is None or not words.any():  # a dead end the schema led the matcher into
             why = self.failed or "no token can continue it"
             self.failure = _invalid(f"the schema's grammar cannot complete the answer: {why:.300}")
@@ -152,9 +172,7 @@ class GrammarConstraint:
 
     def _advance(self, token: int) -> None:
         if self.waiting:
-            self._recent = (self._recent + [token])[-max(1, len(self._think_end)) :]
-            if self._think_end and tuple(self._recent) == self._think_end:
-                self.waiting = False
+            self.waiting = not self._think_end.seen(token)
             return
         if not self.matcher.is_stopped() and not self.matcher.consume_token(token):
             log.warning(

@@ -112,11 +112,18 @@ class Generation:
         self.completion = 0
         self.telemetry_every = req.telemetry_every or limits.telemetry_every
         self.stops = StopSequences(req.stop)
-        self.tool_calls = ToolCalls(loaded.tokenizer, req.template_tools)
+        # An answer held to `format` is JSON: a `<tool_call>` inside one of its strings is text.
+        self.tool_calls = ToolCalls(
+            loaded.tokenizer, req.template_tools if req.format is None else None
+        )
         # parallel_tool_calls false: the answer ends with its first tool call.
         self.one_tool_call = req.parallel_tool_calls is False
+        # A row held to a grammar splits its reasoning by the grammar's rule (reasoning.py).
         self.reasoning = ReasoningSplit(
-            loaded.tokenizer, req.templated, initial_channel(loaded.tokenizer, prompt_ids)
+            loaded.tokenizer,
+            req.templated,
+            initial_channel(loaded.tokenizer, prompt_ids),
+            held=req.format is not None or req.forced_tool_calls,
         )
         self.constraint = _constraint(req, loaded.tokenizer, self.reasoning, resume_ids, self.guard)
         self.top_logprobs: int | None = req.logprobs  # None: the request wants none
@@ -124,7 +131,7 @@ class Generation:
         for token in resume_ids:  # so that text deltas continue mid-character after a resume
             self.detokenizer.add_token(token)
         if resume_ids:  # the channel continues where the resumed tokens left it
-            self.reasoning.replay(self.detokenizer.last_segment)
+            self.reasoning.replay(self.detokenizer.last_segment, resume_ids)
         self.stream_before = stream_snapshot
         self.trace: TraceRecorder | None = None  # when the request is traced (set by the engine)
         self.uid: int | None = None  # its row id in the running batch, once admitted
@@ -154,7 +161,7 @@ class Generation:
             self.detokenizer.add_token(token)
             delta = self.detokenizer.last_segment
         with guard(TextStage.REASONING):
-            split = self.reasoning.feed(delta)
+            split = self.reasoning.feed(delta, token)
         segments, calls = self._route(split, False)
         entries = None
         if self.top_logprobs is not None:

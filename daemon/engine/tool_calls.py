@@ -1,5 +1,6 @@
 """Tool calls in a streamed completion, cut out with the model's own markers and parsed by mlx-lm's
-tool parser for that model (the tokenizer wrapper infers both from the chat template).
+tool parser for that model (the tokenizer wrapper infers both from the chat template); Qwen3.6's
+XML format by tool_format.py, which reads each value the way the forced-call grammar writes it.
 
 Text between the start and end markers never reaches the client as text; each finished call goes
 out as `{id, name, arguments}`. Text that might begin a start marker is held back, as for stops. A
@@ -16,6 +17,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from moed.daemon.engine.tool_format import CallFormat, call_format, parse_xml_call
+
 log = logging.getLogger("moed.engine")
 
 
@@ -26,7 +29,8 @@ class ToolCalls:
         if self.active:
             self.start = tokenizer.tool_call_start
             self.end = tokenizer.tool_call_end
-            self.parse = tokenizer.tool_parser
+            xml = call_format(tokenizer) is CallFormat.QWEN_XML
+            self.parse = parse_xml_call if xml else tokenizer.tool_parser
         self.made = 0  # calls sent so far
         self._buffer = ""
         self._inside = False
