@@ -24,6 +24,7 @@ def _register() -> None:
     # Each subcommand lives beside the code it drives; imported here, after
     # raise_open_file_limit() above (mlx-lm, imported first, would cap the limit at 2048).
     from moed.daemon.bench.cli import bench
+    from moed.daemon.bench.plan import plan
     from moed.daemon.distributed.cli import rank
     from moed.daemon.runtime.cli import serve
     from moed.daemon.service.cli import service
@@ -31,7 +32,7 @@ def _register() -> None:
     from moed.daemon.watchdog.cli import watchdog
     from moed.gateway.cli import gateway  # imports no mlx: the gateway is a client of the daemon
 
-    for command in (serve, watchdog, service, bench, trace, gateway, rank):
+    for command in (serve, watchdog, service, bench, plan, trace, gateway, rank):
         main.add_command(command)
 
 

@@ -163,6 +163,19 @@ class ExpertLayout:
         return sum(b * e for b, e in zip(self.expert_bytes, self.num_experts))
 
 
+def unloaded(name: str) -> bool:
+    """A tensor a checkpoint stores that mlx-lm's sanitize drops before loading: a
+    vision-language conversion's vision tower (qwen3_5_moe), multi-token-prediction layers. It is
+    never in memory, so the plan leaves it out (0.9 GB of Qwen3.6-35B-A3B's ~20 GB)."""
+    return name.startswith(("vision_tower.", "model.visual.", "mtp.")) or ".mtp." in name
+
+
+def resident_bytes(index: CheckpointIndex, layout: ExpertLayout) -> int:
+    """The weights that load and stay: all but the routed experts and the unloaded tensors."""
+    dropped = sum(loc.nbytes for name, loc in index.tensors.items() if unloaded(name))
+    return index.total_bytes - layout.experts_bytes - dropped
+
+
 def layout_from_index(index: CheckpointIndex) -> ExpertLayout:
     """Find stacked expert tensors by name (used before the model is built)."""
     owners: dict[str, list[int]] = {}
@@ -271,7 +284,7 @@ def plan_memory(
     """Plan from the checkpoint alone (before loading). `cfg` is a StreamingConfig."""
     index = CheckpointIndex(Path(model_path))
     layout = layout_from_index(index)
-    resident = index.total_bytes - layout.experts_bytes
+    resident = resident_bytes(index, layout)
     return make_plan(
         layout,
         resident,

@@ -23,7 +23,13 @@ from moed.daemon.experts.discover import SwitchInfo
 from moed.daemon.experts.fence import LazyFence
 from moed.daemon.experts.held import DeviceTally
 from moed.daemon.experts.landing import Landing, Staging
-from moed.daemon.experts.memory_plan import ExpertLayout, MemoryPlan, _memory_override, make_plan
+from moed.daemon.experts.memory_plan import (
+    ExpertLayout,
+    MemoryPlan,
+    _memory_override,
+    make_plan,
+    resident_bytes,
+)
 from moed.daemon.experts.pass_lane import LANE, PassLane, lane_loads
 from moed.daemon.experts.policies import DEFAULT_POLICY, make_policy
 from moed.daemon.experts.prefetch import ReadBatch, ReadPool, ReadResult
@@ -129,7 +135,7 @@ class ExpertStreamer(CacheWarmth):
         )
         # A pipeline rank holds only its own layers' weights and says how many bytes those are.
         if resident_weight_bytes is None:
-            resident_weight_bytes = index.total_bytes - self.layout.experts_bytes
+            resident_weight_bytes = resident_bytes(index, self.layout)
         self.resident_weight_bytes = resident_weight_bytes
         self.landing = Landing(cfg.landing).resolve(on_cuda())
         self.plan = make_plan(

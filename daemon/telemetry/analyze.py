@@ -38,22 +38,27 @@ def simulate(
     policy: EvictionPolicy,
     initial: Iterable[int] = (),
     lane: bool = False,
+    counted: Sequence[bool] = (),
 ) -> tuple[int, int]:
     """(hits, misses) of one layer's calls through a `slots`-slot cache run by `policy`: the
     daemon's own slot table (experts/slots.py), pass planning and admission, minus the bytes.
-    `lane`: the layer's multi-pass calls alternate with the pass lane (streamer.load_passes)."""
+    `lane`: the layer's multi-pass calls alternate with the pass lane (streamer.load_passes).
+    `counted[t]` False: call t runs (it fills the cache) but is not counted (a prompt before the
+    decode tokens whose hit rate is asked); empty: every call counts."""
     num_experts = 1 + max([int(c.max()) for c in calls if c.size] + [int(e) for e in initial] + [0])
     table = SlotTable(num_experts, slots, policy)
     table.admit(list(initial)[:slots])
     hits = misses = 0
-    for needed in calls:
+    for t, needed in enumerate(calls):
+        count = not counted or counted[t]
         for i, chunk in enumerate(table.plan_passes(needed)):
             if lane and i % 2:  # read into the lane, which caches nothing
-                misses += len(chunk)
+                misses += len(chunk) if count else 0
                 continue
             h, loads = table.admit(chunk)
-            hits += len(h)
-            misses += len(loads)
+            if count:
+                hits += len(h)
+                misses += len(loads)
     return hits, misses
 
 

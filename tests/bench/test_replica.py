@@ -311,3 +311,23 @@ def test_moed_serve_streams_the_replica(replica_f32, daemon_factory):
                 done = event
     assert got == generate(replica_f32, "def fibonacci(n):", 6)
     assert done is not None and done.usage["completion_tokens"] == len(got)
+
+
+def test_the_daemons_plan_leaves_the_vision_tower_out(replica):
+    """The daemon plans from the checkpoint's index, `moed plan` from its config: the same
+    experts and resident weights, the vision tower (stored, never loaded) in neither."""
+    from moed.daemon.bench.plan_model import model_shape
+    from moed.daemon.experts.memory_plan import layout_from_index, resident_bytes
+    from moed.daemon.experts.safetensors_index import CheckpointIndex
+
+    index = CheckpointIndex(replica)
+    vision = sum(t.nbytes for n, t in index.tensors.items() if n.startswith("vision_tower."))
+    assert vision > 0
+    layout = layout_from_index(index)
+    shape = model_shape("replica", json.loads((replica / "config.json").read_text()))
+    assert (layout.expert_bytes, layout.num_experts) == (
+        shape.layout.expert_bytes,
+        shape.layout.num_experts,
+    )
+    assert resident_bytes(index, layout) == shape.resident_bytes
+    assert index.total_bytes == shape.resident_bytes + layout.experts_bytes + vision
