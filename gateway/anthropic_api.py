@@ -397,7 +397,7 @@ async def messages(request: Request) -> Response:
     model = (await gateway.model()).get("name")
     # message_start reports the input tokens (the stream's first event says them), and an
     # over-long prompt is answered in the words Claude Code reads (a BudgetError from start).
-    stream = await gateway.start(req, API)
+    stream = await gateway.start(req, API, request)
     message = {
         "id": f"msg_{uuid.uuid4().hex}",
         "type": "message",

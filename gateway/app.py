@@ -10,7 +10,6 @@ FastAPI itself is built on, with streaming responses that cancel on client disco
 from __future__ import annotations
 
 import contextlib
-import hmac
 import os
 import time
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moed.client.async_client import AsyncClient
 
-from . import anthropic_api, ollama_api, openai_api, ops, responses_api
+from . import anthropic_api, ollama_api, openai_api, ops, principal, responses_api
 from .access_log import AccessLog
 from .browser import BrowserGuard
 from .config import GatewayConfig, is_loopback
@@ -33,6 +32,7 @@ from .errors import ApiError, ErrorKind
 from .limits import RequestLimits
 from .metrics import GatewayMetrics
 from .peer import LocalAuth, peer_uid
+from .principal import matching_key
 
 
 def api_of(path: str) -> Api:
@@ -74,11 +74,13 @@ class Guard:
         self.gateway = gateway
         self.known_paths = known_paths
         config = gateway.config
-        self.key = config.api_key.encode() if config.api_key else None
+        self.keys = tuple(k.encode() for k in config.api_keys)
+        # Several keys: each is a principal of the prefix cache (principal.py).
+        self.key_principals = len(self.keys) > 1
         self.browser = BrowserGuard(_served_hosts(config), config.cors_origins)
         # Without a key, a loopback client must be this user (another user cannot reach the
         # daemon's socket, and must not reach it through the gateway).
-        self.check_uid = self.key is None and config.local_auth is LocalAuth.UID
+        self.check_uid = not self.keys and config.local_auth is LocalAuth.UID
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -114,10 +116,15 @@ class Guard:
         if refusal is not None:
             return refusal
         preflight = scope["method"] == "OPTIONS" and bool(self.gateway.config.cors_origins)
-        if self.key is not None and scope["path"] not in self.OPEN_PATHS and not preflight:
+        if self.keys and scope["path"] not in self.OPEN_PATHS and not preflight:
             given = headers.get(b"x-api-key") or _bearer(headers.get(b"authorization", b""))
-            if not hmac.compare_digest(given or b"", self.key):
+            key = matching_key(given or b"", self.keys)
+            if key is None:
                 return ApiError(ErrorKind.AUTHENTICATION, "a valid API key is required")
+            if self.key_principals:
+                scope[principal.SCOPE_KEY] = principal.key_principal(key)
+        elif self.gateway.config.principals_by_uid:
+            scope[principal.SCOPE_KEY] = principal.peer_principal(scope)
         length = headers.get(b"content-length")
         limit = self.gateway.config.max_body_bytes
         if length is not None and (not length.isdigit() or int(length) > limit):

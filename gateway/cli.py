@@ -191,8 +191,11 @@ def gateway(
 
 def _who_is_served(config: GatewayConfig, api_key_file: Path | None) -> str:
     if api_key_file is not None:
+        keys = len(config.api_keys)
+        if keys > 1:  # each a principal of the prefix cache
+            return f"{keys} api keys from {api_key_file}, each a principal"
         return f"api key from {api_key_file}"
-    if config.api_key:
+    if config.api_keys:
         return f"api key written to {gateway_key_path(config.socket)}"
     if config.local_auth is LocalAuth.UID:
         return f"loopback, uid {os.getuid()} only"

@@ -44,7 +44,11 @@ class GatewayConfig:
     socket: Path
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
-    api_key: str | None = None  # required off loopback; compared in constant time
+    # The keys clients may send (required off loopback; compared in constant time). Several (an
+    # --api-key-file of one key a line): each is a principal the prefix cache keeps apart.
+    api_keys: tuple[str, ...] = ()
+    # With --local-auth off: each other local user (by uid) is a principal of their own.
+    principals_by_uid: bool = False
     max_body_bytes: int = 4 * 1024 * 1024  # the daemon's frame limit: a larger prompt cannot pass
     max_connections: int = 64  # API requests in flight (then 429); /health is never counted
     max_requests_per_client: int = 48  # from one client address, so others keep some room
@@ -76,6 +80,12 @@ def is_loopback(host: str) -> bool:
 
 def read_api_key(path: Path) -> str:
     """The key in `path` (first line, stripped). The file must not be readable by others."""
+    return read_api_keys(path)[0]
+
+
+def read_api_keys(path: Path) -> tuple[str, ...]:
+    """The keys in `path`, one a line (stripped; blank lines and `#` comments skipped), each at
+    least 16 characters and none twice. The file must not be readable by others."""
     try:
         mode = path.stat().st_mode
         text = path.read_text()
@@ -85,11 +95,15 @@ def read_api_key(path: Path) -> str:
         raise ConfigError(
             f"--api-key-file {path}: mode {stat.S_IMODE(mode):o} lets others read it; chmod 600"
         )
-    lines = text.strip().splitlines()
-    key = lines[0].strip() if lines else ""
-    if len(key) < 16:
+    keys = [k for k in (line.strip() for line in text.splitlines()) if k and k[0] != "#"]
+    if not keys:
         raise ConfigError(f"--api-key-file {path}: the key must be at least 16 characters")
-    return key
+    for n, key in enumerate(keys, 1):
+        if len(key) < 16:
+            raise ConfigError(f"--api-key-file {path}: key {n} must be at least 16 characters")
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"--api-key-file {path}: a key is given twice")
+    return tuple(keys)
 
 
 def gateway_key_path(socket: Path) -> Path:
@@ -138,23 +152,30 @@ def build_config(
 ) -> GatewayConfig:
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port}: must be 0..65535")
-    api_key = read_api_key(api_key_file) if api_key_file else None
+    api_keys = read_api_keys(api_key_file) if api_key_file else ()
     local_auth = local_auth.resolved()
-    if api_key is None and local_auth is LocalAuth.KEY:
+    if not api_keys and local_auth is LocalAuth.KEY:
         try:  # the daemon's own 0700 directory (made now if the daemon has not started yet)
             ensure_private_dir(socket.parent)
         except (OSError, UnsafeSocketPath) as exc:
             raise ConfigError(f"--local-auth key: {exc}") from None
-        api_key = _reuse_gateway_key(gateway_key_path(socket)) or write_gateway_key(
-            gateway_key_path(socket)
+        api_keys = (
+            _reuse_gateway_key(gateway_key_path(socket))
+            or write_gateway_key(gateway_key_path(socket)),
         )
-    if not is_loopback(host) and not api_key:
+    if not is_loopback(host) and not api_keys:
         raise ConfigError(
             f"--host {host} is not a loopback address: anyone on the network could use the "
             "model; give --api-key-file (a file with the key, mode 600)"
         )
     config = GatewayConfig(
-        socket=socket, host=host, port=port, api_key=api_key, local_auth=local_auth, **limits
+        socket=socket,
+        host=host,
+        port=port,
+        api_keys=api_keys,
+        principals_by_uid=not api_keys and local_auth is LocalAuth.OFF,
+        local_auth=local_auth,
+        **limits,
     )
     sockets = config.connections
     # Sockets beyond the requests in flight are the room /health is answered in.

@@ -8,7 +8,7 @@ import contextlib
 import enum
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -21,6 +21,7 @@ from .config import GatewayConfig
 from .errors import ApiError, ErrorKind, from_client_error
 from .generation import Stream, Waiting
 from .metrics import GatewayMetrics
+from .principal import principal_of
 from .wire_limits import check_frame
 
 REASONING = Channel.REASONING.value
@@ -83,9 +84,11 @@ class Gateway:
         except ClientError as exc:
             raise from_client_error(exc) from None
 
-    async def start(self, req: GenerateRequest, api: Api) -> Stream:
-        """A started generation; one cancelled before its first event (the client left while
-        the daemon had not taken it yet) is counted as cancelled, as a stream left early is."""
+    async def start(self, req: GenerateRequest, api: Api, request: Request) -> Stream:
+        """A started generation of `request`'s principal (its prefix-cache scope: principal.py);
+        one cancelled before its first event (the client left while the daemon had not taken it
+        yet) is counted as cancelled, as a stream left early is."""
+        req = replace(req, principal=principal_of(request))
         return await Stream.start(
             self.client, req, on_cancel=lambda: self.metrics.cancelled.labels(api.value).inc()
         )

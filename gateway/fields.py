@@ -7,6 +7,8 @@ from typing import Any
 
 from starlette.requests import Request
 
+from moed.protocol.generate import MAX_SALT_CHARS
+
 from . import json_edge
 from .errors import invalid
 
@@ -72,3 +74,15 @@ def stop_list(value: Any, name: str, limit: int = 16) -> tuple[str, ...]:
     if len(items) > limit:
         raise invalid(f"'{name}' allows at most {limit} sequences", name)
     return tuple(items)
+
+
+def cache_salt(body: dict) -> str | None:
+    """vLLM's `cache_salt` (OpenAI's chat, completions and Responses bodies): requests with
+    different salts never share a cached prefix. A non-empty string when given."""
+    salt = get(body, "cache_salt", str)
+    if salt is not None and not 0 < len(salt) <= MAX_SALT_CHARS:
+        raise invalid(
+            f"'cache_salt' must be a non-empty string of at most {MAX_SALT_CHARS} characters",
+            "cache_salt",
+        )
+    return salt

@@ -211,7 +211,7 @@ async def _run(request: Request, endpoint: str, parse, piece) -> Response:
                 "done_reason": "load",
             }
         )
-    stream = await gateway.start(req, API)
+    stream = await gateway.start(req, API, request)
     if f.get(body, "stream", bool, True):
         return StreamingResponse(
             _ndjson(gateway, stream, endpoint, started, piece, model, {}),

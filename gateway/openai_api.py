@@ -198,7 +198,7 @@ async def _start(
     include_usage = _include_usage(body)
     model = (await gateway.model()).get("name")
     # Over the context: OpenAI's 400, not a shorter completion (the daemon checks as it starts).
-    stream = await gateway.start(req, API)
+    stream = await gateway.start(req, API, request)
     envelope = {
         "id": f"{id_prefix}-{uuid.uuid4().hex}",
         "created": int(time.time()),

@@ -124,6 +124,7 @@ def parse_chat(body: dict) -> GenerateRequest:
         tool_choice=agent.openai_tool_choice(body),
         parallel_tool_calls=f.get(body, "parallel_tool_calls", bool),
         chat_template_kwargs=agent.openai_thinking(body),
+        cache_salt=f.cache_salt(body),
         **_sampling(body),
     )
 
@@ -153,5 +154,6 @@ def parse_completion(body: dict) -> GenerateRequest:
         raw=True,  # completions continue the text as given: no chat template
         max_tokens=max_tokens,
         logprobs=logprobs,
+        cache_salt=f.cache_salt(body),
         **_sampling(body),
     )

@@ -262,7 +262,7 @@ async def create_response(request: Request) -> Response:
     req = parse_response_request(body)
     envelope = _Envelope(body, (await gateway.model()).get("name"))
     # Over the context: OpenAI's 400, not a shorter answer (the daemon checks as it starts it).
-    stream = await gateway.start(req, API)
+    stream = await gateway.start(req, API, request)
     if f.get(body, "stream", bool, False):
         return StreamingResponse(
             _sse_body(gateway, stream, started, envelope),

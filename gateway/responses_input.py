@@ -205,5 +205,6 @@ def parse_response_request(body: dict) -> GenerateRequest:
         temperature=temperature,
         top_p=top_p,
         model=f.get(body, "model", str),
+        cache_salt=f.cache_salt(body),
         **responses_controls(body),
     )

@@ -5,6 +5,7 @@ daemon's socket refuses them, and every request leaves one access-log line witho
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import socket
@@ -129,6 +130,34 @@ def test_another_local_user_is_refused_by_uid(other_user, daemon, model_name, tm
         assert status == 403 and f"uid {other_user.pw_uid}" in text, text
         mine = httpx.post(f"{gateway.url}/v1/completions", content=body)
         assert mine.status_code == 200, mine.text
+    finally:
+        gateway.stop()
+
+
+@pytest.mark.process
+def test_with_local_auth_off_each_local_user_is_a_principal_of_its_own(
+    other_user, daemon, model_name, tmp_path
+):
+    """Another local user served (--local-auth off) never resumes from this user's cached
+    prefixes, nor this user from theirs: `cached_tokens` tells nobody what another sent."""
+    gateway = start_gateway(tmp_path, daemon.socket, "--local-auth", "off")
+    prompt = "A note only its sender knows about: the door code is 4711. Repeat it."
+    body = json.dumps({"model": model_name, "prompt": prompt, "max_tokens": 1})
+
+    def cached(answer: dict) -> int:
+        return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    try:
+        theirs = []
+        for _ in range(2):
+            status, text = _post_as(other_user, gateway.port, body)
+            assert status == 200, text
+            theirs.append(json.loads(text))
+        mine = httpx.post(f"{gateway.url}/v1/completions", content=body, timeout=60)
+        assert mine.status_code == 200, mine.text
+        assert cached(theirs[0]) == 0 and cached(theirs[1]) > 0, theirs
+        assert cached(mine.json()) == 0
+        assert mine.json()["choices"][0]["text"] == theirs[0]["choices"][0]["text"]
     finally:
         gateway.stop()
 
