@@ -1,10 +1,14 @@
 """The prefix cache through real daemons: `cached_tokens` in `done`, `moe cache list|clear`,
 `moe stats` and the metrics, the next turn after a restart read from the SSD, and a resume after a
-crash that does not read its prompt again; tokens always those of a daemon with the cache off."""
+crash that does not read its prompt again; tokens always those of a daemon with the cache off. A
+FIFO in the SSD tier's folder does not hang the start; a folder others can write is refused."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -14,7 +18,7 @@ import zmq
 
 from moed.client import DoneEvent, RequestFailed, TokenEvent
 from moed.protocol import ErrorCode
-from tests.fixtures.daemon_harness import moe
+from tests.fixtures.daemon_harness import moe, serve_command, short_socket_path
 
 pytestmark = pytest.mark.process
 
@@ -128,3 +132,57 @@ def test_a_resume_after_a_crash_reads_its_context_from_the_ssd(
     assert partial + rest == want
     # The prompt was read before the crash and kept on the SSD: not read again.
     assert done.usage["cached_tokens"] >= len(prompt) - 1, done.usage
+
+
+def test_a_fifo_in_the_folder_neither_hangs_the_start_nor_stops_serving(
+    daemon_factory, tiny_model, tmp_path_factory
+):
+    folder = tmp_path_factory.mktemp("prefix-cache")
+    fifo = folder / ("ee" * 16 + ".safetensors")
+    os.mkfifo(fifo)
+    # Once, the load opened the FIFO for reading and waited for a writer forever ("loading").
+    daemon = daemon_factory(tiny_model, "--prefix-cache-dir", str(folder), wait=False)
+    daemon.wait_ready(timeout_s=60)
+    tokens, usage = turn(daemon, TURNS[0])
+    assert tokens and usage["cached_tokens"] == 0
+    with daemon.client() as c:
+        stats = c.prefix_cache()["stats"]
+    assert stats["disk_rejected"] == {"not_regular": 1}, stats
+    with pytest.raises(OSError) as nobody:  # nobody holds it open for reading
+        os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    assert nobody.value.errno == errno.ENXIO
+
+
+def _serve_refused(model, folder: Path, tmp_path: Path) -> str:
+    """`moed serve` on `folder`: it must exit 2 with one line, touching nothing; that line."""
+    mode = folder.stat().st_mode
+    out = subprocess.run(
+        serve_command(model, short_socket_path(), tmp_path / "state", "--resident")
+        + ["--prefix-cache-dir", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MOED_LOG_DIR": str(tmp_path / "logs")},
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    lines = [line for line in out.stderr.splitlines() if "moed:" in line]
+    assert len(lines) == 1 and str(folder) in lines[0], out.stderr
+    assert folder.stat().st_mode == mode and not list(folder.iterdir())  # nothing chmodded
+    return lines[0]
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
+def test_a_folder_others_can_write_is_refused_at_start(tiny_model, tmp_path, mode):
+    folder = tmp_path / "shared-cache"
+    folder.mkdir()
+    folder.chmod(mode)
+    line = _serve_refused(tiny_model, folder, tmp_path)
+    assert f"{mode:04o}" in line and "others can write" in line
+
+
+def test_another_users_folder_is_refused_at_start(other_user, tiny_model, tmp_path):
+    folder = tmp_path / "their-cache"
+    folder.mkdir(mode=0o700)
+    os.chown(folder, other_user.pw_uid, other_user.pw_gid)
+    line = _serve_refused(tiny_model, folder, tmp_path)
+    assert f"uid {other_user.pw_uid}" in line
