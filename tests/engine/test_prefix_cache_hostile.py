@@ -24,7 +24,8 @@ from moed.daemon.telemetry.metrics import render_metrics
 from tests.engine.test_prefix_cache_disk import _entry, _entry_files, engine, finish, warnings_of
 from tests.fixtures.engine_driver import SYSTEM, TURNS, converse
 
-SECRET = b"\x10\x00\x00\x00\x00\x00\x00\x00hunter2-password-of-another-user\n"
+# Its first 8 bytes, read as a header's length, once reached the log as a number.
+SECRET = b"hunter2-password-of-another-user\n"
 
 
 def read_entry(path) -> tuple[dict, bytes]:
