@@ -28,6 +28,7 @@ from .models_cli import ps as _ps
 from .models_cli import pull as _pull
 from .models_cli import rm as _rm
 from .offline import describe_crash, describe_watchdog, offline_lines, offline_state
+from .recovery_view import recovery_line
 from .run_cli import run as _run
 from .stats_cli import metrics as _metrics
 from .stats_cli import stats as _stats
@@ -132,6 +133,8 @@ def format_status(body: dict) -> str:
         lines.append(f"keep-alive   model released {after}{note}")
     if (load := body.get("load")) and load.get("stage") != "ready":
         lines.append(f"loading      {load.get('stage')}: {load.get('done')} of {load.get('total')}")
+    if recovery := recovery_line(body):  # device failures met in place, or why not
+        lines.append(f"recovery     {recovery}")
     if body.get("last_crash"):
         lines.append(f"last crash   {describe_crash(body['last_crash'])}")
     if body.get("watchdog"):

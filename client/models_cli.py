@@ -13,6 +13,7 @@ from .client import Client
 from .errors import DaemonUnavailable, RequestFailed
 from .exit_codes import ExitCode
 from .progress import Progress, Unit, progress_mode
+from .recovery_view import last_recovery_text
 
 JSON_HELP = "One JSON object per line instead of a table."
 
@@ -139,7 +140,8 @@ def _served_path(obj) -> str | None:
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 @click.pass_obj
 def ps(obj, as_json: bool) -> None:
-    """The daemon's model: state (ready, idle, loading), memory, cache budget, idle time."""
+    """The daemon's model: state (ready, idle, loading, recovering), memory, cache budget, idle
+    time, the last recovery in place from a device failure."""
     try:
         with Client(global_options().socket_path, timeout=obj["timeout"]) as client:
             status = client.status()
@@ -158,6 +160,7 @@ def ps(obj, as_json: bool) -> None:
         ("BUDGET", _budget(row)),
         ("IDLE", format_duration(row["idle_s"])),
         ("UNLOADS", _unloads(row)),
+        ("RECOVERY", last_recovery_text(row["last_recovery"])),
     ]
     widths = [max(len(h), len(v)) for h, v in cols]
     click.echo("  ".join(h.ljust(w) for (h, _), w in zip(cols, widths)))
@@ -196,4 +199,7 @@ def ps_row(status: dict) -> dict:
         "idle_s": None if status.get("busy") else max(0.0, now - (last or now)),
         "keep_alive_s": status.get("keep_alive_s"),
         "active_requests": status.get("active_requests"),
+        # Device failures recovered in place, by kind, and the last one (what it shed).
+        "recoveries": status.get("recoveries") or {},
+        "last_recovery": status.get("last_recovery"),
     }

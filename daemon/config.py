@@ -63,6 +63,11 @@ class ServeConfig:
     metrics_port: int = 0  # 0: no HTTP metrics endpoint
     trace_dir: str = ""  # record a router trace of every generation here when set
     debug_faults: str = ""  # fault injection for tests; empty (off) by default
+    # A device out-of-memory or GPU timeout inside a step (an MLX that raises it: 0.32.0 on, see
+    # ground/device_errors.py): shed and rerun the step's rows in place, keeping the model and the
+    # pid; false: always the restart path. A second failure of a kind within the window restarts.
+    recover_in_place: bool = True
+    recovery_window_s: float = 60.0
     restart_budget: int = 5  # crashes ...
     restart_window_s: float = 600.0  # ... within this window stop the restart loop
     # A pipeline over several ranks (mx.distributed): N local ranks, or a hostfile's hosts.
@@ -342,6 +347,10 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "empty, or oom_after=N, abort_after=N, hang_after=N, step_error_after=N, "
         "layer_hang_after=N, layer_delay_ms=N, layer_gil_ms=N, step_delay_ms=N, "
         "text_<stage>_after=N, <message>_at_<point>=N (ground/faults.py)",
+    ),
+    "recovery_window_s": (
+        lambda v: v >= 0,
+        "a number of seconds >= 0 (0: only a failure during a recovery restarts)",
     ),
     "restart_budget": (lambda v: v >= 0, "an integer >= 0 (0: never stop restarting)"),
     "restart_window_s": (lambda v: v > 0, "a number of seconds > 0"),

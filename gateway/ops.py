@@ -1,4 +1,4 @@
-"""GET /health (ready, loading, stalled, restarting, no_daemon; JSON) and GET /metrics
+"""GET /health (ready, loading, recovering, stalled, restarting, no_daemon; JSON) and GET /metrics
 (Prometheus text: the daemon's counters, then the gateway's own)."""
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class Health(str, enum.Enum):
     READY = "ready"
     LOADING = "loading"  # the daemon is up and loading its model
+    # A device failure inside a step is being recovered in place (the model stays loaded):
+    # requests wait, none fails; ready again in moments.
+    RECOVERING = "recovering"
     STALLED = "stalled"  # busy, but no token or prompt chunk for stall_after_s
     RESTARTING = "restarting"  # unreachable, draining or failed: the service manager restarts it
     NO_DAEMON = "no_daemon"  # nothing listens on the socket: none started, or it died
@@ -41,7 +44,9 @@ def judge(status: dict, stall_after_s: float, now: float) -> Health:
         return Health.READY
     if state == "stalled":  # the daemon's own progress deadline passed
         return Health.STALLED
-    if state != "ready":
+    if state == "recovering":
+        return Health.RECOVERING
+    if state != "ready":  # failed (the engine is dead: never 200 from here on), draining
         return Health.RESTARTING
     if status.get("busy"):
         marks = [m for m in (status.get("last_token_at"), status.get("last_progress_at")) if m]
@@ -74,6 +79,8 @@ async def health(request: Request) -> Response:
             "active_requests": status.get("active_requests"),
             "queued_requests": status.get("queued_requests"),
             "last_token_at": status.get("last_token_at"),
+            "recoveries": status.get("recoveries"),
+            "last_recovery": status.get("last_recovery"),
         },
     }
     if verdict is Health.READY:

@@ -23,6 +23,8 @@ from moed.daemon.engine.chunk_budget import ChunkBudget
 from moed.daemon.engine.decode_mask import fit_masks
 from moed.daemon.engine.prefix_cache.ladder import DecodeLadder
 from moed.daemon.engine.sampling import greedy
+from moed.daemon.ground.device_errors import classify
+from moed.daemon.ground.faults import SyncPoint
 from moed.daemon.model.layer_caches import (
     LayerCache,
     RemoteLayers,
@@ -114,21 +116,28 @@ class ChunkSizer:
     so a chunk's fixed cost and its per-token cost both count) towards a chunk that costs
     CHUNK_STEPS decode steps."""
 
-    def __init__(self, max_chunk: int, budget: ChunkBudget | None = None) -> None:
+    def __init__(
+        self, max_chunk: int, budget: ChunkBudget | None = None, limit: int | None = None
+    ) -> None:
         self.max_chunk = max_chunk
         self.budget = budget  # a lone prompt's chunk from the memory plan; None: max_chunk
+        # A ceiling over all of it, set by a recovery in place (a smaller command buffer).
+        self.limit = limit
         self.size = min(MIN_CHUNK, max_chunk)  # beside decoding rows
         self.decode_s: float | None = None  # running mean of a decode-only step
 
     def chunk(self, decoding: bool, prompting: int = 1, longest: int = 0) -> int:
         """Beside decoding rows, the steered size; else as large as the plan allows for the
-        `prompting` rows read together (padded to the `longest` row's KV tokens)."""
+        `prompting` rows read together (padded to the `longest` row's KV tokens); never over
+        `limit`."""
         if decoding:
-            return self.size
-        if self.budget is None:
-            return self.max_chunk
-        lone = self.budget.alone(max(1, prompting) * longest, longest)
-        return max(self.max_chunk, lone // max(1, prompting))
+            size = self.size
+        elif self.budget is None:
+            size = self.max_chunk
+        else:
+            lone = self.budget.alone(max(1, prompting) * longest, longest)
+            size = max(self.max_chunk, lone // max(1, prompting))
+        return size if self.limit is None else min(size, self.limit)
 
     def measured(self, step_s: float, decoded: bool, prompt_tokens: int) -> None:
         if not decoded:
@@ -158,6 +167,8 @@ class DecodeBatch:
         unused_output: Callable[[], AbstractContextManager[None]] = nullcontext,
         prompt_end: Callable[[], AbstractContextManager[None]] | None = None,
         ladder: DecodeLadder | None = None,
+        chunk_limit: int | None = None,
+        on_sync: Callable[[SyncPoint], None] | None = None,
     ) -> None:
         self._eos = frozenset(int(t) for t in eos_token_ids)
         stop = [[t] for t in sorted(self._eos)]
@@ -178,7 +189,12 @@ class DecodeBatch:
         self._early: set[int] = set()  # ... whose first token went out before the generator's
         self._read: dict[int, int] = {}  # prompt tokens read so far, per prompting row
         self._kv: dict[int, int] = {}  # the KV rows each live row may grow to
-        self._sizer = ChunkSizer(prefill_chunk, budget)
+        self._sizer = ChunkSizer(prefill_chunk, budget, chunk_limit)
+        # The largest prompt chunk this batch may read (its steps' chunks so far, or the
+        # configured one): a recovery from a timeout halves it.
+        self.largest_chunk = min(prefill_chunk, chunk_limit or prefill_chunk)
+        # Called once a step's tokens are read back (tests inject device failures there).
+        self._on_sync = on_sync
         self._rows_seen: tuple[int, ...] = ()  # the decoding rows the masks were fitted to
         # With a prefix cache: which layers can be cut back, and what each row owes it.
         self._trimmable = trimmable
@@ -263,10 +279,14 @@ class DecodeBatch:
         prompting = len(self._live) - len(self._decoding)
         longest = max(self._kv.values(), default=0)  # the batch pads every row to it
         chunk = self._sizer.chunk(bool(self._decoding), prompting, longest)
+        if prompting:
+            self.largest_chunk = max(self.largest_chunk, chunk)
         set_prefill_step(self._gen, chunk)
         t0 = time.perf_counter()
         with self._unused_output():
-            prompts, generated = self._gen.next()
+            prompts, generated = self._gen.next()  # reads the tokens of its previous step back
+        if self._on_sync is not None:
+            self._on_sync(SyncPoint.EVAL)
         step_s = time.perf_counter() - t0
         saved = self._capture(prompts) if self._prefix else []
         tokens = []
@@ -320,6 +340,8 @@ class DecodeBatch:
         if not firsts:
             return []
         mx.eval([f.token for f in firsts])  # the step that just ran computed them
+        if self._on_sync is not None:
+            self._on_sync(SyncPoint.EVAL)
         out = []
         for f in firsts:
             token = int(f.token.item())  # type: ignore[arg-type]  # mlx types item() int/float/complex
@@ -386,6 +408,16 @@ class DecodeBatch:
 
     def close(self) -> None:
         self._gen.close()
+
+    def abandon(self) -> None:
+        """Drop the batch after a device failure: its caches and pending tokens depend on the
+        failed command buffer. Closing waits on the generator's stream, where the failure may
+        be raised once more; that one is the failure already being handled."""
+        try:
+            self._gen.close()
+        except RuntimeError as exc:
+            if classify(exc) is None:
+                raise
 
 
 def _progress(progress: object) -> tuple[int, int]:

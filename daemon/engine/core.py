@@ -16,7 +16,6 @@ from typing import Any
 import mlx.core as mx
 
 from moed.daemon.config import ServeConfig
-from moed.daemon.distributed.failure import is_group_failure
 from moed.daemon.engine.batch import DecodeBatch, SavedRow, StepOutput
 from moed.daemon.engine.commands import (
     Cancel,
@@ -26,6 +25,7 @@ from moed.daemon.engine.commands import (
     Stop,
     Submit,
 )
+from moed.daemon.engine.failures import EngineFailures
 from moed.daemon.engine.heartbeat import StepHeartbeat
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.lifecycle import ModelLifecycle
@@ -33,10 +33,12 @@ from moed.daemon.engine.prefix_cache.cache import PrefixHit
 from moed.daemon.engine.prefix_cache.disk_tier import clear_folder
 from moed.daemon.engine.prefix_cache.disk_writer import Activity
 from moed.daemon.engine.prefix_cache.setup import prefix_cache_config
+from moed.daemon.engine.recovery import InPlaceRecovery
+from moed.daemon.engine.recovery_ledger import RecoveryLedger, RecoveryPolicy
 from moed.daemon.engine.request import Emitted, GenerateJob, Generation, RequestKey
 from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Scheduler
 from moed.daemon.engine.sink import EventSink
-from moed.daemon.engine.status import DaemonState, EngineStatus, ShedRecord
+from moed.daemon.engine.status import EngineStatus, ShedRecord
 from moed.daemon.engine.step_abort import CancelBoard, StepAborted
 from moed.daemon.engine.text_path import failure_of
 from moed.daemon.ground.crashlog import CrashKind
@@ -54,14 +56,8 @@ from moed.protocol import messages as wire
 
 log = logging.getLogger("moed.engine")
 
-_EXIT_FOR = {
-    CrashKind.ENGINE_FAILED: DaemonExit.FAILED,
-    CrashKind.OUT_OF_MEMORY: DaemonExit.OUT_OF_MEMORY,
-    CrashKind.RANK_FAILED: DaemonExit.RANK_FAILED,
-}
 
-
-class EngineCore(ModelLifecycle):
+class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
     """Admits, steps, cancels and finishes generations; one thread calls every method."""
 
     def __init__(
@@ -75,6 +71,7 @@ class EngineCore(ModelLifecycle):
         reject_queued: Callable[[ErrorCode, str], None] | None = None,
         faults: Faults | None = None,
         cancels: CancelBoard | None = None,
+        on_recovery: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.serve = serve
         self.model_path = model_path
@@ -106,6 +103,18 @@ class EngineCore(ModelLifecycle):
         # Rows' caches to keep once their first token is out: a store evaluates copies of them
         # (milliseconds), which must not stand between a prompt's end and its first token.
         self._unsaved: list[SavedRow] = []
+        # Device failures inside a step: met in place where MLX raises them catchably
+        # (engine/recovery.py); the transport records each recovery.
+        version = str(getattr(mx, "__version__", ""))  # the stubs leave it out
+        policy = RecoveryPolicy.of(serve.recover_in_place, serve.recovery_window_s, version)
+        self.recovery = RecoveryLedger(policy)
+        self.on_recovery = on_recovery
+        self.chunk_limit: int | None = None
+        self._budget_steps = 0
+        self._catching_up: set[int] = set()
+        self.status.update(
+            device_recovery=policy.describe(), recoveries=self.recovery.counts_wire()
+        )
 
     @property
     def has_work(self) -> bool:
@@ -124,13 +133,6 @@ class EngineCore(ModelLifecycle):
         """End every active request with `code` (the drain at shutdown)."""
         for gen in list(self._gens.values()):
             self._finish(gen, code, message)
-
-    def engine_failed(self, exc: Exception) -> None:
-        """A bug outside a step: fail everyone and let the daemon exit, never hang silently."""
-        log.exception("the engine failed")
-        what = f"{exc.__class__.__name__}: {exc}"
-        message = f"the engine failed ({exc.__class__.__name__}); the daemon restarts"
-        self._fail_process(exc, CrashKind.ENGINE_FAILED, what, ErrorCode.INTERNAL, message)
 
     # ---- commands --------------------------------------------------------------------------
     def handle(self, command: EngineCommand) -> None:
@@ -159,7 +161,8 @@ class EngineCore(ModelLifecycle):
     def step(self) -> None:
         """Admit what the scheduler says, then one step of the running batch."""
         self._store_unsaved()  # rows ended by a command (a cancel) since the last step
-        admitted = self.scheduler.schedule(time.monotonic()).admit
+        # While a recovery's rows catch up, new requests wait for the memory it shed.
+        admitted = () if self.recovering else self.scheduler.schedule(time.monotonic()).admit
         for key in admitted:
             self._join(self._gens[key])
         if admitted:  # a row that joined reads its prompt: the SSD tier holds its writes now
@@ -177,8 +180,9 @@ class EngineCore(ModelLifecycle):
             self._abandon_step()
             return
         except Exception as exc:
-            if classify(exc) is not None:  # a device failure: out of memory, a timeout, other
-                self._out_of_memory(exc)
+            failure = classify(exc)  # a device failure: out of memory, a GPU timeout, other
+            if failure is not None:
+                self._device_failed(exc, failure)
                 return
             assert self.loaded is not None  # a batch runs on a loaded model
             if self.loaded.pipeline is not None:
@@ -324,21 +328,12 @@ class EngineCore(ModelLifecycle):
         for gen in list(self._rows.values()):
             self._finish(gen, FinishReason.CANCELLED)
 
-    def _batch_failed(self, exc: Exception) -> None:
-        """A step raised: the batch state is unknown, so every row fails and a new batch starts."""
-        log.exception("a batch step failed")
-        message = f"{exc.__class__.__name__}: {exc}"
-        for gen in list(self._rows.values()):
-            self._finish(gen, ErrorCode.INTERNAL, message)
-        assert self.batch is not None  # only a running batch fails a step
-        self._unsaved.clear()  # caches of a batch whose state is unknown
-        self.batch.close()
-        self.batch = self._new_batch()
-
     def _deliver(self, out: StepOutput) -> None:
         if out.prompts:  # a long prefill yields no token for a while: the watchdog sees progress
             self.status.update(last_progress_at=time.time())
         for chunk in out.prompts:  # clients see a long prompt move, chunk by chunk
+            if chunk.uid in self._catching_up:  # a recovery reads it again: nothing new to see
+                continue
             if (gen := self._rows.get(chunk.uid)) is not None and gen.job.request.progress:
                 req_id = gen.job.request_id
                 self.sink.emit(
@@ -354,6 +349,7 @@ class EngineCore(ModelLifecycle):
             gen = self._rows.get(tok.uid)
             if gen is None:  # cancelled while its token was being computed
                 continue
+            self._row_moved(tok.uid)
             if gen.first_token_at is None:
                 gen.first_token_at = time.perf_counter()
             if gen.constraint is not None and gen.constraint.failure is not None:
@@ -371,13 +367,6 @@ class EngineCore(ModelLifecycle):
                 self._finish(gen, FinishReason.STOP)  # a stop sequence matched
             elif tok.finish is not None:
                 self._finish(gen, tok.finish)
-
-    def _row_failed(self, gen: Generation, exc: BaseException) -> None:
-        """One request's text path failed (text_path.py): it ends with a typed error, and the
-        batch's other rows and the daemon carry on."""
-        code, message = failure_of(exc)
-        log.warning("request %r failed alone: %s", gen.job.request_id, exc, exc_info=exc)
-        self._finish(gen, code, message)
 
     def _emit_token(self, gen: Generation, token: int, row_logprobs: mx.array) -> bool:
         """Send a token (and telemetry when due); True when a stop sequence ended the text."""
@@ -429,6 +418,7 @@ class EngineCore(ModelLifecycle):
         self.scheduler.remove(key)
         if gen is not None and gen.uid is not None:
             self._rows.pop(gen.uid, None)
+            self._row_moved(gen.uid)
             if self.batch is not None:
                 # A no-op for a row that finished by itself; with `keep`, its caches are cached.
                 keep = keep and self.prefix_cache is not None
@@ -490,48 +480,6 @@ class EngineCore(ModelLifecycle):
         if routing is not None and routing.lossy:  # K-reduction: the client must know
             msg["lossy"] = routing.describe()
         self.sink.emit(gen.job.identity, msg, terminal=True)
-
-    def _out_of_memory(self, exc: BaseException, also: GenerateJob | None = None) -> None:
-        """A Metal command-buffer failure: the process exits non-zero so that launchd restarts it
-        (with a smaller cache budget)."""
-        log.critical("out of memory: %s", exc)
-        message = f"the daemon ran out of memory ({exc}); it restarts with a smaller expert cache"
-        if also is not None:
-            self.reject(also, ErrorCode.OUT_OF_MEMORY, message)
-        what = f"{exc.__class__.__name__}: {exc}"
-        self._fail_process(exc, CrashKind.OUT_OF_MEMORY, what, ErrorCode.OUT_OF_MEMORY, message)
-
-    def _group_failed(self, exc: BaseException) -> None:
-        """A collective lost its peer (or a step failed mid-collective): every request fails
-        retryably and the group restarts."""
-        what = "a pipeline rank failed" if is_group_failure(exc) else "a pipeline step failed"
-        message = f"{what} ({exc}); the daemon restarts the group"
-        log.error("%s", message)
-        self._fail_process(exc, CrashKind.RANK_FAILED, message, ErrorCode.RANK_FAILED, message)
-
-    def _fail_process(
-        self, exc: BaseException, kind: CrashKind, what: str, code: ErrorCode, message: str
-    ) -> None:
-        """Record the crash, fail every request with `code`, and publish `fatal` (last: the
-        transport flushes the errors, then exits with the kind's code)."""
-        self._record_crash(kind, what)
-        self.status.update(state=DaemonState.FAILED, error=what)
-        for gen in list(self._gens.values()):
-            try:
-                self._finish(gen, code, message)
-            except Exception:  # a generation broken by the failure still must leave
-                self._forget(gen.job.key)
-        self.reject_queued(code, message)
-        self.exit_code = _EXIT_FOR[kind]
-        self.fatal = exc
-
-    def _record_crash(self, kind: CrashKind, message: str) -> None:
-        if self.on_crash is None:
-            return
-        try:
-            self.on_crash(kind, message)
-        except Exception:  # the record is advisory; failing the requests is not
-            log.exception("could not record the crash")
 
     def _shed(self, level: ShedLevel) -> None:
         released = 0

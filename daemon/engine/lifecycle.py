@@ -29,6 +29,7 @@ from moed.daemon.engine.status import DaemonState, EngineStatus
 from moed.daemon.experts.active_experts import ActiveExpertsError
 from moed.daemon.ground.crashlog import CrashKind
 from moed.daemon.ground.exit_codes import DaemonExit
+from moed.daemon.ground.faults import Faults
 from moed.daemon.model.layer_progress import watch_layers
 from moed.daemon.model.loader import (
     CheckpointUnusable,
@@ -64,6 +65,8 @@ class ModelLifecycle:
     prefix_cache: PrefixCache | None
     fatal: BaseException | None
     exit_code: int
+    faults: Faults
+    chunk_limit: int | None  # the prompt chunk's ceiling a recovery in place set
     _gens: dict[RequestKey, Generation]
     _ranks_at: float
     # ... and what the engine core does for it (engine/core.py).
@@ -111,6 +114,7 @@ class ModelLifecycle:
         self._watch_progress()
         self._open_prefix_cache()
         self.batch = self._new_batch()
+        self.status.add(loads=1)
         self.status.update(
             state=DaemonState.READY,
             model=describe_model(self.loaded),
@@ -142,6 +146,9 @@ class ModelLifecycle:
         watch_layers(self.loaded.model, self.heartbeat.layer_done)
         if self.loaded.streamer is not None:
             self.loaded.streamer.on_progress = self.heartbeat.beat
+            if self.faults.device:  # tests raise device failures at the sync points
+                self.loaded.streamer.on_sync = self.faults.at
+                self.loaded.streamer.fence.on_sync = self.faults.at
 
     def _new_batch(self) -> DecodeBatch:
         # A pipeline's leader mirrors every batch-cache change to the other ranks (cache_ops.py).
@@ -162,6 +169,8 @@ class ModelLifecycle:
             streamer.unused_output.scope if streamer is not None else nullcontext,
             streamer.prompt_end_step if streamer is not None else None,
             self.prefix_cache.decode_ladder() if self.prefix_cache is not None else None,
+            self.chunk_limit,
+            self.faults.at if self.faults.device else None,
         )
 
     def _open_prefix_cache(self) -> None:

@@ -11,6 +11,7 @@ import queue
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.engine.commands import (
@@ -22,13 +23,16 @@ from moed.daemon.engine.commands import (
     Submit,
 )
 from moed.daemon.engine.core import EngineCore
+from moed.daemon.engine.recovery_ledger import RecoveryPhase
 from moed.daemon.engine.request import GenerateJob, RequestKey
 from moed.daemon.engine.sink import EventSink
 from moed.daemon.engine.status import EngineStatus
 from moed.daemon.engine.step_abort import CancelBoard
-from moed.daemon.ground.crashlog import CrashKind
+from moed.daemon.ground.crashlog import CrashKind, record_recovery
+from moed.daemon.ground.device_errors import DeviceFailure
 from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.ground.faults import Faults
+from moed.daemon.ground.watchdog_state import report_recovery
 from moed.daemon.model.loader import LoadedModel
 from moed.protocol import ErrorCode, ShedLevel
 
@@ -109,6 +113,7 @@ class Engine:
             reject_queued=self._reject_queued,
             faults=self.faults,
             cancels=self.cancels,
+            on_recovery=self._record_recovery,
         )
         self.core = core
         if not core.load():
@@ -126,6 +131,16 @@ class Engine:
         except Exception as exc:  # a bug outside a step: fail everyone and exit, never hang
             core.engine_failed(exc)
         core.close()
+
+    def _record_recovery(self, recovery: dict[str, Any]) -> None:
+        """A recovery in place, as it begins and once done: the watchdog hears of it at once
+        (ground/watchdog_state.py); a done out-of-memory one joins the crash record's history
+        (the next start's back-off; one that failed half-way is recorded as the crash)."""
+        state_dir, boot_id = self.serve.state_dir, self.status.get("boot_id")
+        done = recovery.get("phase") == RecoveryPhase.RECOVERED.value
+        if done and recovery.get("kind") == DeviceFailure.OUT_OF_MEMORY.value:
+            record_recovery(state_dir, recovery, boot_id)
+        report_recovery(state_dir, {**recovery, "boot_id": boot_id, "pid": self.status.get("pid")})
 
     def _drain_inbox(self, core: EngineCore, wait_s: float | None) -> None:
         """Hand every queued command to the core, first waiting up to `wait_s` for one (None: a

@@ -34,6 +34,7 @@ from moed.protocol.validation import (
 )
 
 if TYPE_CHECKING:  # types only: _constraint imports the grammar where one is asked for
+    from moed.daemon.engine.batch import Sampler
     from moed.daemon.engine.grammar import GrammarConstraint
 
 RequestKey = tuple[bytes, RequestId]  # (client identity, client-chosen request id)
@@ -103,9 +104,14 @@ class Generation:
         self.guard = TextGuard.for_prompt(faults, loaded.tokenizer, prompt_ids)
         self.context = prompt_ids + resume_ids  # what the model reads before the first new token
         self.max_new_tokens = max_tokens - len(resume_ids)
-        params = SamplingParams(float(req.temperature or 0.0), float(req.top_p or 1.0), req.seed)
+        self.resume_ids = resume_ids
+        self.generated: list[int] = []  # the tokens sent since, in order (a rejoin reads them)
+        self._params = SamplingParams(
+            float(req.temperature or 0.0), float(req.top_p or 1.0), req.seed
+        )
+        self._seed = random.getrandbits(62)  # kept: a rejoined row samples the same positions
         self.sampler = make_position_sampler(
-            params, len(self.context), default_seed=random.getrandbits(62)
+            self._params, len(self.context), default_seed=self._seed
         )
         self.prompt_tokens = len(prompt_ids)
         self.index = len(resume_ids)  # token indices continue after a resume
@@ -125,7 +131,11 @@ class Generation:
             initial_channel(loaded.tokenizer, prompt_ids),
             held=req.format is not None or req.forced_tool_calls,
         )
-        self.constraint = _constraint(req, loaded.tokenizer, self.reasoning, resume_ids, self.guard)
+        # Whether the reasoning is open where the context ends: the grammar waits for its end.
+        self._reasoning_open = self.reasoning.channel is Channel.REASONING
+        self.constraint = _constraint(
+            req, loaded.tokenizer, self._reasoning_open, resume_ids, self.guard
+        )
         self.top_logprobs: int | None = req.logprobs  # None: the request wants none
         self.detokenizer = loaded.tokenizer.detokenizer
         for token in resume_ids:  # so that text deltas continue mid-character after a resume
@@ -150,11 +160,28 @@ class Generation:
         """The KV rows this request can grow to (its context and every token it may add)."""
         return len(self.context) + self.max_new_tokens
 
+    def rejoin(self) -> tuple[list[int], int, Sampler, GrammarConstraint | None]:
+        """What the row needs to join a new batch and continue where its stream is (a recovery
+        in place, by recompute): the context with every token sent so far, the tokens left, a
+        sampler at the next position and the grammar advanced past the sent tokens. The
+        detokenizer, the channel split, stops and tool calls go on as they are."""
+        context = self.context + self.generated
+        self.sampler = make_position_sampler(self._params, len(context), default_seed=self._seed)
+        self.constraint = _constraint(
+            self.job.request,
+            self.tokenizer,
+            self._reasoning_open,
+            self.resume_ids + self.generated,
+            self.guard,
+        )
+        return context, self.max_new_tokens - len(self.generated), self.sampler, self.constraint
+
     def add_token(self, token: int, logprobs: Any = None) -> Emitted:
         """Detokenize a sampled token: the text to send by channel (think markers, tool calls and
         stop strings cut out), its logprobs if asked, finished tool calls, and whether the text
         ended (a stop string matched). `logprobs` is the distribution the token was sampled
         from (this request's row). A stage that raises raises RowFailed (text_path.py)."""
+        self.generated.append(token)
         guard = self.guard
         guard.tokens = self.completion
         with guard(TextStage.DETOKENIZE):
@@ -237,7 +264,7 @@ class Generation:
 def _constraint(
     req: GenerateRequest,
     tokenizer: Any,
-    reasoning: ReasoningSplit,
+    reasoning_open: bool,
     resumed: list[int],
     guard: TextGuard,
 ) -> GrammarConstraint | None:
@@ -245,6 +272,4 @@ def _constraint(
     grammar = grammar_for(req, tokenizer)
     if grammar is None:
         return None
-    return GrammarConstraint(
-        tokenizer, grammar, reasoning.channel is Channel.REASONING, resumed, guard
-    )
+    return GrammarConstraint(tokenizer, grammar, reasoning_open, resumed, guard)

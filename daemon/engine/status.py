@@ -19,6 +19,9 @@ class DaemonState(str, enum.Enum):
     IDLE = "idle"  # the keep-alive expired: model and expert cache released until the next request
     DRAINING = "draining"
     FAILED = "failed"
+    # A device failure inside a step is being recovered in place: the interrupted rows are read
+    # again; new requests wait (engine/recovery.py).
+    RECOVERING = "recovering"
     STALLED = "stalled"  # set by the transport: work to do, no progress within the deadline
 
 
@@ -46,6 +49,7 @@ class StatusRecord:
     # Load.
     model: dict[str, Any] | None = None
     load_s: float | None = None
+    loads: int = 0  # model loads since the start (a recovery in place reloads nothing)
     memory_plan: str | None = None
     streaming: dict[str, Any] | None = None
     error: str | None = None
@@ -70,6 +74,13 @@ class StatusRecord:
     sheds: int = 0
     last_shed: ShedRecord | None = None
     crashing: dict[str, Any] | None = None  # the crash record written while this run is failing
+    # Device failures inside a step (engine/recovery.py): how they are met ("in_place", or why
+    # the restart path), recoveries in place by kind, the last one (what failed, what was shed),
+    # and the prompt chunk's ceiling a recovery set (None: none).
+    device_recovery: str | None = None
+    recoveries: dict[str, int] = field(default_factory=dict)
+    last_recovery: dict[str, Any] | None = None
+    prompt_chunk_limit: int | None = None
     # A pipeline group: every rank's host, layers, memory and expert cache (rank 0 first).
     ranks: list[dict[str, Any]] | None = None
     # The prefix KV cache's counters and tier sizes (engine/prefix_cache/), None when it is off;

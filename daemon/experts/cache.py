@@ -106,10 +106,13 @@ class LayerPool(SlotTable):
         super().__init__(num_experts, slots, policy)
         self._allocate(slots)
         # A staged pool's reads land in its ring (staging.py), allocated once.
-        self.ring: StagingRing | None = None
-        if self.staged:
-            shapes = {t.key: (t.loc.shape[1:], *_pool_dtypes(t.loc.dtype)) for t in tensors}
-            self.ring = StagingRing(min(DEFAULT_ROWS, num_experts), shapes)
+        self.ring = self._make_ring()
+
+    def _make_ring(self) -> StagingRing | None:
+        if not self.staged:
+            return None
+        shapes = {t.key: (t.loc.shape[1:], *_pool_dtypes(t.loc.dtype)) for t in self.tensors}
+        return StagingRing(min(DEFAULT_ROWS, self.num_experts), shapes)
 
     def _allocate(self, slots: int) -> None:
         alloc = _alloc_on_device if self.staged else alloc_slots
@@ -204,6 +207,18 @@ class LayerPool(SlotTable):
             }
         self.slot_of[:] = np.arange(self.num_experts)
         self.expert_in[:] = np.arange(self.num_experts)
+
+    def start_over(self, slots: int) -> None:
+        """Fresh, empty slot arrays of `slots` (a device failure: the failed step may have claimed
+        slots it never read, and a staged pool's last scatter may be poisoned); a new ring."""
+        for v in self.views.values():
+            v.release()
+        for expert in self.policy.order():
+            self.policy.remove(expert)
+        self.policy.set_capacity(slots)
+        self._reset(slots)
+        self._allocate(slots)
+        self.ring = self._make_ring()
 
     def resize(self, new_slots: int) -> int:
         """Shrink (or grow) the pools, keeping the most valuable residents. Returns bytes

@@ -7,11 +7,12 @@ read-back, which evaluates every pending output anyway)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import mlx.core as mx
 
 from moed.daemon.experts.counters import Counters
+from moed.daemon.ground.faults import SyncPoint
 
 
 class LazyFence:
@@ -23,6 +24,8 @@ class LazyFence:
         # `settled` is two clears, not a walk over every layer.
         self._reads: dict[int, set[int]] = {}
         self._readers: dict[int, list[mx.array]] = {}
+        # Called after each evaluation: a device failure surfaces here (tests inject one).
+        self.on_sync: Callable[[SyncPoint], None] | None = None
 
     def defer(self, key: int, out: mx.array, slots_read: Iterable[int] | None) -> None:
         """`out` reads `slots_read` of the slot arrays `key` names (ints; None: a staged pool,
@@ -56,13 +59,16 @@ class LazyFence:
     def _evaluate(self, outputs: list[mx.array]) -> None:
         t0 = time.perf_counter()
         mx.eval(*outputs)
+        if self.on_sync is not None:
+            self.on_sync(SyncPoint.FENCE)
         c = self.counters
         c.host_syncs += 1
         c.fences += 1
         c.expert_compute_s += time.perf_counter() - t0
 
     def settled(self) -> None:
-        """The pending outputs were evaluated (by a flush, or by a read-back that took them)."""
+        """The pending outputs were evaluated (by a flush, or by a read-back that took them), or
+        are dropped unevaluated (a device failure: they depend on the failed command buffer)."""
         self.outputs = []
         self._reads.clear()
         self._readers.clear()

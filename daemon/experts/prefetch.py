@@ -207,6 +207,19 @@ class ReadPool:
         out.wall_s = time.perf_counter() - t0
         return out
 
+    def quiesce(self) -> None:
+        """Drop every queued job and wait for the running ones to finish (a device failure: the
+        slots they write start over; nobody waits for the dropped batches)."""
+        with self._cv:
+            for batch, _job in [*self._demand, *self._speculative]:
+                batch.cancelled = True
+                batch.left -= 1
+            self._demand.clear()
+            self._speculative.clear()
+            self._finished.notify_all()
+            while self._busy:
+                self._cv.wait()  # _done notifies once no worker is busy
+
     def close(self) -> None:
         with self._cv:
             self._closed = True

@@ -186,6 +186,16 @@ class Speculator:
             pool.land(staging)
         s.counters.prefetch_bytes += res.bytes_read
 
+    def abandon(self) -> None:
+        """A device failure: every speculative read is given up (the caller waits for the ones
+        running: `ReadPool.quiesce`) and nothing predicted survives; the pools start over."""
+        for entry in self._inflight.values():
+            for batch in entry.batches.values():
+                self.s.reader.cancel(batch)
+        self._inflight.clear()
+        self._predicted = None
+        self._kept_stagings = {}
+
     def drain(self) -> None:
         """Land every layer's speculative reads (before a shed or a preload)."""
         for layer in list(self._inflight):

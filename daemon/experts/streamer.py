@@ -40,6 +40,7 @@ from moed.daemon.experts.store import ExpertStore, PageCachePolicy, resolve_page
 from moed.daemon.experts.tuning import StepTuner, Switch
 from moed.daemon.experts.unused_output import UnusedOutput
 from moed.daemon.experts.warm import CacheWarmth
+from moed.daemon.ground.faults import SyncPoint
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,8 @@ class ExpertStreamer(CacheWarmth):
         # Called on the engine thread when a layer routed or its reads landed: progress inside a
         # step, for the engine's progress deadline (engine/heartbeat.py).
         self.on_progress: Callable[[], None] = _no_progress
+        # Called after each router read-back (tests inject device failures there).
+        self.on_sync: Callable[[SyncPoint], None] | None = None
 
     def keep_rows_together(self) -> None:
         """This device's gathers give a row other bits in a smaller call (row_split.py): the
@@ -263,6 +266,8 @@ class ExpertStreamer(CacheWarmth):
         else:
             mx.eval(indices, *[a for a in (predicted, tally) if a is not None], *fence.outputs)
         fence.settled()
+        if self.on_sync is not None:  # a device failure surfaces at this read-back
+            self.on_sync(SyncPoint.ROUTER)
         c.host_syncs += 1
         t1 = time.perf_counter()
         if tally is not None:
@@ -698,6 +703,27 @@ class ExpertStreamer(CacheWarmth):
         self.budget_bytes = self.resident_bytes
         mx.clear_cache()  # hand the freed pool buffers back to the OS
         log.info("expert cache shed to %d slots per layer (%d bytes released)", target, released)
+
+    def start_over(self, slots: int | None = None) -> int:
+        """After a device failure inside a step: its pending outputs go unevaluated (they depend
+        on the failed command buffer), reads in flight are given up and waited for, and every
+        pool starts over empty, `slots` per layer (default: as now): the failed step may have
+        claimed a slot whose bytes it never read. Returns the cache bytes released."""
+        before = self.resident_bytes
+        self.fence.settled()
+        self.spec.abandon()
+        self.reader.quiesce()
+        target = min(self.slots) if slots is None else max(1, slots)
+        with self._lock:
+            self._pending_slots = None
+        for pool in self.pools:
+            pool.start_over(min(target, pool.num_experts))
+        self.lane = self._make_lane()
+        self._held = [False] * len(self.pools)
+        self.tally = DeviceTally([p.num_experts for p in self.pools])  # its sums may be poisoned
+        self._step_tally = None
+        self.budget_bytes = self.resident_bytes
+        return max(0, before - self.resident_bytes)
 
     def close(self) -> None:
         try:

@@ -49,14 +49,24 @@ class CrashKind(str, enum.Enum):
     MEMORY_PRESSURE = (
         "memory_pressure"  # the watchdog asked for a restart because swap kept growing
     )
+    # Not a crash: an out-of-memory recovered in place (engine/recovery.py). Kept in the history
+    # for the back-off only, so a start within the window takes no larger budget than it left.
+    RECOVERED_OOM = "recovered_out_of_memory"
 
 
 MEMORY_KINDS = frozenset(
-    {CrashKind.OUT_OF_MEMORY, CrashKind.UNCLEAN_EXIT, CrashKind.MEMORY_PRESSURE}
+    {
+        CrashKind.OUT_OF_MEMORY,
+        CrashKind.UNCLEAN_EXIT,
+        CrashKind.MEMORY_PRESSURE,
+        CrashKind.RECOVERED_OOM,
+    }
 )
 # Another rank's death says nothing about this daemon or the requests it had in flight: it spends
 # no restart budget and never makes a request poison (the group restart is the retry).
 NOT_THE_DAEMONS_OWN = frozenset({CrashKind.RANK_FAILED.value})
+# The daemon survived these: no restart budget spent, no request made poison, never `last`.
+NOT_A_CRASH = frozenset({CrashKind.RECOVERED_OOM.value})
 
 
 def crash_path(state_dir: Path) -> Path:
@@ -137,8 +147,8 @@ def plan_start(
         data.pop("run", None)
         _save(state_dir, data)
     within = [e for e in data.get("history", []) if now - float(e["at"]) <= window_s]
-    recent = [e for e in within if e.get("kind") not in NOT_THE_DAEMONS_OWN]
-    memory = [e for e in recent if e.get("kind") in {k.value for k in MEMORY_KINDS}]
+    recent = [e for e in within if e.get("kind") not in NOT_THE_DAEMONS_OWN | NOT_A_CRASH]
+    memory = [e for e in within if e.get("kind") in {k.value for k in MEMORY_KINDS}]
     factor = backoff_factor(len(memory))
     refuse = None
     if restart_budget > 0 and len(recent) >= restart_budget:
@@ -194,6 +204,18 @@ def record_crash(
         data.pop("run")  # accounted for: the next start must not count it again as unclean
     _save(state_dir, data)
     return entry
+
+
+def record_recovery(state_dir: Path, recovery: dict, boot_id: str | None) -> None:
+    """An out-of-memory recovered in place (engine/recovery.py): into the history, for the next
+    start's back-off; the run goes on, so neither `last` nor the run marker changes."""
+    data = _load(state_dir)
+    entry = _entry(
+        CrashKind.RECOVERED_OOM, str(recovery.get("message", "")), boot_id, os.getpid(), time.time()
+    )
+    entry["shed"] = recovery.get("shed")
+    data.setdefault("history", []).append(entry)
+    _save(state_dir, data)
 
 
 def _entry(kind: CrashKind, message: str, boot_id: Any, pid: Any, at: float) -> dict:

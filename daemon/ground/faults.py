@@ -179,7 +179,10 @@ class Faults:
             if fault.point is point and state.tokens >= fault.after and fault not in state.fired:
                 state.fired.add(fault)
                 log.warning(
-                    "debug fault %s at %s after %d tokens", fault.message.value, point, fault.after
+                    "debug fault %s at %s after %d tokens",
+                    fault.message.value,
+                    point.value,
+                    fault.after,
                 )
                 raise RuntimeError(DEVICE_MESSAGES[fault.message])
 

@@ -14,6 +14,10 @@ import psutil
 from moed.daemon.ground.state_files import read_json, save_json
 
 STATE_FILE_NAME = "watchdog.json"
+# Written by the daemon, read by the watchdog: the daemon's last recovery in place from a device
+# failure (engine/recovery.py). The watchdog counts an out-of-memory one as the shed step it would
+# have taken itself, so one event is not met twice, and keeps what it saw in its state file.
+RECOVERY_FILE_NAME = "recovery.json"
 
 
 def state_file_path(state_dir: Path) -> Path:
@@ -54,3 +58,19 @@ def read_state(state_dir: Path, stale_after_s: float = 30.0) -> dict | None:
     )
     state["running"] = bool(alive and fresh and not state.get("stopped_at"))
     return state
+
+
+def report_recovery(state_dir: Path, record: dict) -> None:
+    """The daemon recovered in place (its pid, boot id and the recovery's record)."""
+    save_json(state_dir / RECOVERY_FILE_NAME, json.loads(json.dumps(record, default=jsonable)))
+
+
+def _recovery_shape(record: Any) -> bool:
+    at = record.get("at") if isinstance(record, dict) else None
+    return isinstance(at, (int, float)) and not isinstance(at, bool)
+
+
+def read_recovery(state_dir: Path) -> dict | None:
+    """The daemon's last recovery in place, or None."""
+    record: dict | None = read_json(state_dir / RECOVERY_FILE_NAME, shape=_recovery_shape)
+    return record

@@ -223,6 +223,10 @@ def build_stats(
             "restarts", status.get("recent_crashes")
         ),  # crash restarts in the restart window
         "last_crash": crash if crash else None,
+        # Device failures recovered in place, by kind, and the last one (engine/recovery.py).
+        "recoveries": status.get("recoveries") or {},
+        "last_recovery": status.get("last_recovery"),
+        "prompt_chunk_limit": status.get("prompt_chunk_limit"),
         "time": time.time(),
     }
 

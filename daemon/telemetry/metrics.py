@@ -113,6 +113,7 @@ def _families(stats: dict) -> list[Family]:
         if isinstance(stats.get("last_crash"), dict)
         else None
     )
+    _recovery_families(stats, fam)
 
     ex = stats.get("experts")
     if ex:
@@ -188,6 +189,29 @@ def _families(stats: dict) -> list[Family]:
         ).add(ex.get("recent_bytes_read_per_s"))
     _prefix_cache_families(stats.get("prefix_cache"), fam)
     return list(fams.values())
+
+
+def _recovery_families(stats: dict, fam) -> None:
+    """Device failures recovered in place (engine/recovery.py): counted by kind; the last one's
+    time and what it shed."""
+    recoveries = fam("device_recoveries", "counter", "Device failures recovered in place, by kind.")
+    for kind, n in sorted((stats.get("recoveries") or {}).items()):
+        recoveries.add(n, kind=str(kind))
+    last = stats.get("last_recovery")
+    if not isinstance(last, dict):
+        return
+    fam("last_recovery_timestamp_seconds", "gauge", "When the last recovery in place began.").add(
+        last.get("at"), kind=str(last.get("kind")), phase=str(last.get("phase"))
+    )
+    shed = last.get("shed") or {}
+    released = fam("last_recovery_shed_bytes", "gauge", "Memory the last recovery gave up.")
+    released.add((shed.get("prefix_cache_memory") or {}).get("released_bytes"), what="prefix_cache")
+    budget = shed.get("expert_budget") or {}
+    if budget:
+        released.add(budget.get("from_bytes", 0) - budget.get("to_bytes", 0), what="expert_budget")
+    fam("prompt_chunk_limit_tokens", "gauge", "The prompt chunk's ceiling a recovery set.").add(
+        stats.get("prompt_chunk_limit")
+    )
 
 
 def _prefix_cache_families(pc: dict | None, fam) -> None:

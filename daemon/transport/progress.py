@@ -37,7 +37,8 @@ class ProgressMonitor:
         if self.stalled_at is not None and last is not None and last > self.stalled_at:
             self.stalled_at = None  # it moved again
         busy = has_work or bool(snapshot.get("busy"))
-        ready = snapshot.get("state") == "ready"
+        # A recovery in place reads its rows again: it must move too.
+        ready = snapshot.get("state") in ("ready", "recovering")
         if self.stalled_at is None and ready and busy and last is not None:
             if now - last > self.deadline_s:
                 self.stalled_at = now

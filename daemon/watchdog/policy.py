@@ -180,6 +180,20 @@ class Policy:
                 self.baseline = s.swap_used_bytes
         return Decision(action, rule, reason, self.state, tuple(notes), readings)
 
+    def daemon_shed(self, s: Sample) -> str:
+        """The daemon shed memory itself: it recovered from a device out-of-memory in place
+        (engine/recovery.py), halving its expert cache as `shed_cache` would. That is this
+        ladder's first step, taken: the next memory step needs fresh swap growth from here and
+        a grace, so one event is not met twice. Returns the note to log."""
+        first = LADDER.index(Action.SHED_CACHE)
+        if self.step < first:
+            self.step, self.last_action = first, Action.SHED_CACHE
+        self.last_action_mono = s.mono
+        self.bad_streak = 0
+        if s.swap_used_bytes is not None:
+            self.baseline = s.swap_used_bytes
+        return f"counted as {Action.SHED_CACHE.value}; ladder at {LADDER[self.step].value}"
+
     def acted(self, mono: float) -> None:
         """The step decided last was taken at `mono`: the next step's grace counts from then, not
         from the sample (acting can take a while under load: the SIGKILL must follow the SIGTERM

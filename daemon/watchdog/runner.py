@@ -17,10 +17,10 @@ from dataclasses import asdict
 from typing import Any
 
 from moed.daemon.config import WatchdogConfig
-from moed.daemon.ground.watchdog_state import state_file_path, write_state
+from moed.daemon.ground.watchdog_state import read_recovery, state_file_path, write_state
 from moed.daemon.platform import MemoryProbe, probe_for_platform
 from moed.daemon.watchdog.events import EventLog, default_event_log
-from moed.daemon.watchdog.policy import Action, Decision, Policy, PolicyParams
+from moed.daemon.watchdog.policy import Action, Decision, Policy, PolicyParams, Sample
 from moed.daemon.watchdog.sampler import DaemonLink, Sampler, Target
 from moed.protocol import ShedLevel
 
@@ -67,6 +67,7 @@ class Watchdog:
         self.last_decision: Decision | None = None
         self._last_state_write = 0.0
         self._published_key: tuple | None = None
+        self.daemon_recovery: dict | None = None  # the daemon's last recovery in place seen
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -117,6 +118,7 @@ class Watchdog:
     # ---- one round ---------------------------------------------------------------------------
     def tick(self) -> Decision:
         sample = self.sampler.sample()
+        self._note_recovery(sample)
         decision = self.policy.observe(sample)
         self.last_decision = decision
         for note in decision.notes:
@@ -154,6 +156,26 @@ class Watchdog:
             )
         self._publish(force=decision.action is not None or bool(decision.notes))
         return decision
+
+    def _note_recovery(self, sample: Sample) -> None:
+        """A recovery in place the daemon reported since the last look (ground/watchdog_state.py):
+        an out-of-memory one is the shed this ladder would take, so it counts as taken."""
+        record = read_recovery(self.config.state_dir)
+        if record is None or record["at"] < self.started_at:
+            return  # none, or before this watchdog started: not ours to count
+        seen = self.daemon_recovery
+        if seen is not None and (seen.get("boot_id"), seen.get("at")) == (
+            record.get("boot_id"),
+            record["at"],
+        ):
+            return
+        self.daemon_recovery = record
+        note = f"the daemon recovered in place from {record.get('kind')}"
+        if record.get("kind") == "out_of_memory":
+            note = f"{note}; {self.policy.daemon_shed(sample)}"
+        log.warning("%s", note)
+        self._event("recovery", note=note, recovery=record)
+        self._publish(force=True)
 
     def act(self, decision: Decision, pid: int | None) -> dict:
         action = decision.action
@@ -202,6 +224,7 @@ class Watchdog:
             "reason": d.reason if d else None,
             "readings": d.readings if d else None,
             "last_action": self.last_action,
+            "daemon_recovery": self.daemon_recovery,
             "params": asdict(self.params),
         }
 

@@ -229,3 +229,22 @@ def test_gone_daemon_ends_the_escalation():
     d = clock.feed(900, daemon=DaemonReading(reachable=False, pid=DAEMON.pid, alive=False))
     assert any("is gone" in n for n in d.notes)
     assert clock.policy.state is not State.ESCALATING
+
+
+def test_a_recovery_in_place_counts_as_the_shed_step_it_already_was():
+    """The daemon halved its expert cache itself when it recovered from an out-of-memory in place
+    (engine/recovery.py): the same swap growth must not make the watchdog shed again at once.
+    The next step needs fresh growth over the new baseline and a grace, and is the one after."""
+    watched, unwatched = Clock(Policy(PARAMS)), Clock(Policy(PARAMS))
+    for clock in (watched, unwatched):
+        clock.feed(1000)  # baseline
+        clock.feed(1600)  # the growth that came with the out-of-memory
+    sample = Sample(watched.t, watched.wall0 + watched.t, 1600 * MIB, PressureLevel.NORMAL, DAEMON)
+    note = watched.policy.daemon_shed(sample)
+    assert "counted as shed_cache" in note and watched.policy.state is State.ESCALATING
+    # The same two more samples at that swap: the unwatched ladder sheds, the watched one waits.
+    assert actions([unwatched.feed(1600), unwatched.feed(1600)]) == [Action.SHED_CACHE]
+    assert actions([watched.feed(1600) for _ in range(10)]) == []
+    # Swap keeps growing after it: the next step is the one after a shed.
+    grown = [watched.feed(2200) for _ in range(PARAMS.consecutive)]
+    assert actions(grown) == [Action.SHED_CANCEL_NEWEST]

@@ -15,7 +15,7 @@ import pytest
 from moed.daemon.ground.watchdog_state import read_state
 from moed.daemon.platform import PressureLevel
 from moed.daemon.watchdog.events import EventLog, read_events
-from moed.daemon.watchdog.policy import Action
+from moed.daemon.watchdog.policy import LADDER, Action
 from moed.daemon.watchdog.runner import Watchdog
 from moed.daemon.watchdog.sampler import Target
 from tests.fixtures.daemon_harness import stop_process, watchdog_command
@@ -191,3 +191,31 @@ def test_event_log_appends_whole_lines(tmp_path):
     ]  # the torn line is skipped, nothing else
     assert events[0]["action"] == "shed_cache" and events[0]["ts"] > 0
     assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_recovery_in_place_reported_by_the_daemon_counts_once_as_a_shed(tmp_path):
+    """The daemon recovered from an out-of-memory in place and reported it (ground/watchdog_state
+    .py, as engine/loop.py does): the watchdog counts it as its own shed step, once, and keeps it
+    in its state file; the same report seen again, or one older than the watchdog, is not news."""
+    from moed.daemon.ground.watchdog_state import report_recovery
+
+    config = watchdog_config(tmp_path, tmp_path / "none.sock")
+    config.state_dir.mkdir()
+    old = {"kind": "out_of_memory", "at": time.time() - 3600, "boot_id": "b"}
+    report_recovery(config.state_dir, old)
+    dog = Watchdog(config, probe=ScriptedProbe())
+    try:
+        dog.startup()
+        dog.tick()
+        assert dog.daemon_recovery is None and dog.policy.step == -1  # before this watchdog
+        record = {"kind": "out_of_memory", "at": time.time(), "boot_id": "b", "pid": 7, "shed": {}}
+        report_recovery(config.state_dir, record)
+        for _ in range(3):
+            dog.tick()
+        assert dog.policy.step == list(LADDER).index(Action.SHED_CACHE)
+        assert dog.policy.last_action is Action.SHED_CACHE
+        events = [e for e in read_events(dog.event_log_path) if e["event"] == "recovery"]
+        assert len(events) == 1 and "counted as shed_cache" in events[0]["note"]
+        assert read_state(config.state_dir)["daemon_recovery"]["pid"] == 7
+    finally:
+        dog.shutdown()

@@ -1,0 +1,114 @@
+"""How the engine fails: a step's rows, or the whole process (a crash record, every request failed
+with a typed error, `fatal` published for the transport to exit with the kind's code). A mixin of
+EngineCore, split out to keep one concern per module."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from moed.daemon.distributed.failure import is_group_failure
+from moed.daemon.engine.batch import DecodeBatch, SavedRow
+from moed.daemon.engine.request import Generation, RequestKey
+from moed.daemon.engine.status import DaemonState, EngineStatus
+from moed.daemon.engine.text_path import failure_of
+from moed.daemon.ground.crashlog import CrashKind
+from moed.daemon.ground.device_errors import DeviceFailure
+from moed.daemon.ground.exit_codes import DaemonExit
+from moed.protocol import ErrorCode
+
+log = logging.getLogger("moed.engine")
+
+_EXIT_FOR = {
+    CrashKind.ENGINE_FAILED: DaemonExit.FAILED,
+    CrashKind.OUT_OF_MEMORY: DaemonExit.OUT_OF_MEMORY,
+    CrashKind.RANK_FAILED: DaemonExit.RANK_FAILED,
+}
+
+
+class EngineFailures:
+    """The failure paths of an EngineCore (whose __init__ sets the state)."""
+
+    status: EngineStatus
+    batch: DecodeBatch | None
+    fatal: BaseException | None
+    exit_code: int
+    on_crash: Callable[[CrashKind, str], None] | None
+    reject_queued: Callable[[ErrorCode, str], None]
+    _gens: dict[RequestKey, Generation]
+    _rows: dict[int, Generation]
+    _unsaved: list[SavedRow]
+    _finish: Callable[..., None]
+    _forget: Callable[..., None]
+    _new_batch: Callable[[], DecodeBatch]
+
+    def engine_failed(self, exc: Exception) -> None:
+        """A bug outside a step: fail everyone and let the daemon exit, never hang silently."""
+        log.exception("the engine failed")
+        what = f"{exc.__class__.__name__}: {exc}"
+        message = f"the engine failed ({exc.__class__.__name__}); the daemon restarts"
+        self._fail_process(exc, CrashKind.ENGINE_FAILED, what, ErrorCode.INTERNAL, message)
+
+    def _row_failed(self, gen: Generation, exc: BaseException) -> None:
+        """One request's text path failed (text_path.py): it ends with a typed error, and the
+        batch's other rows and the daemon carry on."""
+        code, message = failure_of(exc)
+        log.warning("request %r failed alone: %s", gen.job.request_id, exc, exc_info=exc)
+        self._finish(gen, code, message)
+
+    def _batch_failed(self, exc: Exception) -> None:
+        """A step raised: the batch state is unknown, so every row fails and a new batch starts."""
+        log.exception("a batch step failed")
+        message = f"{exc.__class__.__name__}: {exc}"
+        for gen in list(self._rows.values()):
+            self._finish(gen, ErrorCode.INTERNAL, message)
+        assert self.batch is not None  # only a running batch fails a step
+        self._unsaved.clear()  # caches of a batch whose state is unknown
+        self.batch.close()
+        self.batch = self._new_batch()
+
+    def _device_restart(self, exc: BaseException, failure: DeviceFailure, why: str) -> None:
+        """A device failure not recovered in place (`why`): the process exits non-zero so that
+        the service manager restarts it, with a smaller cache budget."""
+        log.critical("%s, not recovered in place (%s): %s", failure.value, why, exc)
+        if failure is DeviceFailure.OUT_OF_MEMORY:
+            message = (
+                f"the daemon ran out of memory ({exc}); it restarts with a smaller expert cache"
+            )
+        else:
+            message = f"the device failed ({failure.value}: {exc}); the daemon restarts"
+        what = f"{exc.__class__.__name__}: {exc} ({failure.value}; {why})"
+        self._fail_process(exc, CrashKind.OUT_OF_MEMORY, what, ErrorCode.OUT_OF_MEMORY, message)
+
+    def _group_failed(self, exc: BaseException) -> None:
+        """A collective lost its peer (or a step failed mid-collective): every request fails
+        retryably and the group restarts."""
+        what = "a pipeline rank failed" if is_group_failure(exc) else "a pipeline step failed"
+        message = f"{what} ({exc}); the daemon restarts the group"
+        log.error("%s", message)
+        self._fail_process(exc, CrashKind.RANK_FAILED, message, ErrorCode.RANK_FAILED, message)
+
+    def _fail_process(
+        self, exc: BaseException, kind: CrashKind, what: str, code: ErrorCode, message: str
+    ) -> None:
+        """Say `failed` (at once: /health answers 503 from here on), record the crash, fail every
+        request with `code`, and publish `fatal` (last: the transport flushes the errors, then
+        exits with the kind's code)."""
+        self.status.update(state=DaemonState.FAILED, error=what)
+        self._record_crash(kind, what)
+        for gen in list(self._gens.values()):
+            try:
+                self._finish(gen, code, message)
+            except Exception:  # a generation broken by the failure still must leave
+                self._forget(gen.job.key)
+        self.reject_queued(code, message)
+        self.exit_code = _EXIT_FOR[kind]
+        self.fatal = exc
+
+    def _record_crash(self, kind: CrashKind, message: str) -> None:
+        if self.on_crash is None:
+            return
+        try:
+            self.on_crash(kind, message)
+        except Exception:  # the record is advisory; failing the requests is not
+            log.exception("could not record the crash")
