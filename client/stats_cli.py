@@ -83,6 +83,8 @@ def format_stats(s: dict) -> str:
             )
             + f"  evictions {pc.get('memory_evictions')}"
             + (f"/{pc.get('disk_evictions')}" if pc.get("disk_evictions") is not None else "")
+            # Entry files passed over (corrupt, foreign, not a file): --json says why.
+            + (f"  disk skipped {pc['disk_skipped']}" if pc.get("disk_skipped") else "")
         )
     phys = mem.get("phys_footprint_bytes")
     lines.append(

@@ -148,6 +148,7 @@ def test_a_fifo_in_the_folder_neither_hangs_the_start_nor_stops_serving(
     with daemon.client() as c:
         stats = c.prefix_cache()["stats"]
     assert stats["disk_rejected"] == {"not_regular": 1}, stats
+    assert "disk skipped 1" in moe(daemon.socket, "stats").stdout
     with pytest.raises(OSError) as nobody:  # nobody holds it open for reading
         os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
     assert nobody.value.errno == errno.ENXIO
