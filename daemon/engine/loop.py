@@ -23,6 +23,7 @@ from moed.daemon.engine.commands import (
     Submit,
 )
 from moed.daemon.engine.core import EngineCore
+from moed.daemon.engine.overcommit import check_overcommit_possible, overcommit_device
 from moed.daemon.engine.recovery_ledger import RecoveryPhase
 from moed.daemon.engine.request import GenerateJob, RequestKey
 from moed.daemon.engine.sink import EventSink
@@ -59,6 +60,9 @@ class Engine:
         self.core: EngineCore | None = None
         # Checked here, on the caller's thread, so a bad setting fails the start as a config error.
         self.faults = Faults.parse(serve.debug_faults)
+        if self.faults.overcommits:  # a real allocation over the GPU's memory
+            check_overcommit_possible()
+            self.faults.allocate_with(overcommit_device)
         for name in ("max_batch", "prefill_chunk"):
             if getattr(serve, name) < 1:
                 raise ValueError(f"{name} = {getattr(serve, name)!r}: must be an integer >= 1")

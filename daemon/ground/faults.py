@@ -18,7 +18,9 @@ Two more act inside a prompt chunk's forward pass, layer by layer (engine/heartb
 
 Device failures at the real sync points, once each: `<message>_at_<point>=<N>` raises the message
 MLX formats (DeviceMessage) at the first `point` (SyncPoint) reached after this process produced N
-tokens, e.g. `metal_oom_at_router=30,metal_timeout_at_chunk=60`.
+tokens, e.g. `metal_oom_at_router=30,metal_timeout_at_chunk=60`. `overcommit_at_<point>=<N>` is no
+injected message: there the engine allocates more than the GPU holds, and MLX's own allocator
+fails (engine/overcommit.py; refused on the CPU backend, where it would swap instead).
 
 And one per stage of a request's text path (engine/text_path.py), for one hostile request among
 others: `text_<stage>_after=<N>` (stage: detokenize, reasoning, stops, tool_calls, grammar,
@@ -34,6 +36,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger("moed.faults")
@@ -78,17 +81,22 @@ class SyncPoint(str, enum.Enum):
 
 @dataclass(frozen=True)
 class DeviceFault:
-    message: DeviceMessage
+    message: DeviceMessage | None  # None: `overcommit`, a real allocation over device memory
     point: SyncPoint
     after: int  # tokens this process produced before it fires
 
 
+OVERCOMMIT = "overcommit"
+
+
 class _Fired:
-    """The running state of the device faults: tokens seen so far, which fired."""
+    """The running state of the device faults: tokens seen so far, which fired, and how an
+    `overcommit` allocates (the engine's, with MLX: engine/overcommit.py)."""
 
     def __init__(self) -> None:
         self.tokens = 0
         self.fired: set[DeviceFault] = set()
+        self.overcommit: Callable[[], None] | None = None
 
 
 class Fault(str, enum.Enum):
@@ -155,7 +163,8 @@ class Faults:
                     text_after[TextStage(name[len("text_") : -len("_after")])] = int(value)
                 elif "_at_" in name:
                     message, _, point = name.rpartition("_at_")
-                    device.append(DeviceFault(DeviceMessage(message), SyncPoint(point), int(value)))
+                    what = None if message == OVERCOMMIT else DeviceMessage(message)
+                    device.append(DeviceFault(what, SyncPoint(point), int(value)))
                 elif name.endswith("_ms"):
                     layer_s[LayerStall(name[: -len("_ms")])] = int(value) / 1000.0
                 else:
@@ -171,20 +180,30 @@ class Faults:
     def __bool__(self) -> bool:
         return bool(self.after) or bool(self.layer_s) or bool(self.device) or bool(self.text_after)
 
+    @property
+    def overcommits(self) -> bool:
+        """An `overcommit` fault is set: a real allocation over the device's memory."""
+        return any(fault.message is None for fault in self.device)
+
+    def allocate_with(self, overcommit: Callable[[], None]) -> None:
+        """How an `overcommit` fault allocates (the engine's: it needs MLX and a GPU)."""
+        self._state.overcommit = overcommit
+
     def at(self, point: SyncPoint) -> None:
         """Called at a sync point on the engine thread: raise the armed device fault of `point`
-        (once), as MLX raises a device failure there."""
+        (once), as MLX raises a device failure there; an `overcommit` allocates more than the
+        device holds, and MLX's own allocator raises."""
         state = self._state
         for fault in self.device:
             if fault.point is point and state.tokens >= fault.after and fault not in state.fired:
                 state.fired.add(fault)
-                log.warning(
-                    "debug fault %s at %s after %d tokens",
-                    fault.message.value,
-                    point.value,
-                    fault.after,
-                )
-                raise RuntimeError(DEVICE_MESSAGES[fault.message])
+                what = fault.message.value if fault.message is not None else OVERCOMMIT
+                log.warning("debug fault %s at %s after %d tokens", what, point.value, fault.after)
+                if fault.message is not None:
+                    raise RuntimeError(DEVICE_MESSAGES[fault.message])
+                if state.overcommit is None:
+                    raise RuntimeError("debug fault overcommit: no allocator was given")
+                state.overcommit()
 
     def hostile_stages(self, prompt: str) -> frozenset[TextStage]:
         """The text stages whose fault a request with this prompt meets."""

@@ -216,3 +216,57 @@ def test_a_request_arriving_during_a_recovery_waits_for_it_and_none_fails(tiny_m
         core.close()
     assert {n: core.sink.tokens(n) for n in STREAMS} == expected
     assert core.status.get("requests_failed") == 0
+
+
+def test_a_real_overcommit_is_refused_on_the_cpu_backend(tiny_model, tmp_path):
+    """`overcommit_at_<point>` allocates more than the GPU holds so that MLX's own allocator
+    fails (benchmarks/cuda_oom_recovery.py runs it on a CUDA host). On the CPU backend such an
+    allocation would swap or be killed rather than fail: a configuration error, before any load."""
+    from moed.daemon.engine.loop import Engine
+    from moed.daemon.ground.faults import Faults
+
+    assert Faults.parse("overcommit_at_eval=3").overcommits
+    assert not Faults.parse("metal_oom_at_eval=3").overcommits
+    serve = ServeConfig(
+        model=str(tiny_model), state_dir=tmp_path, debug_faults="overcommit_at_eval=3"
+    )
+    with pytest.raises(ValueError, match="overcommit needs a GPU"):
+        Engine(serve, tiny_model, ListSink, EngineStatus())
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_rows_under_a_grammar_continue_under_it_after_a_recovery(tiny_model, tmp_path):
+    """A rejoined row's grammar is rebuilt past the tokens it sent (as for `resume_ids`)."""
+    fmt = {"type": "json_schema", "schema": SCHEMA}
+    rows = [
+        {"format": fmt, "max_tokens": 60},
+        {"format": fmt, "max_tokens": 60, "temperature": 1.0, "seed": 7},
+        {"format": {"type": "json"}, "max_tokens": 60, "temperature": 0.8, "seed": 3},
+    ]
+
+    def run(core: EngineCore) -> list[list[int]]:
+        for n, row in enumerate(rows):
+            submit(core, n, ids(9, n + 2), **row)
+        run_until_idle(core)
+        assert all(core.sink.of(n)[-1]["type"] == "done" for n in range(len(rows)))
+        return [core.sink.tokens(n) for n in range(len(rows))]
+
+    clean = make_core(tiny_model, tmp_path / "clean", "resident")
+    try:
+        expected = run(clean)
+    finally:
+        clean.close()
+    core = make_core(tiny_model, tmp_path / "f", "resident", "metal_oom_at_eval=12")
+    try:
+        got = run(core)
+    finally:
+        core.close()
+    assert core.status.get("recoveries")["out_of_memory"] == 1
+    assert got == expected and all(len(t) > 12 // len(rows) for t in got)
