@@ -243,3 +243,22 @@ def test_an_unusable_entry_is_counted_per_reason_in_the_metrics(tmp_path):
     assert snap["disk_rejected"] == {"malformed": 1, "not_regular": 1}
     text = render_metrics({"prefix_cache": snap})
     assert 'moed_prefix_cache_disk_rejected_total{reason="not_regular"} 1' in text
+
+
+def test_a_device_a_directory_or_another_users_file_is_refused_unread(tmp_path):
+    folder = tmp_path / "tier"
+    folder.mkdir(mode=0o700)
+    (folder / ("0d" * 16 + ".safetensors")).mkdir()
+    theirs = folder / ("0e" * 16 + ".safetensors")
+    theirs.write_bytes(b"\0" * 64)
+    expected = {"not_regular": 1}
+    if os.geteuid() == 0:  # only root makes device nodes and gives files away
+        os.mknod(folder / ("0c" * 16 + ".safetensors"), stat.S_IFCHR | 0o600, os.makedev(1, 3))
+        os.chown(theirs, 65534, 65534)
+        expected = {"not_regular": 2, "not_ours": 1}
+    else:
+        expected["malformed"] = 1
+    tier = DiskTier(folder, 64 << 20, "f" * 32, (True,))
+    snap = tier.snapshot()
+    tier.close()
+    assert snap["disk_rejected"] == expected, snap

@@ -243,8 +243,10 @@ class DiskTier:
             }
         except EntryRejected as exc:  # never a failed request, never a wrong token
             log.warning("prefix cache: skipping entry %s (%s)", ascii(rec.path.name), exc.why)
-            self._reject(rec.path, exc)
+            self._reject(rec.path, exc)  # (the file removed if it is one of ours)
             self._forget(rec.key, unlink=False)
+            if self.remote is not None:  # the other ranks' parts of it go too
+                self.remote.forget(rec.key)
             return None
         if self.remote is not None:
             parts = self.remote.load(rec.key, rec.checkpoints)
