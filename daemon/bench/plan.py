@@ -117,11 +117,16 @@ def plan(
     each --memory size: the expert cache budget, the expected hit rate there, the bytes a decode
     token reads, and the decode speed that PROJECTS to at each --ssd bandwidth."""
     # mlx-lm (with transformers) on use: every `moed` command imports the command modules
+    import mlx_lm  # noqa: F401 - imported before the baseline is read, as a daemon has it
+
+    # and what plans with it (mlx, numpy), loaded only when the command runs
     from moed.daemon.bench.plan_model import Inputs, model_shape, plan_row
     from moed.daemon.experts.memory_plan import process_rss
     from moed.daemon.telemetry.routing import read_routing
     from moed.daemon.telemetry.trace import TraceFormatError
 
+    # The process as a daemon is before its weights load: the plan's baseline.
+    baseline = process_rss()
     sizes = parse_memory(memory)
     try:
         ssds = tuple(float(s) * 1e9 for s in ssd.split(",") if s.strip())
@@ -152,15 +157,14 @@ def plan(
             shapes.append(model_shape(name, config))
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="MODEL") from None
-    baseline = process_rss()  # this process has imported what a daemon imports before weights
     results = [(s, [plan_row(s, m, routings, inputs, baseline) for m in sizes]) for s in shapes]
     if as_json:
-        click.echo(json.dumps(_json(results, routings, inputs), indent=1))
+        click.echo(json.dumps(_json(results, routings, inputs, baseline), indent=1))
         return
     for shape, rows in results:
         click.echo(_table(shape, rows, inputs))
         click.echo("")
-    click.echo(_footer(routings, inputs))
+    click.echo(_footer(routings, inputs, baseline))
 
 
 def _table(shape: Any, rows: list[Any], inputs: Any) -> str:
@@ -194,7 +198,7 @@ def _table(shape: Any, rows: list[Any], inputs: Any) -> str:
     return "\n".join(lines)
 
 
-def _footer(routings: list[Any], inputs: Any) -> str:
+def _footer(routings: list[Any], inputs: Any, baseline: int) -> str:
     traces = ", ".join(
         f"{r.name} ({r.experts} experts, {r.decode_tokens} decode tokens)" for r in routings[:4]
     )
@@ -212,15 +216,16 @@ def _footer(routings: list[Any], inputs: Any) -> str:
             f"  memory bandwidth {inputs.memory_bandwidth / 1e9:g} GB/s (Apple's M4; not "
             f"measured); usable {inputs.usable_share:.0%} of RAM (Metal's recommended working "
             "set); the plan's KV room for 8192 tokens, prefix cache and working memory as the "
-            "daemon plans them.",
+            f"daemon plans them, its process baseline this one's ({format_bytes(baseline)}).",
         ]
     )
 
 
-def _json(results: list[Any], routings: list[Any], inputs: Any) -> dict[str, Any]:
+def _json(results: list[Any], routings: list[Any], inputs: Any, baseline: int) -> dict[str, Any]:
     return {
         "projected": True,
         "inputs": asdict(inputs),
+        "baseline_bytes": baseline,
         "traces": [
             {
                 "name": r.name,

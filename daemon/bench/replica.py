@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
+import os
+import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +34,13 @@ from moed.daemon.bench.replica_layout import (
 )
 from moed.daemon.bench.replica_tokenizer import write_tokenizer
 from moed.daemon.bench.replica_values import values
-from moed.daemon.bench.shard_writer import SHARD_BYTES, plan_shards, write_index, write_shard
+from moed.daemon.bench.shard_writer import (
+    SHARD_BYTES,
+    Shard,
+    plan_shards,
+    write_index,
+    write_shard,
+)
 from moed.protocol.units import format_bytes
 
 
@@ -60,9 +70,11 @@ def write_replica(
     shard_bytes: int = SHARD_BYTES,
     progress: Any = None,
     floats: Dtype = Dtype.BF16,
+    workers: int | None = None,
 ) -> ReplicaReport:
     """Write the checkpoint `config` describes into `dest` (created; files of an earlier replica
-    there are replaced). `progress(n)` after every n bytes of weights."""
+    there are replaced). `progress(n)` after every n bytes of weights; `workers` processes write
+    shards side by side (None: half the cores, at most one per shard)."""
     t0 = time.perf_counter()
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.glob("model*.safetensors"):  # a deeper replica's shards would stay listed
@@ -70,8 +82,19 @@ def write_replica(
     specs = replica_tensors(config, floats)
     shards = plan_shards(specs, shard_bytes)
     tick = progress or (lambda n: None)
-    for shard in shards:
-        write_shard(dest / shard.name, shard, lambda s, a, n: values(s, seed, a, n), tick)
+    if workers is None:
+        workers = max(1, (os.cpu_count() or 1) // 2)
+    workers = min(len(shards), workers)
+    if workers > 1:  # shards are independent: one process each, on a host with cores to spare
+        context = multiprocessing.get_context("spawn")  # a fork would copy MLX's threads
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            jobs = {pool.submit(_write_one, dest / sh.name, sh, seed): sh for sh in shards}
+            for done in as_completed(jobs):
+                done.result()
+                tick(jobs[done].nbytes)
+    else:
+        for shard in shards:
+            write_shard(dest / shard.name, shard, lambda s, a, n: values(s, seed, a, n), tick)
     write_index(dest, shards, _parameters(specs))
     if floats is not Dtype.BF16:  # what the weights are, as a conversion says it
         config = {**config, "text_config": {**config["text_config"], "dtype": "float32"}}
@@ -86,6 +109,10 @@ def write_replica(
         sum(s.nbytes for s in specs if EXPERT_TENSOR.search(s.name)),
         time.perf_counter() - t0,
     )
+
+
+def _write_one(path: Path, shard: Shard, seed: int) -> None:
+    write_shard(path, shard, lambda s, a, n: values(s, seed, a, n), lambda n: None)
 
 
 def _parameters(specs: list[TensorSpec]) -> int:
@@ -136,8 +163,6 @@ def bench_replica(out: Path, layers: int | None, dtype: str, seed: int) -> None:
         f"layers, {format_bytes(specs_total)}) to {out} ...",
         err=True,
     )
-    with click.progressbar(
-        length=specs_total, label="weights", file=click.get_text_stream("stderr")
-    ) as bar:
+    with click.progressbar(length=specs_total, label="weights", file=sys.stderr) as bar:
         report = write_replica(out, config, seed, progress=bar.update, floats=floats)
     click.echo(report.describe())

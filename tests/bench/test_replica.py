@@ -186,6 +186,18 @@ def _header_bytes(path) -> int:
         return 8 + int.from_bytes(f.read(8), "little")
 
 
+def test_shards_written_side_by_side_hold_the_same_bytes(tmp_path):
+    small = dict(hidden_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    config = narrowed(shallower(PublishedModel.QWEN36_35B_A3B.config(), 4), **small)
+    one = write_replica(tmp_path / "one", config, shard_bytes=20 << 20, workers=1)
+    two = write_replica(tmp_path / "two", config, shard_bytes=20 << 20, workers=2)
+    assert one.shards == two.shards > 2
+    for shard in sorted((tmp_path / "one").glob("model-*.safetensors")):
+        assert shard.read_bytes() == (tmp_path / "two" / shard.name).read_bytes()
+    index = json.loads((tmp_path / "two" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == two.shards
+
+
 def test_replica_loads_in_plain_mlx_lm(replica):
     model, tokenizer = mlx_lm.load(str(replica))  # strict: every tensor named and shaped as asked
     layers = model.language_model.model.layers
