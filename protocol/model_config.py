@@ -41,7 +41,8 @@ class ModelConfig:
         experts = _first(text, EXPERT_COUNT_KEYS, minimum=2)
         quantization = config.get("quantization")
         model_type = config.get("model_type")
-        dtype = config.get("torch_dtype", text.get("torch_dtype"))
+        # transformers 5 writes `dtype` (a qwen3_5_moe conversion: in text_config), 4 `torch_dtype`
+        dtype = config.get("torch_dtype", text.get("torch_dtype", text.get("dtype")))
         return cls(
             raw=MappingProxyType(dict(config)),
             text=MappingProxyType(text),

@@ -202,7 +202,7 @@ def stream(
         layers, hidden, vocab = read.num_layers, read.hidden_size, read.vocab_size
         experts, top_k = read.num_experts, read.experts_per_token
         expert_width = read.int_of("moe_intermediate_size")
-        dtype = read.torch_dtype or str(read.text.get("dtype", dtype))
+        dtype = read.torch_dtype or dtype
     cleanup = model_dir is None and model_path is None
     path = model_path or (
         Path(model_dir) if model_dir else Path(tempfile.mkdtemp(prefix="moed-bench-stream-"))

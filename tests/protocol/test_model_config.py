@@ -43,6 +43,14 @@ def test_the_nested_text_config_wins_and_the_top_level_fills_in():
     assert config.raw["vocab_size"] == 10  # the file as written, for mlx-lm
 
 
+def test_the_dtype_of_a_transformers_5_conversion():
+    # mlx-community's Qwen3.5/3.6 configs name it `dtype`, in text_config.
+    config = ModelConfig.from_dict(
+        {"model_type": "qwen3_5_moe", "text_config": {"dtype": "bfloat16", "num_experts": 8}}
+    )
+    assert config.torch_dtype == "bfloat16"
+
+
 def test_a_dense_model_has_no_moe_shape_and_odd_values_are_no_values():
     config = ModelConfig.from_dict(
         {"num_experts_per_tok": 2, "num_local_experts": 1, "max_position_embeddings": True}
