@@ -88,6 +88,12 @@ class ServeConfig:
     # Hybrid models: tokens between recurrent-state checkpoints while a prompt is read (rounded up
     # to a multiple of prefill_chunk; a checkpoint costs the whole recurrent state, so few).
     prefix_checkpoint_tokens: int = 1024
+    # Grammars (`format`, forced `tool_choice`) compile on these threads, off the engine's, each
+    # request's bounded: its grammar's source in bytes and its compile time (else
+    # `schema_too_complex`).
+    grammar_workers: int = 2
+    max_schema_bytes: int = 1024 * 1024
+    grammar_timeout_s: float = 10.0
 
     def __post_init__(self):
         if not isinstance(self.cache_budget, CacheBudget):  # built in code with the text form
@@ -325,6 +331,9 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prefix_cache_bytes": (_size_syntax, "auto, a size (1GB, 512MiB, bytes), 0 for none"),
     "prefix_cache_disk_bytes": (_size_syntax, "a size (10GB, 512MiB, bytes), 0 for no SSD tier"),
     "prefix_checkpoint_tokens": (lambda v: v >= 1, "an integer >= 1 (tokens)"),
+    "grammar_workers": (lambda v: 1 <= v <= 64, "an integer in [1, 64]"),
+    "max_schema_bytes": (lambda v: v >= 1024, "an integer >= 1024 (bytes)"),
+    "grammar_timeout_s": (lambda v: v > 0, "a number of seconds > 0"),
     "prefetch_workers": (
         lambda v: 0 <= v <= 256,
         "an integer in [0, 256] (0: sized to the machine)",

@@ -61,6 +61,7 @@ _KIND_OF_CODE = {
     ErrorCode.OUT_OF_MEMORY: ErrorKind.UNAVAILABLE,
     ErrorCode.DAEMON_RESTARTED: ErrorKind.UNAVAILABLE,
     ErrorCode.INVALID_SCHEMA: ErrorKind.INVALID_REQUEST,
+    ErrorCode.SCHEMA_TOO_COMPLEX: ErrorKind.INVALID_REQUEST,
     # A rank's death, a stalled engine, a cancelled slow reader: the daemon or its group restarts
     # or the stream can be asked again, so each is a 503 with Retry-After.
     ErrorCode.RANK_FAILED: ErrorKind.UNAVAILABLE,

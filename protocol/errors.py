@@ -31,6 +31,8 @@ class ErrorCode(str, enum.Enum):
     POISON_REQUEST = "poison_request"  # this request was in flight at two crashes: not replayed
     NOT_PERMITTED = "not_permitted"  # a control verb that affects others, without the owner's token
     INVALID_SCHEMA = "invalid_schema"  # a format schema or forced tool call no grammar can hold
+    # A schema or tool set over the daemon's grammar limits (its size, its compile time).
+    SCHEMA_TOO_COMPLEX = "schema_too_complex"
     INTERNAL = "internal"
 
 

@@ -114,6 +114,9 @@ class GenerateRequest:
     # key's identity, a peer's uid); `cache_salt`: the client's own separation (vLLM's field).
     principal: str | None = _field(Str(max_chars=MAX_ID_CHARS, non_empty=True))
     cache_salt: str | None = _field(Str(max_chars=MAX_SALT_CHARS, non_empty=True))
+    # Who the request is for behind a connection that serves many (the gateway: its HTTP
+    # caller's address): rows and grammar compiles go in turn across (connection, caller).
+    caller: str | None = _field(Str(max_chars=256))
 
     def to_wire(self, request_id: str | int) -> dict[str, Any]:
         """The `generate` message of this request; fields at their default are left off."""

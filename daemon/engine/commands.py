@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moed.daemon.engine.grammar import GrammarConstraint
 from moed.daemon.engine.request import GenerateJob, RequestKey
-from moed.protocol import ShedLevel
+from moed.protocol import ProtocolError, ShedLevel
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,17 @@ class ClearPrefixCache:
 
 
 @dataclass(frozen=True)
+class GrammarReady:
+    """A waiting request's grammar was built on a grammar pool thread: its row's constraint, or
+    the refusal that ends it (engine/grammar_pool.py)."""
+
+    key: RequestKey
+    result: GrammarConstraint | ProtocolError | None  # None: it asked for no grammar after all
+
+
+@dataclass(frozen=True)
 class Stop:
     """Wake the engine thread so that it sees the stop flag and drains."""
 
 
-EngineCommand = Submit | Cancel | Shed | ClearPrefixCache | Stop
+EngineCommand = Submit | Cancel | Shed | ClearPrefixCache | GrammarReady | Stop

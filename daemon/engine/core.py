@@ -8,6 +8,7 @@ behind an inbox (engine/loop.py); tests drive it in-process.
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,11 +22,13 @@ from moed.daemon.engine.commands import (
     Cancel,
     ClearPrefixCache,
     EngineCommand,
+    GrammarReady,
     Shed,
     Stop,
     Submit,
 )
 from moed.daemon.engine.failures import EngineFailures
+from moed.daemon.engine.grammar import GrammarConstraint
 from moed.daemon.engine.heartbeat import StepHeartbeat
 from moed.daemon.engine.idle import KeepAlive
 from moed.daemon.engine.lifecycle import ModelLifecycle
@@ -36,6 +39,7 @@ from moed.daemon.engine.prefix_cache.setup import prefix_cache_config
 from moed.daemon.engine.recovery import InPlaceRecovery
 from moed.daemon.engine.recovery_ledger import RecoveryLedger, RecoveryPolicy
 from moed.daemon.engine.request import Emitted, GenerateJob, Generation, RequestKey
+from moed.daemon.engine.row_grammars import RowGrammars
 from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Scheduler
 from moed.daemon.engine.sink import EventSink
 from moed.daemon.engine.status import EngineStatus, ShedRecord
@@ -72,6 +76,7 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
         faults: Faults | None = None,
         cancels: CancelBoard | None = None,
         on_recovery: Callable[[dict[str, Any]], None] | None = None,
+        post: Callable[[EngineCommand], None] | None = None,
     ):
         self.serve = serve
         self.model_path = model_path
@@ -115,6 +120,11 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
         self.status.update(
             device_recovery=policy.describe(), recoveries=self.recovery.counts_wire()
         )
+        # Commands from the core's own threads (grammar pool results): the owner's inbox, or
+        # (driven in-process) a queue that each step reads first.
+        self._posted: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
+        self.post = post or self._posted.put
+        self.grammars = RowGrammars(serve, self.post)
 
     @property
     def has_work(self) -> bool:
@@ -123,11 +133,11 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
     def idle_for(self) -> float | None:
         """How long the owner may block waiting for commands: 0 while the batch has rows, the
         scheduler's gathering wait while requests wait, None (until a command) when idle."""
-        if self.batch is not None and self.batch.rows:
+        if (self.batch is not None and self.batch.rows) or self.scheduler.running:
             return 0.0
-        if not self._gens:
-            return None
-        return self.scheduler.wake_in(time.monotonic()) or 0.0
+        # Nothing ready to join (or nothing at all): the next command (a grammar built, a new
+        # request) wakes the owner.
+        return self.scheduler.wake_in(time.monotonic()) if self._gens else None
 
     def finish_all(self, code: ErrorCode, message: str) -> None:
         """End every active request with `code` (the drain at shutdown)."""
@@ -144,6 +154,8 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
                 self._finish(gen, FinishReason.CANCELLED)
         elif isinstance(command, Shed):
             self._shed(command.level)
+        elif isinstance(command, GrammarReady):
+            self._grammar_ready(command.key, command.result)
         elif isinstance(command, ClearPrefixCache):
             log.warning("prefix cache cleared: %s", self.clear_prefix_cache())
         elif not isinstance(command, Stop):  # Stop only wakes the owner's loop
@@ -160,6 +172,8 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
     # ---- work ------------------------------------------------------------------------------
     def step(self) -> None:
         """Admit what the scheduler says, then one step of the running batch."""
+        while not self._posted.empty():  # driven in-process: the grammars built meanwhile
+            self.handle(self._posted.get())
         self._store_unsaved()  # rows ended by a command (a cancel) since the last step
         # While a recovery's rows catch up, new requests wait for the memory it shed.
         admitted = () if self.recovering else self.scheduler.schedule(time.monotonic()).admit
@@ -218,12 +232,30 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
             self.reject(job, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
             return
         self._gens[job.key] = gen
-        self.scheduler.add(job.key, gen.client, gen.kv_tokens, time.monotonic())
+        # A request with a grammar holds its place while a pool thread builds it (GrammarReady).
+        ready = not self.grammars.start(gen)
+        self.scheduler.add(job.key, gen.client, gen.kv_tokens, time.monotonic(), ready)
         if job.request.progress:  # at once, before a batch row is free: a first byte
             self.sink.emit(job.identity, wire.prompt_progress(job.request_id, 0, len(gen.context)))
         self.keep_alive.admitted(job.request.keep_alive)
         self.status.update(keep_alive_s=self.keep_alive.seconds)
         self._publish_counts()
+
+    def _grammar_ready(
+        self, key: RequestKey, result: GrammarConstraint | ProtocolError | None
+    ) -> None:
+        """A waiting request's grammar is built: it may join the batch, or its refusal ends it."""
+        self.status.update(grammars=self.grammars.stats())
+        gen = self._gens.get(key)
+        if gen is None:  # it ended (a cancel) while its grammar was built
+            return
+        if isinstance(result, ProtocolError):
+            self._forget(key)
+            finish_request_trace(gen.trace)
+            self.refuse(gen.job, result)
+            return
+        gen.constraint = result
+        self.scheduler.ready(key)
 
     def _join(self, gen: Generation) -> None:
         """A request takes its row: its context is queued for prefill in the next steps."""
@@ -276,6 +308,7 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
 
     def close(self) -> None:
         self._store_unsaved()  # what ended last (a shutdown's drain) reaches the tiers first
+        self.grammars.close()  # an unload too: a reload starts another pool at need
         super().close()
 
     def _store_unsaved(self) -> None:
@@ -416,6 +449,8 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
     def _forget(self, key: RequestKey, keep: bool = False) -> None:
         gen = self._gens.pop(key, None)
         self.scheduler.remove(key)
+        if gen is not None and gen.wants_grammar:
+            self.grammars.cancel(key)
         if gen is not None and gen.uid is not None:
             self._rows.pop(gen.uid, None)
             self._row_moved(gen.uid)

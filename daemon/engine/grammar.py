@@ -28,7 +28,7 @@ from moed.protocol import ErrorCode, GenerateRequest, NamedTool, ProtocolError
 from moed.protocol.constraints import FormatType, tool_name
 
 if TYPE_CHECKING:  # types only: llguidance is imported where a grammar is built
-    from llguidance import LLTokenizer
+    from llguidance import LLMatcher, LLTokenizer
     from llguidance._lib import JsonCompileOptions  # exported only from its stub module
 
 log = logging.getLogger("moed.engine")
@@ -60,7 +60,7 @@ def _invalid(message: str) -> ProtocolError:
     return ProtocolError(ErrorCode.INVALID_SCHEMA, message)
 
 
-def _explained(message: str) -> str:
+def explained(message: str) -> str:
     """llguidance's refusal, in the words of what moed enforces (its own hint names an option
     moed leaves off on purpose)."""
     if "oneOf constraints are not supported" in message:
@@ -102,20 +102,13 @@ class GrammarConstraint:
     def __init__(
         self,
         tokenizer: Any,
-        grammar: str,
+        matcher: LLMatcher,
         reasoning: bool,
         resumed: list[int],
         guard: TextGuard | None = None,
     ):
-        from llguidance import LLMatcher
-
         self.lltok = ll_tokenizer(tokenizer)
-        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.lltok)
-        if failed:
-            raise _invalid(f"the grammar does not compile: {_explained(messages[0])}")
-        self.matcher = LLMatcher(self.lltok, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise _invalid(f"the grammar does not compile: {_explained(self.matcher.get_error())}")
+        self.matcher = matcher  # compiled for this row alone (engine/grammar_compile.py)
         # The grammar holds the answer: with the reasoning open, it waits for the think end's
         # tokens (the row's reasoning split switches at the same ids: reasoning.py, held).
         self.waiting = reasoning

@@ -118,6 +118,7 @@ class Engine:
             faults=self.faults,
             cancels=self.cancels,
             on_recovery=self._record_recovery,
+            post=self._inbox.put,
         )
         self.core = core
         if not core.load():

@@ -5,13 +5,16 @@ Its KV cache is its row of the running batch (engine/batch.py); this object hold
 
 from __future__ import annotations
 
+import functools
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from moed.daemon.config import ServeConfig
-from moed.daemon.engine.grammar import GrammarConstraint, grammar_for
+from moed.daemon.engine.grammar import GrammarConstraint, grammar_for, ll_tokenizer
+from moed.daemon.engine.grammar_compile import GrammarCache, GrammarLimits, cached_matcher
 from moed.daemon.engine.logprobs import token_logprobs
 from moed.daemon.engine.prefix_cache.scope import cache_scope
 from moed.daemon.engine.reasoning import ReasoningSplit, Segment, initial_channel
@@ -33,9 +36,8 @@ from moed.protocol.validation import (
     resolve_max_tokens,
 )
 
-if TYPE_CHECKING:  # types only: _constraint imports the grammar where one is asked for
+if TYPE_CHECKING:  # types only
     from moed.daemon.engine.batch import Sampler
-    from moed.daemon.engine.grammar import GrammarConstraint
 
 RequestKey = tuple[bytes, RequestId]  # (client identity, client-chosen request id)
 
@@ -133,9 +135,11 @@ class Generation:
         )
         # Whether the reasoning is open where the context ends: the grammar waits for its end.
         self._reasoning_open = self.reasoning.channel is Channel.REASONING
-        self.constraint = _constraint(
-            req, loaded.tokenizer, self._reasoning_open, resume_ids, self.guard
-        )
+        # The row's grammar (a logits processor), when `format` or a forced tool_choice asks:
+        # built on the grammar pool's threads (`constraint_build`), set before the row joins.
+        self.constraint: GrammarConstraint | None = None
+        self.wants_grammar = req.format is not None or req.forced_tool_calls
+        self._grammar_compiles: tuple[GrammarCache, GrammarLimits] | None = None
         self.top_logprobs: int | None = req.logprobs  # None: the request wants none
         self.detokenizer = loaded.tokenizer.detokenizer
         for token in resume_ids:  # so that text deltas continue mid-character after a resume
@@ -153,7 +157,31 @@ class Generation:
 
     @property
     def client(self) -> bytes:
-        return self.job.identity
+        """Whom the request counts against when rows and grammar compiles go in turn: its
+        connection, and the principal and caller it names behind a connection that serves many."""
+        req = self.job.request
+        if req.principal is None and req.caller is None:
+            return self.job.identity
+        behind = f"{req.principal or ''}\0{req.caller or ''}".encode()
+        return self.job.identity + b"\0" + behind
+
+    def constraint_build(
+        self, cache: GrammarCache, limits: GrammarLimits
+    ) -> Callable[[], GrammarConstraint | None]:
+        """The work that makes this row's grammar constraint, for a grammar pool thread: it reads
+        only the request and the tokenizer, never the engine's state."""
+        self._grammar_compiles = (cache, limits)  # a rejoin builds it again from the cache
+        return functools.partial(self._grammar_after, list(self.resume_ids))
+
+    def _grammar_after(self, tokens: list[int]) -> GrammarConstraint | None:
+        """The row's constraint advanced past `tokens`, from the compile cache (any thread: it
+        reads only the request, the tokenizer and what this row was built with)."""
+        source = grammar_for(self.job.request, self.tokenizer)
+        if source is None or self._grammar_compiles is None:
+            return None
+        cache, limits = self._grammar_compiles
+        matcher = cached_matcher(cache, ll_tokenizer(self.tokenizer), source, limits)
+        return GrammarConstraint(self.tokenizer, matcher, self._reasoning_open, tokens, self.guard)
 
     @property
     def kv_tokens(self) -> int:
@@ -167,13 +195,8 @@ class Generation:
         detokenizer, the channel split, stops and tool calls go on as they are."""
         context = self.context + self.generated
         self.sampler = make_position_sampler(self._params, len(context), default_seed=self._seed)
-        self.constraint = _constraint(
-            self.job.request,
-            self.tokenizer,
-            self._reasoning_open,
-            self.resume_ids + self.generated,
-            self.guard,
-        )
+        # Built here, on the engine thread: the compile cache holds this row's grammar.
+        self.constraint = self._grammar_after(self.resume_ids + self.generated)
         return context, self.max_new_tokens - len(self.generated), self.sampler, self.constraint
 
     def add_token(self, token: int, logprobs: Any = None) -> Emitted:
@@ -259,17 +282,3 @@ class Generation:
             else 0.0,
             "total_s": now - self.job.received_at,
         }
-
-
-def _constraint(
-    req: GenerateRequest,
-    tokenizer: Any,
-    reasoning_open: bool,
-    resumed: list[int],
-    guard: TextGuard,
-) -> GrammarConstraint | None:
-    """The row's grammar (a logits processor), when `format` or a forced tool_choice asks."""
-    grammar = grammar_for(req, tokenizer)
-    if grammar is None:
-        return None
-    return GrammarConstraint(tokenizer, grammar, reasoning_open, resumed, guard)

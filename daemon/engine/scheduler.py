@@ -35,8 +35,14 @@ class BatchLimits:
 
 
 class Scheduler(Protocol):
-    def add(self, key: RequestKey, client: bytes, kv_tokens: int, now: float) -> None:
-        """A request was accepted at `now` (monotonic) and waits for a row."""
+    def add(
+        self, key: RequestKey, client: bytes, kv_tokens: int, now: float, ready: bool = True
+    ) -> None:
+        """A request was accepted at `now` (monotonic) and waits for a row; one not `ready` (its
+        grammar compiles) holds its place and is passed over until `ready(key)`."""
+
+    def ready(self, key: RequestKey) -> None:
+        """A waiting request may join the batch now (unknown keys are ignored)."""
 
     def remove(self, key: RequestKey) -> None:
         """A request ended (finished, cancelled or failed); unknown keys are ignored."""
@@ -45,7 +51,8 @@ class Scheduler(Protocol):
         """The waiting requests that join the batch now (marked running); `now` is monotonic."""
 
     def wake_in(self, now: float) -> float | None:
-        """Seconds until waiting requests may be admitted with nothing running; None: no wait."""
+        """Seconds until waiting requests may be admitted with nothing running; None: nothing
+        running and none ready to (or some running: no wait)."""
 
     def newest(self) -> RequestKey | None:
         """The most recently accepted request still held (shed first under memory pressure)."""
@@ -63,63 +70,85 @@ class FairBatchScheduler:
     """Continuous batching with round-robin admission across clients.
 
     Each client has a FIFO of waiting requests; free rows go to clients in turn, so one client
-    with many requests cannot starve the others. When the next request in turn does not fit the KV
-    budget, admission stops for this step (a large request waits for rows to drain rather than
-    being overtaken for good); an empty batch always admits, as a lone request always ran.
+    with many requests cannot starve the others. A client's turn goes to its first ready request
+    (one whose grammar still compiles keeps its place; the client's later ready ones may go
+    first). When the request in turn does not fit the KV budget, admission stops for this step (a
+    large request waits for rows to drain rather than being overtaken for good); an empty batch
+    always admits, as a lone request always ran.
     """
 
     def __init__(self, limits: BatchLimits) -> None:
         self.limits = limits
-        self._waiting: dict[bytes, deque[tuple[RequestKey, int]]] = {}
+        self._waiting: dict[bytes, deque[_Waiting]] = {}
         self._first_wait: float | None = None  # when the oldest waiting request arrived
         self._turns: deque[bytes] = deque()  # clients with waiting requests, next turn first
         self._running: dict[RequestKey, int] = {}  # key -> its KV tokens
         self._all: dict[RequestKey, bytes] = {}  # every held request, in arrival order
+        self._pending: set[RequestKey] = set()  # waiting, not ready yet
 
     @property
     def running(self) -> int:
         return len(self._running)
 
-    def add(self, key: RequestKey, client: bytes, kv_tokens: int, now: float = 0.0) -> None:
+    def add(
+        self, key: RequestKey, client: bytes, kv_tokens: int, now: float = 0.0, ready: bool = True
+    ) -> None:
         self._all[key] = client
         if not self._turns:
             self._first_wait = now
         if client not in self._waiting:
             self._waiting[client] = deque()
             self._turns.append(client)
-        self._waiting[client].append((key, kv_tokens))
+        self._waiting[client].append(_Waiting(key, kv_tokens))
+        if not ready:
+            self._pending.add(key)
+
+    def ready(self, key: RequestKey) -> None:
+        self._pending.discard(key)
 
     def remove(self, key: RequestKey) -> None:
         client = self._all.pop(key, None)
+        self._pending.discard(key)
         if self._running.pop(key, None) is not None or client is None:
             return
         queue = self._waiting.get(client)
         if queue is not None:
-            self._waiting[client] = deque(item for item in queue if item[0] != key)
+            self._waiting[client] = deque(item for item in queue if item.key != key)
             if not self._waiting[client]:
                 self._drop_client(client)
 
     def wake_in(self, now: float) -> float | None:
-        if self._running or not self._turns or self._first_wait is None:
+        if self._running or self._first_wait is None:
+            return None
+        if len(self._pending) == len(self._all):  # every waiting request still compiles
             return None
         return max(0.0, self._first_wait + self.limits.window_s - now)
 
     def schedule(self, now: float = 0.0) -> Round:
         admitted: list[RequestKey] = []
-        waiting = sum(len(q) for q in self._waiting.values())
-        if (self.wake_in(now) or 0.0) > 0 and waiting < self.limits.max_batch:
+        ready = len(self._all) - len(self._running) - len(self._pending)
+        if (self.wake_in(now) or 0.0) > 0 and ready < self.limits.max_batch:
             return Round(())  # gather the batch a little longer
-        while self._turns and len(self._running) < self.limits.max_batch:
-            client = self._turns[0]
-            key, kv = self._waiting[client][0]
-            if not self._fits(kv):
+        turn = 0  # clients before it in _turns have nothing ready this round
+        while turn < len(self._turns) and len(self._running) < self.limits.max_batch:
+            client = self._turns[turn]
+            queue = self._waiting[client]
+            item = next((w for w in queue if w.key not in self._pending), None)
+            if item is None:
+                turn += 1
+                continue
+            if not self._fits(item.kv_tokens):
                 break
-            self._waiting[client].popleft()
-            self._running[key] = kv
-            admitted.append(key)
-            self._turns.rotate(-1)  # this client goes to the back of the line
-            if not self._waiting[client]:
-                self._drop_client(client)
+            queue.remove(item)
+            self._running[item.key] = item.kv_tokens
+            admitted.append(item.key)
+            del self._turns[turn]  # this client goes to the back of the line
+            if queue:
+                self._turns.append(client)
+            else:
+                del self._waiting[client]
+        if not self._turns:
+            self._first_wait = None
         return Round(tuple(admitted))
 
     def newest(self) -> RequestKey | None:
@@ -134,9 +163,17 @@ class FairBatchScheduler:
     def _drop_client(self, client: bytes) -> None:
         del self._waiting[client]
         self._turns.remove(client)
+        if not self._turns:
+            self._first_wait = None
 
     def __len__(self) -> int:
         return len(self._all)
 
     def __iter__(self) -> Iterator[RequestKey]:
         return iter(tuple(self._all))
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    key: RequestKey
+    kv_tokens: int

@@ -87,6 +87,9 @@ class StatusRecord:
     # its entries (most recently used first) for `moe cache list`.
     prefix_cache: dict[str, Any] | None = None
     prefix_entries: list[dict[str, Any]] | None = None
+    # Grammar compiles (engine/row_grammars.py): {compiles, refused, cache_hits, timeouts,
+    # workers}; None before the first grammar.
+    grammars: dict[str, int] | None = None
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(StatusRecord))

@@ -205,7 +205,8 @@ def test_a_failed_matcher_ends_the_answer_instead_of_freeing_it(tmp_path):
     import mlx.core as mx
     from mlx_lm.utils import load_tokenizer
 
-    from moed.daemon.engine.grammar import GrammarConstraint, grammar_for
+    from moed.daemon.engine.grammar import GrammarConstraint, grammar_for, ll_tokenizer
+    from moed.daemon.engine.grammar_compile import GrammarLimits, compile_matcher
     from moed.protocol import GenerateRequest, ResponseFormat
     from moed.protocol.constraints import FormatType
     from tests.fixtures.tokenizer import write_tokenizer
@@ -214,7 +215,9 @@ def test_a_failed_matcher_ends_the_answer_instead_of_freeing_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     tok = load_tokenizer(tmp_path)
     asks = GenerateRequest(prompt="x", format=ResponseFormat(FormatType.JSON))
-    mask = GrammarConstraint(tok, grammar_for(asks, tok), False, [])
+    limits = GrammarLimits(workers=1, max_source_bytes=1 << 20, timeout_s=10.0)
+    matcher = compile_matcher(ll_tokenizer(tok), grammar_for(asks, tok), limits)
+    mask = GrammarConstraint(tok, matcher, False, [])
     width = len(tok)
     first = mask(mx.array([1]), mx.zeros((1, width)))
     allowed = [i for i in range(width) if first[0, i].item() > -1e30]

@@ -44,6 +44,7 @@ SHARED = dict(
     logprobs=3,
     keep_alive="5m",
     parallel_tool_calls=False,
+    caller="10.0.0.7",
 )
 CHAT = GenerateRequest(
     messages=({"role": "user", "content": "weather?"},),
