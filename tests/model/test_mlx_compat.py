@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import qwen3_moe, switch_layers
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
@@ -377,8 +378,10 @@ def test_unloaded_model_has_shapes_and_no_memory():
     experts = model.model.layers[0].mlp.switch_mlp.gate_proj.weight
     assert experts.shape[0] == config["num_experts"]
     before = mx.get_active_memory()
-    unloaded_model({**config, "num_hidden_layers": 64})
-    assert mx.get_active_memory() == before  # nothing evaluated
+    deep = unloaded_model({**config, "num_hidden_layers": 64})
+    would_be = sum(v.nbytes for _, v in tree_flatten(deep.parameters()))  # from shapes alone
+    # Nothing evaluated (other tests' arrays may be freed meanwhile: the count can fall).
+    assert mx.get_active_memory() - before < would_be // 100
 
 
 def test_pipeline_support_found_in_the_sources_and_the_classes():
