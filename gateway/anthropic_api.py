@@ -16,10 +16,11 @@ from moed.protocol import GenerateRequest
 
 from . import agent_fields as agent
 from . import fields as f
+from .anthropic_budget import budget_message
 from .context import REASONING, Api, Collected, Gateway, PartKind
 from .errors import ApiError, ErrorKind, invalid
 from .generation import KEEPALIVE_S, Finish, Outcome, Stream, Waiting
-from .token_budget import BudgetError, Overrun
+from .token_budget import BudgetError, daemon_limits
 
 API = Api.ANTHROPIC
 STOP_REASON = {
@@ -43,24 +44,8 @@ _ERROR_TYPE = {
 }
 
 
-def _budget_message(err: BudgetError) -> str:
-    """Anthropic's own words, which Claude Code parses (it compacts a prompt that is too long and
-    retries a context overflow with the max_tokens that fits)."""
-    if err.overrun is Overrun.CONTEXT:
-        return (
-            f"input length and `max_tokens` exceed context limit: {err.prompt_tokens} + "
-            f"{err.max_tokens} > {err.limit}, decrease input length or `max_tokens` and try again"
-        )
-    if err.overrun is Overrun.MAX_TOKENS:
-        return (
-            f"max_tokens: {err.max_tokens} > {err.limit}, which is the maximum allowed number of "
-            "output tokens here (the daemon's max_tokens_limit)"
-        )
-    return err.message  # "prompt is too long: N tokens > M maximum"
-
-
 def error_body(err: ApiError) -> dict:
-    message = _budget_message(err) if isinstance(err, BudgetError) else err.message
+    message = budget_message(err) if isinstance(err, BudgetError) else err.message
     return {"type": "error", "error": {"type": _ERROR_TYPE[err.kind], "message": message}}
 
 
@@ -397,7 +382,11 @@ async def messages(request: Request) -> Response:
     model = (await gateway.model()).get("name")
     # message_start reports the input tokens (the stream's first event says them), and an
     # over-long prompt is answered in the words Claude Code reads (a BudgetError from start).
-    stream = await gateway.start(req, API, request)
+    try:
+        stream = await gateway.start(req, API, request)
+    except BudgetError as err:  # said with the model's name and, for Claude Code, its context
+        context = (await daemon_limits(gateway.client)).get("context_tokens")
+        raise ApiError(err.kind, budget_message(err, model, context)) from None
     message = {
         "id": f"msg_{uuid.uuid4().hex}",
         "type": "message",

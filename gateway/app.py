@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moed.client.async_client import AsyncClient
 
-from . import anthropic_api, ollama_api, openai_api, ops, principal, responses_api
+from . import anthropic_api, models_api, ollama_api, openai_api, ops, principal, responses_api
 from .access_log import AccessLog
 from .browser import BrowserGuard
 from .config import GatewayConfig, is_loopback
@@ -179,6 +179,7 @@ def build_app(config: GatewayConfig, client: AsyncClient | None = None) -> ASGIA
     )
     routes = [
         *openai_api.ROUTES,
+        *models_api.ROUTES,
         *responses_api.ROUTES,
         *anthropic_api.ROUTES,
         *ollama_api.ROUTES,

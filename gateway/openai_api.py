@@ -1,5 +1,6 @@
-"""OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models, in the shapes the official
-SDK parses (SSE chunks ending with `data: [DONE]`, errors as {"error": {message, type, ...}})."""
+"""OpenAI's API: /v1/chat/completions, /v1/completions (/v1/models: models_api.py), in the shapes
+the official SDK parses (SSE chunks ending with `data: [DONE]`, errors as {"error": {message,
+type, ...}})."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from .context import REASONING, Api, Gateway
 from .errors import ApiError, ErrorKind
 from .generation import KEEPALIVE_S, Finish, Outcome, Stream, Waiting
 from .openai_requests import parse_chat, parse_completion
-from .token_budget import BudgetError, Overrun, daemon_limits
+from .token_budget import BudgetError, Overrun
 
 API = Api.OPENAI
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -306,34 +307,7 @@ async def completions(request: Request) -> Response:
     return JSONResponse({**envelope, "choices": [choice], "usage": _usage(outcome)})
 
 
-async def _model_entry(gateway: Gateway) -> dict:
-    """The served model, with its context under the names clients look for (OpenRouter and
-    llama-server `context_length`, vLLM `max_model_len`, LM Studio `max_context_length`)."""
-    name = (await gateway.model()).get("name")
-    limits = await daemon_limits(gateway.client)
-    context = limits.get("context_tokens")
-    entry = {"id": name, "object": "model", "created": 0, "owned_by": "moed"}
-    if context is not None:
-        entry.update(context_length=context, max_model_len=context, max_context_length=context)
-    entry["max_completion_tokens"] = limits.get("max_tokens")
-    return entry
-
-
-async def models(request: Request) -> Response:
-    entry = await _model_entry(request.app.state.gateway)
-    return JSONResponse({"object": "list", "data": [entry]})
-
-
-async def model(request: Request) -> Response:
-    entry = await _model_entry(request.app.state.gateway)
-    if request.path_params["name"] != entry["id"]:
-        raise ApiError(ErrorKind.NOT_FOUND, f"model {request.path_params['name']!r} not found")
-    return JSONResponse(entry)
-
-
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
-    Route("/v1/models", models, methods=["GET"]),
-    Route("/v1/models/{name:path}", model, methods=["GET"]),
 ]

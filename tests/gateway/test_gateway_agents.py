@@ -1,7 +1,8 @@
 """The agents and CLIs people point at the gateway, as released on their registries, each finishing
-a turn against a real daemon: Claude Code (`claude -p`), Codex CLI (`codex exec`), llm, LiteLLM and
-aider. `make test-clients` installs them under $MOED_TEST_CLIENTS (.ci/run does); a client that is
-not installed there is skipped with the reason.
+a turn against a real daemon: Claude Code (`claude -p`), Codex CLI (`codex exec`), aider and
+OpenCode from the README's own lines (tests/fixtures/readme_agents.py), llm and LiteLLM. `make
+test-clients` installs them under $MOED_TEST_CLIENTS (.ci/run does); a client that is not installed
+there is skipped with the reason.
 
 The model is the tiny test checkpoint with a 128K context (an agent's prompt and its
 `max_tokens: 32000` fit) whose turns end: besides `<|im_end|>`, the tokens it emits most are
@@ -24,12 +25,14 @@ import pytest
 
 from tests.fixtures.daemon_harness import start_daemon
 from tests.fixtures.gateway_harness import start_gateway
+from tests.fixtures.readme_agents import agent_lines, opencode_config
 
 pytestmark = pytest.mark.process
 
 CLIENTS = Path(os.environ.get("MOED_TEST_CLIENTS", Path.home() / ".cache/moed/test-clients"))
 NPM_BIN = CLIENTS / "npm/node_modules/.bin"
 CONTEXT = 131072
+SMALL_CONTEXT = 16384  # under Claude Code's 32000 output tokens, over its prompt + 3000 + 1000
 CLIENT_TIMEOUT_S = 240
 FULL_CLAUDE_CODE_BODY = Path(__file__).parents[1] / "data/claude_code_request.json"
 
@@ -59,10 +62,8 @@ def _turn_ending_ids(model_dir: Path, count: int = 12) -> list[int]:
     return [i for i, _ in seen.most_common() if i not in first][:count]
 
 
-@pytest.fixture(scope="module")
-def agent_model(checkpoint_factory, tmp_path_factory) -> Path:
-    source = checkpoint_factory("qwen3_moe", context=CONTEXT)
-    dest = tmp_path_factory.mktemp("agent") / "agent_model"
+def _agent_model(checkpoint_factory, dest: Path, context: int) -> Path:
+    source = checkpoint_factory("qwen3_moe", context=context)
     shutil.copytree(source, dest)
     config = json.loads((dest / "config.json").read_text())
     config["eos_token_id"] = [config["eos_token_id"], *_turn_ending_ids(dest)]
@@ -71,19 +72,37 @@ def agent_model(checkpoint_factory, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def agent_stack(tmp_path_factory, agent_model):
-    tmp = tmp_path_factory.mktemp("agents")
+def agent_model(checkpoint_factory, tmp_path_factory) -> Path:
+    return _agent_model(
+        checkpoint_factory, tmp_path_factory.mktemp("agent") / "agent_model", CONTEXT
+    )
+
+
+def _stack(tmp: Path, model: Path, context: int):
     daemon = start_daemon(
-        tmp / "d", agent_model, "--resident", env={"MOED_MAX_PROMPT_TOKENS": str(CONTEXT)}
+        tmp / "d", model, "--resident", env={"MOED_MAX_PROMPT_TOKENS": str(context)}
     )
     gateway = None
     try:
         gateway = start_gateway(tmp / "g", daemon.socket)
-        yield daemon, gateway, agent_model.name
+        yield daemon, gateway, model.name
     finally:
         if gateway is not None:
             gateway.stop()
         daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def agent_stack(tmp_path_factory, agent_model):
+    yield from _stack(tmp_path_factory.mktemp("agents"), agent_model, CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def small_agent_stack(tmp_path_factory, checkpoint_factory):
+    """The same kind of model with a context under Claude Code's default 32000 output tokens."""
+    tmp = tmp_path_factory.mktemp("small-agents")
+    model = _agent_model(checkpoint_factory, tmp / "small_agent_model", SMALL_CONTEXT)
+    yield from _stack(tmp, model, SMALL_CONTEXT)
 
 
 def _run(args: list, tmp: Path, env: dict) -> subprocess.CompletedProcess:
@@ -106,44 +125,64 @@ def _run(args: list, tmp: Path, env: dict) -> subprocess.CompletedProcess:
     )
 
 
-def _answered(gateway, endpoint: str) -> float:
-    """How many requests to `endpoint` the gateway answered 200, from its own /metrics."""
+def _answered(gateway, endpoint: str, status: str = "200") -> float:
+    """How many requests to `endpoint` the gateway answered `status`, from its own /metrics."""
     text = httpx.get(f"{gateway.url}/metrics").text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
         if line.startswith("moed_gateway_requests_total{")
         and f'endpoint="{endpoint}"' in line
-        and 'status="200"' in line
+        and f'status="{status}"' in line
     )
 
 
-def test_claude_code_finishes_a_turn(agent_stack, tmp_path):
-    """`claude -p` streams from /v1/messages?beta=true with its real request fields (system text
-    blocks with cache_control, thinking adaptive, context_management, output_config, metadata,
-    max_tokens 32000). Its own long system prompt and 24 tools are swapped for short ones: the
-    55K tokens they make in this toy tokenizer take minutes to read on a CPU (the whole body is
-    checked in test_claude_code_full_request_is_read_and_counted)."""
+CLAUDE_QUIET = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+# A prompt of the test's own: Claude Code's long system prompt and 24 tools make 55K tokens in
+# this toy tokenizer, minutes to read on a CPU (the whole body is checked in
+# test_claude_code_full_request_is_read_and_counted).
+CLAUDE_PROMPT = [
+    "-p", "say hi", "--output-format", "json", "--tools", "", "--system-prompt", "Answer briefly.",
+]  # fmt: skip
+
+
+def _claude_turn(
+    gateway, model: str, context: int, tmp: Path, env: dict, without: tuple[str, ...] = ()
+) -> dict:
+    """The README's Claude Code line (less the variables `without`) with the test's prompt."""
     claude = _client(NPM_BIN / "claude")
-    _, gateway, model = agent_stack
-    env = {
-        "ANTHROPIC_BASE_URL": gateway.url,
-        "ANTHROPIC_API_KEY": "unused",
-        "ANTHROPIC_MODEL": model,
-        "ANTHROPIC_SMALL_FAST_MODEL": model,
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "CLAUDE_CODE_MAX_RETRIES": "0",
-    }
-    args = [claude, "-p", "say hi", "--output-format", "json", "--tools", ""]
-    before = _answered(gateway, "/v1/messages")
-    done = _run([*args, "--system-prompt", "Answer briefly."], tmp_path, env)
+    line = agent_lines(gateway.url, model, context)["claude"]
+    given = {k: v for k, v in line.env.items() if k not in without}
+    done = _run([claude, *line.args[1:], *CLAUDE_PROMPT], tmp, {**given, **env})
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["is_error"] is False and result["subtype"] == "success", result
     assert isinstance(result["result"], str)
+    return result
+
+
+def test_claude_code_finishes_a_turn(agent_stack, tmp_path):
+    """The README's line, as written: `claude -p` streams from /v1/messages?beta=true with its real
+    request fields (system text blocks with cache_control, thinking adaptive, context_management,
+    output_config, metadata) and the max_tokens the line sets."""
+    _, gateway, model = agent_stack
+    before = _answered(gateway, "/v1/messages")
+    result = _claude_turn(
+        gateway, model, CONTEXT, tmp_path, {**CLAUDE_QUIET, "CLAUDE_CODE_MAX_RETRIES": "0"}
+    )
     assert result["usage"]["input_tokens"] > 0  # message_start carried the prompt's tokens
     assert _answered(gateway, "/v1/messages") > before
+
+
+def test_claude_code_retries_its_32000_tokens_on_a_smaller_context(small_agent_stack, tmp_path):
+    """Without CLAUDE_CODE_MAX_OUTPUT_TOKENS, Claude Code asks for 32000 tokens of a 16384-token
+    context: the 400 is worded as it parses (a context overflow), so it retries with the
+    max_tokens that fits and finishes the turn."""
+    _, gateway, model = small_agent_stack
+    refused = _answered(gateway, "/v1/messages", "400")
+    without = ("CLAUDE_CODE_MAX_OUTPUT_TOKENS",)
+    _claude_turn(gateway, model, SMALL_CONTEXT, tmp_path, CLAUDE_QUIET, without)
+    assert _answered(gateway, "/v1/messages", "400") > refused  # it was refused, then retried
 
 
 def test_claude_code_full_request_is_read_and_counted(agent_stack, gateway_stack):
@@ -186,19 +225,16 @@ def test_a_context_overflow_is_answered_as_claude_code_retries_it(agent_stack):
 
 
 def test_codex_exec_finishes_a_turn(agent_stack, tmp_path):
-    """`codex exec` over POST /v1/responses (streamed), with its tools (functions, a namespace,
-    web_search) and developer messages. Its built-in instructions are swapped for a short file and
-    its larger tool sets switched off, for the same reason as Claude Code's prompt."""
+    """The README's line as `codex exec` over POST /v1/responses (streamed), with its tools
+    (functions, a namespace, web_search) and developer messages. Its built-in instructions are
+    swapped for a short file and its larger tool sets switched off, for the same reason as
+    Claude Code's prompt."""
     codex = _client(NPM_BIN / "codex")
     _, gateway, model = agent_stack
+    line = agent_lines(gateway.url, model, CONTEXT)["codex"]
     instructions = tmp_path / "instructions.md"
     instructions.write_text("Answer briefly.\n")
-    provider = (
-        f'{{name="moed",base_url="{gateway.url}/v1",wire_api="responses",env_key="MOED_KEY"}}'
-    )
     settings = {
-        "model_provider": "moed",
-        "model_providers.moed": provider,
         "model_instructions_file": str(instructions),
         "features.multi_agent": "false",
         "features.goals": "false",
@@ -207,9 +243,9 @@ def test_codex_exec_finishes_a_turn(agent_stack, tmp_path):
         "web_search": "disabled",
     }
     flags = [arg for key, value in settings.items() for arg in ("-c", f"{key}={value}")]
-    env = {"CODEX_HOME": str(tmp_path / "codex"), "MOED_KEY": "unused"}
+    env = {**line.env, "CODEX_HOME": str(tmp_path / "codex")}
     (tmp_path / "codex").mkdir()
-    args = [codex, "exec", "--json", "--skip-git-repo-check", *flags, "-m", model, "say hi"]
+    args = [codex, "exec", "--json", "--skip-git-repo-check", *line.args[1:], *flags, "say hi"]
     before = _answered(gateway, "/v1/responses")
     done = _run(args, tmp_path, env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -269,11 +305,11 @@ def test_aider_finishes_a_turn(agent_stack, tmp_path):
     """aider through Ollama's API, where it reads the model's context window from /api/show."""
     aider = _client(CLIENTS / "py-aider-chat/bin/aider")
     _, gateway, model = agent_stack
+    line = agent_lines(gateway.url, model, CONTEXT)["aider"]
     before = _answered(gateway, "/api/chat")
     args = [
         aider,
-        "--model",
-        f"ollama_chat/{model}",
+        *line.args[1:],
         "--message",
         "say hi",
         "--yes-always",
@@ -286,7 +322,7 @@ def test_aider_finishes_a_turn(agent_stack, tmp_path):
         "--map-tokens",
         "0",
     ]
-    env = {"OLLAMA_API_BASE": gateway.url, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    env = {**line.env, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     done = _run(args, tmp_path, env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Tokens:" in done.stdout, done.stdout  # aider's report of a finished exchange
@@ -294,24 +330,15 @@ def test_aider_finishes_a_turn(agent_stack, tmp_path):
 
 
 def test_opencode_finishes_a_turn(agent_stack, tmp_path):
-    """`opencode run` with the gateway as an OpenAI-compatible provider (the AI SDK's
-    @ai-sdk/openai-compatible, which OpenCode installs from npm on first use); its build agent's
+    """`opencode run` with the README's opencode.json (the AI SDK's @ai-sdk/openai-compatible,
+    which OpenCode installs from npm on first use, and the model's `limit`); its build agent's
     prompt is swapped for a short one and its tools switched off, as for Claude Code."""
     opencode = _client(NPM_BIN / "opencode")
     _, gateway, model = agent_stack
     config = {
-        "$schema": "https://opencode.ai/config.json",
+        **opencode_config(gateway.url, model, CONTEXT),
         "autoupdate": False,
         "share": "disabled",
-        "provider": {
-            "moed": {
-                "npm": "@ai-sdk/openai-compatible",
-                "name": "moed",
-                "options": {"baseURL": f"{gateway.url}/v1", "apiKey": "unused"},
-                "models": {model: {"name": model, "limit": {"context": CONTEXT, "output": 4096}}},
-            }
-        },
-        "model": f"moed/{model}",
         "agent": {"build": {"prompt": "Answer briefly.", "tools": {"*": False}}},
     }
     (tmp_path / "opencode.json").write_text(json.dumps(config))

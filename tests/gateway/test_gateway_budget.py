@@ -4,6 +4,7 @@ where clients look for it, and a 400 in the API's own words instead of a silent 
 
 from __future__ import annotations
 
+import re
 import time
 
 import anthropic
@@ -15,6 +16,7 @@ import pytest
 from moed.daemon.config import ServeConfig
 from moed.daemon.model.limits import UNKNOWN_CONTEXT_MAX_TOKENS, limits_for
 from moed.gateway import anthropic_api, openai_api
+from moed.gateway.anthropic_budget import budget_message
 from moed.gateway.token_budget import BudgetError, Overrun
 from moed.protocol.model_config import ModelConfig
 
@@ -159,6 +161,46 @@ def test_a_max_tokens_over_the_daemons_limit_is_named_in_each_apis_words():
     assert anthropic_api.error_body(err)["error"]["message"].startswith("max_tokens: 32000 > 8192")
     body = openai_api.error_body(err)["error"]
     assert body["param"] == "max_tokens" and "at most 8192 completion tokens" in body["message"]
+
+
+CLAUDE_CODE_RETRY = re.compile(
+    r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+)"
+)  # the only refusal Claude Code 2.1.197 parses to retry (with C - P - 1000, at least 3000)
+
+
+def test_a_max_tokens_claude_code_can_retry_is_said_as_the_overflow_it_parses():
+    """Over a limit that is the context (the default): the overflow, whose retry fits. Where no
+    retry fits (a limit under the context, a context too small), the client setting is named."""
+    over_context = BudgetError(Overrun.MAX_TOKENS, 800, 32000, 16384)
+    said = budget_message(over_context, "m", context=16384)
+    found = CLAUDE_CODE_RETRY.match(said)
+    assert found and found.groups() == ("800", "32000", "16384")
+    assert "CLAUDE_CODE_MAX_OUTPUT_TOKENS" not in said  # it retries by itself
+    capped = budget_message(BudgetError(Overrun.MAX_TOKENS, 800, 32000, 4096), "m", 16384)
+    assert capped.startswith(
+        "max_tokens: 32000 > 4096, which is the maximum allowed number of output tokens for m"
+    )
+    assert "CLAUDE_CODE_MAX_OUTPUT_TOKENS to 4096" in capped and not CLAUDE_CODE_RETRY.search(
+        capped
+    )
+    tight = budget_message(BudgetError(Overrun.CONTEXT, 3000, 32000, 4096), "m")
+    assert CLAUDE_CODE_RETRY.match(tight) and "CLAUDE_CODE_MAX_OUTPUT_TOKENS to 1096" in tight
+
+
+@pytest.mark.process
+def test_the_anthropic_model_list_carries_its_own_limit_fields(stack):
+    """The anthropic SDK's models.list() and retrieve() (it sends anthropic-version): Anthropic's
+    ModelInfo with max_input_tokens (the prompt limit, 512 here) and max_tokens (the context)."""
+    gateway, name = stack
+    claude = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0)
+    listed = claude.models.list().data
+    assert [m.id for m in listed] == [name]
+    assert (listed[0].max_input_tokens, listed[0].max_tokens) == (512, CONTEXT)
+    one = claude.models.retrieve(name)
+    assert one.type == "model" and (one.max_input_tokens, one.max_tokens) == (512, CONTEXT)
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        claude.models.retrieve("no-such-model")
+    assert missing.value.body["error"]["type"] == "not_found_error"
 
 
 def test_max_tokens_limit_defaults_to_the_models_context():
