@@ -2,7 +2,13 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# One stamp per install and pyproject.toml: the demo's (moed and what it needs) and the test
+# extras' (pytest, ruff, mypy, the SDKs the gateway tests drive) on top of it.
+PYPROJECT_SUM := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(PYPROJECT_SUM)
+TEST_STAMP := $(VENV)/.installed-test-$(PYPROJECT_SUM)
+# pip's own lines (a hundred and more on a first install) only with VERBOSE=1.
+PIP_QUIET := $(if $(VERBOSE),,--quiet)
 # A socket of its own, so the demo never touches a daemon the user runs as a service.
 DEMO_DIR ?= /tmp/moed-demo-$(shell id -u)
 DEMO_SOCKET := $(DEMO_DIR)/moed.sock
@@ -15,12 +21,18 @@ BUDGET ?= 25%
 # setuptools adds a note to every editable install that it maps moed.* with an import hook (the
 # package-dir layout): only that note is silenced; real build warnings still show.
 $(STAMP): pyproject.toml
-	@echo "==> installing moed and its dependencies into $(VENV) (a minute or two the first time)"
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	@PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -e '.[test]'
-	touch $(STAMP)
+	@echo "==> installing moed and its dependencies into $(VENV) (a minute or two the first time; VERBOSE=1 shows pip's lines)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(BIN)/pip install $(PIP_QUIET) --disable-pip-version-check --upgrade pip
+	@PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install $(PIP_QUIET) --disable-pip-version-check -e .
+	@touch $(STAMP)
 	@echo "==> installed; in a new shell, '. $(VENV)/bin/activate' puts moe and moed on PATH"
+
+# The test extras, for make test, test-fast, typecheck and bench (make run never needs them).
+$(TEST_STAMP): $(STAMP)
+	@echo "==> installing the test tools (pytest, ruff, mypy, the API SDKs) into $(VENV)"
+	@PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install $(PIP_QUIET) --disable-pip-version-check -e '.[test]'
+	@touch $(TEST_STAMP)
 
 # Start a daemon on the embedded demo model, stream a completion with telemetry, stop the daemon.
 run: $(STAMP)
@@ -70,7 +82,7 @@ MYPY_TREE := build/mypy/moed
 MOED_ROOMS := protocol daemon client gateway launchd
 
 # The type gate alone, for the edit loop (strict on protocol/, daemon/engine/, daemon/experts/).
-typecheck: $(STAMP)
+typecheck: $(TEST_STAMP)
 	@mkdir -p $(MYPY_TREE) && for room in $(MOED_ROOMS); do ln -sfn ../../../$$room $(MYPY_TREE)/$$room; done
 	$(BIN)/mypy
 
@@ -80,7 +92,7 @@ typecheck: $(STAMP)
 # pyproject.toml). The serial phase runs even after a failed parallel one, and either failing
 # fails the target.
 test:
-	@$(MAKE) --no-print-directory -j2 $(STAMP) test-clients
+	@$(MAKE) --no-print-directory -j2 $(TEST_STAMP) test-clients
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(MAKE) --no-print-directory typecheck
@@ -93,7 +105,7 @@ test:
 	  exit $$status
 
 # The edit loop: lint and types, then the tests that start no process and are not slow.
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(MAKE) --no-print-directory typecheck
@@ -101,7 +113,7 @@ test-fast: $(STAMP)
 	  --durations=10
 
 # Each prints ratios measured side by side in one run; BENCHMARKS.md holds their latest output.
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/moed bench serve --max-tokens 200 --runs 9
 	$(BIN)/moed bench stream
 	$(BIN)/moed bench prewarm --runs 5

@@ -88,6 +88,11 @@ def test_readme_quick_start_in_a_new_shell(tmp_path):
     assert "demo model" in text and "MODEL_CARD.md" in text  # the toy is explained where it speaks
     assert re.search(r"demo_model\s+ready", text), "moe ps shows the loaded demo model"
     assert "daemon stopping" in text
+    # make run is quiet (pip's lines only with VERBOSE=1) and installs the demo's needs alone:
+    # the test extras (pytest, ruff, mypy, the SDKs) wait for make test.
+    assert "Requirement already satisfied" not in text and "Successfully" not in text
+    stamps = [f.name for f in (clone / ".venv").glob(".installed-*")]
+    assert len(stamps) == 1 and not stamps[0].startswith(".installed-test-"), stamps
     # The install is clean: no setuptools warnings (this machine's pip index notes are not ours).
     ours = [
         line
