@@ -19,12 +19,10 @@ if TYPE_CHECKING:  # types only: llguidance is imported where a grammar is built
     from llguidance import LLMatcher, LLTokenizer
 
 _MASK_BITS = 32  # bit i of a mask word is token 32 * word + i
-_LONGEST_TOKEN_BYTES = 64  # no ordinary token is longer than this in the vocabularies moed meets
 
 
 class MarkerTokens:
-    """One tokenizer's special (non end-of-sequence) token ids, and its ordinary tokens by bytes
-    (built on first need: a dead end is rare)."""
+    """One tokenizer's special (non end-of-sequence) token ids."""
 
     def __init__(self, lltok: LLTokenizer, eos: list[int]):
         self.lltok = lltok
@@ -34,7 +32,6 @@ class MarkerTokens:
             [i for i in range(size) if lltok.is_special_token(i) and i not in ends],
             dtype=np.int64,
         )
-        self._by_bytes: dict[bytes, int] | None = None
 
     def fix(self, matcher: LLMatcher, words: np.ndarray) -> np.ndarray:
         """The packed mask without the marker tokens `matcher` would refuse; with an ordinary
@@ -54,18 +51,12 @@ class MarkerTokens:
         return words
 
     def _spelling(self, matcher: LLMatcher) -> int | None:
-        """The longest ordinary token that begins the forced bytes and that `matcher` takes."""
-        forced = bytes(matcher.compute_ff_bytes())
-        if self._by_bytes is None:
-            self._by_bytes = {}
-            special = set(self.ids.tolist())
-            for i in range(self.lltok.vocab_size):
-                if i not in special and not self.lltok.is_special_token(i):
-                    self._by_bytes.setdefault(self.lltok.decode_bytes([i]), i)
-        for n in range(min(len(forced), _LONGEST_TOKEN_BYTES), 0, -1):
-            token = self._by_bytes.get(forced[:n])
-            if token is not None and matcher.validate_tokens([token]) == 1:
-                return token
+        """The first ordinary token of the forced text (llguidance's greedy tokenizer matches no
+        marker token), if `matcher` takes it."""
+        forced = bytes(matcher.compute_ff_bytes()).decode("utf-8", errors="ignore")
+        tokens = self.lltok.greedy_tokenize(forced) if forced else []
+        if tokens and matcher.validate_tokens(tokens[:1]) == 1:
+            return int(tokens[0])
         return None
 
 
