@@ -13,7 +13,7 @@ from typing import Any
 from mlx_lm.models.cache import BatchKVCache
 
 from moed.daemon.model.layer_caches import LayerCache
-from moed.daemon.model.mlx_compat import unpadded
+from moed.daemon.model.mlx_compat import recast, unpadded
 
 
 class UnpaddedBatchKVCache(BatchKVCache):
@@ -33,4 +33,4 @@ def fit_masks(layer_caches: list[LayerCache]) -> None:
     for cache in layer_caches:
         if type(cache) not in (BatchKVCache, UnpaddedBatchKVCache):
             continue  # rotating and other caches keep their own masks
-        cache.__class__ = UnpaddedBatchKVCache if unpadded(cache) else BatchKVCache
+        recast(cache, UnpaddedBatchKVCache if unpadded(cache) else BatchKVCache)

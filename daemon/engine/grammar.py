@@ -24,6 +24,7 @@ from moed.daemon.engine.schema_prep import prepared
 from moed.daemon.engine.text_path import RowFailed, TextGuard
 from moed.daemon.engine.tool_grammar import tool_call_grammar
 from moed.daemon.ground.faults import TextStage
+from moed.daemon.model.mlx_compat import hf_tokenizer
 from moed.protocol import ErrorCode, GenerateRequest, NamedTool, ProtocolError
 from moed.protocol.constraints import FormatType, tool_name
 
@@ -49,7 +50,7 @@ def ll_tokenizer(tokenizer: Any) -> LLTokenizer:
     if cached is None:
         import llguidance.hf
 
-        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        hf = hf_tokenizer(tokenizer)
         eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ()) or None
         cached = llguidance.hf.from_tokenizer(hf, eos_token=eos)
         _LL_TOKENIZERS[tokenizer] = cached

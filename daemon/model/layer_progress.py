@@ -20,6 +20,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from moed.daemon.model.mlx_compat import recast
+
 _HOOKED = "_moed_layer_hook"  # marks a hooked subclass: hooking twice wraps once
 
 
@@ -35,7 +37,7 @@ def watch_layers(model: Any, on_layer: Callable[[], None]) -> int:
         sub = hooked.get((base, last))
         if sub is None:
             sub = hooked[base, last] = _hooked_class(base, on_layer, force=not last)
-        layer.__class__ = sub
+        recast(layer, sub)
     return len(layers)
 
 

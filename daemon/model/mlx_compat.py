@@ -2,45 +2,74 @@
 minor version). Each use has a test in tests/model/test_mlx_compat.py that fails, saying what
 changed, when an mlx-lm upgrade changes the thing relied on.
 
-Reached into here:
+Reached into here, each with the upstream mlx-lm change that would retire it:
 1. BatchGenerator's two stages, `_prompt_batch` (the rows reading their prompt: `uids`,
    `prompt_cache`, `extract_cache(idx)`) and `_generation_batch` (the decoding rows: `uids`,
    `prompt_cache`): the prefix cache keeps a row's state at a segment's end, the decode masks
-   follow the decoding rows (engine/batch.py).
+   follow the decoding rows (engine/batch.py). Retired by: BatchGenerator naming its stages
+   (public `prompt_batch` / `generation_batch`), or a callback with a prompting row's caches at a
+   prompt offset the caller asks for, which any batched server with a prefix cache wants.
 2. BatchGenerator's `prefill_step_size`, read again at every `next()`, and its `_prompt_batch`'s
    own, the size of each forward pass over a chunk: the chunk sizer steers both step by step
-   (engine/batch.py).
+   (engine/batch.py). Retired by: a public setter (or a `next(prefill_step_size=)` argument) that
+   reaches the prompt batch already made.
 3. BatchKVCache's `_right_padding` (None unless `prepare` right-padded rows) beside its public
    `left_padding`, and `make_mask(N, return_array=..., window_size=...)`, which
-   engine/decode_mask.py's UnpaddedBatchKVCache overrides (it swaps `__class__` in place).
+   engine/decode_mask.py's UnpaddedBatchKVCache overrides (set by use 13). Retired by: a public
+   "no row padded" answer on BatchKVCache, and its own `make_mask` returning None for a one-token
+   step with no row padded (as the single-stream KVCache does), which retires the override too.
 4. The list-wide cache calls BatchGenerator makes on every element of a row's cache list
    (`merge` as a classmethod taking the list, `extend`, `filter`, `prepare(left_padding=,
    lengths=, right_padding=)`, `finalize`, `extract`, `copy.deepcopy`, `state`, `nbytes`,
    `empty`, `size`): distributed/cache_ops.py's CacheHandle answers them to mirror a pipeline
-   batch's cache changes on the other ranks. BATCH_CACHE_CALLS names them.
+   batch's cache changes on the other ranks. BATCH_CACHE_CALLS names them. Public methods, no
+   private name; retired (as an undocumented contract) by a documented batch-cache protocol in
+   mlx_lm.models.cache.
 5. `mlx_lm.utils._get_classes(config)`: the model class a config.json names (and its args class:
    the unloaded model bench/replica_layout.py lists the tensors of), and the modules of
    its class hierarchy, one of which defines a PipelineMixin module when the architecture can
    pipeline (qwen3_5_moe's text model is one module down); and the sources under
    mlx_lm/models/, whose text names PipelineMixin where it is used: an architecture without it
-   is refused before any rank starts (distributed/rank0.py, rank_model.py).
+   is refused before any rank starts (distributed/rank0.py, rank_model.py). Retired by: a public
+   `get_model_classes(config)` in mlx_lm.utils, and a class attribute saying a model pipelines.
 6. PipelineMixin's module (`pipeline(group, split)`, `start_idx`, `end_idx`, `layers`) and its
    final `norm`, called once after the last layer's all_gather: the leader wraps it to evaluate
-   there (distributed/leader.py).
+   there (distributed/leader.py). Retired by: a hook PipelineMixin calls after the last
+   all_gather (or `pipeline()` returning its layer range).
 7. mlx_lm/utils.py lowers RLIMIT_NOFILE when imported: runtime/open_files.py keeps moed's
-   raised limit through that import.
+   raised limit through that import. Retired by: mlx-lm raising the limit only, never lowering
+   it, and only in its own entry points rather than at import.
 8. BatchGenerator's `next()` calls the model over several positions only for prompt chunks and
    reads only their caches, never the output: inside it a streaming model's last layer skips
-   its experts for such calls (experts/unused_output.py, engine/batch.py).
+   its experts for such calls (experts/unused_output.py, engine/batch.py). Retired by: the
+   generator telling the model a call's output is unused (an argument or a context), which
+   saves the last layer's work in any model.
 9. GenerationBatch's `_next_tokens` and `_next_logprobs` (row i's next token and its
    distribution, submitted by the step that made them and handed out by the one after) and its
    `max_tokens`: a row's first token goes out as soon as it is computed (engine/batch.py).
+   Retired by: a public read of the tokens a step submitted (or `next()` handing a row's first
+   token out at the step that computes it).
 10. PromptProcessingBatch's `split(indices)` (a `_copy()` with deep-copied caches, then `filter`
    of both) and its per-row lists: when every row moves on to decoding at once, the rows move,
-   caches and all, instead (engine/batch.py, `move_whole_splits`).
+   caches and all, instead (engine/batch.py, `move_whole_splits`; the batch's `split` rebound
+   with `types.MethodType`). Retired by: upstream `split` moving the caches when the indices are
+   every row and no row is padded, instead of a deep copy and two filters.
 11. The split batch's `generate(last_inputs)`, which makes the GenerationBatch whose first step
    (in its constructor) reads each moving row's last prompt token, and nothing else: the engine's
-   scope around it lets a streaming model read ahead for that step (experts/prompt_end.py).
+   scope around it lets a streaming model read ahead for that step (experts/prompt_end.py; the
+   batch's `split` and the moving batch's `generate` replaced on the instances). Retired by: a
+   BatchGenerator hook (a context manager) around the step that reads prompts' last tokens.
+12. TokenizerWrapper's `_tokenizer`, the Hugging Face tokenizer it wraps (its `__getattr__`
+   forwards names, but not the object): llguidance builds its token table from it
+   (engine/grammar.py) and the prefix encoder reads its backend's offsets
+   (model/prefix_encode.py). `hf_tokenizer` reads it. Retired by: a public
+   `TokenizerWrapper.tokenizer` property.
+13. `__class__` assignment on live mlx-lm objects (`recast`): a BatchKVCache becomes
+   UnpaddedBatchKVCache and back as the decoding rows change (engine/decode_mask.py, use 3), and
+   each decoder layer becomes a subclass whose `__call__` reports its progress
+   (model/layer_progress.py). Safe while the subclass adds behaviour and no state; the object
+   stays where the batch and the model hold it. Retired by: use 3's upstream mask, and a
+   per-layer callback in mlx-lm's forward (or BatchGenerator's prompt progress per layer).
 
 Outside daemon/ (which alone may import mlx-lm): client/hub.py's `mlx_lm_knows` takes an
 architecture as known when mlx_lm/models/<model_type>.py exists, found without importing mlx-lm.
@@ -165,6 +194,25 @@ def _as_filtered(cache: Any) -> bool:
     if isinstance(cache, BatchKVCache):
         return unpadded(cache)  # no padding to cut back
     return isinstance(cache, ArraysCache)
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer an mlx-lm TokenizerWrapper wraps (use 12); an object without
+    `_tokenizer` is its own."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+def _mlx_lm_class(cls: type) -> type:
+    """The nearest class in `cls`'s hierarchy that moed did not define."""
+    return next(c for c in cls.__mro__ if not c.__module__.startswith("moed."))
+
+
+def recast(obj: object, cls: type) -> None:
+    """Use 13: `obj` (a live mlx-lm object) takes `cls`, a class over the same mlx-lm class that
+    adds behaviour and no state; whoever holds `obj` sees the new class."""
+    if _mlx_lm_class(cls) is not _mlx_lm_class(type(obj)):
+        raise TypeError(f"{cls.__qualname__} is not a moed class over {type(obj).__qualname__}")
+    obj.__class__ = cls
 
 
 def set_prefill_step(gen: BatchGenerator, tokens: int) -> None:

@@ -77,7 +77,10 @@ class _TokenizerPlan:
 
 
 def _plan_for(tokenizer: Any) -> _TokenizerPlan | None:
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    # mlx_compat imports mlx-lm (seconds); `moed bench agent` imports this module to start.
+    from moed.daemon.model.mlx_compat import hf_tokenizer
+
+    hf = hf_tokenizer(tokenizer)
     backend = getattr(hf, "backend_tokenizer", None)
     added = getattr(hf, "added_tokens_decoder", None)
     if backend is None or not isinstance(added, dict) or not hasattr(backend, "encode"):

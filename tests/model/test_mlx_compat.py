@@ -16,6 +16,7 @@ from mlx_lm.models import qwen3_moe, switch_layers
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.models.pipeline import PipelineMixin
 from mlx_lm.sample_utils import greedy_sampler
+from mlx_lm.utils import load_tokenizer
 
 from moed.client.hub import mlx_lm_knows
 from moed.daemon.distributed.cache_ops import CacheHandle, OpLog
@@ -24,11 +25,13 @@ from moed.daemon.model import mlx_compat
 from moed.daemon.model.mlx_compat import (
     BATCH_CACHE_CALLS,
     generation_batch,
+    hf_tokenizer,
     model_class_for,
     next_tokens,
     pipeline_layers,
     pipelined_architectures,
     prompt_batch,
+    recast,
     set_prefill_step,
     supports_pipeline,
     unloaded_model,
@@ -278,8 +281,58 @@ def test_unpadded_decode_step_needs_no_mask():
         "an unpadded BatchKVCache's one-token mask is not all true: UnpaddedBatchKVCache's "
         "unmasked decode step would change the attention"
     )
-    cache.__class__ = UnpaddedBatchKVCache
+    recast(cache, UnpaddedBatchKVCache)
     assert cache.make_mask(1) is None and cache.make_mask(2) is not None
+
+
+def test_recast_keeps_the_object_and_its_state(model):
+    """Use 13: a live BatchKVCache and a decoder layer take a moed subclass in place (the batch
+    and the model keep holding them) with every array they held; a class over another mlx-lm
+    class is refused."""
+    cache = BatchKVCache([0, 0])
+    kv = mx.arange(40, dtype=mx.float32).reshape(2, 1, 5, 4)
+    cache.update_and_fetch(kv, kv)
+    before = [np.array(a) for a in cache.state]
+    recast(cache, UnpaddedBatchKVCache)
+    assert type(cache) is UnpaddedBatchKVCache
+    assert all(np.array_equal(a, b) for a, b in zip(before, [np.array(a) for a in cache.state]))
+    recast(cache, BatchKVCache)
+    assert type(cache) is BatchKVCache
+
+    layer = model.layers[0]
+    base = type(layer)
+    x = mx.ones((1, 3, model.args.hidden_size))
+    want = np.array(layer(x, mask="causal"))
+
+    class Watched(base):  # what layer_progress.py makes: behaviour, no state
+        pass
+
+    Watched.__module__ = "moed.daemon.model.layer_progress"
+    recast(layer, Watched)
+    try:
+        assert model.layers[0] is layer and type(layer) is Watched
+        assert np.array_equal(np.array(layer(x, mask="causal")), want), (
+            "a recast decoder layer computes something else: its class carries state"
+        )
+        with pytest.raises(TypeError):
+            recast(layer, UnpaddedBatchKVCache)
+    finally:
+        recast(layer, base)
+
+
+def test_hf_tokenizer_is_the_one_the_wrapper_wraps(tiny_model):
+    """Use 12: TokenizerWrapper keeps the Hugging Face tokenizer in `_tokenizer`, whose backend
+    gives character offsets (prefix_encode.py) and whose vocabulary llguidance reads
+    (grammar.py); an object without `_tokenizer` is its own."""
+    wrapper = load_tokenizer(tiny_model)
+    hf = hf_tokenizer(wrapper)
+    assert hf is not wrapper, "TokenizerWrapper no longer keeps its tokenizer in `_tokenizer`"
+    assert hasattr(hf, "backend_tokenizer") and isinstance(hf.added_tokens_decoder, dict), (
+        f"TokenizerWrapper's `_tokenizer` is a {type(hf).__name__}, not a fast tokenizer"
+    )
+    assert hf.encode("hello world") == wrapper.encode("hello world")
+    bare = load_tokenizer(tiny_model).encode  # no `_tokenizer` of its own
+    assert hf_tokenizer(bare) is bare
 
 
 class _WithHandle:
