@@ -188,7 +188,10 @@ class DecodeBatch:
         self._decoding: set[int] = set()  # ... of them past their prompt
         self._early: set[int] = set()  # ... whose first token went out before the generator's
         self._read: dict[int, int] = {}  # prompt tokens read so far, per prompting row
-        self._kv: dict[int, int] = {}  # the KV rows each live row may grow to
+        # Each live row's context (prompt and resumed tokens): while no row decodes, the KV the
+        # batch holds and what a prompt chunk's attention reads (its max_tokens, up to the rest
+        # of the context for an open-ended request, is KV it has not grown yet).
+        self._context: dict[int, int] = {}
         self._sizer = ChunkSizer(prefill_chunk, budget, chunk_limit)
         # The largest prompt chunk this batch may read (its steps' chunks so far, or the
         # configured one): a recovery from a timeout halves it.
@@ -243,7 +246,7 @@ class DecodeBatch:
             logits_processors=[[constraint] if constraint is not None else []],
         )
         self._live.add(uid)
-        self._kv[uid] = len(context) + max_new_tokens
+        self._context[uid] = len(context)
         if self._trimmable is not None:
             inherited = dict(hit.inherited) if hit is not None else {}
             self._prefix[uid] = _RowPrefix(context, start, frozenset(cuts), scope, inherited)
@@ -272,12 +275,12 @@ class DecodeBatch:
         self._early.discard(uid)
         self._read.pop(uid, None)
         self._prefix.pop(uid, None)
-        self._kv.pop(uid, None)
+        self._context.pop(uid, None)
 
     def step(self) -> StepOutput:
         """One decode step for the decoding rows, then one prefill chunk for the prompting rows."""
         prompting = len(self._live) - len(self._decoding)
-        longest = max(self._kv.values(), default=0)  # the batch pads every row to it
+        longest = max(self._context.values(), default=0)  # the batch pads every row to it
         chunk = self._sizer.chunk(bool(self._decoding), prompting, longest)
         if prompting:
             self.largest_chunk = max(self.largest_chunk, chunk)

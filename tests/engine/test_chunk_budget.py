@@ -4,6 +4,8 @@ never below `prefill_chunk` nor above the plan's context; rows read together sha
 
 from __future__ import annotations
 
+import json
+
 from moed.daemon.engine.batch import ChunkSizer
 from moed.daemon.engine.chunk_budget import (
     activation_bytes_per_token,
@@ -62,3 +64,26 @@ def test_the_sizer_uses_the_budget_only_when_no_row_decodes():
     )
     assert sizer.chunk(decoding=True) == sizer.size <= 256  # beside decoding rows: steered
     assert ChunkSizer(256).chunk(decoding=False) == 256  # no plan (a pipeline): prefill_chunk
+
+
+def test_a_lone_prompt_chunk_is_sized_by_the_prompt_not_its_max_tokens(tiny_model):
+    """An open-ended request (max_tokens: the rest of a long context) reads its prompt in the
+    chunks a short max_tokens gets: while no row decodes, only the prompt's KV exists and only
+    the prompt is attended; the room its answer may grow into is not taken yet."""
+    from mlx_lm.utils import load_model
+
+    from moed.daemon.engine.batch import DecodeBatch
+    from moed.daemon.engine.sampling import greedy
+
+    model, _ = load_model(tiny_model)
+    config = ModelConfig.from_dict(json.loads((tiny_model / "config.json").read_text()))
+    budget = chunk_budget(config, 4 * MiB, plan_kv_tokens=4096, floor=8)
+    prompt = list(range(5, 5 + 300))
+    chunks = []
+    for max_tokens in (4, 3796):  # a default-sized answer; the rest of a 4096-token context
+        batch = DecodeBatch(model, [], max_batch=1, prefill_chunk=8, budget=budget)
+        batch.insert(prompt, max_tokens, greedy)
+        batch.step()
+        chunks.append(batch.largest_chunk)
+        batch.close()
+    assert chunks[0] == chunks[1] == budget.alone(len(prompt), len(prompt)) > 8
