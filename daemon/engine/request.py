@@ -122,7 +122,9 @@ class Generation:
         self.stops = StopSequences(req.stop)
         # An answer held to `format` is JSON: a `<tool_call>` inside one of its strings is text.
         self.tool_calls = ToolCalls(
-            loaded.tokenizer, req.template_tools if req.format is None else None
+            loaded.tokenizer,
+            req.template_tools if req.format is None else None,
+            forced=req.forced_tool_calls,
         )
         # parallel_tool_calls false: the answer ends with its first tool call.
         self.one_tool_call = req.parallel_tool_calls is False
@@ -212,7 +214,7 @@ class Generation:
             delta = self.detokenizer.last_segment
         with guard(TextStage.REASONING):
             split = self.reasoning.feed(delta, token)
-        segments, calls = self._route(split, False)
+        segments, calls = self._route(split, False, token=token)
         entries = None
         if self.top_logprobs is not None:
             with guard(TextStage.LOGPROBS):
@@ -240,7 +242,7 @@ class Generation:
         return self.stops.matched is not None or one_call_made
 
     def _route(
-        self, split: list[Segment], final: bool, cut: bool = False
+        self, split: list[Segment], final: bool, cut: bool = False, token: int | None = None
     ) -> tuple[tuple[Segment, ...], list[dict[str, Any]]]:
         """Reasoning goes out as it is; the answer passes the tool-call cutter and the stops.
         Nothing goes out once the text ended."""
@@ -252,7 +254,7 @@ class Generation:
                 break
             if channel is Channel.ANSWER:
                 with guard(TextStage.TOOL_CALLS):
-                    text, made = self.tool_calls.feed(text)
+                    text, made = self.tool_calls.feed(text, token)
                 calls.extend(made)
                 with guard(TextStage.STOPS):
                     text = self.stops.feed(text)

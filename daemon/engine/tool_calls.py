@@ -7,6 +7,10 @@ out as `{id, name, arguments}`. Text that might begin a start marker is held bac
 call the answer's end leaves open is parsed if it can be (a model that ends its turn without the
 end marker) and else given back as the text it was; one cut short (max_tokens: `done` says
 `length`) is dropped, never sent as text.
+
+A forced call (`forced`: its grammar writes the markers) ends where the grammar ended it, never at
+the end marker's spelling inside one of its JSON strings: at the end marker's own token where it
+is one token, else (the JSON format) right after the call's JSON object.
 """
 
 from __future__ import annotations
@@ -20,36 +24,48 @@ from typing import Any
 from moed.daemon.engine.tool_format import CallFormat, call_format, parse_xml_call
 
 log = logging.getLogger("moed.engine")
+_DECODER = json.JSONDecoder()
 
 
 class ToolCalls:
-    def __init__(self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None):
+    def __init__(
+        self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None, forced: bool = False
+    ):
         self.active = bool(tools) and bool(getattr(tokenizer, "has_tool_calling", False))
         self.tools = list(tools) if tools else None  # mlx-lm's parsers take a list
+        self._end_id: int | None = None  # a forced call's end marker, when it is one token
+        self._json_body = False  # a forced call in the JSON format: it ends with its object
         if self.active:
             self.start = tokenizer.tool_call_start
             self.end = tokenizer.tool_call_end
             xml = call_format(tokenizer) is CallFormat.QWEN_XML
             self.parse = parse_xml_call if xml else tokenizer.tool_parser
+            if forced:
+                ids = tokenizer.encode(self.end, add_special_tokens=False)
+                self._end_id = ids[0] if len(ids) == 1 else None
+                self._json_body = self._end_id is None and not xml
         self.made = 0  # calls sent so far
         self._buffer = ""
         self._inside = False
+        self._end_due = False  # the end marker's token came: the call ends at its text
 
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """(text to send now, finished calls) after the next text delta."""
+    def feed(self, text: str, token: int | None = None) -> tuple[str, list[dict[str, Any]]]:
+        """(text to send now, finished calls) after the next text delta (of `token`)."""
         if not self.active:
             return text, []
         self._buffer += text
+        if token is not None and token == self._end_id:
+            self._end_due = True
         out: list[str] = []
         calls: list[dict[str, Any]] = []
         while True:
             if self._inside:
-                at = self._buffer.find(self.end)
+                at = self._call_end()
                 if at < 0:
                     return "".join(out), calls
                 calls.extend(self._parsed(self._buffer[:at]))
                 self._buffer = self._buffer[at + len(self.end) :]
-                self._inside = False
+                self._inside = self._end_due = False
                 continue
             at = self._buffer.find(self.start)
             if at < 0:
@@ -60,6 +76,20 @@ class ToolCalls:
             out.append(self._buffer[:at])
             self._buffer = self._buffer[at + len(self.start) :]
             self._inside = True
+
+    def _call_end(self) -> int:
+        """Where the open call's end marker starts in the buffer; -1 while it has not come."""
+        if self._end_id is not None:
+            return self._buffer.rfind(self.end) if self._end_due else -1
+        if self._json_body:
+            body = self._buffer.lstrip()
+            try:
+                _, end = _DECODER.raw_decode(body)
+            except ValueError:
+                return -1
+            at = len(self._buffer) - len(body) + end
+            return at if self._buffer.startswith(self.end, at) else -1
+        return self._buffer.find(self.end)
 
     def flush(self, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """At the end: an unterminated call is parsed if it can be, else given back as text;

@@ -186,3 +186,21 @@ def test_a_json_string_holding_the_closing_tag_stays_whole():
     tools = [_tool("f", _obj(a=schema))]
     assert parse_xml_call(text, tools) == {"name": "f", "arguments": {"a": "x</parameter>y"}}
     assert json.dumps(parse_xml_call(text, None)["arguments"]) == '{"a": "x</parameter>y"}'
+
+
+def test_a_forced_call_ends_where_its_grammar_ended_it(tokenizer):
+    """A JSON string inside a forced call may spell the end marker: the call still ends at the
+    marker's own token (XML: one token), or right after its JSON object (the JSON format)."""
+    start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+    value = f"x{end}y"
+    schema = {"type": "string", "pattern": "^x"}
+    if tokenizer.tool_parser.__module__.endswith("qwen3_coder"):
+        body = f"\n<function=f>\n<parameter=a>\n{json.dumps(value)}\n</parameter>\n</function>\n"
+    else:
+        body = json.dumps({"name": "f", "arguments": {"a": value}})
+    (end_id, *more) = tokenizer.encode(end, add_special_tokens=False)
+    calls = ToolCalls(tokenizer, [_tool("f", _obj(a=schema))], forced=True)
+    shown, made = calls.feed(start + body, token=None)  # ordinary tokens spell the marker inside
+    tail, more_calls = calls.feed(end, token=None if more else end_id)
+    assert shown + tail == "" and made == []
+    assert [(c["name"], c["arguments"]) for c in more_calls] == [("f", {"a": value})]
