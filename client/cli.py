@@ -23,6 +23,8 @@ from .client import Client
 from .errors import DaemonNotRunning, DaemonUnavailable, InsecureSocket, RequestFailed
 from .exit_codes import ExitCode
 from .liveness import process_gone
+from .load_cli import load as _load
+from .load_cli import unload as _unload
 from .models_cli import list_cmd as _list
 from .models_cli import ps as _ps
 from .models_cli import pull as _pull
@@ -185,7 +187,7 @@ main.add_command(_run)
 main.add_command(_stats)
 main.add_command(_metrics)
 main.add_command(_cache)
-for _command in (_pull, _list, _rm, _ps):
+for _command in (_pull, _list, _rm, _ps, _load, _unload):
     main.add_command(_command)
 add_global_options(main)  # last: every command above (and any added) takes the global options
 

@@ -103,6 +103,11 @@ class Client(ClientCore):
             return self._call(MessageType.PREFIX_CACHE, action=action)
         return self._call(MessageType.PREFIX_CACHE, action=action, token=self._control_token())
 
+    def models(self, action: str = "list", model: str | None = None) -> dict:
+        """`list`: every servable model (with its context length) and the loaded ones (`moe ps`);
+        `load`/`unload` `model` (a load is queued: `moe ps` shows it loading, then loaded)."""
+        return self._call(MessageType.MODELS, action=action, model=model)
+
     def shutdown(self, reason: str | None = None, restart: bool = False) -> dict:
         """Drain and exit; `restart=True` exits non-zero so the service manager restarts it smaller.
         Owner only: sends the control token the daemon keeps beside its socket."""

@@ -140,8 +140,9 @@ def _served_path(obj) -> str | None:
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 @click.pass_obj
 def ps(obj, as_json: bool) -> None:
-    """The daemon's model: state (ready, idle, loading, recovering), memory, cache budget, idle
-    time, the last recovery in place from a device failure."""
+    """The daemon's models: the started one first, then every other loaded one; state (ready,
+    idle, loading, recovering), memory, cache budget, idle time, pinned, requests, the last
+    recovery in place from a device failure."""
     try:
         with Client(global_options().socket_path, timeout=obj["timeout"]) as client:
             status = client.status()
@@ -149,28 +150,59 @@ def ps(obj, as_json: bool) -> None:
         fail(ExitCode.DAEMON_UNAVAILABLE, unavailable(exc), as_json, code="daemon_unavailable")
     except RequestFailed as exc:
         fail(ExitCode.REQUEST_FAILED, str(exc), as_json, code=getattr(exc.code, "value", exc.code))
-    row = ps_row(status)
+    rows = ps_rows(status)
     if as_json:
-        json_line({"type": "model", **row})
+        for row in rows:
+            json_line({"type": "model", **row})
         return
-    cols = [
-        ("NAME", row["name"] or "-"),
-        ("STATE", row["state"] or "-"),
-        ("MEMORY", format_bytes(row["rss_bytes"])),
-        ("BUDGET", _budget(row)),
-        ("IDLE", format_duration(row["idle_s"])),
-        ("UNLOADS", _unloads(row)),
-        ("RECOVERY", last_recovery_text(row["last_recovery"])),
+    table = [
+        [
+            ("NAME", row["name"] or "-"),
+            ("STATE", row["state"] or "-"),
+            ("MEMORY", format_bytes(row["memory_bytes"] or row["rss_bytes"])),
+            ("BUDGET", _budget(row)),
+            ("IDLE", format_duration(row["idle_s"])),
+            ("UNLOADS", _unloads(row)),
+            ("PINNED", "yes" if row["pinned"] else "no"),
+            ("REQUESTS", str(row["active_requests"] or 0)),
+            ("RECOVERY", last_recovery_text(row["last_recovery"])),
+        ]
+        for row in rows
     ]
-    widths = [max(len(h), len(v)) for h, v in cols]
-    click.echo("  ".join(h.ljust(w) for (h, _), w in zip(cols, widths)))
-    click.echo("  ".join(v.ljust(w) for (_, v), w in zip(cols, widths)))
+    widths = [max(len(h), *(len(r[i][1]) for r in table)) for i, (h, _) in enumerate(table[0])]
+    click.echo("  ".join(h.ljust(w) for (h, _), w in zip(table[0], widths)))
+    for cols in table:
+        click.echo("  ".join(v.ljust(w) for (_, v), w in zip(cols, widths)))
 
 
 def _budget(row: dict) -> str:
     if row["state"] == "idle":
         return "released"
-    return format_bytes(row["budget_bytes"]) if row["budget_bytes"] else "resident"
+    if row["budget_bytes"]:
+        return format_bytes(row["budget_bytes"])
+    return row.get("budget") or "resident"
+
+
+def ps_rows(status: dict) -> list[dict]:
+    """The started model's row (from the status itself), then one per other loaded model."""
+    started = ps_row(status)
+    rows = [started]
+    for model in status.get("models") or []:
+        if model.get("path") == started["path"]:
+            started.update(memory_bytes=model.get("memory_bytes"), pinned=model.get("pinned"))
+            continue
+        rows.append(
+            {
+                **dict.fromkeys(started, None),
+                **{k: model.get(k) for k in ("name", "path", "state", "idle_s", "keep_alive_s")},
+                "memory_bytes": model.get("memory_bytes"),
+                "budget": model.get("cache_budget"),
+                "pinned": model.get("pinned"),
+                "active_requests": model.get("requests"),
+                "recoveries": {},
+            }
+        )
+    return rows
 
 
 def _unloads(row: dict) -> str:
@@ -199,6 +231,8 @@ def ps_row(status: dict) -> dict:
         "idle_s": None if status.get("busy") else max(0.0, now - (last or now)),
         "keep_alive_s": status.get("keep_alive_s"),
         "active_requests": status.get("active_requests"),
+        "memory_bytes": None,  # the model's memory plan (from `models`), else RSS is shown
+        "pinned": False,
         # Device failures recovered in place, by kind, and the last one (what it shed).
         "recoveries": status.get("recoveries") or {},
         "last_recovery": status.get("last_recovery"),

@@ -60,9 +60,9 @@ def _fail(exit_code: ExitCode, message: str, as_json: bool = False, **fields: An
 )
 @click.option(
     "--model",
-    help="Model to use (default: the demo model). Starts a daemon on it when none runs; a "
-    "running daemon that serves another model refuses with model_not_found (exit 4): "
-    "`moe stop` it first to switch.",
+    help="Model to use (default: the daemon's, or the demo model). Starts a daemon on it when "
+    "none runs; a running daemon loads any servable model on request (`moe ps` lists them), "
+    "and refuses an unknown one with model_not_found (exit 4).",
 )
 @click.option(
     "--start-timeout",
@@ -112,7 +112,8 @@ def run(
     client = _connect_or_start(_socket(), obj["timeout"], no_start, model, start_timeout, as_json)
     _note_capped(client, max_tokens)
     # Said once the demo answers (a --model the daemon refuses gets the refusal alone).
-    demo_note = not as_json and ((client.welcome or {}).get("model") or {}).get("demo")
+    started_demo = ((client.welcome or {}).get("model") or {}).get("demo")
+    demo_note = not as_json and started_demo and model in (None, "demo")
     events = client.generate(
         prompt,
         max_tokens=max_tokens,

@@ -94,6 +94,9 @@ class ServeConfig:
     grammar_workers: int = 2
     max_schema_bytes: int = 1024 * 1024
     grammar_timeout_s: float = 10.0
+    # What the loaded models may hold together ([models], `moe load`): a size, or auto (the
+    # machine's usable memory less the process's own); past it the least recently used unloads.
+    models_memory_bytes: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.cache_budget, CacheBudget):  # built in code with the text form
@@ -158,9 +161,23 @@ class WatchdogConfig:
 
 
 @dataclass(frozen=True)
+class ModelEntry:
+    """One `[models]` alias: a name clients use, the model it stands for, its own settings."""
+
+    name: str
+    model: str  # a folder, a Hugging Face id or demo (resolved when first asked for)
+    cache_budget: CacheBudget | None = None  # None: [serve]'s
+    keep_alive: str | None = None
+    context: int | None = None  # the KV room its memory plan keeps (plan_context_tokens)
+    pin: bool = False  # never unloaded to make room for another model
+    debug_faults: str = ""  # fault injection for this model's engine only (tests)
+
+
+@dataclass(frozen=True)
 class Config:
     serve: ServeConfig = field(default_factory=ServeConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    models: tuple[ModelEntry, ...] = ()
 
 
 class ConfigError(ValueError):
@@ -189,10 +206,11 @@ def load_config(
             raise ConfigError(f"{file}: not valid TOML: {exc}") from None
         except OSError as exc:
             raise ConfigError(f"{file}: cannot be read: {exc}") from None
-        unknown = set(table) - set(_SECTIONS.values())
+        unknown = set(table) - set(_SECTIONS.values()) - {"models"}
         if unknown:
             raise ConfigError(
-                f"{file}: unknown section(s) {', '.join(sorted(unknown))}; allowed: serve, watchdog"
+                f"{file}: unknown section(s) {', '.join(sorted(unknown))}; "
+                "allowed: serve, watchdog, models"
             )
     serve = _build(ServeConfig, table.get("serve", {}), environ, "MOED_", serve_overrides or {})
     watchdog = _build(
@@ -209,7 +227,40 @@ def load_config(
         and not (watchdog_overrides or {}).get("socket")
     ):
         watchdog = dataclasses.replace(watchdog, socket=serve.socket, state_dir=serve.state_dir)
-    return Config(serve=serve, watchdog=watchdog)
+    return Config(serve=serve, watchdog=watchdog, models=model_entries(table.get("models", {})))
+
+
+_ENTRY_KEYS = {"path": str, "budget": CacheBudget, "keep_alive": str, "context": int}
+_ENTRY_KEYS |= {"pin": bool, "debug_faults": str}
+
+
+def model_entries(table: Any) -> tuple[ModelEntry, ...]:
+    """`[models]`: `name = "path"`, or `[models.name]` with path, budget, keep_alive, context,
+    pin; each value checked as a [serve] setting is."""
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"[models] must be a table of name = path, got {table!r:.60}")
+    entries = []
+    for name, spec in table.items():
+        spec = {"path": spec} if isinstance(spec, str) else spec
+        if not isinstance(spec, Mapping) or "path" not in spec or set(spec) - set(_ENTRY_KEYS):
+            raise ConfigError(
+                f"[models] {name}: {spec!r:.80} is not allowed; allowed: a path, or a table "
+                f"with path and any of {', '.join(sorted(set(_ENTRY_KEYS) - {'path'}))}"
+            )
+        where = f"[models.{name}]"
+        got = {k: _checked(k, f"{where} {k}", _ENTRY_KEYS[k], v) for k, v in spec.items()}
+        if got.get("keep_alive") is not None:
+            try:
+                parse_keep_alive(got["keep_alive"])
+            except ValueError as exc:
+                raise ConfigError(f"{where} keep_alive: {exc}") from None
+        if got.get("context") is not None and got["context"] < 1:
+            raise ConfigError(f"{where} context: {got['context']} is not allowed; allowed: >= 1")
+        faults = got.pop("debug_faults", "")
+        _checked("debug_faults", f"{where} debug_faults", str, faults)
+        budget = got.pop("budget", None)
+        entries.append(ModelEntry(name, got.pop("path"), budget, debug_faults=faults, **got))
+    return tuple(entries)
 
 
 def _build(
@@ -329,6 +380,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     # Checked as it is parsed (_checked): this is what its refusal says is allowed.
     "cache_budget": (bool, "bytes (3000000), a size (12GB, 512MiB), 25%, 0.25 or auto"),
     "prefix_cache_bytes": (_size_syntax, "auto, a size (1GB, 512MiB, bytes), 0 for none"),
+    "models_memory_bytes": (_size_syntax, "auto, or a size (12GB, 512MiB, bytes)"),
     "prefix_cache_disk_bytes": (_size_syntax, "a size (10GB, 512MiB, bytes), 0 for no SSD tier"),
     "prefix_checkpoint_tokens": (lambda v: v >= 1, "an integer >= 1 (tokens)"),
     "grammar_workers": (lambda v: 1 <= v <= 64, "an integer in [1, 64]"),

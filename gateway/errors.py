@@ -54,6 +54,7 @@ _KIND_OF_CODE = {
     ErrorCode.CONTEXT_EXCEEDED: ErrorKind.INVALID_REQUEST,
     ErrorCode.MAX_TOKENS_TOO_LARGE: ErrorKind.INVALID_REQUEST,
     ErrorCode.MODEL_NOT_FOUND: ErrorKind.NOT_FOUND,
+    ErrorCode.MODEL_DOES_NOT_FIT: ErrorKind.INVALID_REQUEST,  # a smaller budget or context can
     ErrorCode.DUPLICATE_ID: ErrorKind.INTERNAL,
     ErrorCode.UNKNOWN_REQUEST: ErrorKind.INVALID_REQUEST,
     ErrorCode.OVERLOADED: ErrorKind.OVERLOADED,

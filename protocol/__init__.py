@@ -9,6 +9,7 @@ from .messages import (
     Channel,
     FinishReason,
     MessageType,
+    ModelsAction,
     PrefixCacheAction,
     ShedLevel,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "GenerateRequest",
     "Limits",
     "MessageType",
+    "ModelsAction",
     "NamedTool",
     "PrefixCacheAction",
     "ProtocolError",

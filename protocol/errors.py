@@ -18,6 +18,8 @@ class ErrorCode(str, enum.Enum):
     CONTEXT_EXCEEDED = "context_exceeded"
     MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"
     MODEL_NOT_FOUND = "model_not_found"
+    # The named model's memory plan is over what the loaded models may hold together, even alone.
+    MODEL_DOES_NOT_FIT = "model_does_not_fit"
     DUPLICATE_ID = "duplicate_id"
     UNKNOWN_REQUEST = "unknown_request"  # cancel of an id the daemon does not know
     OVERLOADED = "overloaded"

@@ -30,6 +30,7 @@ class MessageType(str, enum.Enum):
     PING = "ping"
     COUNT_TOKENS = "count_tokens"  # prompt tokens of a prompt or messages, chat template applied
     PREFIX_CACHE = "prefix_cache"  # list the prefix KV cache's entries, or clear it (owner)
+    MODELS = "models"  # list the servable and loaded models, load one, unload one
     # daemon -> client
     WELCOME = "welcome"
     TOKEN = "token"
@@ -54,6 +55,7 @@ REQUEST_TYPES = frozenset(
         MessageType.PING,
         MessageType.COUNT_TOKENS,
         MessageType.PREFIX_CACHE,
+        MessageType.MODELS,
     }
 )
 # Answered by the transport thread; never queued behind a generation.
@@ -82,6 +84,12 @@ class ShedLevel(str, enum.Enum):
 class PrefixCacheAction(str, enum.Enum):
     LIST = "list"  # counters and entries, most recently used first
     CLEAR = "clear"  # empty both tiers (owner only)
+
+
+class ModelsAction(str, enum.Enum):
+    LIST = "list"  # every servable model (with its context) and the loaded ones (`moe ps`)
+    LOAD = "load"  # load `model` now (room made as for a request)
+    UNLOAD = "unload"  # release `model` once it is idle
 
 
 def _base(kind: MessageType, request_id: Any) -> Message:

@@ -19,7 +19,14 @@ from .chat import prompt_sources, validate_chat_fields
 from .constraints import validate_constraint_fields, validate_template_kwargs
 from .errors import BudgetExceeded, ErrorCode, ProtocolError
 from .generate import GENERATE_FIELDS, GenerateRequest
-from .messages import REQUEST_TYPES, Message, MessageType, PrefixCacheAction, ShedLevel
+from .messages import (
+    REQUEST_TYPES,
+    Message,
+    MessageType,
+    ModelsAction,
+    PrefixCacheAction,
+    ShedLevel,
+)
 from .rules import (
     Bool,
     Int,
@@ -44,6 +51,7 @@ FIELDS: dict[MessageType, dict[str, Rule]] = {
     MessageType.SHUTDOWN: {"reason": Str(), "restart": Bool(), "token": Str()},
     MessageType.PING: {},
     MessageType.PREFIX_CACHE: {"action": OneOf(choices=PrefixCacheAction), "token": Str()},
+    MessageType.MODELS: {"action": OneOf(choices=ModelsAction), "model": Str(max_chars=4096)},
     # A generate's prompt fields, under the same rules (an empty prompt counts 0 tokens here).
     MessageType.COUNT_TOKENS: {
         "prompt": Str(max_chars=4 * 1024 * 1024),

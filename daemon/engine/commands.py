@@ -5,7 +5,8 @@ Jobs and commands share one FIFO, so a Cancel always arrives after the Submit it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 from moed.daemon.engine.grammar import GrammarConstraint
 from moed.daemon.engine.request import GenerateJob, RequestKey
@@ -52,4 +53,27 @@ class Stop:
     """Wake the engine thread so that it sees the stop flag and drains."""
 
 
-EngineCommand = Submit | Cancel | Shed | ClearPrefixCache | GrammarReady | Stop
+@dataclass(frozen=True)
+class Load:
+    """Load the model now if it is not loaded (`moe load`, ollama's empty prompt)."""
+
+
+@dataclass(frozen=True)
+class Unload:
+    """Release the model once it is idle (at once if it is); `done` is set when this engine has
+    released it or will once its requests end (`moe unload`, room for another model)."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class AwaitRoom:
+    """Before the next load: wait until the models unloaded to make room for it have let go."""
+
+    released: tuple[threading.Event, ...]
+    timeout_s: float = 30.0
+
+
+EngineCommand = (
+    Submit | Cancel | Shed | ClearPrefixCache | GrammarReady | Stop | Load | Unload | AwaitRoom
+)

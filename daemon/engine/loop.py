@@ -15,19 +15,22 @@ from typing import Any
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.engine.commands import (
+    AwaitRoom,
     Cancel,
     ClearPrefixCache,
     EngineCommand,
+    Load,
     Shed,
     Stop,
     Submit,
+    Unload,
 )
 from moed.daemon.engine.core import EngineCore
 from moed.daemon.engine.overcommit import check_overcommit_possible, overcommit_device
 from moed.daemon.engine.recovery_ledger import RecoveryPhase
 from moed.daemon.engine.request import GenerateJob, RequestKey
 from moed.daemon.engine.sink import EventSink
-from moed.daemon.engine.status import EngineStatus
+from moed.daemon.engine.status import DaemonState, EngineStatus
 from moed.daemon.engine.step_abort import CancelBoard
 from moed.daemon.ground.crashlog import CrashKind, record_recovery
 from moed.daemon.ground.device_errors import DeviceFailure
@@ -49,8 +52,10 @@ class Engine:
         model_path: Path,
         sink_factory: Callable[[], EventSink],
         status: EngineStatus,
+        lazy: bool = False,
     ):
         self.serve = serve
+        self.lazy = lazy  # load on the first request or `Load`, not at the thread's start
         self.model_path = model_path
         self.status = status
         self._sink_factory = sink_factory
@@ -102,6 +107,17 @@ class Engine:
     def clear_prefix_cache(self) -> None:
         self._inbox.put(ClearPrefixCache())
 
+    def load(self) -> None:
+        self._inbox.put(Load())
+
+    def unload(self) -> Unload:
+        command = Unload()
+        self._inbox.put(command)
+        return command
+
+    def await_room(self, released: tuple[threading.Event, ...]) -> None:
+        self._inbox.put(AwaitRoom(released))
+
     def stop(self) -> None:
         self._stop.set()
         self._inbox.put(Stop())
@@ -121,7 +137,9 @@ class Engine:
             post=self._inbox.put,
         )
         self.core = core
-        if not core.load():
+        if self.lazy:
+            self.status.update(state=DaemonState.IDLE)
+        elif not core.load():
             return
         try:
             while not self._stop.is_set() and core.fatal is None:
@@ -160,13 +178,34 @@ class Engine:
         while True:
             if isinstance(command, Submit):
                 self.status.add(queued_requests=-1)
-            core.handle(command)
+            if isinstance(command, (Load, Unload, AwaitRoom)):
+                self._lifecycle(core, command)
+            else:
+                core.handle(command)
             if core.fatal is not None:
                 return
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _lifecycle(self, core: EngineCore, command: Load | Unload | AwaitRoom) -> None:
+        """Model residency asked from outside (engine/core.py keeps the request path)."""
+        if isinstance(command, AwaitRoom):
+            for released in command.released:
+                if not released.wait(command.timeout_s):
+                    log.warning("a model did not unload within %ss", command.timeout_s)
+        elif isinstance(command, Load):
+            if core.loaded is None:
+                core.status.update(busy=True)  # the watchdog watches a load
+                core.load()
+                core.status.update(busy=core.has_work)
+        elif core.loaded is not None and not core.has_work:
+            core.unload()
+            command.done.set()
+        else:  # busy (or not loaded): unload as soon as it is idle
+            core.keep_alive.current_s = 0.0
+            command.done.set()
 
     def _reject_queued(self, code: ErrorCode, message: str) -> None:
         """Fail every request still in the inbox (the engine is failing or draining)."""

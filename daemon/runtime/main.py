@@ -8,12 +8,13 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import zmq
 
 from moed.daemon import __version__
-from moed.daemon.config import Config, ServeConfig
+from moed.daemon.config import Config, ModelEntry, ServeConfig
 from moed.daemon.distributed.hostfile import HostfileError
 from moed.daemon.distributed.rank0 import check_supported, start_group
 from moed.daemon.distributed.rank_model import PipelineUnsupported, num_layers
@@ -30,11 +31,13 @@ from moed.daemon.ground.run_log import (
     record_start,
 )
 from moed.daemon.model.cache_folder import UnsafeCacheFolder, check_cache_folder
+from moed.daemon.model.servable import Servable
 from moed.daemon.model.source import ModelNotFound, ModelUnreadable, resolve_model
 from moed.daemon.runtime.load_progress import show_load_progress
 from moed.daemon.runtime.start_plan import plan_start
 from moed.daemon.service.launchctl import previous_exit as previous_exit_from_launchd
 from moed.daemon.telemetry.http import start_metrics_server
+from moed.daemon.transport.model_set import model_settings
 from moed.daemon.transport.pipes import ZmqEventSink
 from moed.daemon.transport.server import AlreadyRunning, Server
 from moed.protocol.paths import UnsafeSocketPath
@@ -43,12 +46,13 @@ log = logging.getLogger("moed")
 
 
 def run_daemon(config: Config) -> int:
-    serve = config.serve
+    serve = started_settings(config)
     # A SIGABRT or SIGSEGV (MLX on a Metal OOM, a C++ abort in a backend thread) leaves every
     # thread's Python stack in stderr (the service's log) before the process dies as it would.
     faulthandler.enable(all_threads=True)
     try:
-        model_path = resolve_model(serve.model)
+        alias = next((e for e in config.models if e.name == serve.model), None)
+        model_path = resolve_model(alias.model if alias is not None else serve.model)
     except ModelNotFound as exc:
         print(f"moed: {exc}", file=sys.stderr)
         return DaemonExit.MODEL_NOT_FOUND
@@ -62,7 +66,7 @@ def run_daemon(config: Config) -> int:
         print(f"moed: {why}", file=sys.stderr)
         return DaemonExit.CONFIG
     try:
-        server = _compose(serve, model_path)
+        server = _compose(serve, model_path, config.models)
     except ValueError as exc:  # e.g. a malformed debug_faults or cache budget setting
         print(f"moed: configuration: {exc}", file=sys.stderr)
         return DaemonExit.CONFIG
@@ -138,13 +142,28 @@ def _unsafe_prefix_cache_folder(serve: ServeConfig) -> str | None:
     return None
 
 
-def _compose(serve: ServeConfig, model_path: Path) -> Server:
-    """The process: this start's plan, the engine that serves it, the transport in front."""
-    plan = plan_start(serve, model_path)
+def _compose(serve: ServeConfig, model_path: Path, models: tuple[ModelEntry, ...]) -> Server:
+    """The process: this start's plan, the engine that serves it, the transport in front; the
+    other models' engines are made on request (transport/model_set.py), each started lazily."""
+    plan = plan_start(serve, model_path, models)
     status = EngineStatus()
-    # The engine thread's end of the event pipe (ZMQ sockets are per thread; one context).
+    # Each engine thread's end of the event pipe (ZMQ sockets are per thread; one context).
     sink = lambda: ZmqEventSink(zmq.Context.instance())  # noqa: E731
-    return Server(plan, Engine(plan.serve, model_path, sink, status), status)
+
+    def new_engine(settings: ServeConfig, servable: Servable, status: EngineStatus) -> Engine:
+        return Engine(settings, servable.path, sink, status, lazy=True)
+
+    engine = Engine(plan.serve, model_path, sink, status)
+    return Server(plan, engine, status, new_engine=new_engine)
+
+
+def started_settings(config: Config) -> ServeConfig:
+    """`--model` may name a `[models]` alias: its path and settings are the started model's."""
+    entry = next((e for e in config.models if e.name == config.serve.model), None)
+    if entry is None:
+        return config.serve
+    settings = model_settings(config.serve, Servable(entry.name, Path(entry.model), entry))
+    return replace(settings, model=entry.name)  # the name clients use; the path resolved below
 
 
 def _hold_exit_code() -> None:

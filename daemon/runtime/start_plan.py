@@ -7,7 +7,7 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from moed.daemon.config import ServeConfig
+from moed.daemon.config import ModelEntry, ServeConfig
 from moed.daemon.experts.budget import CacheBudget
 from moed.daemon.experts.memory_plan import plan_memory
 from moed.daemon.ground import crashlog
@@ -18,11 +18,13 @@ from moed.protocol.model_config import ModelConfig
 log = logging.getLogger("moed.server")
 
 
-def plan_start(serve: ServeConfig, model_path: Path) -> ServerPlan:
+def plan_start(
+    serve: ServeConfig, model_path: Path, models: tuple[ModelEntry, ...] = ()
+) -> ServerPlan:
     """The plan the server starts with: the crash record read once, the budget backed off."""
     crashes = crashlog.plan_start(serve.state_dir, serve.restart_budget, serve.restart_window_s)
     serve, backoff = back_off_budget(serve, model_path, crashes)
-    return ServerPlan(serve, model_path, crashes, backoff)
+    return ServerPlan(serve, model_path, crashes, backoff, models)
 
 
 def back_off_budget(

@@ -68,6 +68,7 @@ def status_body(self) -> dict[str, Any]:
     snap["recent_crashes"] = self.start_plan.recent_crashes  # within the restart window
     snap["budget_backoff"] = self.budget_backoff
     snap["watchdog"] = watchdog_summary(self.serve.state_dir)
+    snap["models"] = [m.describe() for m in self.models.loaded_models()]  # `moe ps`
     snap.update(self.extra_welcome)
     return snap
 

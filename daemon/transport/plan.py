@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from moed.daemon.config import ServeConfig
+from moed.daemon.config import ModelEntry, ServeConfig
 from moed.daemon.ground.crashlog import StartPlan
 
 
@@ -16,3 +16,4 @@ class ServerPlan:
     model_path: Path
     crashes: StartPlan  # refuse to start, poison requests, the last crash (welcome and status)
     budget_backoff: dict | None = None  # how the budget was backed off, for status and crashes
+    models: tuple[ModelEntry, ...] = ()  # the config file's [models] aliases

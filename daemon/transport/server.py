@@ -27,11 +27,14 @@ from moed.daemon.ground import crashlog
 from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.ground.live_probe import probe_live_daemon
 from moed.daemon.model.limits import read_limits
+from moed.daemon.model.servable import Catalog
 from moed.daemon.telemetry import LiveTelemetry
-from moed.daemon.transport.admission import DuplicateId, TokenCounter, check_model_name
-from moed.daemon.transport.bodies import prefix_cache_reply, status_body, welcome_body
+from moed.daemon.transport.admission import DuplicateId
+from moed.daemon.transport.bodies import status_body
 from moed.daemon.transport.connections import ConnectionCount, connection_limit
 from moed.daemon.transport.control import ControlToken
+from moed.daemon.transport.dispatch import dispatch_control
+from moed.daemon.transport.model_set import EngineFactory, ModelSet, ServedModel
 from moed.daemon.transport.outbound import Outbound
 from moed.daemon.transport.pipes import (
     EVENTS_ENDPOINT,
@@ -48,7 +51,6 @@ from moed.protocol import (
     GenerateRequest,
     MessageType,
     ProtocolError,
-    ShedLevel,
     decode,
     encode,
     validate_generate,
@@ -82,6 +84,7 @@ class Server:
     status: EngineStatus
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     extra_welcome: dict = field(default_factory=dict)
+    new_engine: EngineFactory | None = None  # an engine for another model (runtime/main.py)
 
     def __post_init__(self) -> None:
         self.serve, self.model_path = self.plan.serve, self.plan.model_path
@@ -92,7 +95,8 @@ class Server:
         self._streams = StreamTable()  # admitted generations not yet terminal
         self.progress = ProgressMonitor(self.serve.progress_deadline_s)
         self.control_token = ControlToken(self.serve.socket)
-        self.token_counter = TokenCounter(lambda: self.engine.loaded, self.model_path)
+        catalog = Catalog(self.serve.model, self.model_path, self.plan.models)
+        self.models = ModelSet(catalog, self.serve, self.engine, self.status, self._new_engine)
         self._next_progress_check = 0.0
         self._draining = False
         self._restart_reason: str | None = None
@@ -176,7 +180,7 @@ class Server:
                 self.start_plan.unclean_previous.get("boot_id"),
             )
         crashlog.begin_run(self.serve.state_dir, self.boot_id, budget=self.budget_backoff)
-        self.engine.start()
+        self.engine.start()  # the started model loads now; the others on request
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.events, zmq.POLLIN)
@@ -191,9 +195,8 @@ class Server:
                     break
                 if self.group_failure is not None:  # first: the engine's error follows from it
                     return self._group_failed(poller)
-                if self.engine.fatal is not None:
-                    self._flush_events(poller)
-                    return self.engine.exit_code
+                if (code := self._engines_failed(poller)) is not None:
+                    return code
                 for sock, _ in poller.poll(50):
                     if sock is self.router:
                         self._receive_some(RECEIVE_BATCH)
@@ -203,10 +206,13 @@ class Server:
                         self._forward_events()
                 self.outbound.retry_owed()
                 self._check_progress()
-            self.engine.stop()  # what is still in flight ends with `shutting_down`
-            self.engine.thread.join(timeout=5.0)
+            engines = [m.engine for m in self.models.models()]
+            for engine in engines:  # what is still in flight ends with `shutting_down`
+                engine.stop()
+            for engine in engines:
+                engine.thread.join(timeout=5.0)
             self._flush_events(poller)
-            if self.engine.thread.is_alive():
+            if any(engine.thread.is_alive() for engine in engines):
                 # A wedged engine: exit non-zero so that the service manager starts a fresh one.
                 self._record_crash(
                     crashlog.CrashKind.ENGINE_FAILED, "the engine was still stuck after the drain"
@@ -275,7 +281,9 @@ class Server:
             msg = decode(body[0], MAX_FRAME_BYTES)
             request_id = msg.get("id") if isinstance(msg, dict) else None
             if is_generate(msg):  # checked in full, and typed once, by the protocol's validation
-                reply = self._admit(identity, msg, validate_generate(msg, self.limits))
+                name = msg.get("model")  # its model's limits check it (a bad type: validation's)
+                model = self.models.route(name if isinstance(name, str) else None)
+                reply = self._admit(identity, msg, validate_generate(msg, model.limits), model)
             else:
                 kind, request_id = validate_request(msg, self.limits)
                 reply = self._dispatch(identity, kind, msg)
@@ -296,68 +304,27 @@ class Server:
             self.outbound.send(identity, envelope, encode(reply))
 
     def _dispatch(self, identity: bytes, kind: MessageType, msg: dict) -> dict | None:
-        req_id = msg["id"]
-        if kind is MessageType.HELLO:
-            self.connections.admit_hello()  # past max_connections: `overloaded`, before fds run out
-            return wire.welcome(req_id, **self._welcome_body())
-        if kind is MessageType.PING:
-            return wire.result(
-                req_id, pong=True, boot_id=self.boot_id, pid=os.getpid(), time=time.time()
-            )
-        if kind is MessageType.STATUS:
-            return wire.result(req_id, **self.status_body())
-        if kind is MessageType.CANCEL:
-            key = (identity, msg["target"])
-            self._forward_events()  # tokens already produced go out first, and are counted
-            stream = self._streams.open.get(key)
-            if stream is not None and not stream.cancelled:
-                stream.cancelled = True  # from here: no token, then `done` (cancelled)
-                self.engine.cancel(key)
-            sent = stream.tokens_sent if stream else 0
-            return wire.result(req_id, cancelled=stream is not None, tokens_sent=sent)
-        if kind in (MessageType.SHED, MessageType.SHUTDOWN):
-            self.control_token.require(kind.value, msg.get("token"))
-        if kind is MessageType.SHED:
-            level = ShedLevel(msg.get("level") or ShedLevel.CACHE.value)
-            log.warning("shed requested: level=%s reason=%s", level.value, msg.get("reason"))
-            self.engine.shed(level)
-            return wire.result(req_id, accepted=True, level=level.value)
-        if kind is MessageType.SHUTDOWN:
-            if msg.get("restart"):
-                # Memory pressure: exit non-zero after the drain so launchd/systemd restart us
-                # smaller.
-                self._restart_reason = msg.get("reason") or "restart requested"
-            self.request_stop(f"shutdown request: {msg.get('reason') or 'no reason given'}")
-            return wire.result(req_id, accepted=True, pending=len(self._streams))
-        if kind is MessageType.STATS:
-            return wire.result(req_id, **self.telemetry.stats())
-        if kind is MessageType.METRICS:
-            return wire.result(req_id, text=self.telemetry.metrics_text())
-        if kind is MessageType.COUNT_TOKENS:
-            # A count_tokens carries a generate's prompt fields, checked under the same rules.
-            prompt = GenerateRequest.from_checked(msg)
-            return wire.result(req_id, tokens=self.token_counter.count(prompt))
-        if kind is MessageType.PREFIX_CACHE:
-            return prefix_cache_reply(self, req_id, msg)
-        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{kind.value!r} is not handled")
+        return dispatch_control(self, identity, kind, msg)
 
-    def _admit(self, identity: bytes, msg: dict, request: GenerateRequest) -> dict | None:
-        """A validated generate (`msg` its wire map, `request` its typed form) to the engine, or
-        the typed refusal of admission."""
+    def _admit(
+        self, identity: bytes, msg: dict, request: GenerateRequest, model: ServedModel
+    ) -> dict | None:
+        """A validated generate (`msg` its wire map, `request` its typed form) to its model's
+        engine, or the typed refusal of admission."""
         request_id = msg["id"]
         key = (identity, request_id)
         if self._draining:
             raise ProtocolError(
                 ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; retry after it restarts"
             )
-        if self.engine.fatal is not None:
-            if self.engine.exit_code == DaemonExit.OUT_OF_MEMORY:
+        if model.engine.fatal is not None:
+            if model.engine.exit_code == DaemonExit.OUT_OF_MEMORY:
                 raise ProtocolError(
                     ErrorCode.OUT_OF_MEMORY,
-                    f"the daemon ran out of memory and is restarting: {self.engine.fatal}",
+                    f"the model ran out of memory and is restarting: {model.engine.fatal}",
                 )
             raise ProtocolError(
-                ErrorCode.INTERNAL, f"the model failed to load: {self.engine.fatal}"
+                ErrorCode.INTERNAL, f"the model failed to load: {model.engine.fatal}"
             )
         if self.progress.stalled_at is not None:
             raise ProtocolError(ErrorCode.ENGINE_STALLED, self.progress.message())
@@ -374,7 +341,6 @@ class Server:
                 f"this connection has {self._streams.of_client(identity)} requests in flight "
                 f"(at most {self.serve.max_pending_per_client} per client); retry later",
             )
-        check_model_name(request.model, self.serve.model, self.model_path)
         fingerprint = crashlog.fingerprint(msg)
         if fingerprint in self.start_plan.poison:
             raise ProtocolError(
@@ -382,11 +348,12 @@ class Server:
                 f"this request was in flight at {crashlog.POISON_AFTER} crashes of the daemon; "
                 "it is refused, not replayed",
             )
+        self.models.admit(model, key)  # room made for it first (or refused: busy, too large)
         self.progress.work_admitted(idle_before=not self._streams)
         self._streams.add(key, fingerprint)
         # Written before the engine sees it, so that a crash in it is pinned on it.
         crashlog.write_inflight(self.serve.state_dir, self.boot_id, self._streams.fingerprints())
-        self.engine.submit(GenerateJob(identity, request_id, request))
+        model.engine.submit(GenerateJob(identity, request_id, request))
         return None
 
     # ---- outbound ----------------------------------------------------------------------------
@@ -400,6 +367,8 @@ class Server:
             key = (identity, decode(id_bytes))
             out = self._streams.outgoing(key, frame, flag == TOKEN_FLAG, terminal)
             ended = ended or terminal
+            if terminal:
+                self.models.ended(key)
             if out is not None:
                 self.outbound.send(identity, [], out)
         if ended:
@@ -412,7 +381,8 @@ class Server:
         frames = []
         for key in keys:
             self._streams.fail(key)
-            self.engine.cancel(key)
+            self._engine_of(key).cancel(key)
+            self.models.ended(key)
             frames.append(encode(wire.error(key[1], code, message)))
         return frames
 
@@ -445,9 +415,34 @@ class Server:
         for key, frame in zip(keys, self._fail_streams(keys, code, message)):
             self.outbound.send(key[0], [], frame)
 
-    # ---- bodies ------------------------------------------------------------------------------
-    def _welcome_body(self) -> dict:
-        return welcome_body(self)
+    # ---- models ------------------------------------------------------------------------------
+    def _new_engine(self, serve, servable, status) -> Engine:
+        if self.new_engine is None:
+            raise ProtocolError(ErrorCode.MODEL_NOT_FOUND, "this daemon serves one model only")
+        return self.new_engine(serve, servable, status)
 
+    def _engine_of(self, key: RequestKey) -> Engine:
+        model = self.models.of_stream(key)
+        return model.engine if model is not None else self.engine
+
+    def _engines_failed(self, poller: zmq.Poller) -> int | None:
+        """A failed engine's own streams have ended with its error. The process exits (the
+        service manager restarts it, smaller) only when no other model is loaded; else the
+        failed model alone is dropped and the others keep serving."""
+        failed = self.models.failed()
+        if not failed:
+            return None
+        self._flush_events(poller)
+        others = [m for m in self.models.loaded_models() if m not in failed]
+        if not others:
+            return failed[0].engine.exit_code
+        for model in failed:
+            log.error("model %s failed (%s); the others serve on", model.name, model.engine.fatal)
+            self.models.drop(model)
+        self.engine, self.status = self.models.started.engine, self.models.started.status
+        self.engine.on_crash = self._record_crash
+        return None
+
+    # ---- bodies ------------------------------------------------------------------------------
     def status_body(self) -> dict[str, Any]:
         return status_body(self)

@@ -204,7 +204,7 @@ def test_run_model_names_the_served_model_in_any_spelling(daemon, tiny_model):
         cwd=tiny_model.parent, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    other = moe(daemon.socket, "run", "--raw", "--no-start", "--json", "--model", "demo", "x")
+    other = moe(daemon.socket, "run", "--raw", "--no-start", "--json", "--model", "nobody/x", "x")
     assert other.returncode == ExitCode.REQUEST_FAILED
     assert json.loads(other.stdout.splitlines()[-1])["code"] == "model_not_found"
 
@@ -222,10 +222,13 @@ def test_the_summary_says_what_is_true_of_a_run_that_read_nothing():
 
 
 @pytest.mark.process
-def test_run_on_another_model_is_refused_without_the_demo_banner(daemon_factory, tiny_model):
+def test_run_on_another_model_is_served_without_the_demo_banner(daemon_factory, tiny_model):
     d = daemon_factory("demo", "--resident")
-    other = moe(d.socket, "run", "--no-start", "--raw", "--model", str(tiny_model), "def f")
-    assert other.returncode == ExitCode.REQUEST_FAILED
-    assert "model_not_found" in other.stderr and "demo model" not in other.stderr
+    other = moe(d.socket, "run", "--no-start", "--raw", "--max-tokens", "2", "--model",
+                str(tiny_model), "def f")  # fmt: skip
+    assert other.returncode == 0 and "demo model" not in other.stderr  # loaded on request
+    unknown = moe(d.socket, "run", "--no-start", "--raw", "--model", "nobody/x", "def f")
+    assert unknown.returncode == ExitCode.REQUEST_FAILED
+    assert "model_not_found" in unknown.stderr and "demo model" not in unknown.stderr
     demo = moe(d.socket, "run", "--no-start", "--raw", "--max-tokens", "2", "def f")
     assert demo.returncode == 0 and "demo model" in demo.stderr  # said once the demo answers

@@ -124,10 +124,10 @@ def test_the_daemon_serves_a_pulled_model_by_its_id(hub, hf_env, daemon_factory,
     assert json_lines(out.stdout)[-1]["usage"]["completion_tokens"] == 3
     ps = json_lines(moe("--socket", str(d.socket), "ps", "--json", env=offline).stdout)[0]
     assert ps["state"] == "ready" and ps["path"].endswith("/snapshots/" + hub.repos[REPO].sha)
-    # Another model named on a daemon serving this one: a typed refusal, not a silent swap.
+    # A model that is not servable here: a typed refusal, not a silent swap.
     other = moe(
-        "--socket", str(d.socket), "run", "--raw", "--no-start", "--json", "--model", "demo", "x",
-        env=offline,
+        "--socket", str(d.socket), "run", "--raw", "--no-start", "--json", "--model", "nobody/x",
+        "x", env=offline,
     )  # fmt: skip
     assert other.returncode == ExitCode.REQUEST_FAILED
     assert json_lines(other.stdout)[-1]["code"] == "model_not_found"

@@ -1,0 +1,173 @@
+"""One daemon, several models by name: each model's answers as if served alone, the memory budget
+unloading the least recently used idle model (never a pinned one), the typed refusal of an
+unknown model, and one model's failure leaving the other's streams whole."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from moed.client import DoneEvent, RequestFailed, TokenEvent
+from moed.daemon.config import ServeConfig
+from moed.daemon.transport.model_set import model_footprint
+from tests.fixtures.daemon_harness import moe
+from tests.fixtures.reference import generate
+
+pytestmark = pytest.mark.process
+
+PROMPT = "def fibonacci(n):"
+# Settings of every model here: a whole (tiny) expert cache, no prefix memory tier, a small KV
+# room; the footprints the daemon plans are then fixed numbers the test computes the same way.
+SERVE = {"cache_budget": "100%", "prefix_cache_bytes": "0", "plan_context_tokens": 512}
+
+
+def tokens(client, model: str, max_tokens: int = 12) -> list[int]:
+    ids: list[int] = []
+    for event in client.generate(PROMPT, model=model, max_tokens=max_tokens, raw=True):
+        if isinstance(event, TokenEvent):
+            ids += event.ids
+        elif isinstance(event, DoneEvent):
+            assert event.finish_reason in ("length", "stop")
+    return ids
+
+
+@pytest.fixture
+def three(checkpoint_factory):
+    """Three tiny checkpoints of two architectures."""
+    return {
+        "a": checkpoint_factory("qwen3_moe"),
+        "b": checkpoint_factory("qwen3_5_moe"),
+        "c": checkpoint_factory("qwen3_moe", seed=3),
+    }
+
+
+def start(daemon_factory, tmp_path, paths, models_memory: str = "auto", **extra_entries):
+    serve = "\n".join(
+        f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v}" for k, v in SERVE.items()
+    )
+    lines = ["[serve]", serve, f'models_memory_bytes = "{models_memory}"', "", "[models]"]
+    for name, path in paths.items():
+        more = "".join(f", {k} = {v}" for k, v in extra_entries.get(name, {}).items())
+        lines.append(f'{name} = {{ path = "{path}"{more} }}')
+    config = tmp_path / "moed.toml"
+    config.write_text("\n".join(lines) + "\n")
+    return daemon_factory("a", "--config", str(config))
+
+
+def loaded(client) -> list[str]:
+    return [m["name"] for m in client.models()["loaded"]]
+
+
+def test_clients_alternate_models_each_answer_as_alone(three, daemon_factory, tmp_path):
+    paths = {"a": three["a"], "b": three["b"]}
+    expected = {name: generate(path, PROMPT, 12) for name, path in paths.items()}
+    d = start(daemon_factory, tmp_path, paths)
+    results: dict[tuple[int, int], tuple[str, list[int]]] = {}
+
+    def client_loop(n: int) -> None:
+        with d.client() as c:
+            for turn in range(3):  # a, b, a or b, a, b: every request names the other model
+                name = "ab"[(n + turn) % 2]
+                results[(n, turn)] = (name, tokens(c, name))
+
+    threads = [threading.Thread(target=client_loop, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert len(results) == 9
+    for name, got in results.values():
+        assert got == expected[name], name
+    with d.client() as c:
+        assert sorted(loaded(c)) == ["a", "b"]  # the budget (auto) holds both
+
+
+def test_budget_for_two_unloads_the_least_recently_used(three, daemon_factory, tmp_path):
+    serve = ServeConfig(**SERVE)  # type: ignore[arg-type]
+    sizes = {name: model_footprint(serve, path, 1 << 40) for name, path in three.items()}
+    two = sorted(sizes.values())[1:]
+    capacity = sum(two) + min(sizes.values()) // 2  # any two fit, never three
+    d = start(daemon_factory, tmp_path, three, str(capacity))
+    with d.client() as c:
+        tokens(c, "b")
+        tokens(c, "a")  # b is now the least recently used
+        assert sorted(loaded(c)) == ["a", "b"]
+        assert tokens(c, "c") == generate(three["c"], PROMPT, 12)
+        assert sorted(loaded(c)) == ["a", "c"]
+        listing = c.models()
+        assert listing["used_bytes"] <= listing["capacity_bytes"] == capacity
+
+
+def test_pinned_model_stays(three, daemon_factory, tmp_path):
+    serve = ServeConfig(**SERVE)  # type: ignore[arg-type]
+    sizes = {name: model_footprint(serve, path, 1 << 40) for name, path in three.items()}
+    capacity = sum(sorted(sizes.values())[1:]) + min(sizes.values()) // 2
+    d = start(daemon_factory, tmp_path, three, str(capacity), a={"pin": "true"})
+    with d.client() as c:
+        tokens(c, "b")  # a (pinned, started) is now the least recently used
+        tokens(c, "c")
+        assert sorted(loaded(c)) == ["a", "c"]
+        rows = {m["name"]: m for m in c.models()["loaded"]}
+        assert rows["a"]["pinned"] is True
+
+
+def test_unknown_model_is_refused_listing_the_servable(three, daemon_factory, tmp_path):
+    d = start(daemon_factory, tmp_path, {"a": three["a"], "b": three["b"]})
+    with d.client() as c:
+        with pytest.raises(RequestFailed) as info:
+            tokens(c, "no-such-model")
+        assert info.value.code == "model_not_found"
+        assert "servable here: a, b" in str(info.value)
+        names = [m["name"] for m in c.models()["servable"]]
+        assert names[:2] == ["a", "b"]
+        assert tokens(c, "a") == generate(three["a"], PROMPT, 12)  # still serving
+
+
+def test_moe_load_ps_and_unload(three, daemon_factory, tmp_path):
+    d = start(daemon_factory, tmp_path, {"a": three["a"], "b": three["b"]})
+    assert moe(d.socket, "load", "b").returncode == 0
+    with d.client() as c:
+        wait_until(lambda: c.models()["loaded"][0]["state"] == "ready" and len(loaded(c)) == 2)
+    rows = [json.loads(line) for line in moe(d.socket, "ps", "--json").stdout.splitlines()]
+    assert [r["name"] for r in rows] == [three["a"].name, "b"]  # the started model first
+    assert rows[1]["state"] == "ready" and rows[1]["memory_bytes"] > 0
+    assert "b " in moe(d.socket, "ps").stdout
+    assert moe(d.socket, "unload", "b").returncode == 0
+    with d.client() as c:
+        wait_until(lambda: loaded(c) == ["a"])
+
+
+def wait_until(check, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_one_models_failure_spares_the_others_streams(three, daemon_factory, tmp_path):
+    # b runs out of memory at every step once it made 2 tokens: recovery in place fails again,
+    # and its engine takes the restart path; only b's streams may fail.
+    paths = {"a": three["a"], "b": three["b"]}
+    d = start(daemon_factory, tmp_path, paths, b={"debug_faults": '"oom_after=2"'})
+    expected = generate(three["a"], PROMPT, 48)
+    got: dict[str, object] = {}
+
+    def on_a() -> None:
+        with d.client() as c:
+            got["a"] = tokens(c, "a", 48)
+
+    worker = threading.Thread(target=on_a)
+    worker.start()
+    with d.client() as c:
+        with pytest.raises(RequestFailed) as info:
+            tokens(c, "b", 24)
+        assert info.value.code == "out_of_memory"
+    worker.join(120)
+    assert got["a"] == expected
+    with d.client() as c:
+        assert c.ping()["pong"] is True  # the daemon, and a, serve on
+        assert tokens(c, "a") == generate(three["a"], PROMPT, 12)
+        assert "b" not in loaded(c)
