@@ -19,6 +19,11 @@ from moed.daemon.bench.bench_model import bench_config, write_bench_model
 from moed.daemon.experts import streamer as streamer_mod
 from moed.daemon.experts import streaming_switch as sw_mod
 
+try:  # the read-back moved out of streamer.py in issue 36
+    from moed.daemon.experts import host_route as route_mod
+except ImportError:
+    route_mod = streamer_mod
+
 try:  # the contenders moved to their own module after f6d9fd9
     from moed.daemon.bench.stream_contenders import _prompt, load_streaming
 except ImportError:
@@ -55,7 +60,7 @@ def main() -> None:
     if not (MODEL / "config.json").exists():
         config = bench_config(4, 256, 128, 256, 8, 1024, bits=4, group=64)
         write_bench_model(MODEL, config, "float32", 0)
-    streamer_mod.mx = EvalTimer()
+    streamer_mod.mx = route_mod.mx = EvalTimer()
     sw_mod.StreamingSwitch.__call__ = timed
     for budget in sys.argv[1:] or ["25%", "100%"]:
         c = load_streaming(MODEL, budget, 8, "bypass")

@@ -9,6 +9,7 @@ costs one `preadv` and no staging copy.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -117,6 +118,10 @@ class LayerPool(SlotTable):
     def _allocate(self, slots: int) -> None:
         alloc = _alloc_on_device if self.staged else alloc_slots
         self.arrays: dict[str, mx.array] = {t.key: alloc(t.loc, slots) for t in self.tensors}
+        # The layer's decode graph with these arrays built in (streaming_switch.py), for a DIRECT
+        # pool, whose arrays change only with the dict (reads write them in place): dropped with
+        # them, so the graph never keeps old arrays alive.
+        self.decode_graph: Callable[[mx.array, mx.array], mx.array] | None = None
         # Byte views of each pool; workers write through these (no MLX calls off the engine thread).
         # A staged pool has none: a host view would move a CUDA array back to managed memory.
         self.views: dict[str, memoryview] = (
@@ -195,6 +200,7 @@ class LayerPool(SlotTable):
         order = mx.array(self.slot_of.astype(np.int32))  # new slot e <- old slot slot_of[e]
         old_views = self.views
         self.arrays = {k: mx.take(a, order, axis=0) for k, a in self.arrays.items()}
+        self.decode_graph = None
         mx.eval(*self.arrays.values())
         if self.ring is not None:  # the copies ran every scatter queued on the old arrays
             self.ring.settle(self.arrays.values())
@@ -206,6 +212,7 @@ class LayerPool(SlotTable):
                 for k, a in self.arrays.items()
             }
         self.slot_of[:] = np.arange(self.num_experts)
+        self.slot_list = list(range(self.num_experts))
         self.expert_in[:] = np.arange(self.num_experts)
 
     def start_over(self, slots: int) -> None:

@@ -54,7 +54,7 @@ class PromptEnd(EngineScope):
         """`experts` were read ahead into `layer` for the next prompt-end step."""
         self.ahead[layer] = self.ahead[layer].union(experts)
 
-    def record(self, layer: int, host: np.ndarray) -> int:
+    def record(self, layer: int, host: np.ndarray | list[int]) -> int:
         """The router's choices of `layer` in the running prompt-end step (its rows' union);
         returns how many of them were read ahead."""
         before, now = self.experts[layer], np.unique(host)

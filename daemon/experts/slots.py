@@ -21,17 +21,39 @@ def plan_passes(needed: np.ndarray, slot_of: np.ndarray, slots: int) -> list[np.
     return [ordered[i : i + slots] for i in range(0, ordered.size, slots)]
 
 
+# All-hit calls told to the policy together (`touch_call`): at most this many wait.
+TOUCH_BATCH = 64
+
+
 class SlotTable:
     """expert <-> slot tables of one layer and the policy that picks victims."""
 
     def __init__(self, num_experts: int, slots: int, policy: EvictionPolicy):
         self.num_experts = num_experts
-        self.policy = policy
+        self._policy = policy
+        self._touched: list[Sequence[int]] = []  # all-hit calls the policy has not heard of
         self._reset(slots)
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy, told of every call so far (in call order)."""
+        if self._touched:
+            self._catch_up()
+        return self._policy
+
+    def _catch_up(self) -> None:
+        touched, self._touched = self._touched, []
+        policy = self._policy
+        for needed in touched:
+            policy.begin_call()
+            policy.touch_many(needed)
 
     def _reset(self, slots: int) -> None:
         self.slots = slots
         self.slot_of = np.full(self.num_experts, -1, dtype=np.int64)
+        # The same table as a list, kept in step with `slot_of` by every write below: a decode
+        # call looks up its few ids in it (host_route.py) without a numpy call.
+        self.slot_list = [-1] * self.num_experts
         self.expert_in = np.full(slots, -1, dtype=np.int64)
         self._free = list(range(slots - 1, -1, -1))
 
@@ -48,11 +70,21 @@ class SlotTable:
         self.policy.begin_call()
         return plan_passes(needed, self.slot_of, self.slots)
 
-    def touch_call(self, needed: Sequence[int]) -> None:
-        """Start a layer call whose distinct experts `needed` (ascending) are all resident: what
-        `plan_passes` and `admit` do for it, without their lookups (the common decode call)."""
+    def begin_call(self) -> None:
+        """Start a layer call whose distinct experts fit one pass (what `plan_passes` does for
+        it, without the plan)."""
         self.policy.begin_call()
-        self.policy.touch_many(needed)
+
+    def touch_call(self, needed: Sequence[int]) -> None:
+        """A layer call whose distinct experts `needed` (ascending) are all resident: what
+        `plan_passes` and `admit` do for it, without their lookups (the common decode call). The
+        policy hears of it with the next calls, before anything reads or changes it (`policy`):
+        its state is the same whenever it is read, and the decode call, where each call costs
+        most (host_route.py), makes none."""
+        touched = self._touched
+        touched.append(needed)
+        if len(touched) >= TOUCH_BATCH:
+            self._catch_up()
 
     def admit(
         self, experts: Iterable[int], keep: Sequence[int] = ()
@@ -61,36 +93,38 @@ class SlotTable:
         miss takes a free slot or evicts the policy's victim outside `experts` and `keep`.
         Returns (hits, [(expert, slot) to read]). The caller guarantees no pending computation
         still reads an evicted slot."""
-        experts = np.asarray(experts, dtype=np.int64).reshape(-1)
-        if experts.size > self.slots:
-            raise ValueError(f"{experts.size} experts do not fit {self.slots} slots")
-        slot_of, policy = self.slot_of, self.policy
-        # One vectorized lookup, then lists: a call's few experts cost less in Python than in
-        # more numpy calls. Hits keep the call's order.
-        ids, found = experts.tolist(), slot_of[experts].tolist()
+        # Lists: a call's few experts cost less in Python than in numpy calls. Hits keep the
+        # call's order.
+        ids: list[int] = (
+            np.ravel(experts).tolist() if isinstance(experts, np.ndarray) else list(experts)
+        )
+        if len(ids) > self.slots:
+            raise ValueError(f"{len(ids)} experts do not fit {self.slots} slots")
+        slot_of, slot_list, policy = self.slot_of, self.slot_list, self.policy
+        found = [slot_list[e] for e in ids]
         hits = [e for e, slot in zip(ids, found) if slot >= 0]
         if len(hits) == len(ids):  # every expert a hit
-            policy.touch_many(experts)
+            policy.touch_many(ids)
             return hits, []
         policy.touch_many(hits)
         missing = list(dict.fromkeys(e for e, slot in zip(ids, found) if slot < 0))  # once each
         short = len(missing) - len(self._free)
         # The victims are ranked once for the whole call: evicting one never reorders the rest.
-        victims = policy.victims(short, [*ids, *keep] if keep else experts) if short > 0 else []
+        victims = policy.victims(short, [*ids, *keep] if keep else ids) if short > 0 else []
         loads = []
         for e in missing:
             if not self._free:
                 self._evict(victims.pop(0))  # frees exactly one slot
             slot = self._free.pop()
-            slot_of[e] = slot
+            slot_of[e] = slot_list[e] = slot
             self.expert_in[slot] = e
             policy.insert(e)
             loads.append((e, slot))
         return hits, loads
 
     def _evict(self, expert: int) -> None:
-        slot = int(self.slot_of[expert])
-        self.slot_of[expert] = -1
+        slot = self.slot_list[expert]
+        self.slot_of[expert] = self.slot_list[expert] = -1
         self.expert_in[slot] = -1
         self.policy.remove(expert)
         self._free.append(slot)
@@ -98,7 +132,7 @@ class SlotTable:
     def forget(self, loads: list[tuple[int, int]]) -> None:
         """Undo `admit` for reads that failed, so no slot claims bytes it does not hold."""
         for e, _slot in loads:
-            if self.slot_of[e] >= 0:
+            if self.slot_list[e] >= 0:
                 self._evict(e)
 
     def resize_table(self, new_slots: int) -> list[tuple[int, int, int]]:
@@ -113,7 +147,7 @@ class SlotTable:
         moves = []
         for e in keep:
             slot = self._free.pop()
-            self.slot_of[e] = slot
+            self.slot_of[e] = self.slot_list[e] = slot
             self.expert_in[slot] = e
             self.policy.insert(e)
             moves.append((e, int(old_slot_of[e]), slot))

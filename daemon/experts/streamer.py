@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from moed.daemon.experts.cuda_memory import on_cuda, on_gpu
 from moed.daemon.experts.discover import SwitchInfo
 from moed.daemon.experts.fence import LazyFence
 from moed.daemon.experts.held import DeviceTally
+from moed.daemon.experts.host_route import HostRouting
 from moed.daemon.experts.landing import Landing, Staging
 from moed.daemon.experts.memory_plan import (
     ExpertLayout,
@@ -115,7 +115,7 @@ class _LaneRead:
     batch: ReadBatch
 
 
-class ExpertStreamer(CacheWarmth):
+class ExpertStreamer(HostRouting, CacheWarmth):
     """Owns the slot pools, the store, the read workers, the counters and the usage profile."""
 
     def __init__(
@@ -168,7 +168,7 @@ class ExpertStreamer(CacheWarmth):
         self.usage = [np.zeros(s.num_experts, dtype=np.int64) for s in switches]  # host-routed
         # Host-routed choices (each call's ids) not yet folded into `usage`: a list append per
         # call, one bincount per layer when usage is asked for (or the list grows long).
-        self._routed: list[list[np.ndarray]] = [[] for _ in switches]
+        self._routed: list[list[np.ndarray | list[int]]] = [[] for _ in switches]
         # Layers whose every expert is held route on the device (held.py); their usage is here.
         self._held = [False] * len(switches)
         self.tally = DeviceTally([s.num_experts for s in switches])
@@ -253,53 +253,6 @@ class ExpertStreamer(CacheWarmth):
         dep, self._step_tally = self._step_tally, None
         return dep
 
-    def route(self, layer: int, indices: mx.array, x: mx.array | None = None) -> np.ndarray:
-        """Read the router's choices back to the host (the known cost centre, timed)."""
-        c, fence, spec = self.counters, self.fence, self.spec
-        tally, self._step_tally = self._step_tally, None
-        predicted = spec.predict(layer, indices, x) if spec.enabled else None
-        t0 = time.perf_counter()
-        # The one host sync of the layer also finishes every pending layer output (usually
-        # ancestors of these indices anyway), so their slots are free to be overwritten after it.
-        if predicted is None and tally is None:  # the common call: nothing else to evaluate
-            mx.eval(indices, *fence.outputs)
-        else:
-            mx.eval(indices, *[a for a in (predicted, tally) if a is not None], *fence.outputs)
-        fence.settled()
-        if self.on_sync is not None:  # a device failure surfaces at this read-back
-            self.on_sync(SyncPoint.ROUTER)
-        c.host_syncs += 1
-        t1 = time.perf_counter()
-        if tally is not None:
-            self._fold_tally(evaluated=True)
-        host = np.array(indices, dtype=np.intp)  # intp: numpy indexes with it without a cast
-        if spec.enabled:
-            spec.predicted(layer, predicted)
-        if self.prompt_end.active:
-            c.prompt_end_hits += self.prompt_end.record(layer, host)
-        elif host.ndim >= 3 and host.shape[-2] > 1:  # a prompt chunk
-            # Its read-back settled the layer before: that pool is free until the next step.
-            if layer > 0:
-                self._read_ahead(layer - 1)
-            elif self.unused_output.active:  # the chunk skips the last layer: idle all along
-                self._read_ahead(len(self.pools) - 1)
-        routed = self._routed[layer]
-        routed.append(host)  # folded into `usage` in bulk (_fold_usage)
-        if len(routed) >= 256:
-            self._fold_usage(layer)
-        if self.trace is not None:
-            if layer == 0:
-                self.trace.append([])
-            if self.trace:
-                self.trace[-1].append(np.unique(host))
-        c.layer_calls += 1
-        c.router_sync_s += t1 - t0
-        c.router_copy_s += time.perf_counter() - t1
-        if self.observer is not None:
-            self.observer.on_route(layer, host)
-        self.on_progress()
-        return host
-
     @contextmanager
     def prompt_end_step(self) -> Iterator[None]:
         """The engine's scope around a step that reads prompts' last tokens (mlx_compat.py, use
@@ -319,13 +272,6 @@ class ExpertStreamer(CacheWarmth):
         experts = self.prompt_end.experts[layer]
         if experts is not None and not self._held[layer] and self.prompt_end.worthwhile:
             self.prompt_end.read(layer, self.spec.read_ahead(layer, experts, prompt_end=True))
-
-    def _fold_usage(self, layer: int) -> None:
-        routed, self._routed[layer] = self._routed[layer], []
-        if routed:
-            u = self.usage[layer]
-            flat = np.concatenate([r.reshape(-1) for r in routed])
-            u += np.bincount(flat, minlength=u.shape[0])[: u.shape[0]]
 
     def _fold_tally(self, evaluated: bool = False) -> None:
         """Held layers' hits into the host counters (no host sync: see DeviceTally.fold)."""
@@ -349,57 +295,6 @@ class ExpertStreamer(CacheWarmth):
         passes = self.pools[layer].plan_passes(needed)
         self.counters.passes += len(passes) - 1
         return passes
-
-    def one_pass(
-        self,
-        layer: int,
-        host: np.ndarray,
-        build: Callable[[mx.array, dict[str, mx.array]], mx.array],
-    ) -> mx.array | None:
-        """A call whose experts fit one pass (the decode call): its experts made resident and its
-        output, `build(slot of each of host's ids (uint32, host's shape), pools)`, deferred. For
-        a pool the reads land in directly, the output is built while the misses are read (built,
-        not evaluated: nothing reads it before it is deferred, after they landed). An all-hit
-        call is one lookup and a few list operations: on a call this small each numpy or MLX call
-        costs more than the Python it replaces. None, with nothing done, where the general path
-        runs (no ids, more ids than slots, speculative reads in flight for the layer, or some
-        experts resident and some not while the overlapped path is on)."""
-        pool = self.pools[layer]
-        if not 0 < host.size <= pool.slots or self.spec.inflight(layer):
-            return None
-        needed = sorted(set(host.ravel().tolist()))  # ascending, as plan_passes takes them
-        mapped = pool.slot_of[host]
-        slots = mapped.ravel().tolist()
-        if self.overlap.active and max(slots) >= 0 > min(slots):
-            return None  # rows to compute while the misses are read (streaming_switch.py)
-        if min(slots) >= 0:  # every expert resident: no admission, no read
-            pool.touch_call(needed)
-            self.counters.layers[layer].hits += len(needed)
-            if self.observer is not None:
-                self.observer.on_load(layer, pool, needed, [])
-            self.spec.issue(layer + 1)
-            # From lists: cheaper than from a numpy array (no buffer import); host's shape kept.
-            out = build(mx.array(mapped.tolist(), dtype=mx.uint32), pool.arrays)
-            self.defer(layer, out, slots)
-            return out
-        experts = np.array(needed, dtype=np.intp)
-        pool.plan_passes(experts)  # one pass: starts the call for the policy
-        _hits, loads = self._admit_counted(layer, pool, experts)
-        self.fence.guard(layer, loads)  # before this call's output exists: it is not pending
-        staging = pool.stage(loads)
-        batch = self.reader.submit(self.store.jobs_for(pool, staging))
-        self.spec.issue(layer + 1)  # queued behind the demand reads
-        mapped = pool.slot_of[host]  # the admitted slots: final before the bytes land
-        slots = mapped.ravel().tolist()
-        early: mx.array | None = None
-        if not pool.staged:  # a staged landing makes new arrays: build on those
-            early = build(mx.array(mapped.tolist(), dtype=mx.uint32), pool.arrays)
-        self._collect(pool, loads, [batch])
-        pool.land(staging)
-        if early is None:
-            early = build(mx.array(mapped.tolist(), dtype=mx.uint32), pool.arrays)
-        self.defer(layer, early, slots)
-        return early
 
     def load_passes(self, layer: int, passes: list[np.ndarray]) -> Iterator[LoadedPass]:
         """Each pass's experts made resident, in turn. Where the pass lane fits the layer, passes
@@ -502,7 +397,7 @@ class ExpertStreamer(CacheWarmth):
         )
 
     def _admit_counted(
-        self, layer: int, pool: LayerPool, experts: np.ndarray
+        self, layer: int, pool: LayerPool, experts: Iterable[int]
     ) -> tuple[list[int], list[tuple[int, int]]]:
         hits, loads = self._admit(pool, experts)
         lc = self.counters.layers[layer]

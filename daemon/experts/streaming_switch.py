@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
@@ -25,6 +24,7 @@ from mlx_lm.models.switch_layers import SwiGLU
 if TYPE_CHECKING:  # types only: the cache is reached through LayerCache (streamer imports us)
     from moed.daemon.experts.cache import LayerPool
     from moed.daemon.experts.counters import Counters
+    from moed.daemon.experts.host_route import DecodeGraph
     from moed.daemon.experts.streamer import LoadedPass, PendingLoad
     from moed.daemon.experts.tuning import Switch
 
@@ -78,11 +78,10 @@ class LayerCache(Protocol):
 
     def route(self, layer: int, indices: mx.array, x: mx.array | None = None) -> np.ndarray: ...
 
+    def route_ids(self, layer: int, indices: mx.array, x: mx.array | None = None) -> list[int]: ...
+
     def one_pass(
-        self,
-        layer: int,
-        host: np.ndarray,
-        build: Callable[[mx.array, dict[str, mx.array]], mx.array],
+        self, layer: int, ids: list[int], x: mx.array, graph: DecodeGraph
     ) -> mx.array | None: ...
 
     def plan_passes(self, layer: int, needed: np.ndarray) -> list[np.ndarray]: ...
@@ -114,6 +113,11 @@ class ProjSpec:
     has_bias: bool = False  # additive bias (gpt_oss)
 
 
+def _as_is(fn: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    """No compilation: activations other than mlx-lm's SwiGLU run op by op, as mlx-lm runs them."""
+    return fn
+
+
 _PARAMS = ("weight", "scales", "biases", "global_scale", "bias")  # a projection's pool tensors
 
 
@@ -124,6 +128,7 @@ class StreamingSwitch(nn.Module):
     _layer: int
     _streamer: LayerCache
     _final: bool
+    _compile: Callable[..., Callable[..., mx.array]]
     _decode_graph: Callable[[mx.array, mx.array, dict[str, mx.array]], mx.array]
 
     def __init__(
@@ -152,10 +157,10 @@ class StreamingSwitch(nn.Module):
         # compiled call where the activation is mlx-lm's SwiGLU, itself compiled: the same fused
         # kernel either way, and one call builds the graph instead of seven, each with its own
         # host cost. Other activations run op by op, as mlx-lm runs them.
-        graph = self._decode_rows
-        if kind == "glu" and type(activation) is SwiGLU:
-            graph = mx.compile(graph)
-        object.__setattr__(self, "_decode_graph", graph)
+        fused = kind == "glu" and type(activation) is SwiGLU
+        compile_: Callable[..., Callable[..., mx.array]] = mx.compile if fused else _as_is
+        object.__setattr__(self, "_compile", compile_)
+        object.__setattr__(self, "_decode_graph", compile_(self._decode_rows))
 
     def _proj(
         self,
@@ -203,8 +208,24 @@ class StreamingSwitch(nn.Module):
         return self._proj("fc2", self.activation(x), idx, do_sort, pools)
 
     def _decode_rows(self, x: mx.array, idx: mx.array, pools: dict[str, mx.array]) -> mx.array:
-        """A one-pass call's output from the layer's input and its slot ids (unsorted rows)."""
+        """A one-pass call's output from the layer's input and its slot ids, flat (in the order
+        of the router's indices, which have x's shape but the last axis; unsorted rows)."""
+        idx = idx.reshape(*x.shape[:-1], -1)
         return self._experts(mx.expand_dims(x, (-2, -3)), idx, False, pools).squeeze(-2)
+
+    def _decode(self, x: mx.array, idx: mx.array, pool: LayerPool) -> mx.array:
+        """The decode graph on `pool` (host_route.py DecodeGraph). A DIRECT pool's arrays are
+        built into it as constants, kept with the pool until it makes new ones: a compiled call
+        with two inputs instead of two and the pool's nine costs less host time (the arrays are
+        the same objects, written in place by reads, so the graph reads their current bytes). A
+        staged pool's landing makes new arrays: they go in as inputs."""
+        if pool.staged:
+            return self._decode_graph(x, idx, pool.arrays)
+        graph = pool.decode_graph
+        if graph is None:
+            rows, arrays = self._decode_rows, pool.arrays
+            graph = pool.decode_graph = self._compile(lambda x, idx: rows(x, idx, arrays))
+        return graph(x, idx)
 
     def expert_rows(self, x: mx.array, idx: mx.array, pools: dict[str, mx.array]) -> mx.array:
         """The expert function on given pools, unsorted (row_split.py probes the device)."""
@@ -339,13 +360,16 @@ class StreamingSwitch(nn.Module):
             out = self._on_device(x, indices, streamer.route_on_device(layer, indices))
             streamer.counters.layer_s += time.perf_counter() - t0
             return out
-        host = streamer.route(layer, indices, x)
         do_sort = indices.size >= 64
-        if not do_sort:  # the decode call: slot ids mapped on the host, one graph
+        if do_sort:
+            host = streamer.route(layer, indices, x)
+        else:  # the decode call: slot ids mapped on the host, one graph
+            ids = streamer.route_ids(layer, indices, x)
             # Not evaluated here: the streamer fences it before any slot it reads is reused.
-            done = streamer.one_pass(layer, host, partial(self._decode_graph, x))
+            done = streamer.one_pass(layer, ids, x, self._decode)
             if done is not None:
                 return self._routed_out(done, t0)
+            host = np.array(ids, dtype=np.intp).reshape(indices.shape)
         x = mx.expand_dims(x, (-2, -3))
         needed = distinct(host)
         passes = streamer.plan_passes(layer, needed)

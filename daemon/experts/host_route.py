@@ -1,0 +1,201 @@
+"""A host-routed layer call: the router's choices read back (the layer's one host sync), handed to
+the concerns that watch routing, and, for a call whose experts fit one pass (the decode call),
+its experts made resident and its output built.
+
+This is the streamed layer's hot path, run once per MoE layer per token; its host time is what a
+GPU idles through. So a decode call stays in Python lists end to end: right after the read-back's
+eval each numpy or MLX call costs several times its warm cost (BENCHMARKS.md, issue 22 fourth
+session; issue 36), and a call has eight ids. Only the general path (prompt chunks, passes) reads
+the choices into numpy. The watching concerns cost one attribute test each when off.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import numpy as np
+
+from moed.daemon.experts.cache import LayerPool
+from moed.daemon.experts.counters import Counters
+from moed.daemon.experts.fence import LazyFence
+from moed.daemon.experts.prefetch import ReadBatch, ReadPool
+from moed.daemon.experts.prompt_end import PromptEnd
+from moed.daemon.experts.speculation import Speculator
+from moed.daemon.experts.store import ExpertStore
+from moed.daemon.experts.tuning import Switch
+from moed.daemon.experts.unused_output import UnusedOutput
+from moed.daemon.ground.faults import SyncPoint
+
+# The streaming switch's decode graph: (layer input, slot of each routed id, flat, uint32, the
+# layer's pool).
+DecodeGraph = Callable[[mx.array, mx.array, LayerPool], mx.array]
+USAGE_FOLD = 256  # host-routed calls kept per layer before their ids are counted in `usage`
+
+
+def flat_ids(indices: mx.array) -> list[int]:
+    """An evaluated index array's values, flattened, as Python ints (`tolist`, then unnesting:
+    cheaper than numpy on the few ids of a decode call)."""
+    ids: Any = indices.tolist()
+    for _ in range(indices.ndim - 1):
+        ids = ids[0] if len(ids) == 1 else [e for part in ids for e in part]
+    out: list[int] = ids
+    return out
+
+
+class HostRouting:
+    """The streamer's routing read-back and one-pass calls (ExpertStreamer sets the state)."""
+
+    # The streamer's state this mixin reads (experts/streamer.py gives each a value).
+    counters: Counters
+    fence: LazyFence
+    spec: Speculator
+    pools: list[LayerPool]
+    reader: ReadPool
+    store: ExpertStore
+    overlap: Switch
+    prompt_end: PromptEnd
+    unused_output: UnusedOutput
+    usage: list[np.ndarray]
+    trace: list[list[np.ndarray]] | None
+    observer: Any
+    on_progress: Callable[[], None]
+    on_sync: Callable[[SyncPoint], None] | None
+    _routed: list[list[np.ndarray | list[int]]]
+    _step_tally: mx.array | None
+
+    if TYPE_CHECKING:  # the streamer's own methods, called from here
+
+        def _fold_tally(self, evaluated: bool = False) -> None: ...
+
+        def _read_ahead(self, layer: int) -> None: ...
+
+        def _admit_counted(
+            self, layer: int, pool: LayerPool, experts: Iterable[int]
+        ) -> tuple[list[int], list[tuple[int, int]]]: ...
+
+        def _collect(
+            self, pool: LayerPool, loads: list[tuple[int, int]], batches: list[ReadBatch]
+        ) -> None: ...
+
+    def _read_back(self, layer: int, indices: mx.array, x: mx.array | None) -> float:
+        """Evaluate the router's choices (the known cost centre, timed); returns when it ended."""
+        c, fence, spec = self.counters, self.fence, self.spec
+        tally, self._step_tally = self._step_tally, None
+        predicted = spec.predict(layer, indices, x) if spec.enabled else None
+        t0 = time.perf_counter()
+        # The one host sync of the layer also finishes every pending layer output (usually
+        # ancestors of these indices anyway), so their slots are free to be overwritten after it.
+        if predicted is None and tally is None:  # the common call: nothing else to evaluate
+            mx.eval(indices, *fence.outputs)
+        else:
+            mx.eval(indices, *[a for a in (predicted, tally) if a is not None], *fence.outputs)
+        fence.settled()
+        if self.on_sync is not None:  # a device failure surfaces at this read-back
+            self.on_sync(SyncPoint.ROUTER)
+        c.host_syncs += 1
+        t1 = time.perf_counter()
+        c.router_sync_s += t1 - t0
+        if tally is not None:
+            self._fold_tally(evaluated=True)
+        if spec.enabled:
+            spec.predicted(layer, predicted)
+        return t1
+
+    def route(self, layer: int, indices: mx.array, x: mx.array | None = None) -> np.ndarray:
+        """Read the router's choices back to the host, as an array of `indices`' shape."""
+        t1 = self._read_back(layer, indices, x)
+        host = np.array(indices, dtype=np.intp)  # intp: numpy indexes with it without a cast
+        self._routed_to(layer, host, host.shape, t1)
+        return host
+
+    def route_ids(self, layer: int, indices: mx.array, x: mx.array | None = None) -> list[int]:
+        """`route` for a call of few ids (the decode call): its choices flattened, in a list."""
+        t1 = self._read_back(layer, indices, x)
+        ids = flat_ids(indices)
+        self._routed_to(layer, ids, indices.shape, t1)
+        return ids
+
+    def _routed_to(
+        self, layer: int, choices: np.ndarray | list[int], shape: Sequence[int], t1: float
+    ) -> None:
+        """Hand a layer call's choices to the concerns that watch routing."""
+        c = self.counters
+        if self.prompt_end.active:
+            c.prompt_end_hits += self.prompt_end.record(layer, choices)
+        elif len(shape) >= 3 and shape[-2] > 1:  # a prompt chunk
+            # Its read-back settled the layer before: that pool is free until the next step.
+            if layer > 0:
+                self._read_ahead(layer - 1)
+            elif self.unused_output.active:  # the chunk skips the last layer: idle all along
+                self._read_ahead(len(self.pools) - 1)
+        routed = self._routed[layer]
+        routed.append(choices)  # folded into `usage` in bulk (_fold_usage)
+        if len(routed) >= USAGE_FOLD:
+            self._fold_usage(layer)
+        if self.trace is not None:
+            if layer == 0:
+                self.trace.append([])
+            if self.trace:
+                self.trace[-1].append(np.unique(np.asarray(choices, dtype=np.intp)))
+        c.layer_calls += 1
+        c.router_copy_s += time.perf_counter() - t1
+        if self.observer is not None:
+            self.observer.on_route(layer, np.asarray(choices, dtype=np.intp).reshape(shape))
+        self.on_progress()
+
+    def _fold_usage(self, layer: int) -> None:
+        routed, self._routed[layer] = self._routed[layer], []
+        if routed:
+            u = self.usage[layer]
+            flat = np.concatenate([np.ravel(r) for r in routed])
+            u += np.bincount(flat, minlength=u.shape[0])[: u.shape[0]]
+
+    def one_pass(
+        self, layer: int, ids: list[int], x: mx.array, graph: DecodeGraph
+    ) -> mx.array | None:
+        """A call whose experts fit one pass (the decode call), `ids` its routed experts
+        (`route_ids`): its experts made resident and its output, `graph(x, slot of each id,
+        pools)`, deferred. For a pool the reads land in directly, the output is built while the
+        misses are read (built, not evaluated: nothing reads it before it is deferred, after they
+        landed). An all-hit call is a few list operations and the graph. None, with nothing done,
+        where the general path runs (no ids, more ids than slots, speculative reads in flight for
+        the layer, or some experts resident and some not while the overlapped path is on)."""
+        pool = self.pools[layer]
+        if not 0 < len(ids) <= pool.slots or self.spec.inflight(layer):
+            return None
+        lookup = pool.slot_list.__getitem__
+        slots = list(map(lookup, ids))
+        lowest = min(slots)
+        if lowest < 0 and self.overlap.active and max(slots) >= 0:
+            return None  # rows to compute while the misses are read (streaming_switch.py)
+        needed = sorted(set(ids))  # ascending, as the policy's call takes them
+        spec = self.spec
+        if lowest >= 0:  # every expert resident: no admission, no read
+            pool.touch_call(needed)
+            self.counters.layers[layer].hits += len(needed)
+            if self.observer is not None:
+                self.observer.on_load(layer, pool, needed, [])
+            if spec.enabled:
+                spec.issue(layer + 1)
+            out = graph(x, mx.array(slots, dtype=mx.uint32), pool)
+            self.fence.defer(layer, out, None if pool.staged else slots)
+            return out
+        pool.begin_call()  # one pass: starts the call for the policy
+        _hits, loads = self._admit_counted(layer, pool, needed)
+        self.fence.guard(layer, loads)  # before this call's output exists: it is not pending
+        staging = pool.stage(loads)
+        batch = self.reader.submit(self.store.jobs_for(pool, staging))
+        if spec.enabled:
+            spec.issue(layer + 1)  # queued behind the demand reads
+        slots = list(map(lookup, ids))  # the admitted slots: final before the bytes land
+        early = None
+        if not pool.staged:  # a staged landing makes new arrays: build on those
+            early = graph(x, mx.array(slots, dtype=mx.uint32), pool)
+        self._collect(pool, loads, [batch])
+        pool.land(staging)
+        done = early if early is not None else graph(x, mx.array(slots, dtype=mx.uint32), pool)
+        self.fence.defer(layer, done, None if pool.staged else slots)
+        return done
