@@ -27,7 +27,7 @@ from .errors import ClientError, DaemonRestarted, DaemonUnavailable, RequestFail
 from .events import DoneEvent, Event, event_from_message
 from .inbox import Inbox, merge_tokens
 from .requests import checked_request
-from .stream_slots import StreamSlots
+from .stream_slots import SlotTicket, StreamSlots
 
 _POLLIN = int(zmq.POLLIN)  # a plain int: the flag enum's operators cost microseconds per frame
 
@@ -43,7 +43,7 @@ class AsyncClient(ClientCore):
         self._routes: dict[Any, Inbox] = {}  # request id -> its reader's inbox
         self._slots = StreamSlots()
         # Generations left by their callers, not yet ended in the daemon: their slot tickets.
-        self._leaving: dict[Any, tuple[asyncio.TimerHandle, int]] = {}
+        self._leaving: dict[Any, tuple[asyncio.TimerHandle, SlotTicket]] = {}
         self._tasks: list[asyncio.Task] = []
         self._connecting: asyncio.Lock | None = None
         self._last_heard = 0.0
@@ -173,7 +173,8 @@ class AsyncClient(ClientCore):
             raise TypeError("give a request or its fields, not both")
         await self.connect()
         request_id = request_id if request_id is not None else self.next_id("gen")
-        ticket = await self._slots.acquire()
+        # Callers behind this connection (a gateway's) take its slots in turn (stream_slots.py).
+        ticket = await self._slots.acquire(f"{request.principal or ''}\0{request.caller or ''}")
         queue = self._open(request_id)
         ended = False
         try:
@@ -202,7 +203,7 @@ class AsyncClient(ClientCore):
                 self._slots.release(ticket)
 
     # ---- plumbing ----------------------------------------------------------------------------
-    def _leave(self, request_id: Any, ticket: int) -> None:
+    def _leave(self, request_id: Any, ticket: SlotTicket) -> None:
         """Hold a cancelled generation's slot until its end arrives (or `timeout`: a daemon
         that never ends it must not keep the slot)."""
         timer = self._loop.call_later(self.timeout, self._left, request_id)

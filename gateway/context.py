@@ -20,6 +20,7 @@ from moed.protocol import Channel, GenerateRequest, MessageType
 from .config import GatewayConfig
 from .errors import ApiError, ErrorKind, from_client_error
 from .generation import Stream, Waiting
+from .limits import client_address
 from .metrics import GatewayMetrics
 from .principal import principal_of
 from .wire_limits import check_frame
@@ -88,7 +89,8 @@ class Gateway:
         """A started generation of `request`'s principal (its prefix-cache scope: principal.py);
         one cancelled before its first event (the client left while the daemon had not taken it
         yet) is counted as cancelled, as a stream left early is."""
-        req = replace(req, principal=principal_of(request))
+        # Rows and the daemon connection's slots go in turn across callers (limits.py).
+        req = replace(req, principal=principal_of(request), caller=client_address(request.scope))
         return await Stream.start(
             self.client, req, on_cancel=lambda: self.metrics.cancelled.labels(api.value).inc()
         )

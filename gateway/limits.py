@@ -1,7 +1,9 @@
 """Requests in flight: at most `max_requests` API requests at once and `max_requests_per_client`
-from one client address, answered 429 (in the API's shape, with Retry-After) beyond. The ops
-paths (/health, /metrics, /) are never counted, so a gateway full of generations still says how
-it is."""
+from one client address, answered 429 (in the API's shape, with Retry-After) beyond. The last
+sixteenth of `max_requests` (at least one) is kept for addresses with nothing in flight, so a few
+busy clients can never fill the gateway: another client always gets a slot. The ops paths
+(/health, /metrics, /) are never counted, so a gateway full of generations still says how it
+is."""
 
 from __future__ import annotations
 
@@ -30,12 +32,13 @@ class RequestLimits:
         self.render = render
         self.total = 0
         self.per_client: collections.Counter[str] = collections.Counter()
+        self.reserved = max(1, max_requests // 16)  # for clients with nothing in flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPS_PATHS:
             await self.app(scope, receive, send)
             return
-        client = (scope.get("client") or ("?", 0))[0]
+        client = client_address(scope)
         refusal = self._refusal(client)
         if refusal is not None:
             await self.render(scope["path"], refusal)(scope, receive, send)
@@ -60,4 +63,16 @@ class RequestLimits:
                 ErrorKind.OVERLOADED,
                 f"this client has {self.per_client[client]} requests in flight; retry",
             )
+        if self.per_client[client] and self.total >= self.max_requests - self.reserved:
+            return ApiError(
+                ErrorKind.OVERLOADED,
+                f"this client has {self.per_client[client]} requests in flight and the gateway's "
+                f"last {self.reserved} are kept for clients with none; retry",
+            )
         return None
+
+
+def client_address(scope: Scope) -> str:
+    """The address a request came from: whom the limits count it against, and the `caller` the
+    daemon gives rows in turn to."""
+    return str((scope.get("client") or ("?", 0))[0])

@@ -8,6 +8,7 @@ fits the memory plan, and in which order clients get a row.
 
 from __future__ import annotations
 
+import collections
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -69,8 +70,10 @@ class Scheduler(Protocol):
 class FairBatchScheduler:
     """Continuous batching with round-robin admission across clients.
 
-    Each client has a FIFO of waiting requests; free rows go to clients in turn, so one client
-    with many requests cannot starve the others. A client's turn goes to its first ready request
+    Each client has a FIFO of waiting requests; a free row goes to the waiting client with the
+    fewest rows running, the first in turn among equals (a client served goes to the back of the
+    line), so one client with many requests cannot starve the others, and a client that arrives
+    beside a busy one gets the next free row. A client's turn goes to its first ready request
     (one whose grammar still compiles keeps its place; the client's later ready ones may go
     first). When the request in turn does not fit the KV budget, admission stops for this step (a
     large request waits for rows to drain rather than being overtaken for good); an empty batch
@@ -85,6 +88,7 @@ class FairBatchScheduler:
         self._running: dict[RequestKey, int] = {}  # key -> its KV tokens
         self._all: dict[RequestKey, bytes] = {}  # every held request, in arrival order
         self._pending: set[RequestKey] = set()  # waiting, not ready yet
+        self._rows: collections.Counter[bytes] = collections.Counter()  # rows running, by client
 
     @property
     def running(self) -> int:
@@ -109,7 +113,13 @@ class FairBatchScheduler:
     def remove(self, key: RequestKey) -> None:
         client = self._all.pop(key, None)
         self._pending.discard(key)
-        if self._running.pop(key, None) is not None or client is None:
+        if self._running.pop(key, None) is not None:
+            assert client is not None  # a running key is held
+            self._rows[client] -= 1
+            if not self._rows[client]:
+                del self._rows[client]
+            return
+        if client is None:
             return
         queue = self._waiting.get(client)
         if queue is not None:
@@ -129,18 +139,18 @@ class FairBatchScheduler:
         ready = len(self._all) - len(self._running) - len(self._pending)
         if (self.wake_in(now) or 0.0) > 0 and ready < self.limits.max_batch:
             return Round(())  # gather the batch a little longer
-        turn = 0  # clients before it in _turns have nothing ready this round
-        while turn < len(self._turns) and len(self._running) < self.limits.max_batch:
-            client = self._turns[turn]
-            queue = self._waiting[client]
-            item = next((w for w in queue if w.key not in self._pending), None)
-            if item is None:
-                turn += 1
-                continue
+        while len(self._running) < self.limits.max_batch:
+            turn = self._next_turn()
+            if turn is None:
+                break
+            client, item = self._turns[turn], self._next_ready(self._turns[turn])
+            assert item is not None  # _next_turn chose a client with a ready request
             if not self._fits(item.kv_tokens):
                 break
+            queue = self._waiting[client]
             queue.remove(item)
             self._running[item.key] = item.kv_tokens
+            self._rows[client] += 1
             admitted.append(item.key)
             del self._turns[turn]  # this client goes to the back of the line
             if queue:
@@ -150,6 +160,20 @@ class FairBatchScheduler:
         if not self._turns:
             self._first_wait = None
         return Round(tuple(admitted))
+
+    def _next_ready(self, client: bytes) -> _Waiting | None:
+        return next((w for w in self._waiting[client] if w.key not in self._pending), None)
+
+    def _next_turn(self) -> int | None:
+        """Where in _turns the client is whose ready request joins next: the fewest rows
+        running, then the first in turn."""
+        best: int | None = None
+        for turn, client in enumerate(self._turns):
+            if self._next_ready(client) is None:
+                continue
+            if best is None or self._rows[client] < self._rows[self._turns[best]]:
+                best = turn
+        return best
 
     def newest(self) -> RequestKey | None:
         return next(reversed(self._all), None)

@@ -93,3 +93,32 @@ def test_slots_wake_waiters_in_order_and_forget_a_dropped_connection():
         assert slots.held == 0
 
     asyncio.run(main())
+
+
+def test_slots_go_to_the_caller_that_holds_fewest_and_keep_one_for_a_newcomer():
+    """Behind one connection (the gateway's), a caller with many generations cannot hold every
+    slot: the last is kept for a caller holding none, and a freed slot goes to the waiting
+    caller that holds the fewest, not to the one that asked first."""
+
+    async def main():
+        slots = StreamSlots()
+        slots.reset(16)
+        busy = [await slots.acquire("busy") for _ in range(15)]
+        queued = asyncio.create_task(slots.acquire("busy"))  # the 16th: kept for a newcomer
+        await asyncio.sleep(0)
+        assert not queued.done() and slots.held == 15
+        newcomer = await slots.acquire("new")  # at once, beside the busy caller's waiter
+        assert slots.held == 16
+        later = asyncio.create_task(slots.acquire("other"))
+        await asyncio.sleep(0)
+        slots.release(busy.pop())  # the busy caller asked first, the other holds none
+        assert await later is not None and not queued.done()
+        slots.release(newcomer)
+        slots.release(busy.pop())
+        await asyncio.sleep(0)
+        assert queued.done()  # its turn once the others hold as many or the room is there
+        for ticket in [*busy, await queued, await later]:
+            slots.release(ticket)
+        assert slots.held == 0
+
+    asyncio.run(main())

@@ -15,6 +15,7 @@ import pytest
 
 from moed.client import RequestFailed, TokenEvent
 from moed.client.async_client import AsyncClient
+from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler
 from moed.protocol import ErrorCode
 
 pytestmark = pytest.mark.timeout(600)
@@ -187,3 +188,22 @@ def test_callers_behind_one_connection_take_rows_in_turn(daemon_factory, tiny_mo
     order = asyncio.run(run())
     assert sorted(order) == sorted(["x", "a", *(f"b{n}" for n in range(10))])
     assert order.index("a") <= 2, order  # after the running one and at most one queued before it
+
+
+def test_the_scheduler_passes_over_a_compiling_request_and_serves_the_idle_client_first():
+    sched = FairBatchScheduler(BatchLimits(max_batch=3, kv_tokens=10_000))
+    sched.add((b"a", 0), b"a", 10, ready=False)  # its grammar compiles
+    sched.add((b"a", 1), b"a", 10)
+    sched.add((b"b", 0), b"b", 10, ready=False)
+    assert sched.schedule().admit == ((b"a", 1),)  # a's ready one goes; the others hold places
+    sched.ready((b"a", 0))
+    sched.ready((b"b", 0))
+    sched.add((b"a", 2), b"a", 10)
+    # b holds no row, a holds one: b's request joins first, though a's waited longer.
+    assert sched.schedule().admit == ((b"b", 0), (b"a", 0))
+    lone = FairBatchScheduler(BatchLimits(max_batch=3, kv_tokens=10_000, window_s=5.0))
+    lone.add((b"c", 0), b"c", 10, 0.0, ready=False)
+    assert lone.wake_in(0.0) is None  # nothing can join until its grammar is built
+    assert lone.schedule(10.0).admit == ()
+    lone.ready((b"c", 0))
+    assert lone.schedule(10.0).admit == ((b"c", 0),)
