@@ -130,6 +130,10 @@ class AsyncClient(ClientCore):
         """Prompt tokens of `prompt` or `messages` (with the chat template unless `raw`)."""
         return await self._call(MessageType.COUNT_TOKENS, **fields)
 
+    async def models(self, action: str = "list", model: str | None = None) -> dict:
+        """The servable and loaded models (`list`), or `load`/`unload` one (Client.models)."""
+        return await self._call(MessageType.MODELS, action=action, model=model)
+
     async def _call(self, kind: MessageType, **fields: Any) -> dict:
         await self.connect()
         request_id = self.next_id(kind.value)

@@ -1,6 +1,7 @@
-"""GET /v1/models and /v1/models/{name}: the served model with its context and output limit, in
-OpenAI's shape, or in Anthropic's when the request is an Anthropic client's (the anthropic SDK
-and Claude Code send `anthropic-version` on every call): `max_input_tokens`, `max_tokens`."""
+"""GET /v1/models and /v1/models/{name}: every model the daemon serves on request (the started
+one first, loaded or not) with its context and output limit, in OpenAI's shape, or in
+Anthropic's when the request is an Anthropic client's (the anthropic SDK and Claude Code send
+`anthropic-version` on every call): `max_input_tokens`, `max_tokens`."""
 
 from __future__ import annotations
 
@@ -18,10 +19,16 @@ ANTHROPIC_HEADER = "anthropic-version"
 EPOCH = "1970-01-01T00:00:00Z"
 
 
-async def _served(gateway: Gateway) -> tuple[str, dict]:
-    """The served model's name and the daemon's limits."""
-    name = (await gateway.model()).get("name")
-    return str(name), await daemon_limits(gateway.client)
+async def _served(gateway: Gateway) -> list[tuple[str, dict]]:
+    """Each servable model's name and limits: the started model's from the daemon's welcome,
+    the others' context from their config (their output limit is their context)."""
+    name = str((await gateway.model()).get("name"))
+    limits = await daemon_limits(gateway.client)
+    served = [(name, limits)]
+    for other in (await gateway.call("models")).get("servable", [])[1:]:
+        context = other.get("context_tokens")
+        served.append((str(other["name"]), {"context_tokens": context, "max_tokens": context}))
+    return served
 
 
 def _openai_entry(name: str, limits: dict) -> dict:
@@ -52,23 +59,28 @@ def _anthropic_entry(name: str, limits: dict) -> dict:
 async def models(request: Request) -> Response:
     anthropic = ANTHROPIC_HEADER in request.headers
     try:
-        name, limits = await _served(request.app.state.gateway)
+        served = await _served(request.app.state.gateway)
     except ApiError as err:
         if anthropic:
             return anthropic_api.error_response(err)
         raise
     if anthropic:
-        entry = _anthropic_entry(name, limits)
-        return JSONResponse({"data": [entry], "has_more": False, "first_id": name, "last_id": name})
-    return JSONResponse({"object": "list", "data": [_openai_entry(name, limits)]})
+        entries = [_anthropic_entry(name, limits) for name, limits in served]
+        first, last = served[0][0], served[-1][0]
+        return JSONResponse(
+            {"data": entries, "has_more": False, "first_id": first, "last_id": last}
+        )
+    return JSONResponse({"object": "list", "data": [_openai_entry(n, lim) for n, lim in served]})
 
 
 async def model(request: Request) -> Response:
     anthropic = ANTHROPIC_HEADER in request.headers
     try:
-        name, limits = await _served(request.app.state.gateway)
-        if request.path_params["name"] != name:
-            raise ApiError(ErrorKind.NOT_FOUND, f"model {request.path_params['name']!r} not found")
+        served = dict(await _served(request.app.state.gateway))
+        name = request.path_params["name"]
+        if name not in served:
+            raise ApiError(ErrorKind.NOT_FOUND, f"model {name!r} not found")
+        limits = served[name]
     except ApiError as err:
         if anthropic:
             return anthropic_api.error_response(err)

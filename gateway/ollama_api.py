@@ -199,16 +199,18 @@ async def _run(request: Request, endpoint: str, parse, piece) -> Response:
     started = time.perf_counter()
     body = await f.json_body(request)
     req = parse(body)
-    model = (await gateway.model()).get("name", "") + TAG
-    if req.messages is None and not req.prompt:
-        # Ollama answers an empty prompt by loading the model: ours is loaded already.
+    model = (req.model or (await gateway.model()).get("name", "")) + TAG
+    if not body.get("prompt") and not body.get("messages"):
+        # Ollama's empty prompt loads the model; with keep_alive 0 it unloads it.
+        action = "unload" if req.keep_alive in (0, "0", "0s") else "load"
+        await gateway.call("models", action=action, model=req.model)
         return JSONResponse(
             {
                 **piece("", None),
                 "model": model,
                 "created_at": _now(),
                 "done": True,
-                "done_reason": "load",
+                "done_reason": action,
             }
         )
     stream = await gateway.start(req, API, request)
@@ -283,26 +285,32 @@ def _describe(model: dict) -> dict:
 
 
 async def tags(request: Request) -> Response:
+    """Every model the daemon serves on request, loaded or not: the started one first."""
     gateway: Gateway = request.app.state.gateway
-    return JSONResponse({"models": [_describe(await gateway.model())]})
+    others = (await gateway.call("models")).get("servable", [])[1:]
+    return JSONResponse(
+        {"models": [_describe(await gateway.model())] + list(map(_describe, others))}
+    )
 
 
 async def ps(request: Request) -> Response:
-    """The loaded model, as `ollama ps` shows it: none while the daemon's keep-alive has released
-    it (state idle); it expires keep_alive_s after the engine last went idle."""
+    """The loaded models, as `ollama ps` shows them: none while the daemon's keep-alive has
+    released them (state idle); each expires keep_alive_s after it last went idle."""
     gateway: Gateway = request.app.state.gateway
-    status = await gateway.call("status")
-    if status.get("state") == "idle":
-        return JSONResponse({"models": []})
-    entry = _describe(await gateway.model())
-    keep = status.get("keep_alive_s")
-    if keep is None or keep < 0 or status.get("busy"):
-        expires = dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=dt.UTC)
-    else:
-        since = status.get("last_activity_at") or time.time()
-        expires = dt.datetime.fromtimestamp(since + keep, dt.UTC)
-    entry.update(expires_at=expires.isoformat(), size_vram=entry["size"])
-    return JSONResponse({"models": [entry]})
+    started = await gateway.model()
+    out = []
+    for loaded in (await gateway.call("models")).get("loaded", []):
+        if loaded.get("state") == "idle":
+            continue
+        entry = _describe(started if loaded.get("path") == started.get("path") else loaded)
+        keep, idle = loaded.get("keep_alive_s"), loaded.get("idle_s")
+        if keep is None or keep < 0 or idle is None:  # never, or a request is running
+            expires = dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=dt.UTC)
+        else:
+            expires = dt.datetime.fromtimestamp(time.time() + max(0.0, keep - idle), dt.UTC)
+        entry.update(expires_at=expires.isoformat(), size_vram=loaded.get("memory_bytes") or 0)
+        out.append(entry)
+    return JSONResponse({"models": out})
 
 
 async def version(request: Request) -> Response:

@@ -55,14 +55,17 @@ def test_model_listings(stack):
     daemon, gateway = stack
     name = daemon.client().connect()["model"]["name"]
     oai = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
-    assert [m.id for m in oai.models.list()] == [name]
+    listed = {m.id: m for m in oai.models.list()}
+    assert list(listed)[0] == name  # the started model first, then every servable one
+    assert listed["demo"].model_extra["context_length"] > 0  # servable, not loaded
     assert oai.models.retrieve(name).id == name
     with pytest.raises(openai.NotFoundError):
         oai.models.retrieve("not-" + name)
     assert httpx.get(gateway.url).text == "moed gateway is running"
     llama = ollama.Client(host=gateway.url)
-    assert [m.model for m in llama.list().models] == [f"{name}:latest"]
-    assert [m.model for m in llama.ps().models] == [f"{name}:latest"]
+    tags = [m.model for m in llama.list().models]
+    assert tags[0] == f"{name}:latest" and "demo:latest" in tags
+    assert [m.model for m in llama.ps().models] == [f"{name}:latest"]  # only the loaded one
     assert llama.show(f"{name}:latest").details.family == "qwen3_moe"
     assert httpx.get(f"{gateway.url}/api/version").json()["version"]
 

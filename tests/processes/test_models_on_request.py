@@ -14,6 +14,7 @@ from moed.client import DoneEvent, RequestFailed, TokenEvent
 from moed.daemon.config import ServeConfig
 from moed.daemon.transport.model_set import model_footprint
 from tests.fixtures.daemon_harness import moe
+from tests.fixtures.gateway_harness import start_gateway
 from tests.fixtures.reference import generate
 
 pytestmark = pytest.mark.process
@@ -171,3 +172,30 @@ def test_one_models_failure_spares_the_others_streams(three, daemon_factory, tmp
         assert c.ping()["pong"] is True  # the daemon, and a, serve on
         assert tokens(c, "a") == generate(three["a"], PROMPT, 12)
         assert "b" not in loaded(c)
+
+
+def test_gateway_lists_loads_unloads_and_answers_each_model(three, daemon_factory, tmp_path):
+    import ollama
+    import openai
+
+    d = start(daemon_factory, tmp_path, {"a": three["a"], "b": three["b"]})
+    gateway = start_gateway(tmp_path / "gw", d.socket)
+    try:
+        oai = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+        listed = {m.id: m.model_extra.get("context_length") for m in oai.models.list()}
+        assert "b" in listed and listed["b"]  # servable before it is loaded, with its context
+        llama = ollama.Client(host=gateway.url)
+        assert "b:latest" in [m.model for m in llama.list().models]
+        assert llama.generate(model="b", prompt="").done_reason == "load"  # ollama's load
+        with d.client() as c:
+            wait_until(lambda: "b" in loaded(c) and c.models()["loaded"][0]["state"] == "ready")
+        assert "b:latest" in [m.model for m in llama.ps().models]
+        for name in ("a", "b"):
+            reply = oai.completions.create(model=name, prompt=PROMPT, max_tokens=4)
+            assert reply.choices[0].text is not None and reply.usage.completion_tokens > 0
+        assert llama.generate(model="b", prompt="", keep_alive=0).done_reason == "unload"
+        with d.client() as c:
+            wait_until(lambda: "b" not in loaded(c))
+        assert "b:latest" not in [m.model for m in llama.ps().models]
+    finally:
+        gateway.stop()
