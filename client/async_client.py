@@ -27,6 +27,7 @@ from .errors import ClientError, DaemonRestarted, DaemonUnavailable, RequestFail
 from .events import DoneEvent, Event, event_from_message
 from .inbox import Inbox, merge_tokens
 from .requests import checked_request
+from .resume import Resumption
 from .stream_slots import SlotTicket, StreamSlots
 
 _POLLIN = int(zmq.POLLIN)  # a plain int: the flag enum's operators cost microseconds per frame
@@ -124,6 +125,8 @@ class AsyncClient(ClientCore):
         return await self._call(MessageType.PING)
 
     async def cancel(self, request_id: Any) -> dict:
+        """Cancel a generation of this client; the reply says whether it was in flight (`cancelled`)
+        and how many of its tokens the daemon had already sent (`tokens_sent`)."""
         return await self._call(MessageType.CANCEL, target=request_id)
 
     async def count_tokens(self, **fields: Any) -> dict:
@@ -133,6 +136,29 @@ class AsyncClient(ClientCore):
     async def models(self, action: str = "list", model: str | None = None) -> dict:
         """The servable and loaded models (`list`), or `load`/`unload` one (Client.models)."""
         return await self._call(MessageType.MODELS, action=action, model=model)
+
+    async def shed(self, level: str = "cache", reason: str | None = None) -> dict:
+        """Owner only: sends the control token the daemon keeps beside its socket."""
+        return await self._call(
+            MessageType.SHED, level=level, reason=reason, token=self.owner_token()
+        )
+
+    async def prefix_cache(self, action: str = "list") -> dict:
+        """The prefix KV cache: `list` (counters and entries) or `clear` (owner only: sends the
+        control token; the engine empties both tiers at its next step)."""
+        if action == "list":
+            return await self._call(MessageType.PREFIX_CACHE, action=action)
+        return await self._call(MessageType.PREFIX_CACHE, action=action, token=self.owner_token())
+
+    async def shutdown(self, reason: str | None = None, restart: bool = False) -> dict:
+        """Drain and exit; `restart=True` exits non-zero so the service manager restarts it smaller.
+        Owner only: sends the control token the daemon keeps beside its socket."""
+        return await self._call(
+            MessageType.SHUTDOWN,
+            reason=reason,
+            restart=restart or None,
+            token=self.owner_token(),
+        )
 
     async def _call(self, kind: MessageType, **fields: Any) -> dict:
         await self.connect()
@@ -158,23 +184,79 @@ class AsyncClient(ClientCore):
     # ---- generation --------------------------------------------------------------------------
     async def generate(
         self,
-        request_id: Any = None,
+        prompt: str | None = None,
         *,
         request: GenerateRequest | None = None,
+        request_id: Any = None,
+        resume: bool = False,
+        resume_timeout_s: float = 60.0,
+        max_resumes: int = 5,
         coalesce: bool = False,
         **fields: Any,
     ) -> AsyncIterator[Event]:
         """Stream one generation's events; ends after a DoneEvent or raises. Leaving the loop
-        early cancels the request in the daemon. The generation is `request`, or `fields`:
-        GenerateRequest's fields in their wire form, checked here as the daemon checks them.
+        early cancels the request in the daemon. The generation is `request`, or `prompt` and
+        `fields`: GenerateRequest's fields in their wire form, checked here as the daemon checks
+        them.
+
+        With `resume=True`, a daemon that dies or restarts mid-stream is waited for up to
+        `resume_timeout_s` and the request resubmitted with the tokens received so far, as
+        Client.generate does (client/resume.py).
 
         With `coalesce`, token messages already waiting when the caller asks for the next event
         come as one TokenEvent (several `ids`, their texts joined): a reader that fell behind
         catches up in one step (the gateway writes them as one HTTP chunk)."""
         if request is None:
-            request = checked_request(**fields)
-        elif fields:
+            request = checked_request(prompt=prompt, **fields)
+        elif prompt is not None or fields:
             raise TypeError("give a request or its fields, not both")
+        if not resume:
+            # aclosing: a caller that leaves early cancels the request now, not at collection.
+            async with contextlib.aclosing(
+                self._generate_once(request_id, request, coalesce)
+            ) as once:
+                async for event in once:
+                    yield event
+            return
+        state = Resumption(request, request_id, max_resumes)
+        while True:
+            attempt_id, attempt = state.attempt()
+            try:
+                async with contextlib.aclosing(
+                    self._generate_once(attempt_id, attempt, coalesce)
+                ) as once:
+                    async for event in once:
+                        seen = state.seen(event)
+                        if seen is not None:
+                            yield seen
+                return
+            except (DaemonUnavailable, RequestFailed) as exc:
+                not_boot = state.interrupted(exc, self.boot_id)
+                await self._await_daemon(time.monotonic() + resume_timeout_s, not_boot, exc)
+
+    async def _await_daemon(self, deadline: float, not_boot: str | None, cause: Exception) -> None:
+        """Reconnect until a daemon answers (a different one than `not_boot`, if given)."""
+        saved = self.timeout
+        try:
+            while True:
+                self._drop(None)
+                self.timeout = max(0.2, min(saved, deadline - time.monotonic()))
+                try:
+                    welcome = await self.connect()
+                    if not_boot is None or welcome.get("boot_id") != not_boot:
+                        return
+                except (DaemonUnavailable, RequestFailed):
+                    pass
+                if time.monotonic() >= deadline:
+                    raise cause
+                await asyncio.sleep(0.2)
+        finally:
+            self.timeout = saved
+
+    async def _generate_once(
+        self, request_id: Any, request: GenerateRequest, coalesce: bool
+    ) -> AsyncIterator[Event]:
+        """One generate request on the current connection."""
         await self.connect()
         request_id = request_id if request_id is not None else self.next_id("gen")
         # Callers behind this connection (a gateway's) take its slots in turn (stream_slots.py).

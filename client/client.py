@@ -11,24 +11,24 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import zmq
 
-from moed.protocol import ErrorCode, GenerateRequest, MessageType, encode
-from moed.protocol.paths import control_token_path
+from moed.protocol import GenerateRequest, MessageType, encode
 
 from .core import ClientCore, answer, read_frame
 from .errors import DaemonUnavailable, RequestFailed
-from .events import DoneEvent, Event, TokenEvent, event_from_message
+from .events import DoneEvent, Event, event_from_message
+from .inbox import merge_tokens
 from .requests import checked_request
+from .resume import Resumption
 
 log = logging.getLogger("moed.client")
 _POLLIN = int(zmq.POLLIN)
+_TOKEN = MessageType.TOKEN.value
 
 
 class Client(ClientCore):
@@ -92,16 +92,20 @@ class Client(ClientCore):
         and how many of its tokens the daemon had already sent (`tokens_sent`)."""
         return self._call(MessageType.CANCEL, target=request_id)
 
+    def count_tokens(self, **fields: Any) -> dict:
+        """Prompt tokens of `prompt` or `messages` (with the chat template unless `raw`)."""
+        return self._call(MessageType.COUNT_TOKENS, **fields)
+
     def shed(self, level: str = "cache", reason: str | None = None) -> dict:
         """Owner only: sends the control token the daemon keeps beside its socket."""
-        return self._call(MessageType.SHED, level=level, reason=reason, token=self._control_token())
+        return self._call(MessageType.SHED, level=level, reason=reason, token=self.owner_token())
 
     def prefix_cache(self, action: str = "list") -> dict:
         """The prefix KV cache: `list` (counters and entries) or `clear` (owner only: sends the
         control token; the engine empties both tiers at its next step)."""
         if action == "list":
             return self._call(MessageType.PREFIX_CACHE, action=action)
-        return self._call(MessageType.PREFIX_CACHE, action=action, token=self._control_token())
+        return self._call(MessageType.PREFIX_CACHE, action=action, token=self.owner_token())
 
     def models(self, action: str = "list", model: str | None = None) -> dict:
         """`list`: every servable model (with its context length) and the loaded ones (`moe ps`);
@@ -115,16 +119,8 @@ class Client(ClientCore):
             MessageType.SHUTDOWN,
             reason=reason,
             restart=restart or None,
-            token=self._control_token(),
+            token=self.owner_token(),
         )
-
-    def _control_token(self) -> str | None:
-        try:
-            fd = os.open(control_token_path(self.socket_path), os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return None  # not the owner: the daemon answers not_permitted
-        with os.fdopen(fd) as f:
-            return f.read().strip()
 
     # ---- generation --------------------------------------------------------------------------
     def generate(
@@ -136,9 +132,11 @@ class Client(ClientCore):
         resume: bool = False,
         resume_timeout_s: float = 60.0,
         max_resumes: int = 5,
+        coalesce: bool = False,
         **fields: Any,
     ) -> Iterator[Event]:
-        """Stream the events of one generation; ends after a DoneEvent or raises.
+        """Stream the events of one generation; ends after a DoneEvent or raises. Leaving the
+        loop early cancels the request in the daemon.
 
         The generation is `request`, or `prompt` and `fields`: GenerateRequest's fields in their
         wire form (max_tokens=8, stop=["\n"], format={"type": "json"}, ...), checked here as the
@@ -149,71 +147,35 @@ class Client(ClientCore):
         up to `resume_timeout_s`, and the request is resubmitted with the tokens received so far
         as `resume_ids`: the daemon continues from there, so the caller sees one stream, identical
         to an uninterrupted run for greedy decoding and for seeded sampling.
+
+        With `coalesce`, token messages already waiting when the caller asks for the next event
+        come as one TokenEvent (several `ids`, their texts joined): a reader that fell behind
+        catches up in one step.
         """
         if request is None:
             request = checked_request(prompt=prompt, **fields)
         elif prompt is not None or fields:
             raise TypeError("give a request or its fields, not both")
         if not resume:
-            yield from self._generate_once(request_id, request)
+            yield from self._generate_once(request_id, request, coalesce)
             return
-        if request.temperature and request.seed is None:
-            # Sampling is keyed by (seed, position): fix the seed here so a resumed run draws the
-            # same.
-            request = replace(request, seed=int.from_bytes(os.urandom(7), "big"))
-        received = list(request.resume_ids)
-        resumes = 0
+        state = Resumption(request, request_id, max_resumes)
         while True:
-            # Resubmit one token short: the daemon regenerates it, and with it any text the
-            # detokenizer was still holding back when the stream broke; duplicates are dropped by
-            # index.
-            base = len(received)
-            context = received[:-1] if received and resumes else received
+            attempt_id, attempt = state.attempt()
             try:
-                attempt = replace(request, resume_ids=tuple(context))
-                for event in self._generate_once(None if resumes else request_id, attempt):
-                    if isinstance(event, TokenEvent):
-                        if event.index < base:
-                            continue
-                        received.extend(event.ids)
-                    elif isinstance(event, DoneEvent) and resumes:
-                        usage = {
-                            **event.usage,
-                            "completion_tokens": len(received),
-                            "resumes": resumes,
-                        }
-                        event = DoneEvent(
-                            event.finish_reason,
-                            usage,
-                            event.timings,
-                            event.telemetry,
-                            event.stop_sequence,
-                            event.lossy,
-                        )
-                    yield event
+                for event in self._generate_once(attempt_id, attempt, coalesce):
+                    seen = state.seen(event)
+                    if seen is not None:
+                        yield seen
                 return
             except (DaemonUnavailable, RequestFailed) as exc:
-                failed_boot = self.boot_id
-                if isinstance(exc, RequestFailed):
-                    if exc.code not in (
-                        ErrorCode.OUT_OF_MEMORY,
-                        ErrorCode.SHUTTING_DOWN,
-                        ErrorCode.RANK_FAILED,
-                    ):
-                        raise
-                    # The daemon said it is going away: only a new daemon is worth resuming on.
-                    need_new_boot = True
-                else:
-                    need_new_boot = False
-                resumes += 1
-                if resumes > max_resumes:
-                    raise
+                not_boot = state.interrupted(exc, self.boot_id)
                 log.warning(
-                    "generation interrupted (%s); resuming after %d token(s)", exc, len(received)
+                    "generation interrupted (%s); resuming after %d token(s)",
+                    exc,
+                    len(state.received),
                 )
-                self._await_daemon(
-                    time.monotonic() + resume_timeout_s, failed_boot if need_new_boot else None, exc
-                )
+                self._await_daemon(time.monotonic() + resume_timeout_s, not_boot, exc)
 
     def _await_daemon(self, deadline: float, not_boot: str | None, cause: Exception) -> dict:
         """Reconnect until a daemon answers (a different one than `not_boot`, if given)."""
@@ -235,7 +197,9 @@ class Client(ClientCore):
         finally:
             self.timeout = saved
 
-    def _generate_once(self, request_id: Any, request: GenerateRequest) -> Iterator[Event]:
+    def _generate_once(
+        self, request_id: Any, request: GenerateRequest, coalesce: bool
+    ) -> Iterator[Event]:
         """One generate request on the current connection."""
         self.connect()
         request_id = request_id if request_id is not None else self.next_id("gen")
@@ -245,7 +209,10 @@ class Client(ClientCore):
         ended = False
         try:
             while True:
-                event = event_from_message(self._recv_for(request_id, None, heartbeat=True))
+                msg = self._recv_for(request_id, None, heartbeat=True)
+                if coalesce and msg.get("type") == _TOKEN:
+                    msg = merge_tokens(msg, self._waiting_tokens(request_id, msg.get("channel")))
+                event = event_from_message(msg)
                 if isinstance(event, DoneEvent):
                     ended = True
                     yield event
@@ -270,6 +237,25 @@ class Client(ClientCore):
         msg = answer(self._recv_for(request_id, time.monotonic() + self.timeout, heartbeat=False))
         self._check_boot(msg.get("boot_id"))
         return msg
+
+    def _waiting_tokens(self, request_id: Any, channel: str | None) -> list[dict]:
+        """The token messages of `request_id` already received or waiting on the socket, up to
+        its first other reply or another channel's token (the asyncio client's Inbox.take_tokens
+        over this client's buffers)."""
+        self._drain_waiting()
+        queue = self._buffered.get(request_id)
+        taken: list[dict] = []
+        while queue and queue[0].get("type") == _TOKEN and queue[0].get("channel") == channel:
+            taken.append(queue.popleft())
+        return taken
+
+    def _drain_waiting(self) -> None:
+        """Every frame already on the socket into its stream's buffer, without waiting."""
+        assert self._socket is not None
+        while self._socket.get(zmq.EVENTS) & _POLLIN:
+            msg = read_frame(self._socket.recv(zmq.NOBLOCK))
+            if msg is not None and msg.get("id") in self._streams:
+                self._buffered[msg["id"]].append(msg)
 
     def _send(self, frame: bytes) -> None:
         assert self._socket is not None

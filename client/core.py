@@ -19,6 +19,7 @@ from moed.protocol import messages as wire
 from moed.protocol.paths import (
     UnsafeSocketPath,
     check_socket,
+    control_token_path,
     default_socket_path,
     endpoint_for,
     nobody_listens,
@@ -112,6 +113,16 @@ class ClientCore:
     def cancel_frame(self, target: Any) -> bytes:
         """Stop the daemon generating for nobody (no reply awaited)."""
         return self.frame(MessageType.CANCEL, self.next_id("cancel"), target=target)
+
+    def owner_token(self) -> str | None:
+        """The control token the daemon keeps beside its socket, readable by its owner only;
+        None for anyone else (the daemon then answers not_permitted)."""
+        try:
+            fd = os.open(control_token_path(self.socket_path), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        with os.fdopen(fd) as f:
+            return f.read().strip()
 
     # ---- what a reply means ------------------------------------------------------------------
     def restart_of(self, boot_id: str | None) -> DaemonRestarted | None:

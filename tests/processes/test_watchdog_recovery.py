@@ -14,6 +14,7 @@ Restart=on-failure): a non-zero exit or a death by signal is restarted, a clean 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from moed.client import Client, DaemonUnavailable, DoneEvent, RequestFailed, TokenEvent
+from moed.client.async_client import AsyncClient
 from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.watchdog.events import read_events
 from moed.protocol import ErrorCode
@@ -126,6 +128,36 @@ def test_resume_after_sigabrt_gives_the_identical_stream(supervisor, tiny_model)
         and done.usage["completion_tokens"] == 1000
         and done.usage["resumes"] == 1
     )
+
+
+def test_async_client_resumes_after_sigkill_with_the_identical_stream(supervisor, tiny_model):
+    """AsyncClient.generate(resume=True) is Client's (client/resume.py): one stream across the
+    daemon's death, the same tokens as an uninterrupted run."""
+    sup = supervisor(tiny_model, "--resident")
+    first = sup.wait_ready()
+    ref_ids, ref_text = _reference(sup, 1000)
+
+    async def read() -> tuple[list[int], list[str], DoneEvent | None]:
+        ids, text, done = [], [], None
+        async with AsyncClient(sup.socket) as c:
+            async for event in c.generate(
+                PROMPT, max_tokens=1000, raw=True, resume=True, resume_timeout_s=60
+            ):
+                if isinstance(event, TokenEvent):
+                    ids += event.ids
+                    text.append(event.text)
+                    if len(ids) == 100 and sup.exits == []:
+                        os.kill(first["pid"], signal.SIGKILL)
+                elif isinstance(event, DoneEvent):
+                    done = event
+        return ids, text, done
+
+    ids, text, done = asyncio.run(read())
+    assert sup.exits == [-signal.SIGKILL]  # it really died once, mid-stream
+    assert ids == ref_ids
+    assert "".join(text) == ref_text
+    assert done is not None and done.usage["completion_tokens"] == 1000
+    assert done.usage["resumes"] == 1
 
 
 def test_moe_run_resume(supervisor, tiny_model):

@@ -1,13 +1,14 @@
-"""The asyncio client against a real daemon: with `coalesce`, tokens that waited while the reader
-was busy arrive as one event, and the stream is the same tokens and text as read one by one."""
+"""Both clients against a real daemon: with `coalesce`, tokens that waited while the reader was
+busy arrive as one event, and the stream is the same tokens and text as read one by one."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from moed.client import DoneEvent, TokenEvent
+from moed.client import Client, DoneEvent, TokenEvent
 from moed.client.async_client import AsyncClient
 from moed.client.inbox import merge_tokens
 
@@ -27,10 +28,28 @@ async def _read(socket, coalesce: bool, stall_s: float) -> tuple[list[TokenEvent
         return tokens, done
 
 
+def _read_sync(socket, coalesce: bool, stall_s: float) -> tuple[list[TokenEvent], DoneEvent]:
+    with Client(socket, timeout=30.0) as client:
+        tokens, done = [], None
+        for event in client.generate(coalesce=coalesce, **PROMPT):
+            if isinstance(event, TokenEvent):
+                if not tokens and stall_s:
+                    time.sleep(stall_s)
+                tokens.append(event)
+            elif isinstance(event, DoneEvent):
+                done = event
+        return tokens, done
+
+
 @pytest.mark.process
-def test_coalesced_stream_equals_the_one_by_one_stream(daemon):
-    one_by_one, done_a = asyncio.run(_read(daemon.socket, False, 0.0))
-    coalesced, done_b = asyncio.run(_read(daemon.socket, True, 1.0))
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_coalesced_stream_equals_the_one_by_one_stream(daemon, kind):
+    if kind == "async":
+        one_by_one, done_a = asyncio.run(_read(daemon.socket, False, 0.0))
+        coalesced, done_b = asyncio.run(_read(daemon.socket, True, 1.0))
+    else:
+        one_by_one, done_a = _read_sync(daemon.socket, False, 0.0)
+        coalesced, done_b = _read_sync(daemon.socket, True, 1.0)
     assert all(len(e.ids) <= 1 for e in one_by_one)
     # The tiny model makes 48 tokens well within the second the reader slept.
     assert any(len(e.ids) > 1 for e in coalesced)
