@@ -118,10 +118,7 @@ class LayerPool(SlotTable):
     def _allocate(self, slots: int) -> None:
         alloc = _alloc_on_device if self.staged else alloc_slots
         self.arrays: dict[str, mx.array] = {t.key: alloc(t.loc, slots) for t in self.tensors}
-        # The layer's decode graph with these arrays built in (streaming_switch.py), for a DIRECT
-        # pool, whose arrays change only with the dict (reads write them in place): dropped with
-        # them, so the graph never keeps old arrays alive.
-        self.decode_graph: Callable[[mx.array, mx.array], mx.array] | None = None
+        self._new_table()
         # Byte views of each pool; workers write through these (no MLX calls off the engine thread).
         # A staged pool has none: a host view would move a CUDA array back to managed memory.
         self.views: dict[str, memoryview] = (
@@ -130,6 +127,35 @@ class LayerPool(SlotTable):
             # mx.array exports the buffer protocol; its stubs declare no __buffer__.
             else {k: memoryview(a).cast("B") for k, a in self.arrays.items()}  # type: ignore[arg-type]
         )
+
+    def _new_table(self) -> None:
+        """The expert -> slot table the decode graph reads on the device (streaming_switch.py),
+        from `slot_of` (an expert without a slot reads 0: no graph that is evaluated asks for one).
+        A DIRECT pool's table is written in place by admissions (`device_slots` views its bytes),
+        like its arrays; a staged pool's is made again from `device_slots` when stale."""
+        table = np.maximum(self.slot_of, 0).astype(np.uint32)
+        if self.staged:
+            self.device_slots = table
+            self._table: mx.array | None = None
+        else:
+            self._table = mx.array(table)
+            mx.eval(self._table)
+            self.device_slots = np.frombuffer(memoryview(self._table), dtype=np.uint32)  # type: ignore[arg-type]
+        self._table_given = self.slots_given
+        # The layer's decode graph with these arrays and this table built in (streaming_switch.py),
+        # for a DIRECT pool, whose arrays and table change only with a new dict and table (reads
+        # and admissions write them in place): dropped with them, so it never keeps old arrays
+        # alive.
+        self.decode_graph: Callable[[mx.array, mx.array], mx.array] | None = None
+
+    def device_table(self) -> mx.array:
+        """The expert -> slot table as of now (uint32, on the device)."""
+        table = self._table
+        if table is None or (self.staged and self._table_given != self.slots_given):  # stale
+            assert self.device_slots is not None  # _new_table sets both
+            table = self._table = mx.array(self.device_slots)
+            self._table_given = self.slots_given
+        return table
 
     @property
     def pool_bytes(self) -> int:
@@ -200,7 +226,6 @@ class LayerPool(SlotTable):
         order = mx.array(self.slot_of.astype(np.int32))  # new slot e <- old slot slot_of[e]
         old_views = self.views
         self.arrays = {k: mx.take(a, order, axis=0) for k, a in self.arrays.items()}
-        self.decode_graph = None
         mx.eval(*self.arrays.values())
         if self.ring is not None:  # the copies ran every scatter queued on the old arrays
             self.ring.settle(self.arrays.values())
@@ -214,6 +239,7 @@ class LayerPool(SlotTable):
         self.slot_of[:] = np.arange(self.num_experts)
         self.slot_list = list(range(self.num_experts))
         self.expert_in[:] = np.arange(self.num_experts)
+        self._new_table()  # the identity, for a held layer still read back (bench, traces)
 
     def start_over(self, slots: int) -> None:
         """Fresh, empty slot arrays of `slots` (a device failure: the failed step may have claimed

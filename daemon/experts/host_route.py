@@ -29,8 +29,8 @@ from moed.daemon.experts.tuning import Switch
 from moed.daemon.experts.unused_output import UnusedOutput
 from moed.daemon.ground.faults import SyncPoint
 
-# The streaming switch's decode graph: (layer input, slot of each routed id, flat, uint32, the
-# layer's pool).
+# The streaming switch's decode graph: (layer input, the router's indices, the layer's pool); it
+# looks the slots up in the pool's device table (cache.py) as it is evaluated.
 DecodeGraph = Callable[[mx.array, mx.array, LayerPool], mx.array]
 USAGE_FOLD = 256  # host-routed calls kept per layer before their ids are counted in `usage`
 
@@ -153,18 +153,39 @@ class HostRouting:
             flat = np.concatenate([np.ravel(r) for r in routed])
             u += np.bincount(flat, minlength=u.shape[0])[: u.shape[0]]
 
-    def one_pass(
-        self, layer: int, ids: list[int], x: mx.array, graph: DecodeGraph
-    ) -> mx.array | None:
-        """A call whose experts fit one pass (the decode call), `ids` its routed experts
-        (`route_ids`): its experts made resident and its output, `graph(x, slot of each id,
-        pools)`, deferred. For a pool the reads land in directly, the output is built while the
-        misses are read (built, not evaluated: nothing reads it before it is deferred, after they
-        landed). An all-hit call is a few list operations and the graph. None, with nothing done,
-        where the general path runs (no ids, more ids than slots, speculative reads in flight for
-        the layer, or some experts resident and some not while the overlapped path is on)."""
+    def decode_call(
+        self, layer: int, indices: mx.array, x: mx.array, graph: DecodeGraph
+    ) -> tuple[mx.array | None, list[int]]:
+        """A call of few ids (the decode call): its choices read back (`route_ids`) and, where
+        they fit one pass, its experts made resident and its output, `graph(x, indices, pool)`,
+        deferred; returns (that output, or None where the general path runs, and the ids). The
+        graph is built before the read-back: it looks each id's slot up on the device, in a
+        table written as experts get slots, so it needs no ids from the host, and building it
+        while the host's caches are warm costs a fraction of building it after the eval."""
         pool = self.pools[layer]
-        if not 0 < len(ids) <= pool.slots or self.spec.inflight(layer):
+        early = None
+        if indices.size <= pool.slots and not self.spec.inflight(layer):
+            early = graph(x, indices, pool)
+        ids = self.route_ids(layer, indices, x)
+        if early is None:
+            return None, ids
+        return self._one_pass(layer, pool, ids, early, (graph, x, indices)), ids
+
+    def _one_pass(
+        self,
+        layer: int,
+        pool: LayerPool,
+        ids: list[int],
+        early: mx.array,
+        build: tuple[DecodeGraph, mx.array, mx.array],
+    ) -> mx.array | None:
+        """A call whose experts fit one pass, `early` its output built before its ids were known
+        (`build`: the graph and its inputs): its experts made resident and that output deferred
+        (for a staged pool with misses, whose landing makes new arrays and a new table, the
+        graph is built again on those). An all-hit call is a few list operations. None, with
+        nothing done, where the general path runs (no ids, speculative reads in flight for the
+        layer, or some experts resident and some not while the overlapped path is on)."""
+        if not ids or self.spec.inflight(layer):
             return None
         lookup = pool.slot_list.__getitem__
         slots = list(map(lookup, ids))
@@ -180,9 +201,8 @@ class HostRouting:
                 self.observer.on_load(layer, pool, needed, [])
             if spec.enabled:
                 spec.issue(layer + 1)
-            out = graph(x, mx.array(slots, dtype=mx.uint32), pool)
-            self.fence.defer(layer, out, None if pool.staged else slots)
-            return out
+            self.fence.defer(layer, early, None if pool.staged else slots)
+            return early
         pool.begin_call()  # one pass: starts the call for the policy
         _hits, loads = self._admit_counted(layer, pool, needed)
         self.fence.guard(layer, loads)  # before this call's output exists: it is not pending
@@ -190,12 +210,12 @@ class HostRouting:
         batch = self.reader.submit(self.store.jobs_for(pool, staging))
         if spec.enabled:
             spec.issue(layer + 1)  # queued behind the demand reads
-        slots = list(map(lookup, ids))  # the admitted slots: final before the bytes land
-        early = None
-        if not pool.staged:  # a staged landing makes new arrays: build on those
-            early = graph(x, mx.array(slots, dtype=mx.uint32), pool)
         self._collect(pool, loads, [batch])
         pool.land(staging)
-        done = early if early is not None else graph(x, mx.array(slots, dtype=mx.uint32), pool)
-        self.fence.defer(layer, done, None if pool.staged else slots)
-        return done
+        if pool.staged:  # its landing made new arrays and the table new entries
+            graph, x, indices = build
+            out = graph(x, indices, pool)
+            self.fence.defer(layer, out, None)  # nothing to guard: a landing makes new arrays
+            return out
+        self.fence.defer(layer, early, list(map(lookup, ids)))  # the admitted slots
+        return early

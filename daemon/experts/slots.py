@@ -32,6 +32,11 @@ class SlotTable:
         self.num_experts = num_experts
         self._policy = policy
         self._touched: list[Sequence[int]] = []  # all-hit calls the policy has not heard of
+        # The slot of each expert given one, written where a device reads it (cache.py's slot
+        # table for the decode graph): an entry is written when its expert gets a slot and never
+        # cleared, so a graph still pending reads the slots it was built for.
+        self.device_slots: np.ndarray | None = None
+        self.slots_given = 0  # slots given by `admit` so far (a stale copy of the above can tell)
         self._reset(slots)
 
     @property
@@ -112,14 +117,18 @@ class SlotTable:
         # The victims are ranked once for the whole call: evicting one never reorders the rest.
         victims = policy.victims(short, [*ids, *keep] if keep else ids) if short > 0 else []
         loads = []
+        device = self.device_slots
         for e in missing:
             if not self._free:
                 self._evict(victims.pop(0))  # frees exactly one slot
             slot = self._free.pop()
             slot_of[e] = slot_list[e] = slot
+            if device is not None:
+                device[e] = slot
             self.expert_in[slot] = e
             policy.insert(e)
             loads.append((e, slot))
+        self.slots_given += len(loads)
         return hits, loads
 
     def _evict(self, expert: int) -> None:

@@ -78,11 +78,9 @@ class LayerCache(Protocol):
 
     def route(self, layer: int, indices: mx.array, x: mx.array | None = None) -> np.ndarray: ...
 
-    def route_ids(self, layer: int, indices: mx.array, x: mx.array | None = None) -> list[int]: ...
-
-    def one_pass(
-        self, layer: int, ids: list[int], x: mx.array, graph: DecodeGraph
-    ) -> mx.array | None: ...
+    def decode_call(
+        self, layer: int, indices: mx.array, x: mx.array, graph: DecodeGraph
+    ) -> tuple[mx.array | None, list[int]]: ...
 
     def plan_passes(self, layer: int, needed: np.ndarray) -> list[np.ndarray]: ...
 
@@ -129,7 +127,7 @@ class StreamingSwitch(nn.Module):
     _streamer: LayerCache
     _final: bool
     _compile: Callable[..., Callable[..., mx.array]]
-    _decode_graph: Callable[[mx.array, mx.array, dict[str, mx.array]], mx.array]
+    _decode_graph: Callable[[mx.array, mx.array, mx.array, dict[str, mx.array]], mx.array]
 
     def __init__(
         self,
@@ -207,25 +205,27 @@ class StreamingSwitch(nn.Module):
         x = self._proj("fc1", x, idx, do_sort, pools)
         return self._proj("fc2", self.activation(x), idx, do_sort, pools)
 
-    def _decode_rows(self, x: mx.array, idx: mx.array, pools: dict[str, mx.array]) -> mx.array:
-        """A one-pass call's output from the layer's input and its slot ids, flat (in the order
-        of the router's indices, which have x's shape but the last axis; unsorted rows)."""
-        idx = idx.reshape(*x.shape[:-1], -1)
+    def _decode_rows(
+        self, x: mx.array, indices: mx.array, table: mx.array, pools: dict[str, mx.array]
+    ) -> mx.array:
+        """A one-pass call's output from the layer's input, the router's indices and the pool's
+        expert -> slot table (unsorted rows; the slot ids are looked up on the device)."""
+        idx = mx.take(table, indices)
         return self._experts(mx.expand_dims(x, (-2, -3)), idx, False, pools).squeeze(-2)
 
-    def _decode(self, x: mx.array, idx: mx.array, pool: LayerPool) -> mx.array:
-        """The decode graph on `pool` (host_route.py DecodeGraph). A DIRECT pool's arrays are
-        built into it as constants, kept with the pool until it makes new ones: a compiled call
-        with two inputs instead of two and the pool's nine costs less host time (the arrays are
-        the same objects, written in place by reads, so the graph reads their current bytes). A
-        staged pool's landing makes new arrays: they go in as inputs."""
+    def _decode(self, x: mx.array, indices: mx.array, pool: LayerPool) -> mx.array:
+        """The decode graph on `pool` (host_route.py DecodeGraph). A DIRECT pool's arrays and
+        table are built into it as constants, kept with the pool until it makes new ones: a
+        compiled call with two inputs instead of twelve costs less host time (they are the same
+        objects, written in place by reads and admissions, so the graph reads their bytes as of
+        its evaluation). A staged pool's landing makes new arrays: they go in as inputs."""
         if pool.staged:
-            return self._decode_graph(x, idx, pool.arrays)
+            return self._decode_graph(x, indices, pool.device_table(), pool.arrays)
         graph = pool.decode_graph
         if graph is None:
-            rows, arrays = self._decode_rows, pool.arrays
-            graph = pool.decode_graph = self._compile(lambda x, idx: rows(x, idx, arrays))
-        return graph(x, idx)
+            rows, table, arrays = self._decode_rows, pool.device_table(), pool.arrays
+            graph = pool.decode_graph = self._compile(lambda x, i: rows(x, i, table, arrays))
+        return graph(x, indices)
 
     def expert_rows(self, x: mx.array, idx: mx.array, pools: dict[str, mx.array]) -> mx.array:
         """The expert function on given pools, unsorted (row_split.py probes the device)."""
@@ -363,10 +363,9 @@ class StreamingSwitch(nn.Module):
         do_sort = indices.size >= 64
         if do_sort:
             host = streamer.route(layer, indices, x)
-        else:  # the decode call: slot ids mapped on the host, one graph
-            ids = streamer.route_ids(layer, indices, x)
+        else:  # the decode call: one graph, built before the read-back
             # Not evaluated here: the streamer fences it before any slot it reads is reused.
-            done = streamer.one_pass(layer, ids, x, self._decode)
+            done, ids = streamer.decode_call(layer, indices, x, self._decode)
             if done is not None:
                 return self._routed_out(done, t0)
             host = np.array(ids, dtype=np.intp).reshape(indices.shape)

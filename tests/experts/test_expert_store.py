@@ -135,7 +135,7 @@ def test_failed_read_in_a_decode_call_defers_nothing(checkpoint_factory, tmp_pat
     shutil.copytree(src, path)
     model, streamer = streaming(path, "50%")
     failed = []
-    one_pass = ExpertStreamer.one_pass
+    one_pass = ExpertStreamer._one_pass
 
     def spy(self, layer, *args):
         try:
@@ -144,7 +144,7 @@ def test_failed_read_in_a_decode_call_defers_nothing(checkpoint_factory, tmp_pat
             failed.append(layer)
             raise
 
-    monkeypatch.setattr(ExpertStreamer, "one_pass", spy)
+    monkeypatch.setattr(ExpertStreamer, "_one_pass", spy)
     try:
         loc = streamer.pools[1].tensors[0].loc
         os.truncate(loc.file, loc.offset)  # the tensors stored from there on are gone
