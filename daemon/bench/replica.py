@@ -11,12 +11,14 @@ streaming and resident is what it is for, and its timings are the target's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +65,21 @@ class ReplicaReport:
         )
 
 
+@contextlib.contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """Spawned workers import the parent's main script by its path; a `moed` wrapper script
+    without a `__main__` guard (a venv-less host's) would run the whole command again in each."""
+    main = sys.modules["__main__"]
+    if getattr(main, "__spec__", None) is not None or not hasattr(main, "__file__"):
+        yield  # `python -m` or `-c`: the workers import nothing of the parent's script
+        return
+    path = main.__dict__.pop("__file__")
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
 def write_replica(
     dest: Path,
     config: dict[str, Any],
@@ -87,7 +104,7 @@ def write_replica(
     workers = min(len(shards), workers)
     if workers > 1:  # shards are independent: one process each, on a host with cores to spare
         context = multiprocessing.get_context("spawn")  # a fork would copy MLX's threads
-        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        with _main_not_rerun(), ProcessPoolExecutor(workers, mp_context=context) as pool:
             jobs = {pool.submit(_write_one, dest / sh.name, sh, seed): sh for sh in shards}
             for done in as_completed(jobs):
                 done.result()
