@@ -26,6 +26,7 @@ from .core import ClientCore, answer, read_frame
 from .errors import ClientError, DaemonRestarted, DaemonUnavailable, RequestFailed
 from .events import DoneEvent, Event, event_from_message
 from .inbox import Inbox, merge_tokens
+from .liveness import EXIT_GRACE_S
 from .requests import checked_request
 from .resume import Resumption
 from .stream_slots import SlotTicket, StreamSlots
@@ -353,11 +354,17 @@ class AsyncClient(ClientCore):
         # A moment for frames still in flight, then the open streams fail.
         self._loop.call_later(0.05, self._disconnected, sock)
 
-    def _disconnected(self, sock: zmq.Socket) -> None:
+    def _disconnected(self, sock: zmq.Socket, since: float | None = None) -> None:
         if self._socket is not sock:
             return  # already dropped (and maybe reconnected)
         self._read_ready()
-        self._drop(self.lost(time.monotonic() - self._last_heard))
+        silent = time.monotonic() - self._last_heard
+        since = time.monotonic() if since is None else since
+        if self.exiting(silent) and time.monotonic() - since < EXIT_GRACE_S:
+            # Killed, or stopping: its process state says in a moment (the loop keeps serving).
+            self._loop.call_later(0.02, self._disconnected, sock, since)
+            return
+        self._drop(self.lost(silent))
 
     async def _heartbeat_loop(self) -> None:
         """While requests are open, ping after `heartbeat_s` of silence: a ping answered by a new

@@ -23,6 +23,7 @@ from .core import ClientCore, answer, read_frame
 from .errors import DaemonUnavailable, RequestFailed
 from .events import DoneEvent, Event, event_from_message
 from .inbox import merge_tokens
+from .liveness import EXIT_GRACE_S
 from .requests import checked_request
 from .resume import Resumption
 
@@ -300,7 +301,11 @@ class Client(ClientCore):
                     frame = self._socket.recv()
                 elif self._monitor in ready:
                     if self._monitor.recv_multipart() and not self._socket.poll(0):
-                        raise self.lost(time.monotonic() - last_heard) from None
+                        silent = time.monotonic() - last_heard
+                        settled = time.monotonic() + EXIT_GRACE_S
+                        while self.exiting(silent) and time.monotonic() < settled:
+                            time.sleep(0.01)  # killed, or stopping: its state says in a moment
+                        raise self.lost(silent) from None
                     continue
                 else:
                     continue

@@ -137,6 +137,12 @@ class ClientCore:
             f"no answer from the daemon at {self.socket_path} within {self.timeout:.1f}s"
         )
 
+    def exiting(self, silent_s: float) -> bool:
+        """The daemon closed the connection itself (sooner than missed heartbeats could) and its
+        process is still there: it may be stopping, or killed and not yet a zombie."""
+        pid = (self.welcome or {}).get("pid")
+        return isinstance(pid, int) and silent_s < self.dead_after_s and not process_gone(pid)
+
     def lost(self, silent_s: float) -> DaemonUnavailable:
         """The connection closed `silent_s` after the daemon's last reply: the process is gone
         (DaemonNotRunning), stopping, or frozen past its heartbeats."""

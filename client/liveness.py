@@ -16,6 +16,10 @@ from pathlib import Path
 import psutil
 import zmq
 
+# A killed process's connections close a moment before it is a zombie (its files go first, in
+# the kernel's exit): a connection the daemon closed is judged again until this long after.
+EXIT_GRACE_S = 0.3
+
 
 def dealer_socket(heartbeat_s: float, dead_after_s: float) -> zmq.Socket:
     """A DEALER socket whose connection is watched by ZMTP heartbeats."""

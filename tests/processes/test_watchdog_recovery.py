@@ -84,9 +84,8 @@ def test_signal_mid_generation_is_a_typed_error(sig, supervisor, tiny_model):
     print(f"\n{sig.name}: typed error {type(err.value).__name__} after {noticed:.2f}s")
     # Noticed by the connection monitor or the heartbeat (the two checks that bound it to about
     # dead_after_s), not by a request timeout; timing it is for a benchmark, not a loaded CI box.
-    assert any(why in str(err.value) for why in ("dropped", "stopped answering", "restarted")), (
-        err.value
-    )
+    # A killed process is "gone" (its state read, a zombie counts), never taken for frozen.
+    assert any(why in str(err.value) for why in ("is gone", "restarted")), err.value
     # The supervisor restarted it and it serves again.
     second = sup.wait_ready(not_boot=first["boot_id"])
     assert sup.exits[0] == -sig
