@@ -9,8 +9,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from moed.daemon.distributed.cache_ops import MirroredCaches
 from moed.daemon.distributed.control import RankControl
-from moed.daemon.distributed.guard import GuardRefused, join, write_ring_hostfile
-from moed.daemon.distributed.hostfile import Backend, RankHost
+from moed.daemon.distributed.guard import GuardRefused, join
+from moed.daemon.distributed.hostfile import Backend
 from moed.daemon.distributed.protocol import ProtocolMismatch, StepChannel, StepOp
 from moed.daemon.distributed.rank_disk import FollowerDisk, rank_disk_place
 from moed.daemon.distributed.rank_model import (
@@ -20,6 +20,8 @@ from moed.daemon.distributed.rank_model import (
     num_layers,
 )
 from moed.daemon.distributed.rank_status import rank_status
+from moed.daemon.distributed.ring_handoff import init_ring
+from moed.daemon.distributed.ring_links import LinkListeners, RingLinks, form_links
 from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.model.layer_caches import trimmable_layers
 from moed.daemon.model.loader import MemoryPlanRefused
@@ -55,43 +57,52 @@ def follow(rank: RankModel, channel: StepChannel, disk: FollowerDisk | None = No
             return channel.counters.steps
 
 
-def join_ring(spec, rank: int, secret: bytes) -> str | None:
-    """Pass rank 0's guard, and point mx.distributed's ring at the addresses it hands out;
-    returns the folder of the ring's hostfile (removed once the ring has read it)."""
-    import os
+def join_ring(spec, rank: int, secret: bytes) -> RingLinks | None:
+    """Pass rank 0's guard (saying where this rank's ring ports listen) and, on the ring backend,
+    make this rank's proved links to its neighbours (ring_links.py)."""
+    host, port = spec.guard.rsplit(":", 1)
+    listeners = LinkListeners(tuple(spec.rank_ips[rank]))
+    try:
+        ring = join((host, int(port)), rank, listeners.addresses, secret)
+        if spec.backend != Backend.RING.value:
+            return None
+        return form_links(rank, ring, listeners, secret)
+    finally:
+        listeners.close()
+
+
+def _init_group(spec, rank: int, links: RingLinks | None):
+    """mx.distributed.init: on the ring, over the proved links (ring_handoff.py)."""
+    import shutil
     import tempfile
 
-    host, port = spec.guard.rsplit(":", 1)
-    own = RankHost(rank, "", tuple(spec.rank_ips[rank]))
-    ring = join((host, int(port)), rank, own, secret)
-    if spec.backend == Backend.RING.value:
-        folder = tempfile.mkdtemp(prefix="moed-rank-")
-        os.environ["MLX_HOSTFILE"] = write_ring_hostfile(ring, folder)
-        return folder
-    return None
+    if links is None:
+        return mx.distributed.init(backend=spec.backend, strict=True)
+    folder = tempfile.mkdtemp(prefix="moed-rank-")
+    try:
+        return init_ring(links, rank, len(spec.rank_ips), folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_follower(spec, expected_rank: int, secret: bytes, heartbeat=None) -> int:
     """A follower process: join the group, load this rank's layers, follow until told to stop."""
     import faulthandler
-    import shutil
     from pathlib import Path
 
     faulthandler.enable(all_threads=True)  # an abort leaves its threads' stacks in stderr
     try:
-        folder = join_ring(spec, expected_rank, secret)
+        links = join_ring(spec, expected_rank, secret)
     except (OSError, ValueError, GuardRefused) as exc:  # rank 0 fails the group and restarts it
         log.error("rank %d could not join rank 0 at %s: %s", expected_rank, spec.guard, exc)
         return DaemonExit.FAILED
     if heartbeat is not None:
         heartbeat.hold()  # init keeps the GIL while the ring connects: no beats until it is done
     try:
-        group = mx.distributed.init(backend=spec.backend, strict=True)
+        group = _init_group(spec, expected_rank, links)
     finally:
         if heartbeat is not None:
             heartbeat.resume()
-        if folder is not None:  # the ring has read it
-            shutil.rmtree(folder, ignore_errors=True)
     if group.rank() != expected_rank:
         log.error("MLX_RANK says %d, rank 0 started rank %d", group.rank(), expected_rank)
         return DaemonExit.CONFIG

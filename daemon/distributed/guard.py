@@ -6,10 +6,10 @@ from anyone else (mlx/distributed/ring/ring.cpp: bind, listen, accept once), so 
 connection there used to take a rank's place and fail the group. Now the published port
 (`pipeline_port`, on rank 0's hostfile address) is this guard: rank 0 hands each follower a
 random secret out of band (its stdin pipe, locally and through ssh), each follower proves it
-(HMAC over fresh nonces, both ways) and says which ports its ring will listen on (picked at
-random on the addresses the hostfile names), and only then does rank 0 send every authenticated
-rank the ring's addresses. A connection that does not prove the secret within a few seconds is
-dropped and logged; the group is not touched.
+(HMAC over fresh nonces, both ways) and says where its ring ports listen (moed's own listeners,
+on the addresses the hostfile names: ring_links.py), and only then does rank 0 send every
+authenticated rank the ring's addresses. A connection that does not prove the secret within a
+few seconds is dropped and logged; the group is not touched.
 """
 
 from __future__ import annotations
@@ -44,18 +44,19 @@ def new_secret() -> bytes:
     return os.urandom(SECRET_BYTES)
 
 
-def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
+def mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 under the group's secret of a label and length-prefixed parts."""
     h = hmac.new(secret, label, hashlib.sha256)
     for part in parts:
         h.update(len(part).to_bytes(4, "big") + part)
     return h.digest()
 
 
-def _send(sock: socket.socket, payload: bytes) -> None:
+def send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(len(payload).to_bytes(4, "big") + payload)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
     out = bytearray()
     while len(out) < n:
         chunk = sock.recv(n - len(out))
@@ -65,35 +66,31 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
-def _recv(sock: socket.socket) -> bytes:
-    n = int.from_bytes(_recv_exact(sock, 4), "big")
+def recv_frame(sock: socket.socket) -> bytes:
+    n = int.from_bytes(recv_exact(sock, 4), "big")
     if n > MAX_FRAME:
         raise GuardRefused(f"a {n}-byte frame")
-    return _recv_exact(sock, n)
+    return recv_exact(sock, n)
 
 
-def ring_ports(host: RankHost) -> list[str]:
-    """A free port on each of this host's hostfile addresses, for its ring listener."""
-    out = []
-    for ip in host.ips:
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            out.append(f"{ip}:{s.getsockname()[1]}")
-    return out
-
-
-def _rank_bytes(rank: int) -> bytes:
+def rank_bytes(rank: int) -> bytes:
     return rank.to_bytes(4, "big")
 
 
 class Rendezvous:
     """Rank 0's side: listens on the guard address until every follower has proved the secret."""
 
-    def __init__(self, hosts: tuple[RankHost, ...], address: tuple[str, int], secret: bytes):
+    def __init__(
+        self,
+        hosts: tuple[RankHost, ...],
+        address: tuple[str, int],
+        secret: bytes,
+        ring0: list[str],
+    ):
         self.hosts = hosts
         self.secret = secret
         self.listener = socket.create_server(address)
-        self.ring: dict[int, list[str]] = {0: ring_ports(hosts[0])}
+        self.ring: dict[int, list[str]] = {0: ring0}  # rank 0's ring ports, already listening
         self.dropped = 0
         self._peers: dict[int, tuple[socket.socket, bytes]] = {}
         self._lock = threading.Lock()
@@ -123,19 +120,19 @@ class Rendezvous:
         try:
             conn.settimeout(HANDSHAKE_S)
             nonce0 = os.urandom(NONCE_BYTES)
-            _send(conn, MAGIC + nonce0)
-            reply = _recv(conn)
+            send_frame(conn, MAGIC + nonce0)
+            reply = recv_frame(conn)
             if len(reply) < 68:
                 raise GuardRefused("it did not prove the group's secret")
             rank = int.from_bytes(reply[:4], "big")
-            nonce1, mac, body = reply[4:36], reply[36:68], reply[68:]
-            expect = _mac(self.secret, b"rank", nonce0, nonce1, _rank_bytes(rank), body)
-            if not hmac.compare_digest(mac, expect):
+            nonce1, tag, body = reply[4:36], reply[36:68], reply[68:]
+            expect = mac(self.secret, b"rank", nonce0, nonce1, rank_bytes(rank), body)
+            if not hmac.compare_digest(tag, expect):
                 raise GuardRefused("it did not prove the group's secret")
             if not 1 <= rank < len(self.hosts):
                 raise GuardRefused(f"rank {rank} is not in a group of {len(self.hosts)}")
             ring = self._check_ring(rank, body)
-            _send(conn, _mac(self.secret, b"leader", nonce1, nonce0, _rank_bytes(rank)))
+            send_frame(conn, mac(self.secret, b"leader", nonce1, nonce0, rank_bytes(rank)))
             with self._lock:
                 if rank in self._peers or self._closed:
                     raise GuardRefused(f"rank {rank} has already joined")
@@ -164,7 +161,7 @@ class Rendezvous:
         self.close()
         body = json.dumps([self.ring[r] for r in range(len(self.hosts))]).encode()
         for conn, nonce1 in self._peers.values():
-            _send(conn, _mac(self.secret, b"ring", nonce1, body) + body)
+            send_frame(conn, mac(self.secret, b"ring", nonce1, body) + body)
             conn.close()
         self._done.set()
 
@@ -185,9 +182,10 @@ class Rendezvous:
 
 
 def join(
-    address: tuple[str, int], rank: int, own: RankHost, secret: bytes, connect_s: float = 60.0
+    address: tuple[str, int], rank: int, ring: list[str], secret: bytes, connect_s: float = 60.0
 ) -> list[list[str]]:
-    """A follower's side: prove the secret to rank 0 and learn the ring's addresses."""
+    """A follower's side: prove the secret to rank 0, say where this rank's ring ports listen
+    (`ring`), and learn every rank's."""
     deadline = time.monotonic() + connect_s
     while True:
         try:
@@ -198,22 +196,20 @@ def join(
                 raise
             time.sleep(0.2)
     with conn:
-        greeting = _recv(conn)
+        greeting = recv_frame(conn)
         if not greeting.startswith(MAGIC) or len(greeting) != len(MAGIC) + NONCE_BYTES:
             raise GuardRefused(f"{address[0]}:{address[1]} is not rank 0's guard")
         nonce0, nonce1 = greeting[len(MAGIC) :], os.urandom(NONCE_BYTES)
-        body = json.dumps(ring_ports(own)).encode()
-        mac = _mac(secret, b"rank", nonce0, nonce1, _rank_bytes(rank), body)
-        _send(conn, _rank_bytes(rank) + nonce1 + mac + body)
-        proof = _recv(conn)
-        if not hmac.compare_digest(
-            proof, _mac(secret, b"leader", nonce1, nonce0, _rank_bytes(rank))
-        ):
+        body = json.dumps(ring).encode()
+        tag = mac(secret, b"rank", nonce0, nonce1, rank_bytes(rank), body)
+        send_frame(conn, rank_bytes(rank) + nonce1 + tag + body)
+        proof = recv_frame(conn)
+        if not hmac.compare_digest(proof, mac(secret, b"leader", nonce1, nonce0, rank_bytes(rank))):
             raise GuardRefused("rank 0 did not prove the group's secret")
         conn.settimeout(None)  # the other ranks may still be starting: rank 0 closes when it fails
-        answer = _recv(conn)
-    mac, body = answer[:32], answer[32:]
-    if not hmac.compare_digest(mac, _mac(secret, b"ring", nonce1, body)):
+        answer = recv_frame(conn)
+    tag, body = answer[:32], answer[32:]
+    if not hmac.compare_digest(tag, mac(secret, b"ring", nonce1, body)):
         raise GuardRefused("the ring's addresses did not come from rank 0")
     return json.loads(body)
 

@@ -7,7 +7,6 @@ layers, samples, and drives the other ranks through `PipelineLeader`.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,12 +14,14 @@ import mlx.core as mx
 import mlx_lm
 
 from moed.daemon.config import ServeConfig
-from moed.daemon.distributed.guard import Rendezvous, new_secret, write_ring_hostfile
+from moed.daemon.distributed.guard import Rendezvous, new_secret
 from moed.daemon.distributed.hostfile import Backend
 from moed.daemon.distributed.launch import RankGroup
 from moed.daemon.distributed.leader import PipelineLeader
 from moed.daemon.distributed.protocol import StepChannel
 from moed.daemon.distributed.rank_model import PipelineUnsupported, load_rank_model, num_layers
+from moed.daemon.distributed.ring_handoff import init_ring
+from moed.daemon.distributed.ring_links import LinkListeners, form_links
 from moed.daemon.distributed.spec import RankSpec, group_spec, rank_spec
 from moed.daemon.model.loader import LoadedModel
 from moed.daemon.model.mlx_compat import pipelined_architectures, supports_pipeline
@@ -37,6 +38,7 @@ class StartedGroup:
     spec: RankSpec
     ranks: RankGroup
     guard: Rendezvous
+    listeners: LinkListeners  # rank 0's ring ports, named by the guard
 
 
 _started: StartedGroup | None = None
@@ -61,10 +63,12 @@ def start_group(serve: ServeConfig, model_path: Path) -> RankGroup:
     spec = rank_spec(serve, group, model_path, ModelConfig.read(model_path))
     ranks = RankGroup(group, serve.rank_timeout_s)
     secret = new_secret()
-    # Listening before any follower starts: the published port is the guard, not the ring.
-    guard = Rendezvous(group.hosts, group.guard_address, secret)
+    # Listening before any follower starts: the published port is the guard, not the ring; the
+    # ring's ports are moed's too (ring_links.py), open before the guard names them.
+    listeners = LinkListeners(group.hosts[0].ips)
+    guard = Rendezvous(group.hosts, group.guard_address, secret, listeners.addresses)
     global _started
-    _started = StartedGroup(spec, ranks, guard)
+    _started = StartedGroup(spec, ranks, guard, listeners)
     ranks.start(spec.to_json(), secret)
     log.info(
         "pipeline of %d ranks over %s (split %s, budgets %s)",
@@ -81,10 +85,21 @@ def load_leader(serve: ServeConfig, path: Path) -> LoadedModel:
     if _started is None:
         raise RuntimeError("load_leader before start_group")
     spec, ranks, guard = _started.spec, _started.ranks, _started.guard
-    ring = guard.wait(lambda: ranks.failure.reason if ranks.failure else None)
-    if spec.backend == Backend.RING.value:
-        os.environ["MLX_HOSTFILE"] = write_ring_hostfile(ring, ranks.files)
-    group = mx.distributed.init(backend=spec.backend, strict=True)
+    listeners = _started.listeners
+
+    def failed() -> str | None:
+        return ranks.failure.reason if ranks.failure else None
+
+    try:
+        ring = guard.wait(failed)
+        if spec.backend == Backend.RING.value:
+            # Over links proved with the group's secret, never ports a stranger reached first.
+            links = form_links(0, ring, listeners, guard.secret, failed=failed)
+            group = init_ring(links, 0, len(ring), ranks.files)
+        else:
+            group = mx.distributed.init(backend=spec.backend, strict=True)
+    finally:
+        listeners.close()
     ranks.group_formed()  # every follower is past its init: silence counts from here
     split = spec.split_for(group.size(), num_layers(path))
     streaming = spec.streaming(0)

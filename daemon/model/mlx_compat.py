@@ -71,6 +71,11 @@ Reached into here, each with the upstream mlx-lm change that would retire it:
    stays where the batch and the model hold it. Retired by: use 3's upstream mask, and a
    per-layer callback in mlx-lm's forward (or BatchGenerator's prompt progress per layer).
 
+In MLX itself (not mlx-lm): distributed/ring_handoff.py relies on how the ring backend's init
+makes and then uses its sockets (one per hostfile address, nothing sent during init, used by
+file descriptor afterwards), to swap them for links proved with the group's secret; the module
+says what, and the pipeline tests fail if it changes.
+
 Outside daemon/ (which alone may import mlx-lm): client/hub.py's `mlx_lm_knows` takes an
 architecture as known when mlx_lm/models/<model_type>.py exists, found without importing mlx-lm.
 
