@@ -176,14 +176,16 @@ class LayerPool(SlotTable):
                 staging.buffers[t.key] = np.empty(shape, np_dtype)
         return staging
 
-    def destination(self, staging: Staging, tensor: PooledTensor, i: int) -> memoryview:
-        """The bytes load i of `staging` reads `tensor` into."""
+    def destinations(self, staging: Staging, tensor: PooledTensor) -> list[memoryview]:
+        """The bytes each load of `staging` reads `tensor` into (store.py ReadTarget)."""
         if staging.first >= 0:
-            assert self.ring is not None  # only a ring gives rows
-            return self.ring.view(tensor.key, staging.first + i)
+            ring = self.ring
+            assert ring is not None  # only a ring gives rows
+            return [ring.view(tensor.key, staging.first + i) for i in range(len(staging.loads))]
         if self.staged:
-            return memoryview(staging.buffers[tensor.key][i]).cast("B")
-        return self.slot_view(tensor, staging.loads[i][1])
+            return [memoryview(row).cast("B") for row in staging.buffers[tensor.key]]
+        n, view = tensor.slot_bytes, self.views[tensor.key]
+        return [view[slot * n : (slot + 1) * n] for _e, slot in staging.loads]
 
     def land(self, staging: Staging) -> None:
         """Reads of a staged pool all finished: one scatter per tensor into a new version of the

@@ -59,9 +59,9 @@ class LaneTarget:
         self.lane = lane
         self.tensors = tensors
 
-    def destination(self, staging: Staging, tensor: PooledTensor, i: int) -> memoryview:
-        n, slot = tensor.slot_bytes, staging.loads[i][1]
-        return self.lane.views[tensor.key][slot * n : (slot + 1) * n]
+    def destinations(self, staging: Staging, tensor: PooledTensor) -> list[memoryview]:
+        n, view = tensor.slot_bytes, self.lane.views[tensor.key]
+        return [view[slot * n : (slot + 1) * n] for _e, slot in staging.loads]
 
 
 def lane_loads(experts: Sequence[int]) -> list[tuple[int, int]]:

@@ -55,7 +55,9 @@ class ReadTarget(Protocol):
 
     tensors: list[PooledTensor]  # where each expert's bytes are in the checkpoint
 
-    def destination(self, staging: Staging, tensor: PooledTensor, i: int) -> memoryview: ...
+    def destinations(self, staging: Staging, tensor: PooledTensor) -> list[memoryview]:
+        """Where each load of `staging` reads `tensor` into, in the loads' order."""
+        ...
 
 
 @dataclass(slots=True)  # a few per layer call's misses: no instance dict to build
@@ -188,8 +190,7 @@ class ExpertStore:
             limit = max(MAX_JOB_BYTES, stride)
             job: ReadJob | None = None
             prev = -2
-            for i, (expert, _slot) in enumerate(loads):
-                dest = pool.destination(staging, tensor, i)
+            for (expert, _slot), dest in zip(loads, pool.destinations(staging, tensor)):
                 if (
                     job is not None
                     and prev == expert - 1

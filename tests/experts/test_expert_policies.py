@@ -117,6 +117,30 @@ def test_lfu_victims_rank_by_score_then_last_use_then_id():
             policy.victims(len(candidates) + 1, protected)
 
 
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_all_hit_calls_told_later_change_no_decision(name):
+    """The decode path tells the policy of all-hit calls in batches (SlotTable.touch_call) and
+    the LFU policy ranks its victims from a heap: over random calls, long enough for LFU to
+    rescale its scores, a table driven that way admits exactly as one told of every call at once,
+    and its list mirror of the slot table never disagrees with the array."""
+    rng = random.Random(11)
+    E, slots = 32, 8
+    kwargs = {"half_life": 1.0} if name == "lfu" else {}
+    batched = SlotTable(E, slots, make_policy(name, E, slots, **kwargs))
+    direct = SlotTable(E, slots, make_policy(name, E, slots, **kwargs))
+    for _ in range(1500):
+        needed = sorted(rng.sample(range(E), rng.choice([1, 2, 4, 8])))
+        if all(batched.slot_list[e] >= 0 for e in needed):
+            batched.touch_call(needed)
+        else:
+            batched.begin_call()
+            batched.admit(needed)
+        for chunk in direct.plan_passes(np.array(needed)):
+            direct.admit(chunk)
+        assert batched.slot_of.tolist() == direct.slot_of.tolist() == batched.slot_list
+    assert batched.policy.order() == direct.policy.order()
+
+
 def test_slru_keeps_reused_experts_through_a_scan():
     # 0 and 1 are used twice (protected), then a scan of one-time experts passes through.
     seq = calls({0}, {1}, {0}, {1}, {2}, {3}, {4}, {5}, {0}, {1})

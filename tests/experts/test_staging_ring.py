@@ -38,8 +38,8 @@ def read(pool: LayerPool, loads: list[tuple[int, int]]):
     """What the read workers do: each load's bytes into its destination."""
     staging = pool.stage(loads)
     (tensor,) = pool.tensors
-    for i, (expert, _slot) in enumerate(staging.loads):
-        pool.destination(staging, tensor, i)[:] = value(expert).tobytes()
+    for (expert, _slot), dest in zip(staging.loads, pool.destinations(staging, tensor)):
+        dest[:] = value(expert).tobytes()
     return staging
 
 

@@ -5,6 +5,7 @@ comes back with its history (routing popularity is stable over a generation)."""
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Collection, Iterable
 
@@ -34,6 +35,12 @@ class LFUDecayPolicy(EvictionPolicy):
         self._last = [0] * num_experts  # the call of the last use
         self._resident: set[int] = set()
         self._calls = 0
+        # Victims by their key (score, last use, id), lowest first: an entry per use, pushed as it
+        # happens, so choosing a victim pops a few entries instead of ranking every resident on
+        # the streamed layer call's path. An entry is stale once its expert was used again or
+        # left (its key is no longer the expert's); stale entries are skipped, and dropped when
+        # they pile up.
+        self._heap: list[tuple[float, int, int]] = []
 
     def begin_call(self) -> None:
         self._calls += 1
@@ -42,6 +49,7 @@ class LFUDecayPolicy(EvictionPolicy):
             scale = 1.0 / self._weight
             self._score = [v * scale for v in self._score]
             self._weight = 1.0
+            self._rebuild()  # every key changed
 
     def _grow(self, expert: int) -> None:
         """A policy built without the expert count (simulators) grows as experts appear."""
@@ -52,8 +60,9 @@ class LFUDecayPolicy(EvictionPolicy):
     def _use(self, expert: int) -> None:
         if expert >= len(self._score):
             self._grow(expert)
-        self._score[expert] += self._weight
+        score = self._score[expert] = self._score[expert] + self._weight
         self._last[expert] = self._calls
+        heapq.heappush(self._heap, (score, self._calls, expert))
 
     def insert(self, expert: int) -> None:
         self._use(expert)
@@ -67,9 +76,13 @@ class LFUDecayPolicy(EvictionPolicy):
         if ids and max(ids) >= len(self._score):  # a policy built without the expert count
             self._grow(max(ids))
         score, last, weight, now = self._score, self._last, self._weight, self._calls
+        heap, push = self._heap, heapq.heappush
         for e in ids:
-            score[e] += weight
+            s = score[e] = score[e] + weight
             last[e] = now
+            push(heap, (s, now, e))
+        if len(heap) > 4 * len(self._resident) + 256:
+            self._rebuild()
 
     def remove(self, expert: int) -> None:
         self._resident.discard(expert)
@@ -82,20 +95,31 @@ class LFUDecayPolicy(EvictionPolicy):
         return self.victims(1, protected)[0]
 
     def victims(self, count: int, protected: Iterable[int]) -> list[int]:
-        """The `count` least valuable residents outside `protected`: one ranking for all of them
-        (a victim's removal does not change the others' scores)."""
+        """The `count` least valuable residents outside `protected` (lowest key first): one
+        ranking for all of them (a victim's removal does not change the others' keys)."""
         excluded = set(protected.tolist() if isinstance(protected, np.ndarray) else protected)
-        score, resident = self._score, self._resident
-        if count == 1:  # the common call: the lowest score, ties ranked by the full key
-            low = min((score[e] for e in resident if e not in excluded), default=math.inf)
-            if low == math.inf:
+        score, last, resident, heap = self._score, self._last, self._resident, self._heap
+        chosen: list[tuple[float, int, int]] = []
+        kept: list[tuple[float, int, int]] = []  # current entries of protected experts
+        while len(chosen) < count:
+            if not heap:
+                for entry in chosen + kept:
+                    heapq.heappush(heap, entry)
                 raise AllProtectedError("every resident expert is protected; no slot can be freed")
-            tied = [e for e in resident if score[e] == low and e not in excluded]
-            return [min(tied, key=self._key)]
-        ranked = sorted((e for e in resident if e not in excluded), key=self._key)
-        if len(ranked) < count:
-            raise AllProtectedError("every resident expert is protected; no slot can be freed")
-        return ranked[:count]
+            entry = heapq.heappop(heap)
+            s, used, e = entry
+            if e not in resident or score[e] != s or last[e] != used:
+                continue  # stale: used again since, or gone
+            (kept if e in excluded else chosen).append(entry)
+        for entry in chosen + kept:  # still resident until the caller removes them
+            heapq.heappush(heap, entry)
+        return [e for _s, _used, e in chosen]
+
+    def _rebuild(self) -> None:
+        """The heap of the residents' current keys only."""
+        score, last = self._score, self._last
+        self._heap = [(score[e], last[e], e) for e in self._resident]
+        heapq.heapify(self._heap)
 
     def order(self) -> list[int]:
         return sorted(self._resident, key=self._key)
