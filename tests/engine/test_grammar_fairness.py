@@ -156,16 +156,18 @@ def test_grammar_limits_are_typed_errors_and_a_slow_compile_is_kept(daemon_facto
 def test_callers_behind_one_connection_take_rows_in_turn(daemon_factory, tiny_model):
     """One connection (as the gateway's) with a caller's ten queued streams, then another
     caller's one: with one row, the second caller's runs second, not eleventh."""
-    d = daemon_factory(tiny_model, "--resident", "--max-batch", "1")
+    # Steps a little slower, so the first stream is still running when it is let go.
+    slow = {"MOED_DEBUG_FAULTS": "step_delay_ms=10"}
+    d = daemon_factory(tiny_model, "--resident", "--max-batch", "1", env=slow)
 
     async def run() -> list[str]:
         order: list[str] = []
         release = asyncio.Event()
 
         async def stream(name: str, caller: str, max_tokens: int) -> None:
-            async for event in c.generate(
-                prompt_ids=[5, 17, 33], max_tokens=max_tokens, caller=caller
-            ):
+            # This chat runs past 3000 tokens on the tiny model (no end of sequence).
+            chat = [{"role": "user", "content": "The quick brown fox"}]
+            async for event in c.generate(messages=chat, max_tokens=max_tokens, caller=caller):
                 if isinstance(event, TokenEvent) and event.ids and name not in order:
                     order.append(name)
                 if name == "x" and release.is_set():
