@@ -285,6 +285,7 @@ def test_list_never_loads_a_huge_config(hf_env):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     *lines, peak = out.stdout.splitlines()
-    (model,) = json_lines("\n".join(lines))
+    demo, model = json_lines("\n".join(lines))  # the demo is listed first, always
+    assert demo["name"] == "demo" and model["name"] == "evil/huge"
     assert not model["servable"] and "limit" in model["why_not"]
     assert int(peak) < (1 << 30) // 4, "the process never held a fraction of the file"
