@@ -8,6 +8,8 @@ import os
 import struct
 from pathlib import Path
 
+from moed.protocol.safetensors_dtypes import DTYPE_BYTES
+
 from .hub_names import UnsafeName, check_file_name
 
 
@@ -20,23 +22,6 @@ class PullError(Exception):
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 # safetensors' own limit; headers of real shards (thousands of tensors) stay far below it.
 MAX_HEADER_BYTES = 100_000_000
-DTYPE_BYTES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
 
 
 def read_json_file(path: Path, limit: int = MAX_CONFIG_BYTES) -> dict:

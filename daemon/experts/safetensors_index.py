@@ -15,24 +15,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-# safetensors dtype name -> bytes per element (what the header parser accepts)
-DTYPE_SIZES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "U16": 2,
-    "I16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "U32": 4,
-    "I32": 4,
-    "F32": 4,
-    "U64": 8,
-    "I64": 8,
-    "F64": 8,
-}
+from moed.protocol.safetensors_dtypes import DTYPE_BYTES
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit; guards against a corrupt length
 
@@ -54,7 +37,7 @@ class TensorLoc:
 
     @property
     def itemsize(self) -> int:
-        return DTYPE_SIZES[self.dtype]
+        return DTYPE_BYTES[self.dtype]
 
     @functools.cached_property  # asked once per expert read: compute it once per tensor
     def expert_stride(self) -> int:
@@ -81,12 +64,12 @@ def read_header(path: Path) -> dict[str, TensorLoc]:
         if name == "__metadata__":
             continue
         dtype = info["dtype"]
-        if dtype not in DTYPE_SIZES:
+        if dtype not in DTYPE_BYTES:
             raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {dtype}")
         begin, end = info["data_offsets"]
         shape = tuple(int(s) for s in info["shape"])
         loc = TensorLoc(name, path, dtype, shape, base + begin, end - begin)
-        if loc.nbytes != math.prod(shape) * DTYPE_SIZES[dtype]:
+        if loc.nbytes != math.prod(shape) * DTYPE_BYTES[dtype]:
             raise CheckpointError(f"{path}: tensor {name} size does not match its shape")
         out[name] = loc
     return out

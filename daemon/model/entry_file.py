@@ -21,27 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-MAX_HEADER = 64 << 20  # a header's JSON: token ids (base64) and the arrays' index
+from moed.protocol.safetensors_dtypes import DTYPE_BYTES
 
-# safetensors dtypes and their sizes in bytes
-DTYPE_BYTES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "U16": 2,
-    "I16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "U32": 4,
-    "I32": 4,
-    "F32": 4,
-    "C64": 8,
-    "U64": 8,
-    "I64": 8,
-    "F64": 8,
-}
+MAX_HEADER = 64 << 20  # a header's JSON: token ids (base64) and the arrays' index
 
 
 class EntryProblem(str, enum.Enum):
