@@ -159,15 +159,17 @@ class HostRouting:
         """A call of few ids (the decode call): its choices read back (`route_ids`) and, where
         they fit one pass, its experts made resident and its output, `graph(x, indices, pool)`,
         deferred; returns (that output, or None where the general path runs, and the ids). The
-        graph is built before the read-back: it looks each id's slot up on the device, in a
-        table written as experts get slots, so it needs no ids from the host, and building it
-        while the host's caches are warm costs a fraction of building it after the eval."""
+        graph looks each id's slot up on the device, in a table written as experts get slots, so
+        for a DIRECT pool it is built before the read-back (it needs no ids from the host, and
+        built while the host's caches are warm it costs a fraction of what it costs after the
+        eval). A staged pool's landing makes new arrays: there it is built once the call's
+        experts are resident (built early, a call with misses would build it twice)."""
         pool = self.pools[layer]
         early = None
-        if indices.size <= pool.slots and not self.spec.inflight(layer):
+        if not pool.staged and indices.size <= pool.slots and not self.spec.inflight(layer):
             early = graph(x, indices, pool)
         ids = self.route_ids(layer, indices, x)
-        if early is None:
+        if early is None and not pool.staged:
             return None, ids
         return self._one_pass(layer, pool, ids, early, (graph, x, indices)), ids
 
@@ -176,16 +178,16 @@ class HostRouting:
         layer: int,
         pool: LayerPool,
         ids: list[int],
-        early: mx.array,
+        early: mx.array | None,
         build: tuple[DecodeGraph, mx.array, mx.array],
     ) -> mx.array | None:
-        """A call whose experts fit one pass, `early` its output built before its ids were known
-        (`build`: the graph and its inputs): its experts made resident and that output deferred
-        (for a staged pool with misses, whose landing makes new arrays and a new table, the
-        graph is built again on those). An all-hit call is a few list operations. None, with
-        nothing done, where the general path runs (no ids, speculative reads in flight for the
-        layer, or some experts resident and some not while the overlapped path is on)."""
-        if not ids or self.spec.inflight(layer):
+        """A call whose experts fit one pass: its experts made resident and its output deferred,
+        `early` where it was built before the ids were known, else built from `build` (the graph
+        and its inputs) once they are resident. An all-hit call is a few list operations. None,
+        with nothing done, where the general path runs (more ids than slots, speculative reads in
+        flight for the layer, or some experts resident and some not while the overlapped path is
+        on)."""
+        if not 0 < len(ids) <= pool.slots or self.spec.inflight(layer):
             return None
         lookup = pool.slot_list.__getitem__
         slots = list(map(lookup, ids))
@@ -193,7 +195,7 @@ class HostRouting:
         if lowest < 0 and self.overlap.active and max(slots) >= 0:
             return None  # rows to compute while the misses are read (streaming_switch.py)
         needed = sorted(set(ids))  # ascending, as the policy's call takes them
-        spec = self.spec
+        spec, guarded = self.spec, not pool.staged  # a staged landing makes new arrays
         if lowest >= 0:  # every expert resident: no admission, no read
             pool.touch_call(needed)
             self.counters.layers[layer].hits += len(needed)
@@ -201,8 +203,9 @@ class HostRouting:
                 self.observer.on_load(layer, pool, needed, [])
             if spec.enabled:
                 spec.issue(layer + 1)
-            self.fence.defer(layer, early, None if pool.staged else slots)
-            return early
+            out = early if early is not None else _build(build, pool)
+            self.fence.defer(layer, out, slots if guarded else None)
+            return out
         pool.begin_call()  # one pass: starts the call for the policy
         _hits, loads = self._admit_counted(layer, pool, needed)
         self.fence.guard(layer, loads)  # before this call's output exists: it is not pending
@@ -212,10 +215,11 @@ class HostRouting:
             spec.issue(layer + 1)  # queued behind the demand reads
         self._collect(pool, loads, [batch])
         pool.land(staging)
-        if pool.staged:  # its landing made new arrays and the table new entries
-            graph, x, indices = build
-            out = graph(x, indices, pool)
-            self.fence.defer(layer, out, None)  # nothing to guard: a landing makes new arrays
-            return out
-        self.fence.defer(layer, early, list(map(lookup, ids)))  # the admitted slots
-        return early
+        out = early if early is not None else _build(build, pool)
+        self.fence.defer(layer, out, list(map(lookup, ids)) if guarded else None)
+        return out
+
+
+def _build(build: tuple[DecodeGraph, mx.array, mx.array], pool: LayerPool) -> mx.array:
+    graph, x, indices = build
+    return graph(x, indices, pool)
