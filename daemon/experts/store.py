@@ -186,6 +186,17 @@ class ExpertStore:
         adjacent experts coalesced."""
         jobs: list[ReadJob] = []
         loads, split = staging.loads, self.split_bytes
+        if len(loads) == 1:  # a decode call's usual miss: one job per tensor, nothing to join
+            expert = loads[0][0]
+            for tensor, fd, base, stride in self._tensor_reads(pool.tensors):
+                jobs.append(
+                    ReadJob(fd, base + expert * stride, pool.destinations(staging, tensor), stride)
+                )
+            return (
+                jobs
+                if split <= 0 or all(j.nbytes <= split for j in jobs)
+                else _split_all(jobs, split)
+            )
         for tensor, fd, base, stride in self._tensor_reads(pool.tensors):
             limit = max(MAX_JOB_BYTES, stride)
             job: ReadJob | None = None
@@ -203,13 +214,7 @@ class ExpertStore:
                     job = ReadJob(fd, base + expert * stride, [dest], stride)
                     jobs.append(job)
                 prev = expert
-        if split <= 0:
-            return jobs
-        return [
-            piece
-            for job in jobs
-            for piece in (_split(job, split) if job.nbytes > split else (job,))
-        ]
+        return jobs if split <= 0 else _split_all(jobs, split)
 
     def run(self, job: ReadJob) -> int:
         """Do one job (on a worker thread). Returns bytes read."""
@@ -274,6 +279,12 @@ class ExpertStore:
         self.fds.clear()
         self.direct.clear()
         self._direct_fds.clear()
+
+
+def _split_all(jobs: list[ReadJob], limit: int) -> list[ReadJob]:
+    return [
+        piece for job in jobs for piece in (_split(job, limit) if job.nbytes > limit else (job,))
+    ]
 
 
 def _split(job: ReadJob, limit: int) -> list[ReadJob]:

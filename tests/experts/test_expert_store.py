@@ -284,6 +284,27 @@ def test_direct_reads_fill_slots_exactly_from_unaligned_offsets(checkpoint_facto
         streamer.close()
 
 
+def test_one_expert_read_split_into_chunks(checkpoint_factory):
+    """A burst of one expert (a decode call's usual miss) gets one job per tensor, cut where a
+    tensor is larger than a chunk; the slots hold the checkpoint's bytes."""
+    path = checkpoint_factory("qwen3_moe", bits=4)
+    model, _ = load_model(path, lazy=True)
+    streamer = install_streaming(
+        model, path, StreamingConfig(cache_budget="100%", memory_bytes=MEMORY)
+    )
+    pool = streamer.pools[0]
+    chunk = min(t.slot_bytes for t in pool.tensors)
+    store = ExpertStore(streamer.index.files, bypass_page_cache=False, split_bytes=chunk)
+    try:
+        jobs = _read_and_compare(store, pool, [3])
+        assert all(j.nbytes <= chunk for j in jobs)
+        assert len(jobs) > len(pool.tensors)  # some tensor was cut
+        assert sum(j.nbytes for j in jobs) == pool.expert_bytes
+    finally:
+        store.close()
+        streamer.close()
+
+
 def test_refused_direct_read_falls_back_to_the_page_cache(checkpoint_factory, monkeypatch):
     """A device that wants a larger alignment refuses the O_DIRECT read with EINVAL (the real
     kernel's refusal: the alignment is forced to 1 byte here); that file is then read through the
