@@ -2,12 +2,16 @@
 read-back's eval left out: robust to a loaded machine (waits cost no CPU), and it runs unchanged
 on older checkouts, so before and after compare in one sitting:
 
-    .venv/bin/python benchmarks/host_cpu_per_layer.py 25% 100%
+    taskset -c 1 .venv/bin/python benchmarks/host_cpu_per_layer.py 25% 100%
     PYTHONPATH=/path/to/pkg-of-an-old-checkout .venv/bin/python benchmarks/host_cpu_per_layer.py
 
 (the second: a folder holding `moed/daemon`, `moed/protocol`, ... symlinked to the old tree).
+`--tokens N` decodes N tokens instead of 64 after the warm-up; `--kinds` also prints the median
+per kind of call: all hits, with misses (demand reads), overlapped (resident rows computed while
+the misses are read: the step tuner's probe, the first 32 decode steps of every 288).
 """
 
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,6 +35,7 @@ except ImportError:
 
 MODEL = Path("/tmp/moed-host-cpu-model")  # 4 layers x 256 experts, top-8, small hidden
 acc = {"layer": 0.0, "eval": 0.0, "calls": 0}
+kinds: dict[str, list[float]] = {"hit": [], "miss": [], "overlapped": []}
 real_eval = mx.eval
 
 
@@ -49,29 +54,54 @@ real_call = sw_mod.StreamingSwitch.__call__
 
 
 def timed(self, x, indices):
+    c = self._streamer.counters
+    misses, overlapped, evals = sum(lc.misses for lc in c.layers), c.overlapped, acc["eval"]
     t = time.thread_time()
     out = real_call(self, x, indices)
-    acc["layer"] += time.thread_time() - t
+    took = time.thread_time() - t
+    acc["layer"] += took
     acc["calls"] += 1
+    if c.overlapped > overlapped:
+        kind = "overlapped"
+    else:
+        kind = "miss" if sum(lc.misses for lc in c.layers) > misses else "hit"
+    kinds[kind].append(took - (acc["eval"] - evals))
     return out
 
 
 def main() -> None:
+    args = sys.argv[1:]
+    tokens, by_kind = 64, "--kinds" in args
+    if "--tokens" in args:
+        tokens = int(args[args.index("--tokens") + 1])
+        del args[args.index("--tokens") : args.index("--tokens") + 2]
+    budgets = [a for a in args if not a.startswith("--")] or ["25%", "100%"]
     if not (MODEL / "config.json").exists():
         config = bench_config(4, 256, 128, 256, 8, 1024, bits=4, group=64)
         write_bench_model(MODEL, config, "float32", 0)
     streamer_mod.mx = route_mod.mx = EvalTimer()
     sw_mod.StreamingSwitch.__call__ = timed
-    for budget in sys.argv[1:] or ["25%", "100%"]:
+    for budget in budgets:
         c = load_streaming(MODEL, budget, 8, "bypass")
         c.streamer.trace = None
         for _ in generate_step(mx.array(_prompt(1, 1024)), c.model, max_tokens=24):
             pass
         acc.update(layer=0.0, eval=0.0, calls=0)
-        for _ in generate_step(mx.array(_prompt(2, 1024)), c.model, max_tokens=64):
+        for v in kinds.values():
+            v.clear()
+        for _ in generate_step(mx.array(_prompt(2, 1024)), c.model, max_tokens=tokens):
             pass
         host = 1e6 * (acc["layer"] - acc["eval"]) / acc["calls"]
         print(f"{budget}: host CPU per layer call {host:.0f} us over {acc['calls']} calls")
+        if by_kind:
+            print(
+                "  median per call: "
+                + ", ".join(
+                    f"{k} {1e6 * statistics.median(v):.0f} us (x{len(v)})"
+                    for k, v in kinds.items()
+                    if v
+                )
+            )
         c.close()
 
 
