@@ -1,11 +1,14 @@
-"""The expert cache behind the streaming layers: routing read-back, loads, passes, shed, profile,
-speculative prefetch. `install.py` puts it into a model."""
+"""The expert cache behind the streaming layers: it owns the slot pools, the store, the read
+workers, the counters and the usage profile, and starts each layer call and step. Its concerns
+live beside it: the routing read-back and the decode call (host_route.py), loads (loads.py),
+passes (passes.py), shedding (shedding.py), the profile and preloads (warm.py), speculative
+prefetch (speculation.py). `install.py` puts it into a model."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +25,8 @@ from moed.daemon.experts.discover import SwitchInfo
 from moed.daemon.experts.fence import LazyFence
 from moed.daemon.experts.held import DeviceTally
 from moed.daemon.experts.host_route import HostRouting
-from moed.daemon.experts.landing import Landing, Staging
+from moed.daemon.experts.landing import Landing
+from moed.daemon.experts.loads import SlotLoads
 from moed.daemon.experts.memory_plan import (
     ExpertLayout,
     MemoryPlan,
@@ -30,11 +34,12 @@ from moed.daemon.experts.memory_plan import (
     make_plan,
     resident_bytes,
 )
-from moed.daemon.experts.pass_lane import LANE, PassLane, lane_loads
+from moed.daemon.experts.passes import PassLoads
 from moed.daemon.experts.policies import DEFAULT_POLICY, make_policy
-from moed.daemon.experts.prefetch import ReadBatch, ReadPool, ReadResult
+from moed.daemon.experts.prefetch import ReadPool
 from moed.daemon.experts.prompt_end import PromptEnd
 from moed.daemon.experts.safetensors_index import CheckpointIndex
+from moed.daemon.experts.shedding import Shedding
 from moed.daemon.experts.speculation import Speculator
 from moed.daemon.experts.store import ExpertStore, PageCachePolicy, resolve_page_cache
 from moed.daemon.experts.tuning import StepTuner, Switch
@@ -74,48 +79,7 @@ class StreamingConfig:
     launch_early: bool | None = None
 
 
-@dataclass
-class PendingLoad:
-    """A layer call's admission whose reads are queued: `ready` experts can be computed now."""
-
-    pool: LayerPool
-    experts: np.ndarray
-    hits: list[int]
-    kept: set[int]  # hits that are speculative reads still landing
-    loads: list[tuple[int, int]]
-    demand: list[ReadBatch]
-    spec_loads: list[tuple[int, int]]
-    spec_batches: list[ReadBatch]
-    stagings: list[Staging]  # where the demand reads land (landing.py); landed once collected
-    spec_stagings: list[Staging]  # where the kept speculative reads land
-
-    @property
-    def ready(self) -> set[int]:
-        """Resident and complete: not read by this load nor in flight."""
-        return set(self.hits).difference(self.kept)
-
-
-@dataclass(frozen=True)
-class LoadedPass:
-    """One pass of a multi-pass call, its experts resident in `arrays` (a layer's pool, or the
-    pass lane) at `table[expert]`."""
-
-    experts: np.ndarray
-    table: np.ndarray
-    arrays: dict[str, mx.array]
-    key: int  # the fence's key of `arrays`: the layer, or LANE
-    pipelined: bool  # the next pass's reads land while this one computes (submit_pass)
-
-
-@dataclass(frozen=True)
-class _LaneRead:
-    """A lane pass whose reads are queued."""
-
-    experts: np.ndarray
-    batch: ReadBatch
-
-
-class ExpertStreamer(HostRouting, CacheWarmth):
+class ExpertStreamer(HostRouting, PassLoads, SlotLoads, Shedding, CacheWarmth):
     """Owns the slot pools, the store, the read workers, the counters and the usage profile."""
 
     def __init__(
@@ -290,222 +254,6 @@ class ExpertStreamer(HostRouting, CacheWarmth):
     def pools_of(self, layer: int) -> dict[str, mx.array]:
         return self.pools[layer].arrays
 
-    def plan_passes(self, layer: int, needed: np.ndarray) -> list[np.ndarray]:
-        """`needed`: the call's distinct experts, ascending (np.unique of its indices)."""
-        passes = self.pools[layer].plan_passes(needed)
-        self.counters.passes += len(passes) - 1
-        return passes
-
-    def load_passes(self, layer: int, passes: list[np.ndarray]) -> Iterator[LoadedPass]:
-        """Each pass's experts made resident, in turn. Where the pass lane fits the layer, passes
-        alternate between the pool and the lane: the first two passes' reads are issued at once,
-        each later pass's once the caller has submitted the pass before it (`submit_pass`), so
-        they land while it computes (pass_lane.py). Otherwise each pass is loaded into the pool
-        after the one before."""
-        pool, lane = self.pools[layer], self.lane
-        if lane is None or len(passes) < 2 or not lane.fits(pool):
-            for experts in passes:
-                table, arrays = self.load(layer, experts)
-                yield LoadedPass(experts, table, arrays, layer, False)
-            return
-        # The lane is free as the call starts (the read-back settled every output): pass 1's
-        # reads go out with pass 0's, before pass 0 is built.
-        pending: list[PendingLoad | _LaneRead] = [
-            self.begin_load(layer, passes[0]),
-            self._begin_lane(layer, lane, passes[1]),
-        ]
-        for i in range(len(passes)):
-            p = pending[i]
-            if isinstance(p, _LaneRead):
-                self._count_reads(self.reader.wait([p.batch]))
-                table = np.zeros(pool.num_experts, dtype=np.uint32)
-                table[p.experts] = np.arange(p.experts.size, dtype=np.uint32)
-                yield LoadedPass(p.experts, table, lane.arrays, LANE, True)
-            else:
-                self.finish_load(p)
-                yield LoadedPass(p.experts, self.table(pool, p.experts), pool.arrays, layer, True)
-            if 0 < i < len(passes) - 1:  # odd passes in the lane, even ones in the pool
-                nxt = passes[i + 1]
-                pending.append(
-                    self._begin_lane(layer, lane, nxt)
-                    if i % 2 == 0
-                    else self.begin_load(layer, nxt)
-                )
-
-    def _begin_lane(self, layer: int, lane: PassLane, experts: np.ndarray) -> _LaneRead:
-        """Queue the reads of a lane pass (none of its experts is in the pool: passes put the
-        resident ones first, and the pool's passes admit only their own)."""
-        pool = self.pools[layer]
-        loads = lane_loads(experts.tolist())
-        self.counters.layers[layer].misses += len(loads)
-        self.counters.lane_loads += len(loads)
-        if self.observer is not None:
-            self.observer.on_load(layer, pool, [], loads)
-        self.fence.guard(LANE, loads)  # the lane's pass before this one has run
-        staging = Staging(loads)
-        return _LaneRead(
-            experts, self.reader.submit(self.store.jobs_for(lane.target(pool), staging))
-        )
-
-    def submit_pass(
-        self, layer: int, done: LoadedPass, out: mx.array, slots_read: list[int]
-    ) -> None:
-        """`out`, computed from `done`'s arrays, is deferred behind the fence (and submitted to
-        the device now when the next pass's reads are to land while it runs)."""
-        if done.key == LANE:
-            self.fence.defer(LANE, out, slots_read)
-        else:
-            self.defer(layer, out, slots_read)
-        if done.pipelined:
-            mx.async_eval(out)
-
-    def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]:
-        """Make `experts` resident in `layer`; returns (expert -> slot table, pools)."""
-        pending = self.begin_load(layer, experts)
-        self.finish_load(pending)
-        return self.table(pending.pool, experts), pending.pool.arrays
-
-    def begin_load(self, layer: int, experts: np.ndarray) -> PendingLoad:
-        """Admit `experts` and queue the reads of the missing ones without waiting for them."""
-        pool = self.pools[layer]
-        kept: set[int] = set()
-        spec_batches: list[ReadBatch] = []
-        spec_loads: list[tuple[int, int]] = []
-        if self.spec.inflight(layer):
-            kept, spec_batches, spec_loads = self.spec.settle(layer, set(experts.tolist()))
-        hits, loads = self._admit_counted(layer, pool, experts)
-        self.counters.prefetch_hits += len(kept)
-        demand: list[ReadBatch] = []
-        stagings: list[Staging] = []
-        if loads:
-            self.fence.guard(layer, loads)
-            stagings.append(staging := pool.stage(loads))
-            demand.append(self.reader.submit(self.store.jobs_for(pool, staging)))
-        self.spec.issue(layer + 1)  # queued behind every demand read
-        spec_stagings = self.spec.stagings_of(spec_loads)
-        return PendingLoad(
-            pool,
-            experts,
-            hits,
-            kept,
-            loads,
-            demand,
-            spec_loads,
-            spec_batches,
-            stagings,
-            spec_stagings,
-        )
-
-    def _admit_counted(
-        self, layer: int, pool: LayerPool, experts: Iterable[int]
-    ) -> tuple[list[int], list[tuple[int, int]]]:
-        hits, loads = self._admit(pool, experts)
-        lc = self.counters.layers[layer]
-        lc.hits += len(hits)
-        lc.misses += len(loads)
-        if self.observer is not None:  # before the read: it asks whether the pages are cached
-            self.observer.on_load(layer, pool, hits, loads)
-        return hits, loads
-
-    def finish_load(self, p: PendingLoad) -> None:
-        """Wait for a `begin_load`'s reads: then every expert of it is in its slot."""
-        if p.demand:
-            self._collect(p.pool, p.loads, p.demand)
-        landed = p.stagings
-        if p.spec_batches and self._collect_speculative(
-            p.pool, p.experts, p.spec_loads, p.spec_batches
-        ):
-            landed = landed + p.spec_stagings
-        for staging in landed:
-            p.pool.land(staging)
-
-    @staticmethod
-    def table(pool: LayerPool, experts: np.ndarray) -> np.ndarray:
-        table = np.zeros(pool.num_experts, dtype=np.uint32)
-        table[experts] = pool.slot_of[experts]
-        return table
-
-    def defer(self, layer: int, out: mx.array, slots_read: Iterable[int]) -> None:
-        """`out` reads `slots_read` of `layer`'s pools and is not evaluated yet (fence.py)."""
-        self.fence.defer(layer, out, None if self.pools[layer].staged else slots_read)
-
-    def claim_slots(
-        self, layer: int, experts: Iterable[int], keep: Sequence[int] = ()
-    ) -> list[tuple[int, int]]:
-        """Give `experts` (not resident) slots of `layer`'s pool for reads the caller issues, once
-        the pending outputs that read those slots are evaluated, evicting none of `keep`; returns
-        (expert, slot) loads."""
-        _hits, loads = self._admit(self.pools[layer], experts, keep)
-        self.fence.guard(layer, loads)
-        return loads
-
-    def _collect(
-        self, pool: LayerPool, loads: list[tuple[int, int]], batches: list[ReadBatch]
-    ) -> None:
-        try:
-            res = self.reader.wait(batches)
-        except BaseException:
-            pool.forget(loads)
-            raise
-        self._count_reads(res)
-
-    def _collect_speculative(
-        self,
-        pool: LayerPool,
-        experts: np.ndarray,
-        loads: list[tuple[int, int]],
-        batches: list[ReadBatch],
-    ) -> bool:
-        """Wait for the speculative reads this call needs; a failed one is read again on demand
-        (and reports its error then). False when they were read again (their staging is void)."""
-        try:
-            res = self.reader.wait(batches)
-        except OSError as exc:
-            log.warning("prefetch read failed, reading on demand: %s", exc)
-            pool.forget(loads)
-            _hits, again = self._admit(pool, experts)  # the whole pass stays protected
-            self.fence.guard(pool.layer, again)
-            staging = pool.stage(again)
-            self._collect(pool, again, [self.reader.submit(self.store.jobs_for(pool, staging))])
-            pool.land(staging)
-            return False
-        self._count_reads(res, prefetch=True)
-        return True
-
-    def _admit(
-        self, pool: LayerPool, experts: Iterable[int], keep: Sequence[int] = ()
-    ) -> tuple[list[int], list[tuple[int, int]]]:
-        free_before = pool.free_slots
-        hits, loads = pool.admit(experts, keep)
-        self.counters.evictions += max(
-            0, len(loads) - free_before
-        )  # loads beyond free slots evicted
-        return hits, loads
-
-    def _count_reads(self, res: ReadResult, prefetch: bool = False) -> None:
-        """Account reads the engine waited for (demand misses, or speculative reads it caught up
-        with)."""
-        c = self.counters
-        self.on_progress()
-        c.reads += res.jobs
-        c.read_s += res.read_s
-        c.stall_s += res.wall_s
-        if prefetch:
-            c.prefetch_bytes += res.bytes_read
-        else:
-            c.bytes_read += res.bytes_read
-
-    def lane_layers(self) -> list[bool]:
-        """Per layer, whether its multi-pass calls alternate with the pass lane (load_passes)."""
-        lane = self.lane
-        return [lane is not None and lane.fits(p) for p in self.pools]
-
-    def _make_lane(self) -> PassLane | None:
-        """The pass lane (pass_lane.py) as wide as the widest DIRECT pool that cannot hold its
-        layer's experts; None where no layer needs passes."""
-        partial = [p for p in self.pools if p.slots < p.num_experts and not p.staged]
-        return PassLane(max(partial, key=lambda p: p.pool_bytes)) if partial else None
-
     # -- public API ------------------------------------------------------------------------
 
     @property
@@ -561,64 +309,6 @@ class ExpertStreamer(HostRouting, CacheWarmth):
             prefix_cache_bytes=self.cfg.prefix_cache_bytes,
             pass_lane=self.landing is Landing.DIRECT,
         )
-
-    def shed(self, fraction: float) -> int:
-        """Shrink the cache to `fraction` of its current size (at least one slot per layer).
-        Returns the bytes released. From another thread the change is applied at the start of the
-        next token, on the engine thread (the pools are MLX arrays)."""
-        if not 0.0 <= fraction < 1.0:
-            raise ValueError("shed fraction must be in [0, 1)")
-        with self._lock:
-            current = self._pending_slots if self._pending_slots is not None else min(self.slots)
-            target = max(1, int(current * fraction))
-            released = sum(
-                (p.slots - min(target, p.num_experts)) * p.expert_bytes
-                for p in self.pools
-                if p.slots > target
-            )
-            lane = self.lane
-            if lane is not None and lane.slots > target:  # narrowed with the pools
-                released += (lane.slots - target) * (lane.nbytes // lane.slots)
-            self._pending_slots = target
-        if self._engine_thread == threading.get_ident():
-            self._apply_shed()
-        return released
-
-    def _apply_shed(self) -> None:
-        self.spec.drain()
-        self.fence.flush()  # resizing rewrites every slot
-        with self._lock:
-            target, self._pending_slots = self._pending_slots, None
-        if target is None:
-            return
-        released = sum(p.resize(min(p.slots, target)) for p in self.pools)
-        if self.lane is not None:  # as wide as the pools again
-            self.lane = self._make_lane()
-        self._held = [False] * len(self.pools)  # re-checked (and re-sorted) at their next call
-        self.budget_bytes = self.resident_bytes
-        mx.clear_cache()  # hand the freed pool buffers back to the OS
-        log.info("expert cache shed to %d slots per layer (%d bytes released)", target, released)
-
-    def start_over(self, slots: int | None = None) -> int:
-        """After a device failure inside a step: its pending outputs go unevaluated (they depend
-        on the failed command buffer), reads in flight are given up and waited for, and every
-        pool starts over empty, `slots` per layer (default: as now): the failed step may have
-        claimed a slot whose bytes it never read. Returns the cache bytes released."""
-        before = self.resident_bytes
-        self.fence.settled()
-        self.spec.abandon()
-        self.reader.quiesce()
-        target = min(self.slots) if slots is None else max(1, slots)
-        with self._lock:
-            self._pending_slots = None
-        for pool in self.pools:
-            pool.start_over(min(target, pool.num_experts))
-        self.lane = self._make_lane()
-        self._held = [False] * len(self.pools)
-        self.tally = DeviceTally([p.num_experts for p in self.pools])  # its sums may be poisoned
-        self._step_tally = None
-        self.budget_bytes = self.resident_bytes
-        return max(0, before - self.resident_bytes)
 
     def close(self) -> None:
         try:

@@ -25,7 +25,8 @@ if TYPE_CHECKING:  # types only: the cache is reached through LayerCache (stream
     from moed.daemon.experts.cache import LayerPool
     from moed.daemon.experts.counters import Counters
     from moed.daemon.experts.host_route import DecodeGraph
-    from moed.daemon.experts.streamer import LoadedPass, PendingLoad
+    from moed.daemon.experts.loads import PendingLoad
+    from moed.daemon.experts.passes import LoadedPass
     from moed.daemon.experts.tuning import Switch
 
 

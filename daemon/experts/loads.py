@@ -1,0 +1,195 @@
+"""Making a layer call's experts resident: admission into the layer's slots (its policy picks
+the victims), the reads of the missing ones queued (the store's jobs, the read pool) and waited
+for, landed (landing.py) and counted, and the call's speculative reads caught up with. The
+streamer (streamer.py) runs it on the engine thread."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from moed.daemon.experts.cache import LayerPool
+from moed.daemon.experts.counters import Counters
+from moed.daemon.experts.fence import LazyFence
+from moed.daemon.experts.landing import Staging
+from moed.daemon.experts.prefetch import ReadBatch, ReadPool, ReadResult
+from moed.daemon.experts.speculation import Speculator
+from moed.daemon.experts.store import ExpertStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingLoad:
+    """A layer call's admission whose reads are queued: `ready` experts can be computed now."""
+
+    pool: LayerPool
+    experts: np.ndarray
+    hits: list[int]
+    kept: set[int]  # hits that are speculative reads still landing
+    loads: list[tuple[int, int]]
+    demand: list[ReadBatch]
+    spec_loads: list[tuple[int, int]]
+    spec_batches: list[ReadBatch]
+    stagings: list[Staging]  # where the demand reads land (landing.py); landed once collected
+    spec_stagings: list[Staging]  # where the kept speculative reads land
+
+    @property
+    def ready(self) -> set[int]:
+        """Resident and complete: not read by this load nor in flight."""
+        return set(self.hits).difference(self.kept)
+
+
+class SlotLoads:
+    """The streamer's loads (ExpertStreamer sets the state)."""
+
+    # The streamer's state this mixin reads (experts/streamer.py gives each a value).
+    pools: list[LayerPool]
+    counters: Counters
+    fence: LazyFence
+    reader: ReadPool
+    store: ExpertStore
+    spec: Speculator
+    observer: Any
+    on_progress: Callable[[], None]
+
+    def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]:
+        """Make `experts` resident in `layer`; returns (expert -> slot table, pools)."""
+        pending = self.begin_load(layer, experts)
+        self.finish_load(pending)
+        return self.table(pending.pool, experts), pending.pool.arrays
+
+    def begin_load(self, layer: int, experts: np.ndarray) -> PendingLoad:
+        """Admit `experts` and queue the reads of the missing ones without waiting for them."""
+        pool = self.pools[layer]
+        kept: set[int] = set()
+        spec_batches: list[ReadBatch] = []
+        spec_loads: list[tuple[int, int]] = []
+        if self.spec.inflight(layer):
+            kept, spec_batches, spec_loads = self.spec.settle(layer, set(experts.tolist()))
+        hits, loads = self._admit_counted(layer, pool, experts)
+        self.counters.prefetch_hits += len(kept)
+        demand: list[ReadBatch] = []
+        stagings: list[Staging] = []
+        if loads:
+            self.fence.guard(layer, loads)
+            stagings.append(staging := pool.stage(loads))
+            demand.append(self.reader.submit(self.store.jobs_for(pool, staging)))
+        self.spec.issue(layer + 1)  # queued behind every demand read
+        spec_stagings = self.spec.stagings_of(spec_loads)
+        return PendingLoad(
+            pool,
+            experts,
+            hits,
+            kept,
+            loads,
+            demand,
+            spec_loads,
+            spec_batches,
+            stagings,
+            spec_stagings,
+        )
+
+    def _admit_counted(
+        self, layer: int, pool: LayerPool, experts: Iterable[int]
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        hits, loads = self._admit(pool, experts)
+        lc = self.counters.layers[layer]
+        lc.hits += len(hits)
+        lc.misses += len(loads)
+        if self.observer is not None:  # before the read: it asks whether the pages are cached
+            self.observer.on_load(layer, pool, hits, loads)
+        return hits, loads
+
+    def finish_load(self, p: PendingLoad) -> None:
+        """Wait for a `begin_load`'s reads: then every expert of it is in its slot."""
+        if p.demand:
+            self._collect(p.pool, p.loads, p.demand)
+        landed = p.stagings
+        if p.spec_batches and self._collect_speculative(
+            p.pool, p.experts, p.spec_loads, p.spec_batches
+        ):
+            landed = landed + p.spec_stagings
+        for staging in landed:
+            p.pool.land(staging)
+
+    @staticmethod
+    def table(pool: LayerPool, experts: np.ndarray) -> np.ndarray:
+        table = np.zeros(pool.num_experts, dtype=np.uint32)
+        table[experts] = pool.slot_of[experts]
+        return table
+
+    def defer(self, layer: int, out: mx.array, slots_read: Iterable[int]) -> None:
+        """`out` reads `slots_read` of `layer`'s pools and is not evaluated yet (fence.py)."""
+        self.fence.defer(layer, out, None if self.pools[layer].staged else slots_read)
+
+    def claim_slots(
+        self, layer: int, experts: Iterable[int], keep: Sequence[int] = ()
+    ) -> list[tuple[int, int]]:
+        """Give `experts` (not resident) slots of `layer`'s pool for reads the caller issues, once
+        the pending outputs that read those slots are evaluated, evicting none of `keep`; returns
+        (expert, slot) loads."""
+        _hits, loads = self._admit(self.pools[layer], experts, keep)
+        self.fence.guard(layer, loads)
+        return loads
+
+    def _collect(
+        self, pool: LayerPool, loads: list[tuple[int, int]], batches: list[ReadBatch]
+    ) -> None:
+        try:
+            res = self.reader.wait(batches)
+        except BaseException:
+            pool.forget(loads)
+            raise
+        self._count_reads(res)
+
+    def _collect_speculative(
+        self,
+        pool: LayerPool,
+        experts: np.ndarray,
+        loads: list[tuple[int, int]],
+        batches: list[ReadBatch],
+    ) -> bool:
+        """Wait for the speculative reads this call needs; a failed one is read again on demand
+        (and reports its error then). False when they were read again (their staging is void)."""
+        try:
+            res = self.reader.wait(batches)
+        except OSError as exc:
+            log.warning("prefetch read failed, reading on demand: %s", exc)
+            pool.forget(loads)
+            _hits, again = self._admit(pool, experts)  # the whole pass stays protected
+            self.fence.guard(pool.layer, again)
+            staging = pool.stage(again)
+            self._collect(pool, again, [self.reader.submit(self.store.jobs_for(pool, staging))])
+            pool.land(staging)
+            return False
+        self._count_reads(res, prefetch=True)
+        return True
+
+    def _admit(
+        self, pool: LayerPool, experts: Iterable[int], keep: Sequence[int] = ()
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        free_before = pool.free_slots
+        hits, loads = pool.admit(experts, keep)
+        self.counters.evictions += max(
+            0, len(loads) - free_before
+        )  # loads beyond free slots evicted
+        return hits, loads
+
+    def _count_reads(self, res: ReadResult, prefetch: bool = False) -> None:
+        """Account reads the engine waited for (demand misses, or speculative reads it caught up
+        with)."""
+        c = self.counters
+        self.on_progress()
+        c.reads += res.jobs
+        c.read_s += res.read_s
+        c.stall_s += res.wall_s
+        if prefetch:
+            c.prefetch_bytes += res.bytes_read
+        else:
+            c.bytes_read += res.bytes_read
