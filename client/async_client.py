@@ -21,9 +21,16 @@ from typing import Any
 import zmq
 
 from moed.protocol import TERMINAL_TYPES, GenerateRequest, MessageType, encode
+from moed.protocol.paths import nobody_listens
 
 from .core import ClientCore, answer, read_frame
-from .errors import ClientError, DaemonRestarted, DaemonUnavailable, RequestFailed
+from .errors import (
+    ClientError,
+    DaemonNotRunning,
+    DaemonRestarted,
+    DaemonUnavailable,
+    RequestFailed,
+)
 from .events import DoneEvent, Event, event_from_message
 from .inbox import Inbox, merge_tokens
 from .liveness import EXIT_GRACE_S
@@ -75,6 +82,16 @@ class AsyncClient(ClientCore):
                 welcome = self.welcomed(await self._exchange(request_id, frame))
                 self._slots.reset(welcome.get("limits", {}).get("max_pending_per_client"))
                 return welcome
+            except DaemonUnavailable as exc:
+                self._drop(None)
+                # A daemon killed between the refused-connect probe and the handshake: its
+                # socket refuses now, and "not running" is the truth, not "dropped".
+                if not isinstance(exc, DaemonNotRunning) and nobody_listens(self.socket_path):
+                    raise DaemonNotRunning(
+                        f"no daemon is running on {self.socket_path} (it exited or was killed "
+                        "during the handshake)"
+                    ) from exc
+                raise
             except BaseException:
                 self._drop(None)
                 raise
