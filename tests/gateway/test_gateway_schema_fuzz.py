@@ -14,8 +14,7 @@ import jsonschema
 import pytest
 from jsonschema import Draft202012Validator
 
-from tests.fixtures.daemon_harness import start_daemon
-from tests.fixtures.gateway_harness import start_gateway
+from tests.fixtures.gateway_harness import start_stack
 from tests.fixtures.schema_fuzz import keywords, parameters, schemas
 from tests.fixtures.tokenizer import ChatStyle
 
@@ -31,15 +30,7 @@ COVERS = {"boolean", "untyped", "oneOf", "anyOf", "allOf", "format", "pattern", 
 
 
 def _stack(tmp, model):
-    daemon = start_daemon(tmp / "d", model, "--resident", "--max-batch", str(PARALLEL))
-    try:
-        gateway = start_gateway(tmp / "g", daemon.socket)
-    except BaseException:
-        daemon.stop()
-        raise
-    with daemon.client() as c:
-        name = c.connect()["model"]["name"]
-    return daemon, gateway, name
+    return start_stack(tmp, model, "--resident", "--max-batch", str(PARALLEL))
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,7 @@ import pytest
 
 from moed.gateway.anthropic_api import _content
 from moed.gateway.context import Collected, PartKind
-from tests.fixtures.daemon_harness import start_daemon
-from tests.fixtures.gateway_harness import start_gateway
+from tests.fixtures.gateway_harness import start_stack
 from tests.fixtures.tokenizer import ChatStyle
 
 pytestmark = pytest.mark.process
@@ -26,15 +25,7 @@ NO_THINKING = {"enable_thinking": False}
 
 
 def _stack(tmp, model):
-    daemon = start_daemon(tmp / "d", model, "--resident")
-    try:
-        gateway = start_gateway(tmp / "g", daemon.socket)
-    except BaseException:
-        daemon.stop()
-        raise
-    with daemon.client() as c:
-        name = c.connect()["model"]["name"]
-    return daemon, gateway, name
+    return start_stack(tmp, model, "--resident")
 
 
 @pytest.fixture(scope="module")
