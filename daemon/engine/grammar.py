@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -41,20 +42,24 @@ ANY_OBJECT = {"type": "object"}
 
 _MASK_BITS = 32  # bit i of a mask word is token 32 * word + i
 _LL_TOKENIZERS: weakref.WeakKeyDictionary[Any, LLTokenizer] = weakref.WeakKeyDictionary()
+# The grammar pool's workers build it concurrently: two views of one tokenizer would key the
+# grammar cache twice (a schema compiled twice, a compile's outcome not found by its resender).
+_LL_TOKENIZERS_LOCK = threading.Lock()
 
 
 def ll_tokenizer(tokenizer: Any) -> LLTokenizer:
     """llguidance's view of the model's tokenizer, built once per loaded tokenizer (~1 s for a
     large vocabulary) from the Hugging Face fast tokenizer."""
-    cached = _LL_TOKENIZERS.get(tokenizer)
-    if cached is None:
-        import llguidance.hf
+    with _LL_TOKENIZERS_LOCK:
+        cached = _LL_TOKENIZERS.get(tokenizer)
+        if cached is None:
+            import llguidance.hf
 
-        hf = hf_tokenizer(tokenizer)
-        eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ()) or None
-        cached = llguidance.hf.from_tokenizer(hf, eos_token=eos)
-        _LL_TOKENIZERS[tokenizer] = cached
-    return cached
+            hf = hf_tokenizer(tokenizer)
+            eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ()) or None
+            cached = llguidance.hf.from_tokenizer(hf, eos_token=eos)
+            _LL_TOKENIZERS[tokenizer] = cached
+        return cached
 
 
 def _invalid(message: str) -> ProtocolError:
