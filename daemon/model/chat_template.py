@@ -69,7 +69,7 @@ def render_messages(
     prefill = messages[-1].get("role") == "assistant"
     messages = normalize_messages(messages)  # per-request lines out: cached prefixes still match
     try:
-        return tokenizer.apply_chat_template(
+        text: str = tokenizer.apply_chat_template(  # tokenize=False: the text
             messages,
             tools=list(tools) if tools else None,
             tokenize=False,
@@ -77,6 +77,7 @@ def render_messages(
             continue_final_message=prefill,
             **(template_kwargs or {}),
         )
+        return text
     except Exception as exc:  # the template's own checks (roles must alternate, ...) raise
         raise ProtocolError(
             ErrorCode.INVALID_REQUEST, f"the chat template refused the messages: {exc}"

@@ -85,7 +85,7 @@ def resume_layers(
     others copied from `state` (the untrimmable layers' checkpoint at `length`, in layer order),
     or from `layers` themselves when `state` is None (they hold exactly `length` tokens)."""
     states = iter(state or ())
-    out = []
+    out: list[LayerCache] = []
     for layer, cut in zip(layers, trimmable):
         if isinstance(layer, RemoteLayers):
             out.append(layer.resume(length, None if cut or state is None else next(states)))

@@ -42,7 +42,8 @@ def watch_layers(model: Any, on_layer: Callable[[], None]) -> int:
 
 
 def _hooked_class(base: type, on_layer: Callable[[], None], force: bool) -> type:
-    def __call__(self, x, *args, **kwargs):
+    # A decoder layer's call: its hidden states in, mlx-lm's own arguments passed through.
+    def __call__(self: object, x: mx.array, *args: Any, **kwargs: Any) -> Any:
         out = base.__call__(self, x, *args, **kwargs)
         # (batch, positions, hidden): more than one position is a prompt chunk.
         if getattr(x, "ndim", 0) >= 3 and x.shape[-2] > 1:

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import mlx_lm.utils
@@ -58,7 +58,11 @@ def load_model(
     materialize only what stays resident (a pipeline's rank 0 loads through distributed/rank0)."""
     report = on_progress or (lambda *_: None)
     report("reading the checkpoint", 0, 1, "steps")
-    model, tokenizer, raw = mlx_lm.utils.load(str(path), lazy=True, return_config=True)
+    # mlx-lm's load is typed as either tuple; return_config=True makes it the three.
+    model, tokenizer, raw = cast(
+        "tuple[nn.Module, TokenizerWrapper, dict[str, Any]]",
+        mlx_lm.utils.load(str(path), lazy=True, return_config=True),
+    )
     config = ModelConfig.from_dict(raw)
     check_tokenizer(tokenizer, config)
     routing = limit_routing(model, config, serve.max_active_experts)
@@ -77,7 +81,7 @@ def load_model(
     return LoadedModel(model, tokenizer, path, config, streamer, routing=routing)
 
 
-def limit_routing(model: Any, config: ModelConfig, max_active_experts: int):
+def limit_routing(model: Any, config: ModelConfig, max_active_experts: int) -> Routing | None:
     """The model's experts per token, reduced to `max_active_experts` when that is set (lossy)."""
     native = config.experts_per_token
     if native is None:
@@ -97,10 +101,13 @@ LOAD_STEPS = 20
 def materialize(model: Any, report: LoadProgress) -> None:
     """Evaluate the resident weights in batches (the same arrays as one mx.eval of all of them),
     reporting bytes as they land."""
-    arrays = [a for _, a in tree_flatten(model.parameters())]
+    # tree_flatten is typed as a list or a dict; without a `destination` it is the list.
+    flat = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    arrays = [a for _, a in flat]
     total = sum(a.nbytes for a in arrays)  # from shapes: no evaluation
     step = max(total // LOAD_STEPS, 1)
-    done, batch, batch_bytes = 0, [], 0
+    done, batch_bytes = 0, 0
+    batch: list[mx.array] = []
     report("loading weights", 0, total, "bytes")
     for i, array in enumerate(arrays):
         batch.append(array)
@@ -112,7 +119,7 @@ def materialize(model: Any, report: LoadProgress) -> None:
             report("loading weights", done, total, "bytes")
 
 
-def streaming_config(serve: ServeConfig, model_config: ModelConfig):
+def streaming_config(serve: ServeConfig, model_config: ModelConfig) -> StreamingConfig:
     """The expert-streaming settings of a daemon configuration, with room for its KV cache."""
     return StreamingConfig(
         cache_budget=serve.cache_budget,
@@ -164,7 +171,7 @@ class MemoryPlanRefused(RuntimeError):
     """The memory plan says the model cannot fit: refuse before it can crash the process."""
 
 
-def describe_model(loaded: LoadedModel) -> dict:
+def describe_model(loaded: LoadedModel) -> dict[str, Any]:
     cfg = loaded.config
     return {
         "path": str(loaded.path),

@@ -99,7 +99,7 @@ from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -116,12 +116,14 @@ BATCH_CACHE_CALLS = ("merge", "extend", "filter", "prepare", "finalize", "extrac
 
 def prompt_batch(gen: BatchGenerator) -> PromptProcessingBatch:
     """The rows reading their prompt (use 1)."""
-    return gen._prompt_batch
+    batch: PromptProcessingBatch = gen._prompt_batch  # unannotated in mlx-lm
+    return batch
 
 
 def generation_batch(gen: BatchGenerator) -> GenerationBatch:
     """The decoding rows (use 1)."""
-    return gen._generation_batch
+    batch: GenerationBatch = gen._generation_batch  # unannotated in mlx-lm
+    return batch
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,7 @@ class NextToken:
 
 def next_tokens(gen: BatchGenerator, uids: Iterable[int]) -> list[NextToken]:
     """The next token of each decoding row among `uids` (use 9)."""
-    batch = gen._generation_batch
+    batch = generation_batch(gen)
     wanted = set(uids)
     return [
         NextToken(uid, batch._next_tokens[i], batch._next_logprobs[i], int(batch.max_tokens[i]))
@@ -156,8 +158,8 @@ def move_whole_splits(gen: BatchGenerator) -> None:
     token. Then the rows move instead, as that filter would leave them: unpadded BatchKVCache
     rows and ArraysCache rows, in their order, are already what it returns. Any other split (some
     rows stay, padded rows, a pipeline's cache handles) is the generator's own."""
-    batch = gen._prompt_batch
-    batch.split = types.MethodType(_split, batch)
+    batch = prompt_batch(gen)
+    batch.split = types.MethodType(_split, batch)  # type: ignore[method-assign]  # use 10's rebinding
 
 
 def scope_prompt_ends(
@@ -165,16 +167,18 @@ def scope_prompt_ends(
 ) -> None:
     """Use 11. `scope()` is entered around each step that reads prompts' last tokens: the split
     batch's `generate`, whose GenerationBatch runs that step as it is made, and only it."""
-    batch = gen._prompt_batch
+    batch = prompt_batch(gen)
     split = batch.split  # the class's, or use 10's
 
+    # mlx-lm leaves `split` and `generate` without a return annotation: named here.
     def scoped_split(indices: list[int]) -> PromptProcessingBatch:
-        moving = split(indices)
+        moving: PromptProcessingBatch = split(indices)
         generate = moving.generate
 
         def scoped_generate(tokens: list[list[int]]) -> GenerationBatch:
             with scope():
-                return generate(tokens)
+                made: GenerationBatch = generate(tokens)
+                return made
 
         moving.generate = scoped_generate  # type: ignore[method-assign]
         return moving
@@ -185,7 +189,8 @@ def scope_prompt_ends(
 def _split(batch: PromptProcessingBatch, indices: list[int]) -> PromptProcessingBatch:
     whole = sorted(indices) == list(range(len(batch.uids)))
     if not whole or not all(_as_filtered(c) for c in batch.prompt_cache):
-        return PromptProcessingBatch.split(batch, indices)
+        split: PromptProcessingBatch = PromptProcessingBatch.split(batch, indices)
+        return split
     moved = PromptProcessingBatch.__new__(PromptProcessingBatch)
     moved.__dict__.update({k: v for k, v in batch.__dict__.items() if k != "split"})
     for name in _ROW_LISTS:
@@ -231,12 +236,13 @@ def set_prefill_step(gen: BatchGenerator, tokens: int) -> None:
 def unpadded(cache: BatchKVCache) -> bool:
     """No row of this batch cache is padded, left or right (use 3). Reads the padding to the
     host."""
-    return cache._right_padding is None and not any(cache.left_padding.tolist())
+    left = cast(Callable[[], list[int]], cache.left_padding.tolist)  # 1-d: a list of ints
+    return cache._right_padding is None and not any(left())
 
 
 def model_class_for(config: Mapping[str, Any]) -> type[nn.Module]:
     """The mlx-lm model class a config.json names (use 5)."""
-    cls, _args = _get_classes(dict(config))
+    cls: type[nn.Module] = _get_classes(dict(config))[0]  # unannotated in mlx-lm
     return cls
 
 
@@ -244,7 +250,8 @@ def unloaded_model(config: Mapping[str, Any]) -> nn.Module:
     """The mlx-lm model a config.json describes, its parameters lazy and never evaluated (use 5):
     its parameter names and shapes without the memory (bench/replica_layout.py)."""
     cls, args = _get_classes(dict(config))
-    return cls(args.from_dict(dict(config)))
+    model: nn.Module = cls(args.from_dict(dict(config)))  # unannotated in mlx-lm
+    return model
 
 
 def supports_pipeline(config: Mapping[str, Any]) -> bool:
@@ -271,7 +278,7 @@ def pipelined_architectures() -> list[str]:
 
 def wrap_pipeline_norm(pipeline: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> nn.Module:
     """Replace the pipeline module's final norm with `wrap(norm)`; returns the norm (use 6)."""
-    norm = pipeline.norm
+    norm: nn.Module = pipeline.norm  # a Module's attribute reads as Any
     pipeline.norm = wrap(norm)
     return norm
 

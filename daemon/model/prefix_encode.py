@@ -114,7 +114,7 @@ def _newline_cuts_exact(backend: Any) -> bool:
     if spec.get("normalizer") not in (None, {"type": "NFC"}):
         return False
     pre = spec.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
+    steps: list[Any] = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
     byte_level = steps[-1] if steps else {}
     if byte_level.get("type") != "ByteLevel" or byte_level.get("add_prefix_space", True):
         return False

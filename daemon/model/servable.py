@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from moed.client.hub import cached_models
 from moed.daemon.config import DEMO_MODEL, ModelEntry
@@ -31,7 +32,7 @@ class Servable:
     def pinned(self) -> bool:
         return self.entry is not None and self.entry.pin
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """The listing's row (`/v1/models`, `/api/tags`): loaded or not, with its context."""
         try:
             context = ModelConfig.read(self.path).context_tokens
