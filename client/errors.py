@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moed.protocol import ErrorCode
+from moed.protocol.events import FailedEvent
 
 
 class ClientError(Exception):
@@ -31,15 +32,13 @@ class RequestFailed(ClientError):
         self.budget = budget
 
     @classmethod
+    def from_event(cls, event: FailedEvent) -> RequestFailed:
+        return cls(event.code, event.message, event.retryable, event.budget)
+
+    @classmethod
     def from_message(cls, msg: dict) -> RequestFailed:
         """From the daemon's `error` message."""
-        budget = msg.get("budget")
-        return cls(
-            msg.get("code"),
-            msg.get("message", ""),
-            bool(msg.get("retryable")),
-            budget if isinstance(budget, dict) else None,
-        )
+        return cls.from_event(FailedEvent.from_wire(msg))
 
 
 class DaemonUnavailable(ClientError):

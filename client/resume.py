@@ -52,14 +52,7 @@ class Resumption:
         elif isinstance(event, DoneEvent) and self.resumes:
             received, resumes = len(self.received), self.resumes
             usage = {**event.usage, "completion_tokens": received, "resumes": resumes}
-            return DoneEvent(
-                event.finish_reason,
-                usage,
-                event.timings,
-                event.telemetry,
-                event.stop_sequence,
-                event.lossy,
-            )
+            return replace(event, usage=usage)
         return event
 
     def interrupted(self, exc: ClientError, boot_id: str | None) -> str | None:

@@ -62,13 +62,14 @@ REQUEST_TYPES = frozenset(
 CONTROL_TYPES = REQUEST_TYPES - {MessageType.GENERATE}
 
 
-class FinishReason(str, enum.Enum):
+# Str enums: a client shows these as the text they are (str() and f-strings give the value).
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # end-of-sequence token
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"  # cancel request, or the client went away
 
 
-class Channel(str, enum.Enum):
+class Channel(enum.StrEnum):
     """Which part of the model's turn a `token` message's text belongs to (the template's markers
     tell them apart; the markers themselves are in no channel)."""
 
@@ -171,6 +172,8 @@ def done(
     timings: dict[str, Any],
     telemetry: dict[str, Any] | None = None,
     stop_sequence: str | None = None,
+    notice: str | None = None,
+    lossy: dict[str, Any] | None = None,
 ) -> Message:
     msg = {
         **_base(MessageType.DONE, request_id),
@@ -182,6 +185,10 @@ def done(
         msg["telemetry"] = telemetry
     if stop_sequence is not None:
         msg["stop_sequence"] = stop_sequence
+    if notice:  # the daemon changed the request (a capped max_tokens)
+        msg["notice"] = notice
+    if lossy is not None:
+        msg["lossy"] = lossy
     return msg
 
 
