@@ -43,6 +43,7 @@ class ClientJob:
     logprobs: int | None = None  # ask for the top alternatives of every token (solo references)
     until_late_token: bool = False  # stop (cancel) once a late job received its first token
     format: dict | None = None  # structured output: the answer held to this format's grammar
+    model: str | None = None  # the model it names (None: the daemon's started model)
 
 
 def run_clients(socket: Path, jobs: list[ClientJob]) -> list[StreamRecord]:
@@ -84,6 +85,7 @@ def run_clients(socket: Path, jobs: list[ClientJob]) -> list[StreamRecord]:
                     telemetry_every=QUIET_TELEMETRY,
                     logprobs=job.logprobs,
                     format=job.format,
+                    model=job.model,
                 ):
                     if isinstance(event, TokenEvent) and event.ids:
                         rec.stamps.append(time.perf_counter())

@@ -14,6 +14,7 @@ from moed.daemon.bench.replica import bench_replica
 from moed.daemon.bench.serve import bench_serve
 from moed.daemon.bench.stream import stream
 from moed.daemon.bench.structured import bench_format
+from moed.daemon.bench.switch import bench_switch
 
 
 @click.group("bench")
@@ -31,3 +32,4 @@ bench.add_command(prewarm)
 bench.add_command(prompt_bench)
 bench.add_command(bench_replica)
 bench.add_command(stream)
+bench.add_command(bench_switch)

@@ -15,22 +15,20 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from moed.daemon.config import ServeConfig
 from moed.daemon.engine.loop import Engine
 from moed.daemon.engine.request import RequestKey
 from moed.daemon.engine.status import EngineStatus
-from moed.daemon.experts.budget import CacheBudget, parse_size
-from moed.daemon.experts.memory_plan import machine_memory, plan_memory, process_rss
+from moed.daemon.experts.budget import parse_size
+from moed.daemon.experts.memory_plan import machine_memory, process_rss
+from moed.daemon.model.footprint import model_footprint
 from moed.daemon.model.limits import read_limits
-from moed.daemon.model.loader import streaming_config
 from moed.daemon.model.servable import Catalog, Servable
 from moed.daemon.model.source import ModelNotFound, ModelUnreadable
 from moed.daemon.transport.admission import TokenCounter
 from moed.protocol import ErrorCode, Limits, ProtocolError
-from moed.protocol.model_config import ModelConfig
 from moed.protocol.units import format_bytes
 
 log = logging.getLogger("moed.models")
@@ -241,16 +239,6 @@ def model_settings(serve: ServeConfig, servable: Servable) -> ServeConfig:
         if entry.context is not None:
             changes["plan_context_tokens"] = entry.context
     return dataclasses.replace(serve, **changes)
-
-
-def model_footprint(serve: ServeConfig, path: Path, capacity: int) -> int:
-    """What a model's memory plan holds beyond the process's own, within `capacity` (an auto
-    budget takes all of it; a resident model holds every expert)."""
-    if serve.resident:
-        serve = dataclasses.replace(serve, cache_budget=CacheBudget.parse("100%"))
-    cfg = streaming_config(serve, ModelConfig.read(path))
-    share = (capacity, capacity, "the loaded models' share")
-    return plan_memory(path, cfg, baseline_bytes=0, memory=share).required_bytes
 
 
 def _capacity(serve: ServeConfig) -> int:

@@ -12,7 +12,7 @@ import pytest
 
 from moed.client import DoneEvent, RequestFailed, TokenEvent
 from moed.daemon.config import ServeConfig
-from moed.daemon.transport.model_set import model_footprint
+from moed.daemon.model.footprint import model_footprint
 from tests.fixtures.daemon_harness import moe
 from tests.fixtures.gateway_harness import start_gateway
 from tests.fixtures.reference import generate
