@@ -28,9 +28,7 @@ def streamed(path: Path, prompt: list[int], chunk: int, budget: str, overlap: bo
     try:
         mx.eval(model.parameters())
         if not overlap:  # the tuner probes from on: hold it off for this read
-            streamer.overlap.active = False
-            streamer.tuner.switches = []
-            streamer.tuner._queue = []
+            streamer.hold_tuning()
         seconds, lp = _first_token(model, prompt, chunk, streamer.unused_output.scope)
         snap = streamer.snapshot()
         return seconds, lp, f"{snap['passes']} passes, {snap['overlapped']} overlapped"

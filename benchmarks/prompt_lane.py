@@ -32,7 +32,7 @@ def side(path: Path, budget: str | None, lane: bool, tokens: int, seed: int):
         cfg = StreamingConfig(cache_budget=budget, page_cache=PageCachePolicy.TRUST)
         streamer = install_streaming(model, path, cfg)
         if not lane:
-            streamer.lane = None
+            streamer.drop_lane()
     mx.eval(model.parameters())
     rng = np.random.default_rng(seed)
     times, deltas = [], {k: [] for k in KEYS}

@@ -89,7 +89,7 @@ def _read_prompt(
         mx.eval(model.parameters())
         if chunk <= 0:  # the plan's own chunk for this prompt, from this model's memory plan
             chunk = _plan_chunk(config, streamer.plan.working_bytes, plan, len(prompt))
-        streamer.trace = []
+        streamer.record_routing()
         before = streamer.snapshot()
         seconds, logprobs = _first_token(model, prompt, chunk, streamer.unused_output.scope)
         after = streamer.snapshot()

@@ -183,8 +183,7 @@ def load_streaming(
     simulate = not (preload_all or speculative)
     # The simulations replay the routing trace, which needs the choices on the host: a traced
     # run never routes on the device, so the preloaded run (no simulation) goes untraced.
-    streamer.trace = [] if simulate else None
-    streamer.device_routing = not host_routed
+    streamer.record_routing(trace=simulate, device_routing=not host_routed)
     name = budget + ("+pre" if preload_all else "") + ("+spec" if speculative else "")
     name += ",host" if host_routed else ""
     name += ",late" if launch_early is False else ""

@@ -27,6 +27,7 @@ from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
 from moed.daemon.engine.sink import EventSink
 from moed.daemon.engine.status import DaemonState, EngineStatus
 from moed.daemon.experts.active_experts import ActiveExpertsError
+from moed.daemon.experts.hooks import EngineHooks
 from moed.daemon.ground.crashlog import CrashKind
 from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.ground.faults import Faults
@@ -145,10 +146,9 @@ class ModelLifecycle:
             return
         watch_layers(self.loaded.model, self.heartbeat.layer_done)
         if self.loaded.streamer is not None:
-            self.loaded.streamer.on_progress = self.heartbeat.beat
-            if self.faults.device:  # tests raise device failures at the sync points
-                self.loaded.streamer.on_sync = self.faults.at
-                self.loaded.streamer.fence.on_sync = self.faults.at
+            # Tests raise device failures at the sync points.
+            on_sync = self.faults.at if self.faults.device else None
+            self.loaded.streamer.attach(EngineHooks(self.heartbeat.beat, on_sync))
 
     def _new_batch(self) -> DecodeBatch:
         # A pipeline's leader mirrors every batch-cache change to the other ranks (cache_ops.py).

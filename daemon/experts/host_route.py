@@ -21,6 +21,7 @@ import numpy as np
 from moed.daemon.experts.cache import LayerPool
 from moed.daemon.experts.counters import Counters
 from moed.daemon.experts.fence import LazyFence
+from moed.daemon.experts.hooks import Watchers
 from moed.daemon.experts.prefetch import ReadBatch, ReadPool
 from moed.daemon.experts.prompt_end import PromptEnd
 from moed.daemon.experts.speculation import Speculator
@@ -60,9 +61,7 @@ class HostRouting:
     unused_output: UnusedOutput
     usage: list[np.ndarray]
     trace: list[list[np.ndarray]] | None
-    observer: Any
-    on_progress: Callable[[], None]
-    on_sync: Callable[[SyncPoint], None] | None
+    watch: Watchers
     _routed: list[list[np.ndarray | list[int]]]
     _step_tally: mx.array | None
 
@@ -93,8 +92,9 @@ class HostRouting:
         else:
             mx.eval(indices, *[a for a in (predicted, tally) if a is not None], *fence.outputs)
         fence.settled()
-        if self.on_sync is not None:  # a device failure surfaces at this read-back
-            self.on_sync(SyncPoint.ROUTER)
+        on_sync = self.watch.on_sync
+        if on_sync is not None:  # a device failure surfaces at this read-back
+            on_sync(SyncPoint.ROUTER)
         c.host_syncs += 1
         t1 = time.perf_counter()
         c.router_sync_s += t1 - t0
@@ -142,9 +142,10 @@ class HostRouting:
                 self.trace[-1].append(np.unique(np.asarray(choices, dtype=np.intp)))
         c.layer_calls += 1
         c.router_copy_s += time.perf_counter() - t1
-        if self.observer is not None:
-            self.observer.on_route(layer, np.asarray(choices, dtype=np.intp).reshape(shape))
-        self.on_progress()
+        watch = self.watch
+        if watch.observer is not None:
+            watch.observer.on_route(layer, np.asarray(choices, dtype=np.intp).reshape(shape))
+        watch.progress()
 
     def _fold_usage(self, layer: int) -> None:
         routed, self._routed[layer] = self._routed[layer], []
@@ -199,8 +200,9 @@ class HostRouting:
         if lowest >= 0:  # every expert resident: no admission, no read
             pool.touch_call(needed)
             self.counters.layers[layer].hits += len(needed)
-            if self.observer is not None:
-                self.observer.on_load(layer, pool, needed, [])
+            observer = self.watch.observer
+            if observer is not None:
+                observer.on_load(layer, pool, needed, [])
             if spec.enabled:
                 spec.issue(layer + 1)
             out = early if early is not None else _build(build, pool)

@@ -6,9 +6,8 @@ streamer (streamer.py) runs it on the engine thread."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -16,6 +15,7 @@ import numpy as np
 from moed.daemon.experts.cache import LayerPool
 from moed.daemon.experts.counters import Counters
 from moed.daemon.experts.fence import LazyFence
+from moed.daemon.experts.hooks import Watchers
 from moed.daemon.experts.landing import Staging
 from moed.daemon.experts.prefetch import ReadBatch, ReadPool, ReadResult
 from moed.daemon.experts.speculation import Speculator
@@ -55,8 +55,7 @@ class SlotLoads:
     reader: ReadPool
     store: ExpertStore
     spec: Speculator
-    observer: Any
-    on_progress: Callable[[], None]
+    watch: Watchers
 
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]:
         """Make `experts` resident in `layer`; returns (expert -> slot table, pools)."""
@@ -102,8 +101,9 @@ class SlotLoads:
         lc = self.counters.layers[layer]
         lc.hits += len(hits)
         lc.misses += len(loads)
-        if self.observer is not None:  # before the read: it asks whether the pages are cached
-            self.observer.on_load(layer, pool, hits, loads)
+        observer = self.watch.observer
+        if observer is not None:  # before the read: it asks whether the pages are cached
+            observer.on_load(layer, pool, hits, loads)
         return hits, loads
 
     def finish_load(self, p: PendingLoad) -> None:
@@ -185,7 +185,7 @@ class SlotLoads:
         """Account reads the engine waited for (demand misses, or speculative reads it caught up
         with)."""
         c = self.counters
-        self.on_progress()
+        self.watch.progress()
         c.reads += res.jobs
         c.read_s += res.read_s
         c.stall_s += res.wall_s

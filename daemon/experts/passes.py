@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -15,6 +15,7 @@ import numpy as np
 from moed.daemon.experts.cache import LayerPool
 from moed.daemon.experts.counters import Counters
 from moed.daemon.experts.fence import LazyFence
+from moed.daemon.experts.hooks import Watchers
 from moed.daemon.experts.landing import Staging
 from moed.daemon.experts.loads import PendingLoad
 from moed.daemon.experts.pass_lane import LANE, PassLane, lane_loads
@@ -52,7 +53,7 @@ class PassLoads:
     fence: LazyFence
     reader: ReadPool
     store: ExpertStore
-    observer: Any
+    watch: Watchers
 
     if TYPE_CHECKING:  # the loads' methods (loads.py), called from here
 
@@ -120,8 +121,9 @@ class PassLoads:
         loads = lane_loads(experts.tolist())
         self.counters.layers[layer].misses += len(loads)
         self.counters.lane_loads += len(loads)
-        if self.observer is not None:
-            self.observer.on_load(layer, pool, [], loads)
+        observer = self.watch.observer
+        if observer is not None:
+            observer.on_load(layer, pool, [], loads)
         self.fence.guard(LANE, loads)  # the lane's pass before this one has run
         staging = Staging(loads)
         return _LaneRead(

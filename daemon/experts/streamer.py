@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +24,7 @@ from moed.daemon.experts.cuda_memory import on_cuda, on_gpu
 from moed.daemon.experts.discover import SwitchInfo
 from moed.daemon.experts.fence import LazyFence
 from moed.daemon.experts.held import DeviceTally
+from moed.daemon.experts.hooks import EngineHooks, RouteObserver, Watchers
 from moed.daemon.experts.host_route import HostRouting
 from moed.daemon.experts.landing import Landing
 from moed.daemon.experts.loads import SlotLoads
@@ -45,13 +46,8 @@ from moed.daemon.experts.store import ExpertStore, PageCachePolicy, resolve_page
 from moed.daemon.experts.tuning import StepTuner, Switch
 from moed.daemon.experts.unused_output import UnusedOutput
 from moed.daemon.experts.warm import CacheWarmth
-from moed.daemon.ground.faults import SyncPoint
 
 log = logging.getLogger(__name__)
-
-
-def _no_progress() -> None:
-    """The default progress hook: nobody watches (benches, tests in-process)."""
 
 
 @dataclass(frozen=True)
@@ -149,16 +145,41 @@ class ExpertStreamer(HostRouting, PassLoads, SlotLoads, Shedding, CacheWarmth):
         self.fence = LazyFence(self.counters)  # outputs built, not yet evaluated
         self._engine_thread = threading.get_ident()  # the loading thread until the first layer call
         self._lock = threading.Lock()
-        self.trace: list[list[np.ndarray]] | None = None  # set to [] to record routing (bench)
+        self.trace: list[list[np.ndarray]] | None = None  # routing recorded (record_routing)
         # False: every layer is read back to the host even when it holds every expert (bench).
         self.device_routing = True
-        # A router-trace recorder (moed.daemon.telemetry.trace), attached around one request's step.
-        self.observer = None
-        # Called on the engine thread when a layer routed or its reads landed: progress inside a
-        # step, for the engine's progress deadline (engine/heartbeat.py).
-        self.on_progress: Callable[[], None] = _no_progress
-        # Called after each router read-back (tests inject device failures there).
-        self.on_sync: Callable[[SyncPoint], None] | None = None
+        self.watch = Watchers()  # the engine's hooks and a request's observer (hooks.py)
+
+    # -- the door: what the engine, benches and tests hand in (hooks.py) ---------------------
+
+    def attach(self, hooks: EngineHooks) -> None:
+        """The engine's hooks, once a model is loaded: its progress beat, its sync points."""
+        self.watch.progress = hooks.progress
+        self.watch.on_sync = self.fence.on_sync = hooks.on_sync
+
+    @contextmanager
+    def observing(self, observer: RouteObserver) -> Iterator[None]:
+        """`observer` sees every routing and admission of the passes inside (one traced step)."""
+        self.watch.observer = observer
+        try:
+            yield
+        finally:
+            self.watch.observer = None
+
+    def record_routing(self, trace: bool = True, device_routing: bool = True) -> None:
+        """For benches and tests: `trace` records from now on each forward pass's distinct
+        experts per layer (in `trace`; every layer routed on the host); `device_routing` False
+        reads a layer back to the host even where it holds every expert."""
+        self.trace = [] if trace else None
+        self.device_routing = device_routing
+
+    def drop_lane(self) -> None:
+        """Multi-pass calls run in the layer's pool alone (benches and tests compare)."""
+        self.lane = None
+
+    def hold_tuning(self) -> None:
+        """Every tuned switch off, and no more probing (a bench measures one setting)."""
+        self.tuner.stop()
 
     def keep_rows_together(self) -> None:
         """This device's gathers give a row other bits in a smaller call (row_split.py): the
@@ -174,7 +195,7 @@ class ExpertStreamer(HostRouting, PassLoads, SlotLoads, Shedding, CacheWarmth):
         """Whether the last layer may skip this multi-position call (unused_output.py): the
         engine says its output is dropped, and no request's trace records the model's routing
         (a bench's `trace` records what was routed, skipped calls not among them)."""
-        if not self.unused_output.active or self.observer is not None:
+        if not self.unused_output.active or self.watch.observer is not None:
             return False
         self.unused_output.skipped += 1
         return True
@@ -205,7 +226,7 @@ class ExpertStreamer(HostRouting, PassLoads, SlotLoads, Shedding, CacheWarmth):
             pool.hold()  # device arrays in expert order: the router's indices are slots
             self._held[layer] = True
             log.debug("MoE layer %d holds every expert: routed on the device", layer)
-        return self.device_routing and self.trace is None and self.observer is None
+        return self.device_routing and self.trace is None and self.watch.observer is None
 
     def route_on_device(self, layer: int, indices: mx.array) -> mx.array | None:
         """A held layer's call: its bookkeeping without the host. Returns an array the layer's

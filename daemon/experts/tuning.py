@@ -65,6 +65,13 @@ class StepTuner:
         if self._queue:
             self._set(self._queue[0], True)
 
+    def stop(self) -> None:
+        """Every switch off and never probed again."""
+        for sw in self.switches:
+            self._set(sw, False)
+        self.switches, self._queue = [], []
+        self._costs = {True: [], False: []}
+
     def _start_round(self) -> None:
         self._queue = list(self.switches)
         self._costs = {True: [], False: []}

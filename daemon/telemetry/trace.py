@@ -342,11 +342,10 @@ def recording(recorder: TraceRecorder | None) -> Iterator[None]:
         yield
         return
     recorder.begin()
-    recorder.streamer.observer = recorder
     try:
-        yield
+        with recorder.streamer.observing(recorder):
+            yield
     finally:
-        recorder.streamer.observer = None
         recorder.end()
 
 
@@ -377,12 +376,10 @@ def recording_all(recorders: list[TraceRecorder]) -> Iterator[None]:
         return
     for r in recorders:
         r.begin()
-    streamer = recorders[0].streamer
-    streamer.observer = _Fanout(recorders)
     try:
-        yield
+        with recorders[0].streamer.observing(_Fanout(recorders)):
+            yield
     finally:
-        streamer.observer = None
         for r in recorders:
             r.end()
 

@@ -30,7 +30,7 @@ def test_streaming_with_k_equals_resident_with_k(checkpoint_factory, arch):
     model, streamer = streaming(path, "50%")
     try:
         routing = limit_active_experts(model, 4, 2)
-        streamer.trace = []
+        streamer.record_routing()
         got = decode(model, PROMPT, 10)
         per_call = [len(layer) for call in streamer.trace[1:] for layer in call]
     finally:

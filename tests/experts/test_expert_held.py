@@ -61,7 +61,7 @@ def test_device_tally_equals_host_routing(checkpoint_factory):
         try:
             preload_all(streamer)
             if host_routed:
-                streamer.trace = []  # the trace needs the choices on the host
+                streamer.record_routing()  # the trace needs the choices on the host
             before = streamer.snapshot()
             decode(model, PROMPT, MAX_TOKENS)
             usage = streamer.usage_counts()

@@ -22,7 +22,7 @@ PROMPT = [(7 * i + 3) % 300 + 3 for i in range(150)]  # routes to every expert: 
 def _run(path, budget, lane: bool, **config):
     model, streamer = streaming(path, budget, **config)
     if not lane:
-        streamer.lane = None
+        streamer.drop_lane()
     return model, streamer
 
 

@@ -23,7 +23,7 @@ def test_a_chunk_reads_each_expert_at_most_once(checkpoint_factory, budget):
     for chunk in (8, 32, 256):
         model, streamer = streaming(path, budget)
         try:
-            streamer.trace = []  # per forward pass, per layer: the distinct experts routed to
+            streamer.record_routing()  # per forward pass, per layer: the distinct experts routed to
             decode(model, PROMPT, 1, prefill_step_size=chunk)
             snap = streamer.snapshot()
         finally:
