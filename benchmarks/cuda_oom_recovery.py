@@ -190,7 +190,12 @@ def run_mode(mode: str, fault: str, point: str, after: int, model: Path, root: P
         if not alive:
             print(daemon.tail(), flush=True)
             return checks
-        after_status = daemon.status()
+        try:
+            after_status = daemon.status()
+        except DaemonUnavailable as exc:  # the daemon went after the streams: say why
+            checks.check(False, "the recovered daemon answers status", exc)
+            print(daemon.tail(), flush=True)
+            return checks
         again = three_streams(daemon.socket)
     finally:
         daemon.stop()

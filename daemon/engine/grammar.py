@@ -79,11 +79,12 @@ def explained(message: str) -> str:
 
 
 def grammar_for(req: GenerateRequest, tokenizer: Any) -> str | None:
-    """The llguidance grammar a generate asks for; None when its answer is free."""
-    from llguidance import LLMatcher
-
+    """The llguidance grammar a generate asks for; None when its answer is free (then llguidance
+    is not imported: a recovery's rejoin of plain rows runs where it is not installed)."""
     fmt = req.format
     if fmt is not None:
+        from llguidance import LLMatcher
+
         schema = fmt.schema if fmt.type is FormatType.JSON_SCHEMA else None
         try:
             return LLMatcher.grammar_from_json_schema(

@@ -227,3 +227,28 @@ def test_a_failed_matcher_ends_the_answer_instead_of_freeing_it(tmp_path):
     after = mask(mx.array([1, refused]), mx.zeros((1, width)))
     assert mask.failed
     assert [i for i in range(width) if after[0, i].item() > -1e30] == sorted(tok.eos_token_ids)
+
+
+def test_a_request_without_a_grammar_never_imports_llguidance(tmp_path):
+    """A recovery's rejoin asks every row for its grammar; a plain row must not need llguidance
+    (a CUDA host without it failed its in-place recovery on that import)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['llguidance'] = None\n"  # any import of it now raises ImportError
+        "from moed.daemon.engine.grammar import grammar_for\n"
+        "from moed.protocol import GenerateRequest\n"
+        "assert grammar_for(GenerateRequest(prompt='x'), None) is None\n"
+        "try:\n"
+        "    from moed.protocol import ResponseFormat\n"
+        "    from moed.protocol.constraints import FormatType\n"
+        "    asks = GenerateRequest(prompt='x', format=ResponseFormat(FormatType.JSON))\n"
+        "    grammar_for(asks, None)\n"
+        "except ImportError:\n"
+        "    print('needs llguidance only for a format')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "needs llguidance only for a format"
