@@ -81,7 +81,7 @@ TEST_WORKERS ?= 2
 MYPY_TREE := build/mypy/moed
 MOED_ROOMS := protocol daemon client gateway launchd
 
-# The type gate alone, for the edit loop (strict on protocol/ and daemon/engine, experts, model).
+# The type gate alone, for the edit loop ([tool.mypy] in pyproject.toml names the strict rooms).
 typecheck: $(TEST_STAMP)
 	@mkdir -p $(MYPY_TREE) && for room in $(MOED_ROOMS); do ln -sfn ../../../$$room $(MYPY_TREE)/$$room; done
 	$(BIN)/mypy

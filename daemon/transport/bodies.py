@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moed.daemon import __version__
 from moed.daemon.engine.status import DaemonState
@@ -14,8 +14,11 @@ from moed.protocol import MAX_FRAME_BYTES, PROTOCOL_MAJOR, PROTOCOL_MINOR, Prefi
 from moed.protocol import messages as wire
 from moed.protocol.codec import MAX_DEPTH
 
+if TYPE_CHECKING:  # the Server whose bodies these are (server.py imports this module)
+    from moed.daemon.transport.server import Server
 
-def watchdog_summary(state_dir: Path) -> dict | None:
+
+def watchdog_summary(state_dir: Path) -> dict[str, Any] | None:
     """The watchdog's published state (it shares the state directory), for `moe status`."""
     state = read_watchdog_state(state_dir)
     if state is None:
@@ -24,7 +27,7 @@ def watchdog_summary(state_dir: Path) -> dict | None:
     return {k: state.get(k) for k in keep}
 
 
-def welcome_body(self) -> dict:
+def welcome_body(self: Server) -> dict[str, Any]:
     """The `welcome` body; `self` is the Server."""
     snap = self.status.snapshot()
     return {
@@ -50,7 +53,7 @@ def welcome_body(self) -> dict:
     }
 
 
-def status_body(self) -> dict[str, Any]:
+def status_body(self: Server) -> dict[str, Any]:
     """The `status` body: the engine's snapshot, the progress deadline, crashes, the watchdog."""
     snap = self.status.snapshot()
     snap.pop("prefix_entries", None)  # `prefix_cache` lists them; status stays small
@@ -73,7 +76,7 @@ def status_body(self) -> dict[str, Any]:
     return snap
 
 
-def prefix_cache_reply(self, req_id, msg: dict) -> dict:
+def prefix_cache_reply(self: Server, req_id: Any, msg: dict[str, Any]) -> dict[str, Any]:
     """`prefix_cache`: list the cache from the engine's last published view, or queue its clearing
     (the engine thread owns the tiers; a later list shows it empty). `self` is the Server."""
     action = PrefixCacheAction(msg.get("action") or PrefixCacheAction.LIST.value)

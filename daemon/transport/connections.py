@@ -28,7 +28,7 @@ def connection_limit(configured: int) -> int:
 
 
 class ConnectionCount:
-    def __init__(self, router: zmq.Socket, limit: int):
+    def __init__(self, router: zmq.Socket[bytes], limit: int):
         self._owner = threading.get_ident()  # zmq sockets belong to one thread: the transport's
         self.limit = limit
         self.live = 0
@@ -70,7 +70,7 @@ class ConnectionCount:
                 "(max_connections); close some, then retry",
             )
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, int]:
         return {"connections": self.live, "max_connections": self.limit}
 
     def close(self) -> None:

@@ -6,16 +6,22 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING, Any
 
 from moed.daemon.transport.bodies import prefix_cache_reply, welcome_body
 from moed.daemon.transport.model_verbs import models_reply
 from moed.protocol import ErrorCode, GenerateRequest, MessageType, ProtocolError, ShedLevel
 from moed.protocol import messages as wire
 
+if TYPE_CHECKING:  # the Server whose verbs these are (server.py imports this module)
+    from moed.daemon.transport.server import Server
+
 log = logging.getLogger("moed.server")
 
 
-def dispatch_control(self, identity: bytes, kind: MessageType, msg: dict) -> dict | None:
+def dispatch_control(
+    self: Server, identity: bytes, kind: MessageType, msg: dict[str, Any]
+) -> dict[str, Any] | None:
     """A validated control message's reply (None: none); `self` is the Server."""
     req_id = msg["id"]
     if kind is MessageType.HELLO:

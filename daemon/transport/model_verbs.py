@@ -10,7 +10,7 @@ from moed.protocol import ModelsAction
 from moed.protocol import messages as wire
 
 
-def models_reply(models: ModelSet, req_id: Any, msg: dict) -> dict:
+def models_reply(models: ModelSet, req_id: Any, msg: dict[str, Any]) -> dict[str, Any]:
     """The reply to a validated `models` message (a refusal raises ProtocolError)."""
     action = ModelsAction(msg.get("action") or ModelsAction.LIST.value)
     if action is ModelsAction.LIST:

@@ -26,7 +26,7 @@ _MORE, _NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
 class Outbound:
     def __init__(
         self,
-        router: zmq.Socket,
+        router: zmq.Socket[bytes],
         on_full: Callable[[bytes], list[bytes]],
         on_gone: Callable[[bytes], None],
     ):

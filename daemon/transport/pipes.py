@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import zmq
 
@@ -36,12 +37,12 @@ class ZmqEventSink:
     """The engine's end of the event pipe; created on the engine thread (ZMQ sockets are per
     thread)."""
 
-    def __init__(self, context: zmq.Context):
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]]):
         self.socket = context.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.connect(EVENTS_ENDPOINT)
 
-    def emit(self, identity: bytes, msg: dict, terminal: bool = False) -> None:
+    def emit(self, identity: bytes, msg: dict[str, Any], terminal: bool = False) -> None:
         flag = TERMINAL_FLAG if terminal else TOKEN_FLAG if msg["type"] == "token" else OTHER_FLAG
         # The request id is encoded apart, so the transport never decodes a message.
         self.socket.send(pack_event(flag, identity, encode(msg["id"]), encode(msg)))

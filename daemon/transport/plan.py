@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from moed.daemon.config import ModelEntry, ServeConfig
 from moed.daemon.ground.crashlog import StartPlan
@@ -15,5 +16,7 @@ class ServerPlan:
     serve: ServeConfig  # final: the cache budget already backed off after recent crashes
     model_path: Path
     crashes: StartPlan  # refuse to start, poison requests, the last crash (welcome and status)
-    budget_backoff: dict | None = None  # how the budget was backed off, for status and crashes
+    budget_backoff: dict[str, Any] | None = (
+        None  # how the budget was backed off, for status and crashes
+    )
     models: tuple[ModelEntry, ...] = ()  # the config file's [models] aliases

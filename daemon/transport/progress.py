@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -18,7 +19,7 @@ class ProgressMonitor:
         if idle_before or self.busy_since is None:
             self.busy_since = time.time() if now is None else now
 
-    def last_progress(self, snapshot: dict) -> float | None:
+    def last_progress(self, snapshot: dict[str, Any]) -> float | None:
         """The engine's last sign of progress: a token, a prompt chunk, a layer of one or an expert
         read inside a step (engine/heartbeat.py), a finished (re)load, or new work arriving."""
         marks = [
@@ -27,10 +28,10 @@ class ProgressMonitor:
             snapshot.get("last_activity_at"),
             self.busy_since,
         ]
-        marks = [m for m in marks if isinstance(m, (int, float))]
-        return max(marks) if marks else None
+        times: list[float] = [m for m in marks if isinstance(m, (int, float))]
+        return max(times) if times else None
 
-    def check(self, snapshot: dict, has_work: bool, now: float | None = None) -> bool:
+    def check(self, snapshot: dict[str, Any], has_work: bool, now: float | None = None) -> bool:
         """True when the engine, with work to do, made no progress within the deadline."""
         now = time.time() if now is None else now
         last = self.last_progress(snapshot)
@@ -44,7 +45,7 @@ class ProgressMonitor:
                 self.stalled_at = now
         return self.stalled_at is not None
 
-    def describe(self, snapshot: dict, now: float | None = None) -> dict:
+    def describe(self, snapshot: dict[str, Any], now: float | None = None) -> dict[str, Any]:
         now = time.time() if now is None else now
         last = self.last_progress(snapshot)
         return {

@@ -13,27 +13,30 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import zmq
 
 from moed.daemon import __version__
+from moed.daemon.config import ServeConfig
 from moed.daemon.engine.loop import Engine
-from moed.daemon.engine.request import GenerateJob
+from moed.daemon.engine.request import GenerateJob, RequestKey
 from moed.daemon.engine.status import DaemonState, EngineStatus
 from moed.daemon.ground import crashlog
 from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.ground.live_probe import probe_live_daemon
 from moed.daemon.model.limits import read_limits
-from moed.daemon.model.servable import Catalog
+from moed.daemon.model.servable import Catalog, Servable
 from moed.daemon.telemetry import LiveTelemetry
 from moed.daemon.transport.admission import DuplicateId
 from moed.daemon.transport.bodies import status_body
 from moed.daemon.transport.connections import ConnectionCount, connection_limit
 from moed.daemon.transport.control import ControlToken
 from moed.daemon.transport.dispatch import dispatch_control
+from moed.daemon.transport.group_failure import GroupFailure
 from moed.daemon.transport.model_set import EngineFactory, ModelSet, ServedModel
 from moed.daemon.transport.outbound import Outbound
 from moed.daemon.transport.pipes import (
@@ -44,12 +47,11 @@ from moed.daemon.transport.pipes import (
 )
 from moed.daemon.transport.plan import ServerPlan
 from moed.daemon.transport.progress import ProgressMonitor
-from moed.daemon.transport.streams import RequestKey, StreamTable
+from moed.daemon.transport.streams import StreamTable
 from moed.protocol import (
     MAX_FRAME_BYTES,
     ErrorCode,
     GenerateRequest,
-    MessageType,
     ProtocolError,
     decode,
     encode,
@@ -83,13 +85,13 @@ class Server:
     engine: Engine
     status: EngineStatus
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    extra_welcome: dict = field(default_factory=dict)
+    extra_welcome: dict[str, Any] = field(default_factory=dict)
     new_engine: EngineFactory | None = None  # an engine for another model (runtime/main.py)
 
     def __post_init__(self) -> None:
         self.serve, self.model_path = self.plan.serve, self.plan.model_path
         self.start_plan, self.budget_backoff = self.plan.crashes, self.plan.budget_backoff
-        self.context = zmq.Context.instance()
+        self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.endpoint = endpoint_for(self.serve.socket)
         self.limits = read_limits(self.serve, self.model_path)
         self._streams = StreamTable()  # admitted generations not yet terminal
@@ -103,7 +105,7 @@ class Server:
         self._drain_deadline = 0.0
         self._stop_requested = threading.Event()
         # Set by a pipeline group's monitor thread (a GroupFailure): another rank died or stalled.
-        self.group_failure: Any = None
+        self.group_failure: GroupFailure | None = None
         self.engine.on_crash = self._record_crash
         self._process = psutil.Process()
         self.telemetry = LiveTelemetry(
@@ -194,7 +196,7 @@ class Server:
                 ):
                     break
                 if self.group_failure is not None:  # first: the engine's error follows from it
-                    return self._group_failed(poller)
+                    return self._group_failed(poller, self.group_failure)
                 if (code := self._engines_failed(poller)) is not None:
                     return code
                 for sock, _ in poller.poll(50):
@@ -226,15 +228,15 @@ class Server:
         finally:
             self._close()
 
-    def _group_failed(self, poller: zmq.Poller) -> int:
+    def _group_failed(self, poller: zmq.Poller, failure: GroupFailure) -> int:
         """A pipeline rank is gone: the engine may be stuck in a collective, so the transport
         itself ends every request in flight with a retryable error, then the group restarts."""
         self._flush_events(poller)  # tokens already produced go out first
-        message = f"pipeline {self.group_failure.reason}; the daemon restarts the group"
+        message = f"pipeline {failure.reason}; the daemon restarts the group"
         self.status.update(state=DaemonState.FAILED, error=message)
         self._record_crash(crashlog.CrashKind.RANK_FAILED, message)
         self._fail_all(ErrorCode.RANK_FAILED, message)
-        return self.group_failure.exit_code
+        return failure.exit_code
 
     def _begin_drain(self) -> None:
         self._draining = True
@@ -286,7 +288,7 @@ class Server:
                 reply = self._admit(identity, msg, validate_generate(msg, model.limits), model)
             else:
                 kind, request_id = validate_request(msg, self.limits)
-                reply = self._dispatch(identity, kind, msg)
+                reply = dispatch_control(self, identity, kind, msg)
         except DuplicateId as exc:
             reply = {**wire.error(None, exc.code, exc.message), "target": exc.target}
         except ProtocolError as exc:
@@ -303,12 +305,9 @@ class Server:
         if reply is not None:
             self.outbound.send(identity, envelope, encode(reply))
 
-    def _dispatch(self, identity: bytes, kind: MessageType, msg: dict) -> dict | None:
-        return dispatch_control(self, identity, kind, msg)
-
     def _admit(
-        self, identity: bytes, msg: dict, request: GenerateRequest, model: ServedModel
-    ) -> dict | None:
+        self, identity: bytes, msg: dict[str, Any], request: GenerateRequest, model: ServedModel
+    ) -> dict[str, Any] | None:
         """A validated generate (`msg` its wire map, `request` its typed form) to its model's
         engine, or the typed refusal of admission."""
         request_id = msg["id"]
@@ -360,8 +359,9 @@ class Server:
     def _forward_events(self) -> None:
         ended = False
         events = self.events
+        option = cast(Callable[[int], int], events.get)  # typed int | bytes; EVENTS is an int
         # Asking the socket is cheaper than the zmq.Again exception a blocking-free recv raises.
-        while events.get(_EVENTS) & _POLLIN:
+        while option(_EVENTS) & _POLLIN:
             flag, identity, id_bytes, frame = unpack_event(events.recv(_NOBLOCK))
             terminal = flag == TERMINAL_FLAG
             key = (identity, decode(id_bytes))
@@ -416,7 +416,7 @@ class Server:
             self.outbound.send(key[0], [], frame)
 
     # ---- models ------------------------------------------------------------------------------
-    def _new_engine(self, serve, servable, status) -> Engine:
+    def _new_engine(self, serve: ServeConfig, servable: Servable, status: EngineStatus) -> Engine:
         if self.new_engine is None:
             raise ProtocolError(ErrorCode.MODEL_NOT_FOUND, "this daemon serves one model only")
         return self.new_engine(serve, servable, status)
