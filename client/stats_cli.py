@@ -86,6 +86,9 @@ def format_stats(s: dict) -> str:
             # Entry files passed over (corrupt, foreign, not a file): --json says why.
             + (f"  disk skipped {pc['disk_skipped']}" if pc.get("disk_skipped") else "")
         )
+    models = s.get("models") or []
+    if len(models) > 1:  # one model is the figures above; several each get a line by name
+        lines += [_model_line(m) for m in models]
     phys = mem.get("phys_footprint_bytes")
     lines.append(
         f"memory       rss {_bytes(mem.get('rss_bytes'))}"
@@ -98,6 +101,19 @@ def format_stats(s: dict) -> str:
         f"last crash {describe_crash(crash) if crash else '-'}"
     )
     return "\n".join(lines)
+
+
+def _model_line(m: dict) -> str:
+    """One served model's own figures (the `stats` body's `models`)."""
+    req, tok = m.get("requests") or {}, m.get("tokens") or {}
+    ex, pc = m.get("experts"), m.get("prefix_cache")
+    return (
+        f"model {m.get('name')}  {'loaded' if m.get('loaded') else 'unloaded'}  "
+        f"served {req.get('served')}  failed {req.get('failed')}  active {req.get('active')}  "
+        f"tokens {tok.get('generated')}"
+        + (f"  hit rate {_pct(ex.get('hit_rate'))}" if ex else "")
+        + (f"  prefix cache {pc.get('hits')} hits of {pc.get('lookups')}" if pc else "")
+    )
 
 
 def _body(msg: dict) -> dict:

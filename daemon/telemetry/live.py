@@ -15,11 +15,13 @@ from typing import Any
 
 from moed.daemon.platform import probe_for_platform
 from moed.daemon.telemetry.metrics import render_metrics
+from moed.daemon.telemetry.per_model import ModelFigures, SampleValues, model_stats, sample_values
 
 log = logging.getLogger("moed.telemetry")
 
 RATE_WINDOW_S = 5.0  # rates cover about this much recent history
 SAMPLE_EVERY_S = 0.25
+DAEMON = ""  # the sampler's key of the body's own figures (the started model's engine)
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -99,9 +101,10 @@ def expert_stats(snap: dict | None) -> dict | None:
 
 
 class _Sampler:
-    """Keeps (time, tokens, bytes read, hits, misses) samples covering the last RATE_WINDOW_S."""
+    """Keeps (time, {engine: (tokens, bytes read, hits, misses)}) samples covering the last
+    RATE_WINDOW_S; an engine's rates come from the samples that saw it."""
 
-    def __init__(self, read: Callable[[], tuple[int, int, int, int]]):
+    def __init__(self, read: Callable[[], dict[str, SampleValues]]):
         self._read = read
         self._samples: collections.deque = collections.deque()
         self._lock = threading.Lock()
@@ -122,7 +125,7 @@ class _Sampler:
             return
         now = time.monotonic()
         with self._lock:
-            self._samples.append((now, *values))
+            self._samples.append((now, values))
             while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
                 self._samples.popleft()
 
@@ -130,19 +133,20 @@ class _Sampler:
         while not self._stop.wait(SAMPLE_EVERY_S):
             self.sample()
 
-    def rates(self) -> dict:
-        self.sample()
+    def rates(self, key: str = DAEMON) -> dict:
+        """The engine's rates over the window (call sample() first for an up-to-date end)."""
         with self._lock:
-            if len(self._samples) < 2:
-                return {
-                    "window_s": 0.0,
-                    "tokens_per_s": None,
-                    "bytes_read_per_s": None,
-                    "hit_rate": None,
-                }
-            first, last = self._samples[0], self._samples[-1]
-        dt = last[0] - first[0]
-        d_tokens, d_bytes, d_hits, d_misses = (b - a for a, b in zip(first[1:], last[1:]))
+            seen = [(t, values[key]) for t, values in self._samples if key in values]
+        if len(seen) < 2:
+            return {
+                "window_s": 0.0,
+                "tokens_per_s": None,
+                "bytes_read_per_s": None,
+                "hit_rate": None,
+            }
+        (t0, first), (t1, last) = seen[0], seen[-1]
+        dt = t1 - t0
+        d_tokens, d_bytes, d_hits, d_misses = (b - a for a, b in zip(first, last))
         return {
             "window_s": dt,
             "tokens_per_s": d_tokens / dt if dt > 0 else None,
@@ -234,8 +238,9 @@ def build_stats(
 class LiveTelemetry:
     """The transport thread's view: `stats()` and `metrics_text()` for one running daemon.
 
-    `status_body` gives the status map; `streamer` returns the ExpertStreamer or None. Counters are
-    read from the transport (or HTTP) thread: plain ints the engine thread only adds to.
+    `status_body` gives the status map; `streamer` returns the ExpertStreamer or None; `models`
+    every served model's figures (the body's `models`). Counters are read from the transport
+    (or HTTP) thread: plain ints the engine thread only adds to.
     """
 
     def __init__(
@@ -243,39 +248,50 @@ class LiveTelemetry:
         status_body: Callable[[], dict],
         streamer: Callable[[], Any],
         tokens: Callable[[], int],
+        models: Callable[[], list[ModelFigures]] = list,
     ):
         self._status_body = status_body
         self._streamer = streamer
         self._tokens = tokens
+        self._models = models
         self._probe = _probe()
         self._sampler = _Sampler(self._sample_values)
         self._sampler.start()
 
-    def _streamer_snapshot(self) -> dict | None:
-        streamer = self._streamer()
-        if streamer is None:
-            return None
-        try:
-            return streamer.snapshot()
-        except Exception:  # racing a shed's pool swap: report without expert numbers this time
-            log.debug("streamer snapshot failed", exc_info=True)
-            return None
-
-    def _sample_values(self) -> tuple[int, int, int, int]:
-        streamer = self._streamer()
-        tokens = int(self._tokens() or 0)
-        if streamer is None:
-            return tokens, 0, 0, 0
-        c = streamer.counters
-        return tokens, c.bytes_read, sum(l.hits for l in c.layers), sum(l.misses for l in c.layers)
+    def _sample_values(self) -> dict[str, SampleValues]:
+        values = {DAEMON: sample_values(int(self._tokens() or 0), self._streamer())}
+        for fig in self._models():
+            values[fig.name] = sample_values(
+                int(fig.status.get("tokens_generated") or 0), fig.streamer
+            )
+        return values
 
     def stats(self) -> dict:
-        return build_stats(
-            self._status_body(), self._streamer_snapshot(), self._sampler.rates(), self._probe
+        self._sampler.sample()
+        body = build_stats(
+            self._status_body(),
+            _snapshot(self._streamer()),
+            self._sampler.rates(),
+            self._probe,
         )
+        body["models"] = [
+            model_stats(fig, expert_stats(_snapshot(fig.streamer)), self._sampler.rates(fig.name))
+            for fig in self._models()
+        ]
+        return body
 
     def metrics_text(self) -> str:
         return render_metrics(self.stats())
 
     def close(self) -> None:
         self._sampler.stop()
+
+
+def _snapshot(streamer: Any) -> dict | None:
+    if streamer is None:
+        return None
+    try:
+        return streamer.snapshot()
+    except Exception:  # racing a shed's pool swap: report without expert numbers this time
+        log.debug("streamer snapshot failed", exc_info=True)
+        return None

@@ -60,7 +60,8 @@ def _families(stats: dict) -> list[Family]:
     fams: dict[str, Family] = {}
 
     def fam(name: str, kind: str, help: str) -> Family:
-        fams[name] = Family(f"moed_{name}", kind, help)
+        if name not in fams:  # one family, a sample per model
+            fams[name] = Family(f"moed_{name}", kind, help)
         return fams[name]
 
     model = stats.get("model") or {}
@@ -74,22 +75,6 @@ def _families(stats: dict) -> list[Family]:
     )
     fam("state", "gauge", "1 for the daemon's current state.").add(1, state=str(stats.get("state")))
     fam("uptime_seconds", "gauge", "Seconds since the daemon started.").add(stats.get("uptime_s"))
-
-    req = stats.get("requests") or {}
-    fam("requests_served", "counter", "Generations that finished with done.").add(req.get("served"))
-    fam("requests_failed", "counter", "Generations that ended with an error.").add(
-        req.get("failed")
-    )
-    fam("requests_active", "gauge", "Generations being decoded.").add(req.get("active"))
-    fam("requests_pending", "gauge", "Generations admitted and not yet finished.").add(
-        req.get("pending")
-    )
-
-    tok = stats.get("tokens") or {}
-    fam("tokens_generated", "counter", "Tokens generated for clients.").add(tok.get("generated"))
-    fam("tokens_per_second", "gauge", "Tokens generated per second over the recent window.").add(
-        tok.get("per_s")
-    )
 
     mem = stats.get("memory") or {}
     fam("process_resident_bytes", "gauge", "Resident set size of the daemon.").add(
@@ -115,80 +100,118 @@ def _families(stats: dict) -> list[Family]:
     )
     _recovery_families(stats, fam)
 
+    models = stats.get("models")
+    if models is None:  # a body without per-model figures: its own, unlabelled
+        _engine_families(stats, fam, {})
+    loaded = fam("model_loaded", "gauge", "1 while the model is loaded (or loading), else 0.")
+    for m in models or []:
+        loaded.add(1 if m.get("loaded") else 0, model=str(m.get("name")))
+        _engine_families(m, fam, {"model": str(m.get("name"))})
+    return list(fams.values())
+
+
+def _engine_families(stats: dict, fam, label: dict[str, str]) -> None:
+    """One engine's requests, tokens, expert cache and prefix cache, each sample under `label`
+    (`model` in a body with several models)."""
+    req = stats.get("requests") or {}
+    fam("requests_served", "counter", "Generations that finished with done.").add(
+        req.get("served"), **label
+    )
+    fam("requests_failed", "counter", "Generations that ended with an error.").add(
+        req.get("failed"), **label
+    )
+    fam("requests_active", "gauge", "Generations being decoded.").add(req.get("active"), **label)
+    fam("requests_pending", "gauge", "Generations admitted and not yet finished.").add(
+        req.get("pending"), **label
+    )
+
+    tok = stats.get("tokens") or {}
+    fam("tokens_generated", "counter", "Tokens generated for clients.").add(
+        tok.get("generated"), **label
+    )
+    fam("tokens_per_second", "gauge", "Tokens generated per second over the recent window.").add(
+        tok.get("per_s"), **label
+    )
+
     ex = stats.get("experts")
     if ex:
         fam("expert_cache_budget_bytes", "gauge", "Expert cache budget.").add(
-            ex.get("budget_bytes")
+            ex.get("budget_bytes"), **label
         )
         fam("expert_cache_resident_bytes", "gauge", "Bytes of expert slots allocated.").add(
-            ex.get("resident_bytes")
+            ex.get("resident_bytes"), **label
         )
         fam("expert_pass_lane_bytes", "gauge", "Bytes of the pass lane beside the slots.").add(
-            ex.get("lane_bytes")
+            ex.get("lane_bytes"), **label
         )
         fam("expert_cache_experts", "gauge", "Experts resident in the cache.").add(
-            ex.get("cached_experts")
+            ex.get("cached_experts"), **label
         )
-        fam("expert_hits", "counter", "Expert lookups served from the cache.").add(ex.get("hits"))
-        fam("expert_misses", "counter", "Expert lookups that needed a read.").add(ex.get("misses"))
-        fam("expert_hit_ratio", "gauge", "Hit rate since start.").add(ex.get("hit_rate"))
+        fam("expert_hits", "counter", "Expert lookups served from the cache.").add(
+            ex.get("hits"), **label
+        )
+        fam("expert_misses", "counter", "Expert lookups that needed a read.").add(
+            ex.get("misses"), **label
+        )
+        fam("expert_hit_ratio", "gauge", "Hit rate since start.").add(ex.get("hit_rate"), **label)
         layer_hits = fam("expert_layer_hits", "counter", "Expert cache hits per MoE layer.")
         layer_misses = fam("expert_layer_misses", "counter", "Expert cache misses per MoE layer.")
         for i, (h, m) in enumerate(zip(ex.get("layer_hits") or [], ex.get("layer_misses") or [])):
-            layer_hits.add(h, layer=str(i))
-            layer_misses.add(m, layer=str(i))
+            layer_hits.add(h, **label, layer=str(i))
+            layer_misses.add(m, **label, layer=str(i))
         fam(
             "expert_routed_tokens", "counter", "Token rows routed through the first MoE layer."
-        ).add(ex.get("tokens"))
+        ).add(ex.get("tokens"), **label)
         fam("expert_read_bytes", "counter", "Expert bytes read from disk on misses.").add(
-            ex.get("bytes_read")
+            ex.get("bytes_read"), **label
         )
         fam("expert_warm_bytes", "counter", "Expert bytes read to warm the cache.").add(
-            ex.get("warm_bytes")
+            ex.get("warm_bytes"), **label
         )
         fam(
             "expert_speculative_read_bytes",
             "counter",
             "Expert bytes read ahead of their call (next-layer guesses, a prompt's end).",
-        ).add(ex.get("prefetch_bytes"))
+        ).add(ex.get("prefetch_bytes"), **label)
         fam(
             "expert_prompt_end_reads",
             "counter",
             "Experts read ahead for the step reading a prompt's last token.",
-        ).add(ex.get("prompt_end_reads"))
+        ).add(ex.get("prompt_end_reads"), **label)
         fam(
             "expert_prompt_end_hits",
             "counter",
             "Of them, experts that step routed to.",
-        ).add(ex.get("prompt_end_hits"))
-        fam("expert_reads", "counter", "preadv jobs run by the read workers.").add(ex.get("reads"))
+        ).add(ex.get("prompt_end_hits"), **label)
+        fam("expert_reads", "counter", "preadv jobs run by the read workers.").add(
+            ex.get("reads"), **label
+        )
         fam("expert_evictions", "counter", "Experts evicted from the cache.").add(
-            ex.get("evictions")
+            ex.get("evictions"), **label
         )
         fam("expert_read_seconds", "counter", "Worker time in preadv, summed.").add(
-            ex.get("read_s")
+            ex.get("read_s"), **label
         )
         fam("expert_stall_seconds", "counter", "Engine time waiting for expert reads.").add(
-            ex.get("stall_s")
+            ex.get("stall_s"), **label
         )
         fam(
             "router_readback_seconds",
             "counter",
             "Engine time reading router choices back to the host.",
-        ).add(ex.get("router_readback_s"))
+        ).add(ex.get("router_readback_s"), **label)
         fam("expert_compute_seconds", "counter", "Engine time evaluating expert outputs.").add(
-            ex.get("expert_compute_s")
+            ex.get("expert_compute_s"), **label
         )
         fam(
             "expert_extra_passes",
             "counter",
             "Extra passes when a call needed more experts than slots.",
-        ).add(ex.get("passes"))
+        ).add(ex.get("passes"), **label)
         fam(
             "expert_read_bytes_per_second", "gauge", "Expert read rate over the recent window."
-        ).add(ex.get("recent_bytes_read_per_s"))
-    _prefix_cache_families(stats.get("prefix_cache"), fam)
-    return list(fams.values())
+        ).add(ex.get("recent_bytes_read_per_s"), **label)
+    _prefix_cache_families(stats.get("prefix_cache"), fam, label)
 
 
 def _recovery_families(stats: dict, fam) -> None:
@@ -214,17 +237,17 @@ def _recovery_families(stats: dict, fam) -> None:
     )
 
 
-def _prefix_cache_families(pc: dict | None, fam) -> None:
+def _prefix_cache_families(pc: dict | None, fam, label: dict[str, str]) -> None:
     if not pc:
         return
     fam("prefix_cache_lookups", "counter", "Requests that asked the prefix cache.").add(
-        pc.get("lookups")
+        pc.get("lookups"), **label
     )
     fam("prefix_cache_hits", "counter", "Requests that resumed from a cached prefix.").add(
-        pc.get("hits")
+        pc.get("hits"), **label
     )
     fam("prefix_cache_tokens_reused", "counter", "Prompt tokens not read again: cached.").add(
-        pc.get("tokens_reused")
+        pc.get("tokens_reused"), **label
     )
     per_tier = {
         "bytes": fam("prefix_cache_bytes", "gauge", "Bytes held by the prefix cache, per tier."),
@@ -234,18 +257,18 @@ def _prefix_cache_families(pc: dict | None, fam) -> None:
     }
     for tier in ("memory", "disk"):
         for key, family in per_tier.items():
-            family.add(pc.get(f"{tier}_{key}"), tier=tier)
+            family.add(pc.get(f"{tier}_{key}"), **label, tier=tier)
     fam("prefix_cache_disk_loads", "counter", "Entries read back from the SSD tier.").add(
-        pc.get("disk_loads")
+        pc.get("disk_loads"), **label
     )
     fam("prefix_cache_disk_skipped", "counter", "SSD entries skipped: corrupt or foreign.").add(
-        pc.get("disk_skipped")
+        pc.get("disk_skipped"), **label
     )
     refused = fam(
         "prefix_cache_disk_rejected", "counter", "SSD entry files refused, by why (not foreign)."
     )
     for reason, count in sorted((pc.get("disk_rejected") or {}).items()):
-        refused.add(count, reason=reason)
+        refused.add(count, **label, reason=reason)
 
 
 def render_metrics(stats: dict) -> str:

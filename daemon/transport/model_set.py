@@ -27,6 +27,7 @@ from moed.daemon.model.footprint import model_footprint
 from moed.daemon.model.limits import read_limits
 from moed.daemon.model.servable import Catalog, Servable
 from moed.daemon.model.source import ModelNotFound, ModelUnreadable
+from moed.daemon.telemetry.per_model import ModelFigures
 from moed.daemon.transport.admission import TokenCounter
 from moed.protocol import ErrorCode, Limits, ProtocolError
 from moed.protocol.units import format_bytes
@@ -144,6 +145,20 @@ class ModelSet:
 
     def loaded_models(self) -> list[ServedModel]:
         return [m for m in self._models.values() if m.loaded]
+
+    def figures(self) -> list[ModelFigures]:
+        """Every model asked for, loaded or not, for `stats` and Prometheus (read off the
+        transport thread too: the table is copied in one step)."""
+        return [
+            ModelFigures(
+                m.name,
+                m.status,
+                m.engine.loaded and m.engine.loaded.streamer,
+                len(m.streams),
+                m.loaded,
+            )
+            for m in list(self._models.values())
+        ]
 
     # ---- the memory budget -----------------------------------------------------------------
     def make_room(self, model: ServedModel) -> None:

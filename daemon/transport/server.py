@@ -112,6 +112,7 @@ class Server:
             self.status_body,
             lambda: self.engine.loaded and self.engine.loaded.streamer,
             lambda: self.status.get("tokens_generated"),
+            self.models.figures,
         )
 
     # ---- startup ---------------------------------------------------------------------------

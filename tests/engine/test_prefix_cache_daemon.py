@@ -71,8 +71,9 @@ def test_turns_hit_the_cache_across_a_restart_and_the_cache_lists_and_clears(
     assert stats["hits"] == 1 and stats["tokens_reused"] == usage[1]["cached_tokens"]
     assert "prefix cache 1 hits of 2" in moe(first.socket, "stats").stdout
     metrics = moe(first.socket, "metrics").stdout
-    assert "moed_prefix_cache_hits_total 1" in metrics
-    assert 'moed_prefix_cache_bytes{tier="disk"}' in metrics
+    name = json.loads(moe(first.socket, "stats", "--json").stdout)["models"][0]["name"]
+    assert f'moed_prefix_cache_hits_total{{model="{name}"}} 1' in metrics
+    assert f'moed_prefix_cache_bytes{{model="{name}",tier="disk"}}' in metrics
     wait_for(lambda: entries_on_disk(first) > 0)
     assert first.stop() == 0
 

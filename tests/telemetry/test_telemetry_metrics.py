@@ -44,17 +44,18 @@ def test_metrics_parse_and_counters_move(tiny_model, daemon_factory):
         before = samples(c.metrics()["text"])
         generate(c, 12)
         after = samples(c.metrics()["text"])
+        label = {"model": c.stats()["models"][0]["name"]}  # per-model series carry `model`
     assert (
-        value(before, "moed_expert_hits_total") == 0
-        and value(before, "moed_expert_read_bytes_total") == 0
+        value(before, "moed_expert_hits_total", **label) == 0
+        and value(before, "moed_expert_read_bytes_total", **label) == 0
     )
     assert (
-        value(after, "moed_requests_served_total")
-        == value(before, "moed_requests_served_total") + 1
+        value(after, "moed_requests_served_total", **label)
+        == value(before, "moed_requests_served_total", **label) + 1
     )
     assert (
-        value(after, "moed_tokens_generated_total")
-        >= value(before, "moed_tokens_generated_total") + 1
+        value(after, "moed_tokens_generated_total", **label)
+        >= value(before, "moed_tokens_generated_total", **label) + 1
     )
     for name in (
         "moed_expert_hits_total",
@@ -63,13 +64,13 @@ def test_metrics_parse_and_counters_move(tiny_model, daemon_factory):
         "moed_expert_routed_tokens_total",
         "moed_router_readback_seconds_total",
     ):
-        assert value(after, name) > value(before, name), name
+        assert value(after, name, **label) > value(before, name, **label), name
     layers = {dict(k[1])["layer"] for k in after if k[0] == "moed_expert_layer_misses_total"}
     assert layers == {"0", "1"}
-    assert sum(value(after, "moed_expert_layer_hits_total", layer=l) for l in layers) == value(
-        after, "moed_expert_hits_total"
-    )
-    assert value(after, "moed_expert_cache_budget_bytes") > 0
+    assert sum(
+        value(after, "moed_expert_layer_hits_total", layer=l, **label) for l in layers
+    ) == value(after, "moed_expert_hits_total", **label)
+    assert value(after, "moed_expert_cache_budget_bytes", **label) > 0
     assert (
         value(
             after,
@@ -97,10 +98,11 @@ def test_prompt_ends_read_ahead_are_counted(tiny_model, daemon_factory):
                 pass
         parsed = samples(c.metrics()["text"])
         experts = c.stats()["experts"]
-    reads = value(parsed, "moed_expert_prompt_end_reads_total")
+        label = {"model": c.stats()["models"][0]["name"]}
+    reads = value(parsed, "moed_expert_prompt_end_reads_total", **label)
     assert reads == experts["prompt_end_reads"] > 0
-    assert 0 <= value(parsed, "moed_expert_prompt_end_hits_total") <= reads
-    assert value(parsed, "moed_expert_speculative_read_bytes_total") > 0
+    assert 0 <= value(parsed, "moed_expert_prompt_end_hits_total", **label) <= reads
+    assert value(parsed, "moed_expert_speculative_read_bytes_total", **label) > 0
     assert experts["prompt_end_shared"] is not None
     assert "prompt ends" in moe(d.socket, "stats").stdout
 
@@ -116,14 +118,15 @@ def test_metrics_port_serves_prometheus_on_loopback(tiny_model, daemon_factory):
     d = daemon_factory(tiny_model, "--cache-budget", BUDGET, "--metrics-port", str(port))
     with d.client() as c:
         generate(c, 4)
+        label = {"model": c.stats()["models"][0]["name"]}
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         parsed = samples(r.read().decode())
-    assert value(parsed, "moed_requests_served_total") == 1
-    assert value(parsed, "moed_expert_misses_total") > 0
+    assert value(parsed, "moed_requests_served_total", **label) == 1
+    assert value(parsed, "moed_expert_misses_total", **label) > 0
     out = moe(d.socket, "metrics")
     assert out.returncode == 0, out.stderr
-    assert value(samples(out.stdout), "moed_requests_served_total") == 1
+    assert value(samples(out.stdout), "moed_requests_served_total", **label) == 1
 
 
 def test_moe_stats_while_a_generation_runs(tiny_model, daemon_factory):
