@@ -10,7 +10,8 @@ from pathlib import Path
 from moed.daemon.bench.run_timing import RunTiming, decode_tps
 from moed.daemon.config import ServeConfig
 from moed.daemon.engine.status import EngineStatus
-from moed.protocol import GenerateRequest, validate_generate
+from moed.protocol import EngineEvent, GenerateRequest, TokenEvent, validate_generate
+from moed.protocol.generate import RequestId
 
 
 class _StampSink:
@@ -20,10 +21,10 @@ class _StampSink:
         self.stamps: list[float] = []
         self.tokens: list[int] = []
 
-    def emit(self, identity: bytes, msg: dict, terminal: bool = False) -> None:
-        if msg["type"] == "token" and msg["ids"]:
+    def emit(self, identity: bytes, request_id: RequestId, event: EngineEvent) -> None:
+        if isinstance(event, TokenEvent) and event.ids:
             self.stamps.append(time.perf_counter())
-            self.tokens.extend(msg["ids"])
+            self.tokens.extend(event.ids)
 
 
 class InProcessCore:

@@ -55,8 +55,18 @@ from moed.daemon.model.loader import (
 from moed.daemon.telemetry.delta import cache_state, request_counters
 from moed.daemon.telemetry.request_trace import finish_request_trace, start_request_trace
 from moed.daemon.telemetry.trace import recording_all
-from moed.protocol import Channel, ErrorCode, FinishReason, ProtocolError, ShedLevel
-from moed.protocol import messages as wire
+from moed.protocol import (
+    Channel,
+    DoneEvent,
+    ErrorCode,
+    FailedEvent,
+    FinishReason,
+    PromptProgress,
+    ProtocolError,
+    ShedLevel,
+    TelemetryEvent,
+    TokenEvent,
+)
 
 log = logging.getLogger("moed.engine")
 
@@ -163,11 +173,11 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
 
     def reject(self, job: GenerateJob, code: ErrorCode, message: str) -> None:
         """End a request that never started with a typed error."""
-        self.sink.emit(job.identity, wire.error(job.request_id, code, message), terminal=True)
+        self.sink.emit(job.identity, job.request_id, FailedEvent.of(code, message))
 
     def refuse(self, job: GenerateJob, exc: ProtocolError) -> None:
         """End a request that never started with its refusal (and what that carries)."""
-        self.sink.emit(job.identity, wire.refusal(job.request_id, exc), terminal=True)
+        self.sink.emit(job.identity, job.request_id, FailedEvent.refusal(exc))
 
     # ---- work ------------------------------------------------------------------------------
     def step(self) -> None:
@@ -221,7 +231,7 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
                 job.request_id,
                 job.request.trace,
                 self.serve.trace_dir,
-                lambda m, i=job.identity: self.sink.emit(i, m),  # type: ignore[misc]  # default arg: no inference
+                lambda event, i=job.identity, r=job.request_id: self.sink.emit(i, r, event),  # type: ignore[misc]  # default args: no inference
                 gen.prompt_tokens,
             )
         except ProtocolError as exc:
@@ -236,7 +246,7 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
         ready = not self.grammars.start(gen)
         self.scheduler.add(job.key, gen.client, gen.kv_tokens, time.monotonic(), ready)
         if job.request.progress:  # at once, before a batch row is free: a first byte
-            self.sink.emit(job.identity, wire.prompt_progress(job.request_id, 0, len(gen.context)))
+            self.sink.emit(job.identity, job.request_id, PromptProgress(0, len(gen.context)))
         self.keep_alive.admitted(job.request.keep_alive)
         self.status.update(keep_alive_s=self.keep_alive.seconds)
         self._publish_counts()
@@ -368,14 +378,11 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
             if chunk.uid in self._catching_up:  # a recovery reads it again: nothing new to see
                 continue
             if (gen := self._rows.get(chunk.uid)) is not None and gen.job.request.progress:
-                req_id = gen.job.request_id
-                self.sink.emit(
-                    gen.job.identity,
-                    # Counted over the whole context: what the prefix cache held is read too.
-                    wire.prompt_progress(
-                        req_id, gen.cached_tokens + chunk.done, gen.cached_tokens + chunk.total
-                    ),
+                # Counted over the whole context: what the prefix cache held is read too.
+                read = PromptProgress(
+                    gen.cached_tokens + chunk.done, gen.cached_tokens + chunk.total
                 )
+                self.sink.emit(gen.job.identity, gen.job.request_id, read)
         for row in out.saved:
             self._keep_prefix(row)
         for tok in out.tokens:
@@ -412,7 +419,7 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
             return True
         if gen.completion % gen.telemetry_every == 0:
             self.sink.emit(
-                gen.job.identity, wire.telemetry(gen.job.request_id, self._telemetry(gen))
+                gen.job.identity, gen.job.request_id, TelemetryEvent(self._telemetry(gen))
             )
         return False
 
@@ -422,18 +429,15 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
         segments = out.segments or ((Channel.ANSWER, ""),)
         last = len(segments) - 1
         for i, (channel, text) in enumerate(segments):
-            self.sink.emit(
-                gen.job.identity,
-                wire.token(
-                    gen.job.request_id,
-                    gen.index,
-                    ids if i == 0 else [],
-                    text,
-                    out.logprobs if i == 0 else None,
-                    out.tool_calls if i == last else None,
-                    channel,
-                ),
+            event = TokenEvent(
+                gen.index,
+                ids if i == 0 else [],
+                text,
+                out.logprobs if i == 0 else None,
+                (out.tool_calls or None) if i == last else None,
+                channel,
             )
+            self.sink.emit(gen.job.identity, gen.job.request_id, event)
 
     def _telemetry(self, gen: Generation, timings: dict[str, Any] | None = None) -> dict[str, Any]:
         self._refresh_ranks()
@@ -491,7 +495,7 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
                 reason, message = failure_of(exc)
         if isinstance(reason, ErrorCode):
             self.status.add(requests_failed=1)
-            self.sink.emit(gen.job.identity, wire.error(req_id, reason, message), terminal=True)
+            self.sink.emit(gen.job.identity, req_id, FailedEvent.of(reason, message))
             return
         self.status.add(requests_served=1)
         self._refresh_ranks(force=True)  # a client that saw `done` sees every rank's counters
@@ -501,20 +505,18 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
             "cached_tokens": min(gen.cached_tokens, gen.prompt_tokens),
         }
         timings = gen.timings()
-        msg = wire.done(
-            req_id,
+        routing = self.loaded.routing if self.loaded is not None else None
+        done = DoneEvent(
             reason,
             usage,
             timings,
-            telemetry=self._telemetry(gen, timings),
+            self._telemetry(gen, timings),
             stop_sequence=gen.stops.matched,
+            # K-reduction: the client must know
+            lossy=routing.describe() if routing is not None and routing.lossy else None,
+            notice=gen.notice or None,
         )
-        if gen.notice:
-            msg["notice"] = gen.notice
-        routing = self.loaded.routing if self.loaded is not None else None
-        if routing is not None and routing.lossy:  # K-reduction: the client must know
-            msg["lossy"] = routing.describe()
-        self.sink.emit(gen.job.identity, msg, terminal=True)
+        self.sink.emit(gen.job.identity, req_id, done)
 
     def _shed(self, level: ShedLevel) -> None:
         released = 0

@@ -41,7 +41,7 @@ from moed.daemon.model.loader import (
     load_model,
 )
 from moed.protocol import ErrorCode
-from moed.protocol import messages as wire
+from moed.protocol.events import LoadProgress as LoadProgressEvent  # the loader's is a callback
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -213,10 +213,10 @@ class ModelLifecycle:
 
     def _reload_for(self, job: GenerateJob) -> bool:
         """Load again for a request that arrived while idle; it sees `progress` messages."""
-        req_id = job.request_id
 
         def progress(stage: str, done: float, total: float, unit: str) -> None:
-            self.sink.emit(job.identity, wire.progress(req_id, stage, done, total, unit))
+            event = LoadProgressEvent(stage, done, total, unit)
+            self.sink.emit(job.identity, job.request_id, event)
 
         self.status.update(busy=True)  # a request waits on this load: the watchdog watches it
         loaded = self.load(progress)

@@ -13,7 +13,7 @@ from typing import Any
 from moed.daemon.model.loader import LoadedModel, describe_model
 from moed.daemon.telemetry.trace import SUFFIX, TraceRecorder, trace_header
 from moed.daemon.telemetry.trace_file import open_trace_file
-from moed.protocol import messages as wire
+from moed.protocol import EngineEvent, TelemetryEvent, TraceEvent
 from moed.protocol.generate import RequestId
 
 log = logging.getLogger("moed.telemetry.trace")
@@ -28,7 +28,7 @@ def start_request_trace(
     request_id: RequestId,
     to_client: bool,
     trace_dir: str,
-    emit: Callable[[dict[str, Any]], None],
+    emit: Callable[[EngineEvent], None],
     prompt_tokens: int | None = None,
 ) -> TraceRecorder | None:
     """A recorder for this request when it asked for a trace (`to_client`, the request's `trace`:
@@ -47,13 +47,13 @@ def start_request_trace(
     sinks: list[Callable[[bytes], None]] = []
     if to_client:
         seq = iter(range(1 << 62))
-        sinks.append(lambda data: emit(wire.trace_chunk(request_id, next(seq), data)))
+        sinks.append(lambda data: emit(TraceEvent(next(seq), data)))
     file_sink = None
     if trace_dir:
         name = f"{time.strftime('%Y%m%d-%H%M%S')}-{_safe(request_id)}{SUFFIX}"
         file_sink = open_trace_file(
             Path(trace_dir).expanduser() / name,
-            lambda message: emit(wire.telemetry(request_id, {"warning": message})),
+            lambda message: emit(TelemetryEvent({"warning": message})),
         )
     if file_sink is not None:
         sinks.append(file_sink.write)

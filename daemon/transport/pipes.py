@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import struct
-from typing import Any
 
 import zmq
 
-from moed.protocol import encode
+from moed.protocol import TERMINAL_EVENTS, EngineEvent, TokenEvent, encode
+from moed.protocol.generate import RequestId
 
 EVENTS_ENDPOINT = "inproc://moed-events"
 # An event's flag: how the transport treats it without decoding the message.
@@ -42,7 +42,14 @@ class ZmqEventSink:
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.connect(EVENTS_ENDPOINT)
 
-    def emit(self, identity: bytes, msg: dict[str, Any], terminal: bool = False) -> None:
-        flag = TERMINAL_FLAG if terminal else TOKEN_FLAG if msg["type"] == "token" else OTHER_FLAG
+    def emit(self, identity: bytes, request_id: RequestId, event: EngineEvent) -> None:
+        flag = (
+            TERMINAL_FLAG
+            if isinstance(event, TERMINAL_EVENTS)
+            else TOKEN_FLAG
+            if isinstance(event, TokenEvent)
+            else OTHER_FLAG
+        )
         # The request id is encoded apart, so the transport never decodes a message.
+        msg = event.to_wire(request_id)
         self.socket.send(pack_event(flag, identity, encode(msg["id"]), encode(msg)))

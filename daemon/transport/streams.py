@@ -9,10 +9,10 @@ it are dropped.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moed.daemon.engine.request import RequestKey
-from moed.protocol import FinishReason, MessageType, decode, encode
+from moed.protocol import DoneEvent, FinishReason, decode, encode, event_from_wire
 
 
 @dataclass
@@ -84,10 +84,9 @@ class StreamTable:
 def _as_cancelled(frame: bytes, stream: Stream) -> bytes:
     """The `done` of a cancelled stream counts only the tokens that went out, says `cancelled`."""
     msg = decode(frame)
-    if msg.get("type") != MessageType.DONE.value:
+    done = event_from_wire(msg)
+    if not isinstance(done, DoneEvent):
         return frame  # an error (out of memory, shutting down) stays what it is
-    msg["finish_reason"] = FinishReason.CANCELLED.value
-    usage = msg.get("usage")
-    if isinstance(usage, dict):
-        usage["completion_tokens"] = stream.tokens_sent
-    return encode(msg)
+    usage = {**done.usage, "completion_tokens": stream.tokens_sent}
+    cancelled = replace(done, finish_reason=FinishReason.CANCELLED, usage=usage)
+    return encode(cancelled.to_wire(msg["id"]))
