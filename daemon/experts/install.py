@@ -32,7 +32,9 @@ def install_streaming(
     first: StreamingSwitch | None = None
     for layer, sw in enumerate(switches):
         final = any(sw.module is m for m in last)
-        twin = StreamingSwitch(sw.kind, sw.projs, sw.module.activation, layer, streamer, final)
+        twin = StreamingSwitch(
+            sw.kind, sw.projs, sw.module.activation, layer, streamer, final, sw.num_experts
+        )
         set_module(model, sw.path, twin)
         first = first or twin
     if first is not None and not split_rows_exact(first, streamer.pools[0].arrays):

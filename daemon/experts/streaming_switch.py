@@ -21,6 +21,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwiGLU
 
+from moed.daemon.experts.gather_kernel import Backend, KernelMatch, PassShape, backend_now
+
 if TYPE_CHECKING:  # types only: the cache is reached through LayerCache (streamer imports us)
     from moed.daemon.experts.cache import LayerPool
     from moed.daemon.experts.counters import Counters
@@ -129,6 +131,7 @@ class StreamingSwitch(nn.Module):
     _final: bool
     _compile: Callable[..., Callable[..., mx.array]]
     _decode_graph: Callable[[mx.array, mx.array, mx.array, dict[str, mx.array]], mx.array]
+    _kernels: KernelMatch
 
     def __init__(
         self,
@@ -138,6 +141,7 @@ class StreamingSwitch(nn.Module):
         layer: int,
         streamer: LayerCache,
         final: bool = False,
+        num_experts: int = 0,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # mlx: Module.__init__ unannotated
         self.kind = kind  # "glu" or "mlp"
@@ -160,6 +164,11 @@ class StreamingSwitch(nn.Module):
         compile_: Callable[..., Callable[..., mx.array]] = mx.compile if fused else _as_is
         object.__setattr__(self, "_compile", compile_)
         object.__setattr__(self, "_decode_graph", compile_(self._decode_rows))
+        # A pass's shape picks the gather kernel mlx-lm's whole call picks (gather_kernel.py);
+        # the rule is gather_qmm's: gather_mm picks by the sort flag alone, which passes keep.
+        quantized = any(spec.quantized for spec in projs.values())
+        backend = backend_now() if quantized else Backend.CPU
+        object.__setattr__(self, "_kernels", KernelMatch(backend, num_experts))
 
     def _proj(
         self,
@@ -238,13 +247,32 @@ class StreamingSwitch(nn.Module):
         spec, weight = self._projs[name], pools[self._keys[name][0]]
         return weight.shape[-1] * 32 // spec.bits if spec.quantized else weight.shape[-1]
 
+    def _pool_experts(self, pools: dict[str, mx.array]) -> int:
+        name = "up_proj" if self.kind == "glu" else "fc1"
+        return int(pools[self._keys[name][0]].shape[0])
+
+    def _shaped(
+        self, x: mx.array, idx: mx.array, shape: PassShape, pools: dict[str, mx.array]
+    ) -> mx.array:
+        """The expert function on `x`'s rows at `shape`: padded with copies of the last row
+        (their outputs dropped), so that MLX picks mlx-lm's kernel for them."""
+        own = x.shape[0]
+        pad = shape.padding(own)
+        if pad:
+            x = mx.concatenate([x, mx.repeat(x[-1:], pad, axis=0)])
+            idx = mx.concatenate([idx, mx.repeat(idx[-1:], pad, axis=0)])
+        y = self._experts(x, idx, shape.sorted_rows, pools)
+        return y[:own] if pad else y
+
     def _sorted_one_pass(
         self, x: mx.array, idx: mx.array, needed: np.ndarray, experts: np.ndarray
     ) -> mx.array:
         """A prompt chunk whose experts fit the slots: mlx-lm's sorted gather over every row."""
         streamer, layer = self._streamer, self._layer
         table, pools = streamer.load(layer, experts)
-        y = self._experts(x, mx.array(table)[idx], True, pools)
+        rows = idx.size
+        shape = self._kernels.pass_shape(rows, True, rows, self._pool_experts(pools))
+        y = self._shaped(x, mx.array(table)[idx], shape, pools)
         # Not evaluated here: the streamer fences it before any slot it reads is reused.
         streamer.defer(layer, y, table[needed].tolist())
         return y
@@ -261,10 +289,9 @@ class StreamingSwitch(nn.Module):
         distinct experts span several passes costs one expert computation per row, not one per
         pass; the rows are put back in order by a permutation (no arithmetic), and each row is the
         same product as in one pass. A prompt chunk's rows (`do_sort`) go to each pass ordered by
-        expert, as mlx-lm orders the whole chunk's for its sorted gather_qmm. (Metal picks a sorted
-        gather's kernel by rows per pooled expert, so there a pass, like any pool of fewer slots
-        than the model has experts, may take another kernel than mlx-lm: tokens were checked
-        identical on CUDA, bits only on the CPU.)"""
+        expert, as mlx-lm orders the whole chunk's for its sorted gather_qmm. A pass is shaped
+        (padded, or its sort flag dropped) to take the kernel mlx-lm's call takes on this
+        backend (gather_kernel.py)."""
         streamer, layer = self._streamer, self._layer
         flat = host.reshape(-1)
         rows = mx.broadcast_to(x, (*indices.shape, 1, x.shape[-1])).reshape(-1, 1, x.shape[-1])
@@ -275,7 +302,10 @@ class StreamingSwitch(nn.Module):
             if do_sort:
                 sel = sel[np.argsort(flat[sel], kind="stable")]
             slots = done.table[flat[sel]]
-            y = self._experts(rows[mx.array(sel)], mx.array(slots), do_sort, done.arrays)
+            shape = self._kernels.pass_shape(
+                flat.size, do_sort, sel.size, self._pool_experts(done.arrays)
+            )
+            y = self._shaped(rows[mx.array(sel)], mx.array(slots), shape, done.arrays)
             # Fenced before any slot it reads is reused; submitted now when the next pass's reads
             # land while it computes (pass_lane.py).
             streamer.submit_pass(layer, done, y, slots.tolist())
