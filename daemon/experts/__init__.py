@@ -26,7 +26,7 @@ _EXPORTS = {
     "CheckpointIndex": "moed.daemon.experts.safetensors_index",
     "TensorLoc": "moed.daemon.experts.safetensors_index",
     "ExpertStreamer": "moed.daemon.experts.streamer",
-    "StreamingConfig": "moed.daemon.experts.streamer",
+    "StreamingConfig": "moed.daemon.experts.streaming_config",
     "install_streaming": "moed.daemon.experts.install",
     "EvictionPolicy": "moed.daemon.experts.policies",
     "LRUPolicy": "moed.daemon.experts.policies",

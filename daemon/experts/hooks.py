@@ -6,7 +6,8 @@ outside experts/ assigns a streamer's attribute)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -54,3 +55,12 @@ class Watchers:
         self.observer: RouteObserver | None = None
         self.progress: Callable[[], None] = no_progress
         self.on_sync: Callable[[SyncPoint], None] | None = None
+
+    @contextmanager
+    def observing(self, observer: RouteObserver) -> Iterator[None]:
+        """`observer` sees every routing and admission of the passes inside (one traced step)."""
+        self.observer = observer
+        try:
+            yield
+        finally:
+            self.observer = None

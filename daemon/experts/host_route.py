@@ -1,6 +1,6 @@
-"""A host-routed layer call: the router's choices read back (the layer's one host sync), handed to
-the concerns that watch routing, and, for a call whose experts fit one pass (the decode call),
-its experts made resident and its output built.
+"""The streamer's routing: each layer call routed on the device (a held layer) or read back to the
+host (the layer's one host sync), the choices handed to the concerns that watch routing and
+tallied; a call whose experts fit one pass (the decode call) then goes to the loads (loads.py).
 
 This is the streamed layer's hot path, run once per MoE layer per token; its host time is what a
 GPU idles through. So a decode call stays in Python lists end to end: right after the read-back's
@@ -11,28 +11,23 @@ the choices into numpy. The watching concerns cost one attribute test each when 
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from moed.daemon.experts.cache import LayerPool
-from moed.daemon.experts.counters import Counters
-from moed.daemon.experts.fence import LazyFence
-from moed.daemon.experts.hooks import Watchers
-from moed.daemon.experts.prefetch import ReadBatch, ReadPool
+from moed.daemon.experts.held import DeviceTally
+from moed.daemon.experts.loads import DecodeGraph, SlotLoads
 from moed.daemon.experts.prompt_end import PromptEnd
-from moed.daemon.experts.speculation import Speculator
-from moed.daemon.experts.store import ExpertStore
-from moed.daemon.experts.tuning import Switch
 from moed.daemon.experts.unused_output import UnusedOutput
 from moed.daemon.ground.faults import SyncPoint
 
-# The streaming switch's decode graph: (layer input, the router's indices, the layer's pool); it
-# looks the slots up in the pool's device table (cache.py) as it is evaluated.
-DecodeGraph = Callable[[mx.array, mx.array, LayerPool], mx.array]
+log = logging.getLogger(__name__)
+
 USAGE_FOLD = 256  # host-routed calls kept per layer before their ids are counted in `usage`
 
 
@@ -47,37 +42,111 @@ def flat_ids(indices: mx.array) -> list[int]:
 
 
 class HostRouting:
-    """The streamer's routing read-back and one-pass calls (ExpertStreamer sets the state)."""
+    """The streamer's routing: where each layer call routes (on the device where its layer holds
+    every expert, held.py; else read back to the host), the concerns that watch the choices, and
+    their tallies (usage, the held layers' device tally)."""
 
-    # The streamer's state this mixin reads (experts/streamer.py gives each a value).
-    counters: Counters
-    fence: LazyFence
-    spec: Speculator
-    pools: list[LayerPool]
-    reader: ReadPool
-    store: ExpertStore
-    overlap: Switch
-    prompt_end: PromptEnd
-    unused_output: UnusedOutput
-    usage: list[np.ndarray]
-    trace: list[list[np.ndarray]] | None
-    watch: Watchers
-    _routed: list[list[np.ndarray | list[int]]]
-    _step_tally: mx.array | None
+    def __init__(self, loads: SlotLoads, bypass_page_cache: bool) -> None:
+        self.loads, self.spec, self.watch = loads, loads.spec, loads.watch
+        self.pools, self.counters, self.fence = loads.pools, loads.counters, loads.fence
+        # Prompt-end reads ahead only where reads wait on the SSD (prompt_end.py).
+        self.bypass_page_cache = bypass_page_cache
+        layers, experts = len(self.pools), [p.num_experts for p in self.pools]
+        self.usage = [np.zeros(n, dtype=np.int64) for n in experts]  # host-routed
+        # Host-routed choices (each call's ids) not yet folded into `usage`: a list append per
+        # call, one bincount per layer when usage is asked for (or the list grows long).
+        self._routed: list[list[np.ndarray | list[int]]] = [[] for _ in range(layers)]
+        # Layers whose every expert is held route on the device (held.py); their usage is here.
+        self.held = [False] * layers
+        self.tally = DeviceTally(experts)
+        self._step_tally: mx.array | None = None  # evaluated with the step's first MoE layer
+        self.trace: list[list[np.ndarray]] | None = None  # routing recorded (record_routing)
+        # False: every layer is read back to the host even when it holds every expert (bench).
+        self.device_routing = True
+        self.unused_output = UnusedOutput()  # the engine's prompt chunks (unused_output.py)
+        self.prompt_end = PromptEnd(layers)  # a prompt's last token (prompt_end.py)
 
-    if TYPE_CHECKING:  # the streamer's own methods, called from here
+    def record_routing(self, trace: bool = True, device_routing: bool = True) -> None:
+        """For benches and tests: `trace` records from now on each forward pass's distinct
+        experts per layer (in `trace`; every layer routed on the host); `device_routing` False
+        reads a layer back to the host even where it holds every expert."""
+        self.trace = [] if trace else None
+        self.device_routing = device_routing
 
-        def _fold_tally(self, evaluated: bool = False) -> None: ...
+    def step_started(self) -> None:
+        """A forward step starts: the held layers' tally of the step before is taken with it."""
+        self._step_tally = self.tally.step()
 
-        def _read_ahead(self, layer: int) -> None: ...
+    def reset(self) -> None:
+        """Every pool started over (shedding.py): no layer is held, the tally starts again."""
+        self.held = [False] * len(self.pools)
+        self.tally = DeviceTally([p.num_experts for p in self.pools])  # may be poisoned
+        self._step_tally = None
 
-        def _admit_counted(
-            self, layer: int, pool: LayerPool, experts: Iterable[int]
-        ) -> tuple[list[int], list[tuple[int, int]]]: ...
+    def output_unused(self) -> bool:
+        """Whether the last layer may skip this multi-position call (unused_output.py): the
+        engine says its output is dropped, and no request's trace records the model's routing
+        (a bench's `trace` records what was routed, skipped calls not among them)."""
+        if not self.unused_output.active or self.watch.observer is not None:
+            return False
+        self.unused_output.skipped += 1
+        return True
 
-        def _collect(
-            self, pool: LayerPool, loads: list[tuple[int, int]], batches: list[ReadBatch]
-        ) -> None: ...
+    def on_device(self, layer: int) -> bool:
+        """Whether this call of `layer` routes on the device: every expert of it is held, and no
+        router trace or request recorder needs the choices on the host."""
+        if not self.held[layer]:
+            pool = self.pools[layer]
+            if not pool.whole or self.spec.inflight(layer):
+                return False
+            pool.hold()  # device arrays in expert order: the router's indices are slots
+            self.held[layer] = True
+            log.debug("MoE layer %d holds every expert: routed on the device", layer)
+        return self.device_routing and self.trace is None and self.watch.observer is None
+
+    def route_on_device(self, layer: int, indices: mx.array) -> mx.array | None:
+        """A held layer's call: its bookkeeping without the host. Returns an array the layer's
+        output must depend on (the previous step's usage tally), or None."""
+        self.tally.record(layer, indices)
+        c = self.counters
+        c.layer_calls += 1
+        c.device_routed += 1
+        dep, self._step_tally = self._step_tally, None
+        return dep
+
+    @contextmanager
+    def prompt_end_step(self) -> Iterator[None]:
+        """The engine's scope around a step that reads prompts' last tokens (mlx_compat.py, use
+        11): what the last such step used and no pool holds yet is read ahead, layer by layer
+        behind each other, and this step's choices are kept for the next (prompt_end.py)."""
+        for layer in range(len(self.pools)):
+            self.spec.complete(layer)  # what was read during the chunk: long landed, as a rule
+            self._read_ahead(layer)
+        with self.prompt_end.scope():
+            yield
+
+    def _read_ahead(self, layer: int) -> None:
+        # Only reads that wait on the SSD are worth hiding: page-cache copies are quick, and a
+        # copy beside the chunk takes a core from it (BENCHMARKS.md, agent turns, tenth session).
+        if not self.bypass_page_cache:
+            return
+        experts = self.prompt_end.experts[layer]
+        if experts is not None and not self.held[layer] and self.prompt_end.worthwhile:
+            self.prompt_end.read(layer, self.spec.read_ahead(layer, experts, prompt_end=True))
+
+    def fold_tally(self, evaluated: bool = False) -> None:
+        """Held layers' hits into the host counters (no host sync: see DeviceTally.fold)."""
+        _usage, hits = self.tally.fold(evaluated)
+        for lc, h in zip(self.counters.layers, hits.tolist()):
+            lc.device_hits = h
+
+    def usage_counts(self) -> list[np.ndarray]:
+        """Per layer and expert, the token rows routed to it (host- and device-routed calls).
+        On the engine thread: it evaluates the held layers' pending tally."""
+        device, _hits = self.tally.settle()
+        for layer in range(len(self.usage)):
+            self._fold_usage(layer)
+        return [u + device[l, : u.shape[0]] for l, u in enumerate(self.usage)]
 
     def _read_back(self, layer: int, indices: mx.array, x: mx.array | None) -> float:
         """Evaluate the router's choices (the known cost centre, timed); returns when it ended."""
@@ -99,7 +168,7 @@ class HostRouting:
         t1 = time.perf_counter()
         c.router_sync_s += t1 - t0
         if tally is not None:
-            self._fold_tally(evaluated=True)
+            self.fold_tally(evaluated=True)
         if spec.enabled:
             spec.predicted(layer, predicted)
         return t1
@@ -172,56 +241,4 @@ class HostRouting:
         ids = self.route_ids(layer, indices, x)
         if early is None and not pool.staged:
             return None, ids
-        return self._one_pass(layer, pool, ids, early, (graph, x, indices)), ids
-
-    def _one_pass(
-        self,
-        layer: int,
-        pool: LayerPool,
-        ids: list[int],
-        early: mx.array | None,
-        build: tuple[DecodeGraph, mx.array, mx.array],
-    ) -> mx.array | None:
-        """A call whose experts fit one pass: its experts made resident and its output deferred,
-        `early` where it was built before the ids were known, else built from `build` (the graph
-        and its inputs) once they are resident. An all-hit call is a few list operations. None,
-        with nothing done, where the general path runs (more ids than slots, speculative reads in
-        flight for the layer, or some experts resident and some not while the overlapped path is
-        on)."""
-        if not 0 < len(ids) <= pool.slots or self.spec.inflight(layer):
-            return None
-        lookup = pool.slot_list.__getitem__
-        slots = list(map(lookup, ids))
-        lowest = min(slots)
-        if lowest < 0 and self.overlap.active and max(slots) >= 0:
-            return None  # rows to compute while the misses are read (streaming_switch.py)
-        needed = sorted(set(ids))  # ascending, as the policy's call takes them
-        spec, guarded = self.spec, not pool.staged  # a staged landing makes new arrays
-        if lowest >= 0:  # every expert resident: no admission, no read
-            pool.touch_call(needed)
-            self.counters.layers[layer].hits += len(needed)
-            observer = self.watch.observer
-            if observer is not None:
-                observer.on_load(layer, pool, needed, [])
-            if spec.enabled:
-                spec.issue(layer + 1)
-            out = early if early is not None else _build(build, pool)
-            self.fence.defer(layer, out, slots if guarded else None)
-            return out
-        pool.begin_call()  # one pass: starts the call for the policy
-        _hits, loads = self._admit_counted(layer, pool, needed)
-        self.fence.guard(layer, loads)  # before this call's output exists: it is not pending
-        staging = pool.stage(loads)
-        batch = self.reader.submit(self.store.jobs_for(pool, staging))
-        if spec.enabled:
-            spec.issue(layer + 1)  # queued behind the demand reads
-        self._collect(pool, loads, [batch])
-        pool.land(staging)
-        out = early if early is not None else _build(build, pool)
-        self.fence.defer(layer, out, list(map(lookup, ids)) if guarded else None)
-        return out
-
-
-def _build(build: tuple[DecodeGraph, mx.array, mx.array], pool: LayerPool) -> mx.array:
-    graph, x, indices = build
-    return graph(x, indices, pool)
+        return self.loads.one_pass(layer, pool, ids, early, (graph, x, indices)), ids

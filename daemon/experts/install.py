@@ -10,7 +10,8 @@ import mlx.nn as nn
 from moed.daemon.experts.discover import describe_switches, set_module
 from moed.daemon.experts.row_split import split_rows_exact
 from moed.daemon.experts.safetensors_index import CheckpointIndex
-from moed.daemon.experts.streamer import ExpertStreamer, StreamingConfig
+from moed.daemon.experts.streamer import ExpertStreamer
+from moed.daemon.experts.streaming_config import StreamingConfig
 from moed.daemon.experts.streaming_switch import StreamingSwitch
 
 log = logging.getLogger(__name__)

@@ -6,10 +6,11 @@ streamer (streamer.py) runs it on the engine thread."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from moed.daemon.experts.cache import LayerPool
@@ -20,6 +21,11 @@ from moed.daemon.experts.landing import Staging
 from moed.daemon.experts.prefetch import ReadBatch, ReadPool, ReadResult
 from moed.daemon.experts.speculation import Speculator
 from moed.daemon.experts.store import ExpertStore
+from moed.daemon.experts.tuning import Switch
+
+# The streaming switch's decode graph: (layer input, the router's indices, the layer's pool); it
+# looks the slots up in the pool's device table (cache.py) as it is evaluated.
+DecodeGraph = Callable[[mx.array, mx.array, LayerPool], mx.array]
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +52,25 @@ class PendingLoad:
 
 
 class SlotLoads:
-    """The streamer's loads (ExpertStreamer sets the state)."""
+    """The streamer's loads: a layer call's experts made resident in its pool, on the engine
+    thread. It owns the speculative reads (speculation.py), which read through it."""
 
-    # The streamer's state this mixin reads (experts/streamer.py gives each a value).
-    pools: list[LayerPool]
-    counters: Counters
-    fence: LazyFence
-    reader: ReadPool
-    store: ExpertStore
-    spec: Speculator
-    watch: Watchers
+    def __init__(
+        self,
+        pools: list[LayerPool],
+        counters: Counters,
+        fence: LazyFence,
+        reader: ReadPool,
+        store: ExpertStore,
+        watch: Watchers,
+        overlap: Switch,
+        routers: list[nn.Module | None],
+        prefetch_next: bool,
+    ):
+        self.pools, self.counters, self.fence = pools, counters, fence
+        self.reader, self.store, self.watch = reader, store, watch
+        self.overlap = overlap  # resident rows computed during the reads (streaming_switch.py)
+        self.spec = Speculator(self, routers, prefetch_next)
 
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]:
         """Make `experts` resident in `layer`; returns (expert -> slot table, pools)."""
@@ -71,7 +86,7 @@ class SlotLoads:
         spec_loads: list[tuple[int, int]] = []
         if self.spec.inflight(layer):
             kept, spec_batches, spec_loads = self.spec.settle(layer, set(experts.tolist()))
-        hits, loads = self._admit_counted(layer, pool, experts)
+        hits, loads = self.admit_counted(layer, pool, experts)
         self.counters.prefetch_hits += len(kept)
         demand: list[ReadBatch] = []
         stagings: list[Staging] = []
@@ -94,7 +109,7 @@ class SlotLoads:
             spec_stagings,
         )
 
-    def _admit_counted(
+    def admit_counted(
         self, layer: int, pool: LayerPool, experts: Iterable[int]
     ) -> tuple[list[int], list[tuple[int, int]]]:
         hits, loads = self._admit(pool, experts)
@@ -109,7 +124,7 @@ class SlotLoads:
     def finish_load(self, p: PendingLoad) -> None:
         """Wait for a `begin_load`'s reads: then every expert of it is in its slot."""
         if p.demand:
-            self._collect(p.pool, p.loads, p.demand)
+            self.collect(p.pool, p.loads, p.demand)
         landed = p.stagings
         if p.spec_batches and self._collect_speculative(
             p.pool, p.experts, p.spec_loads, p.spec_batches
@@ -123,6 +138,53 @@ class SlotLoads:
         table = np.zeros(pool.num_experts, dtype=np.uint32)
         table[experts] = pool.slot_of[experts]
         return table
+
+    def one_pass(
+        self,
+        layer: int,
+        pool: LayerPool,
+        ids: list[int],
+        early: mx.array | None,
+        build: tuple[DecodeGraph, mx.array, mx.array],
+    ) -> mx.array | None:
+        """A call whose experts fit one pass: its experts made resident and its output deferred,
+        `early` where it was built before the ids were known, else built from `build` (the graph
+        and its inputs) once they are resident. An all-hit call is a few list operations. None,
+        with nothing done, where the general path runs (more ids than slots, speculative reads in
+        flight for the layer, or some experts resident and some not while the overlapped path is
+        on)."""
+        if not 0 < len(ids) <= pool.slots or self.spec.inflight(layer):
+            return None
+        lookup = pool.slot_list.__getitem__
+        slots = list(map(lookup, ids))
+        lowest = min(slots)
+        if lowest < 0 and self.overlap.active and max(slots) >= 0:
+            return None  # rows to compute while the misses are read (streaming_switch.py)
+        needed = sorted(set(ids))  # ascending, as the policy's call takes them
+        spec, guarded = self.spec, not pool.staged  # a staged landing makes new arrays
+        if lowest >= 0:  # every expert resident: no admission, no read
+            pool.touch_call(needed)
+            self.counters.layers[layer].hits += len(needed)
+            observer = self.watch.observer
+            if observer is not None:
+                observer.on_load(layer, pool, needed, [])
+            if spec.enabled:
+                spec.issue(layer + 1)
+            out = early if early is not None else _build(build, pool)
+            self.fence.defer(layer, out, slots if guarded else None)
+            return out
+        pool.begin_call()  # one pass: starts the call for the policy
+        _hits, loads = self.admit_counted(layer, pool, needed)
+        self.fence.guard(layer, loads)  # before this call's output exists: it is not pending
+        staging = pool.stage(loads)
+        batch = self.reader.submit(self.store.jobs_for(pool, staging))
+        if spec.enabled:
+            spec.issue(layer + 1)  # queued behind the demand reads
+        self.collect(pool, loads, [batch])
+        pool.land(staging)
+        out = early if early is not None else _build(build, pool)
+        self.fence.defer(layer, out, list(map(lookup, ids)) if guarded else None)
+        return out
 
     def defer(self, layer: int, out: mx.array, slots_read: Iterable[int]) -> None:
         """`out` reads `slots_read` of `layer`'s pools and is not evaluated yet (fence.py)."""
@@ -138,7 +200,7 @@ class SlotLoads:
         self.fence.guard(layer, loads)
         return loads
 
-    def _collect(
+    def collect(
         self, pool: LayerPool, loads: list[tuple[int, int]], batches: list[ReadBatch]
     ) -> None:
         try:
@@ -146,7 +208,7 @@ class SlotLoads:
         except BaseException:
             pool.forget(loads)
             raise
-        self._count_reads(res)
+        self.count_reads(res)
 
     def _collect_speculative(
         self,
@@ -165,10 +227,10 @@ class SlotLoads:
             _hits, again = self._admit(pool, experts)  # the whole pass stays protected
             self.fence.guard(pool.layer, again)
             staging = pool.stage(again)
-            self._collect(pool, again, [self.reader.submit(self.store.jobs_for(pool, staging))])
+            self.collect(pool, again, [self.reader.submit(self.store.jobs_for(pool, staging))])
             pool.land(staging)
             return False
-        self._count_reads(res, prefetch=True)
+        self.count_reads(res, prefetch=True)
         return True
 
     def _admit(
@@ -181,7 +243,7 @@ class SlotLoads:
         )  # loads beyond free slots evicted
         return hits, loads
 
-    def _count_reads(self, res: ReadResult, prefetch: bool = False) -> None:
+    def count_reads(self, res: ReadResult, prefetch: bool = False) -> None:
         """Account reads the engine waited for (demand misses, or speculative reads it caught up
         with)."""
         c = self.counters
@@ -193,3 +255,8 @@ class SlotLoads:
             c.prefetch_bytes += res.bytes_read
         else:
             c.bytes_read += res.bytes_read
+
+
+def _build(build: tuple[DecodeGraph, mx.array, mx.array], pool: LayerPool) -> mx.array:
+    graph, x, indices = build
+    return graph(x, indices, pool)

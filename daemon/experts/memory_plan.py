@@ -8,7 +8,6 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import psutil
@@ -17,11 +16,9 @@ from moed.daemon.experts.budget import CacheBudget, slots_per_layer
 from moed.daemon.experts.cuda_memory import on_cuda
 from moed.daemon.experts.landing import Landing
 from moed.daemon.experts.safetensors_index import CheckpointIndex
+from moed.daemon.experts.streaming_config import StreamingConfig
 from moed.protocol.model_config import ModelConfig
 from moed.protocol.units import format_bytes
-
-if TYPE_CHECKING:  # the streamer plans with this module: a cycle at run time
-    from moed.daemon.experts.streamer import StreamingConfig
 
 GB = 1e9
 LINUX_USABLE_FRACTION = 0.85  # leave the rest to the OS and other processes

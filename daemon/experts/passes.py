@@ -5,22 +5,16 @@ one before computes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
-from moed.daemon.experts.cache import LayerPool
-from moed.daemon.experts.counters import Counters
-from moed.daemon.experts.fence import LazyFence
-from moed.daemon.experts.hooks import Watchers
 from moed.daemon.experts.landing import Staging
-from moed.daemon.experts.loads import PendingLoad
+from moed.daemon.experts.loads import PendingLoad, SlotLoads
 from moed.daemon.experts.pass_lane import LANE, PassLane, lane_loads
-from moed.daemon.experts.prefetch import ReadBatch, ReadPool, ReadResult
-from moed.daemon.experts.store import ExpertStore
+from moed.daemon.experts.prefetch import ReadBatch
 
 
 @dataclass(frozen=True)
@@ -44,33 +38,13 @@ class _LaneRead:
 
 
 class PassLoads:
-    """The streamer's passes (ExpertStreamer sets the state)."""
+    """The streamer's passes, through its loads, and the pass lane they may alternate with."""
 
-    # The streamer's state this mixin reads (experts/streamer.py gives each a value).
-    pools: list[LayerPool]
-    lane: PassLane | None
-    counters: Counters
-    fence: LazyFence
-    reader: ReadPool
-    store: ExpertStore
-    watch: Watchers
-
-    if TYPE_CHECKING:  # the loads' methods (loads.py), called from here
-
-        def load(
-            self, layer: int, experts: np.ndarray
-        ) -> tuple[np.ndarray, dict[str, mx.array]]: ...
-
-        def begin_load(self, layer: int, experts: np.ndarray) -> PendingLoad: ...
-
-        def finish_load(self, p: PendingLoad) -> None: ...
-
-        @staticmethod
-        def table(pool: LayerPool, experts: np.ndarray) -> np.ndarray: ...
-
-        def defer(self, layer: int, out: mx.array, slots_read: Iterable[int]) -> None: ...
-
-        def _count_reads(self, res: ReadResult, prefetch: bool = False) -> None: ...
+    def __init__(self, loads: SlotLoads) -> None:
+        self.loads = loads
+        self.pools, self.counters, self.fence = loads.pools, loads.counters, loads.fence
+        self.reader, self.store, self.watch = loads.reader, loads.store, loads.watch
+        self.lane = self._make_lane()
 
     def plan_passes(self, layer: int, needed: np.ndarray) -> list[np.ndarray]:
         """`needed`: the call's distinct experts, ascending (np.unique of its indices)."""
@@ -84,34 +58,34 @@ class PassLoads:
         each later pass's once the caller has submitted the pass before it (`submit_pass`), so
         they land while it computes (pass_lane.py). Otherwise each pass is loaded into the pool
         after the one before."""
-        pool, lane = self.pools[layer], self.lane
+        pool, lane, loads = self.pools[layer], self.lane, self.loads
         if lane is None or len(passes) < 2 or not lane.fits(pool):
             for experts in passes:
-                table, arrays = self.load(layer, experts)
+                table, arrays = self.loads.load(layer, experts)
                 yield LoadedPass(experts, table, arrays, layer, False)
             return
         # The lane is free as the call starts (the read-back settled every output): pass 1's
         # reads go out with pass 0's, before pass 0 is built.
         pending: list[PendingLoad | _LaneRead] = [
-            self.begin_load(layer, passes[0]),
+            loads.begin_load(layer, passes[0]),
             self._begin_lane(layer, lane, passes[1]),
         ]
         for i in range(len(passes)):
             p = pending[i]
             if isinstance(p, _LaneRead):
-                self._count_reads(self.reader.wait([p.batch]))
+                loads.count_reads(self.reader.wait([p.batch]))
                 table = np.zeros(pool.num_experts, dtype=np.uint32)
                 table[p.experts] = np.arange(p.experts.size, dtype=np.uint32)
                 yield LoadedPass(p.experts, table, lane.arrays, LANE, True)
             else:
-                self.finish_load(p)
-                yield LoadedPass(p.experts, self.table(pool, p.experts), pool.arrays, layer, True)
+                loads.finish_load(p)
+                yield LoadedPass(p.experts, loads.table(pool, p.experts), pool.arrays, layer, True)
             if 0 < i < len(passes) - 1:  # odd passes in the lane, even ones in the pool
                 nxt = passes[i + 1]
                 pending.append(
                     self._begin_lane(layer, lane, nxt)
                     if i % 2 == 0
-                    else self.begin_load(layer, nxt)
+                    else loads.begin_load(layer, nxt)
                 )
 
     def _begin_lane(self, layer: int, lane: PassLane, experts: np.ndarray) -> _LaneRead:
@@ -138,7 +112,7 @@ class PassLoads:
         if done.key == LANE:
             self.fence.defer(LANE, out, slots_read)
         else:
-            self.defer(layer, out, slots_read)
+            self.loads.defer(layer, out, slots_read)
         if done.pipelined:
             mx.async_eval(out)
 
@@ -146,6 +120,14 @@ class PassLoads:
         """Per layer, whether its multi-pass calls alternate with the pass lane (load_passes)."""
         lane = self.lane
         return [lane is not None and lane.fits(p) for p in self.pools]
+
+    def drop_lane(self) -> None:
+        """Multi-pass calls run in the layer's pool alone (benches and tests compare)."""
+        self.lane = None
+
+    def renew_lane(self) -> None:
+        """After the pools were resized or started over: the lane as wide as they are now."""
+        self.lane = self._make_lane()
 
     def _make_lane(self) -> PassLane | None:
         """The pass lane (pass_lane.py) as wide as the widest DIRECT pool that cannot hold its

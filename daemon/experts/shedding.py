@@ -5,46 +5,30 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from moed.daemon.experts.cache import LayerPool
-from moed.daemon.experts.fence import LazyFence
-from moed.daemon.experts.held import DeviceTally
-from moed.daemon.experts.pass_lane import PassLane
-from moed.daemon.experts.prefetch import ReadPool
-from moed.daemon.experts.speculation import Speculator
+from moed.daemon.experts.host_route import HostRouting
+from moed.daemon.experts.passes import PassLoads
 
 log = logging.getLogger(__name__)
 
 
 class Shedding:
-    """The streamer's cache resizing (ExpertStreamer sets the state)."""
+    """The streamer's cache resizing, of the pools and the pass lane its passes hold."""
 
-    # The streamer's state this mixin reads and sets (experts/streamer.py gives each a value).
-    pools: list[LayerPool]
-    lane: PassLane | None
-    fence: LazyFence
-    spec: Speculator
-    reader: ReadPool
-    tally: DeviceTally
-    budget_bytes: int
-    _held: list[bool]
-    _step_tally: mx.array | None
-    _pending_slots: int | None
-    _engine_thread: int
-    _lock: threading.Lock
+    def __init__(self, passes: PassLoads, routing: HostRouting, budget_bytes: int) -> None:
+        self.passes, self.routing = passes, routing
+        loads = passes.loads
+        self.pools, self.fence, self.spec = loads.pools, loads.fence, loads.spec
+        self.reader = loads.reader
+        self.budget_bytes = budget_bytes
+        self.pending: int | None = None  # a shed requested from another thread
+        self.engine_thread = threading.get_ident()  # the loading thread until the first call
+        self._lock = threading.Lock()
 
-    if TYPE_CHECKING:  # the streamer's own, called from here
-
-        @property
-        def slots(self) -> list[int]: ...
-
-        @property
-        def resident_bytes(self) -> int: ...
-
-        def _make_lane(self) -> PassLane | None: ...
+    def _resident_bytes(self) -> int:
+        return sum(p.pool_bytes for p in self.pools)
 
     def shed(self, fraction: float) -> int:
         """Shrink the cache to `fraction` of its current size (at least one slot per layer).
@@ -53,33 +37,34 @@ class Shedding:
         if not 0.0 <= fraction < 1.0:
             raise ValueError("shed fraction must be in [0, 1)")
         with self._lock:
-            current = self._pending_slots if self._pending_slots is not None else min(self.slots)
+            current = self.pending if self.pending is not None else min(p.slots for p in self.pools)
             target = max(1, int(current * fraction))
             released = sum(
                 (p.slots - min(target, p.num_experts)) * p.expert_bytes
                 for p in self.pools
                 if p.slots > target
             )
-            lane = self.lane
+            lane = self.passes.lane
             if lane is not None and lane.slots > target:  # narrowed with the pools
                 released += (lane.slots - target) * (lane.nbytes // lane.slots)
-            self._pending_slots = target
-        if self._engine_thread == threading.get_ident():
-            self._apply_shed()
+            self.pending = target
+        if self.engine_thread == threading.get_ident():
+            self.apply()
         return released
 
-    def _apply_shed(self) -> None:
+    def apply(self) -> None:
+        """The shed requested (`shed`), on the engine thread at a step's start."""
         self.spec.drain()
         self.fence.flush()  # resizing rewrites every slot
         with self._lock:
-            target, self._pending_slots = self._pending_slots, None
+            target, self.pending = self.pending, None
         if target is None:
             return
         released = sum(p.resize(min(p.slots, target)) for p in self.pools)
-        if self.lane is not None:  # as wide as the pools again
-            self.lane = self._make_lane()
-        self._held = [False] * len(self.pools)  # re-checked (and re-sorted) at their next call
-        self.budget_bytes = self.resident_bytes
+        if self.passes.lane is not None:  # as wide as the pools again
+            self.passes.renew_lane()
+        self.routing.held = [False] * len(self.pools)  # re-checked (and re-sorted) at next call
+        self.budget_bytes = self._resident_bytes()
         mx.clear_cache()  # hand the freed pool buffers back to the OS
         log.info("expert cache shed to %d slots per layer (%d bytes released)", target, released)
 
@@ -88,18 +73,16 @@ class Shedding:
         on the failed command buffer), reads in flight are given up and waited for, and every
         pool starts over empty, `slots` per layer (default: as now): the failed step may have
         claimed a slot whose bytes it never read. Returns the cache bytes released."""
-        before = self.resident_bytes
+        before = self._resident_bytes()
         self.fence.settled()
         self.spec.abandon()
         self.reader.quiesce()
-        target = min(self.slots) if slots is None else max(1, slots)
+        target = min(p.slots for p in self.pools) if slots is None else max(1, slots)
         with self._lock:
-            self._pending_slots = None
+            self.pending = None
         for pool in self.pools:
             pool.start_over(min(target, pool.num_experts))
-        self.lane = self._make_lane()
-        self._held = [False] * len(self.pools)
-        self.tally = DeviceTally([p.num_experts for p in self.pools])  # its sums may be poisoned
-        self._step_tally = None
-        self.budget_bytes = self.resident_bytes
-        return max(0, before - self.resident_bytes)
+        self.passes.renew_lane()
+        self.routing.reset()  # nothing held, the tally's sums may be poisoned
+        self.budget_bytes = self._resident_bytes()
+        return max(0, before - self.budget_bytes)

@@ -10,18 +10,20 @@ reads, and the ones a layer turns out not to need are cancelled before they star
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
+from moed.daemon.experts.cache import LayerPool
+from moed.daemon.experts.counters import Counters
 from moed.daemon.experts.landing import Staging
-from moed.daemon.experts.prefetch import ReadBatch
+from moed.daemon.experts.prefetch import ReadBatch, ReadPool
+from moed.daemon.experts.store import ExpertStore
 from moed.daemon.experts.tuning import RecentShare, Switch
-
-if TYPE_CHECKING:  # the streamer owns its Speculator: a cycle at run time
-    from moed.daemon.experts.streamer import ExpertStreamer
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +41,26 @@ class Inflight:
     prompt_end: bool = False  # read ahead for a prompt's last token, not for the next layer
 
 
-class Speculator:
-    """The speculative reads of an ExpertStreamer (pools, store, reader and counters are its)."""
+class SlotReads(Protocol):
+    """What the speculator reads through (loads.py SlotLoads): the layers' pools, the read
+    workers and the store, the counters, and slots claimed for its reads."""
 
-    def __init__(self, streamer: ExpertStreamer, enabled: bool):
-        self.s = streamer
+    pools: list[LayerPool]
+    reader: ReadPool
+    store: ExpertStore
+    counters: Counters
+
+    def claim_slots(
+        self, layer: int, experts: Iterable[int], keep: Sequence[int] = ()
+    ) -> list[tuple[int, int]]: ...
+
+
+class Speculator:
+    """The speculative reads into a streamer's pools, through its loads (`SlotReads`)."""
+
+    def __init__(self, reads: SlotReads, routers: list[nn.Module | None], enabled: bool):
+        self.s = reads
+        self.routers = routers  # per layer, the router the next-layer guess applies
         self.enabled = enabled
         self.switch = Switch("prefetch_next", active=enabled, allowed=self._accurate)
         self._predicted: tuple[int, np.ndarray] | None = None  # (layer, experts) to read next
@@ -74,7 +91,7 @@ class Speculator:
             or not self.switch.active
             or x is None
             or nxt >= len(s.pools)
-            or (router := s.routers[nxt]) is None
+            or (router := self.routers[nxt]) is None
         ):
             return None
         k = indices.shape[-1] if indices.ndim else 1

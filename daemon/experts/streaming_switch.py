@@ -26,8 +26,7 @@ from moed.daemon.experts.gather_kernel import Backend, KernelMatch, PassShape, b
 if TYPE_CHECKING:  # types only: the cache is reached through LayerCache (streamer imports us)
     from moed.daemon.experts.cache import LayerPool
     from moed.daemon.experts.counters import Counters
-    from moed.daemon.experts.host_route import DecodeGraph
-    from moed.daemon.experts.loads import PendingLoad
+    from moed.daemon.experts.loads import DecodeGraph, PendingLoad
     from moed.daemon.experts.passes import LoadedPass
     from moed.daemon.experts.tuning import Switch
 
@@ -98,8 +97,6 @@ class LayerCache(Protocol):
     def begin_load(self, layer: int, experts: np.ndarray) -> PendingLoad: ...
 
     def finish_load(self, p: PendingLoad) -> None: ...
-
-    def table(self, pool: LayerPool, experts: np.ndarray) -> np.ndarray: ...
 
     def defer(self, layer: int, out: mx.array, slots_read: Iterable[int]) -> None: ...
 

@@ -6,55 +6,36 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
 from moed.daemon.experts import profile as profile_mod
-from moed.daemon.experts.cache import LayerPool
-from moed.daemon.experts.counters import Counters
-from moed.daemon.experts.fence import LazyFence
-from moed.daemon.experts.held import DeviceTally
+from moed.daemon.experts.loads import SlotLoads
 from moed.daemon.experts.memory_plan import ExpertLayout
-from moed.daemon.experts.prefetch import ReadPool
-from moed.daemon.experts.speculation import Speculator
-from moed.daemon.experts.store import ExpertStore
-
-if TYPE_CHECKING:  # types only: the streamer's module imports this one
-    from moed.daemon.experts.streamer import StreamingConfig
 
 
 class CacheWarmth:
-    """The streamer's profile and preloading (ExpertStreamer.__init__ sets the state)."""
+    """The streamer's profile and preloading, into the pools of its loads."""
 
-    # The streamer's state this mixin reads (experts/streamer.py gives each a value).
-    cfg: StreamingConfig
-    model_path: Path
-    layout: ExpertLayout
-    pools: list[LayerPool]
-    store: ExpertStore
-    reader: ReadPool
-    spec: Speculator
-    fence: LazyFence
-    counters: Counters
-    usage: list[np.ndarray]
-    tally: DeviceTally
-    _fold_usage: Callable[[int], None]
-
-    def usage_counts(self) -> list[np.ndarray]:
-        """Per layer and expert, the token rows routed to it (host- and device-routed calls).
-        On the engine thread: it evaluates the held layers' pending tally."""
-        device, _hits = self.tally.settle()
-        for layer in range(len(self.usage)):
-            self._fold_usage(layer)
-        return [u + device[l, : u.shape[0]] for l, u in enumerate(self.usage)]
+    def __init__(
+        self,
+        state_dir: Path | None,
+        model_path: Path,
+        layout: ExpertLayout,
+        loads: SlotLoads,
+        usage_counts: Callable[[], list[np.ndarray]],
+    ) -> None:
+        self.state_dir, self.model_path, self.layout = state_dir, model_path, layout
+        self.pools, self.store, self.reader = loads.pools, loads.store, loads.reader
+        self.spec, self.fence, self.counters = loads.spec, loads.fence, loads.counters
+        self.usage_counts = usage_counts  # per layer and expert (host_route.py)
 
     @property
     def profile_path(self) -> Path | None:
-        if self.cfg.state_dir is None:
+        if self.state_dir is None:
             return None
-        return profile_mod.profile_path(self.cfg.state_dir, self.model_path)
+        return profile_mod.profile_path(self.state_dir, self.model_path)
 
     def save_profile(self) -> Path | None:
         """Merge this run's usage into the saved profile (atomic write). Returns its path."""

@@ -18,7 +18,7 @@ from moed.daemon.experts.active_experts import ActiveExpertsError, limit_active_
 from moed.daemon.experts.budget import parse_size
 from moed.daemon.experts.install import install_streaming
 from moed.daemon.experts.memory_plan import estimate_kv_bytes
-from moed.daemon.experts.streamer import StreamingConfig
+from moed.daemon.experts.streaming_config import StreamingConfig
 from moed.daemon.model.demo import demo_model_path
 from moed.protocol.model_config import ModelConfig
 

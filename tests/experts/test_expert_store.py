@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from moed.daemon.experts import CheckpointIndex, StreamingConfig, install_streaming
 from moed.daemon.experts.cache import LayerPool, PooledTensor, alloc_slots
+from moed.daemon.experts.loads import SlotLoads
 from moed.daemon.experts.policies import LRUPolicy
 from moed.daemon.experts.prefetch import ReadPool
 from moed.daemon.experts.safetensors_index import TensorLoc
@@ -23,7 +24,6 @@ from moed.daemon.experts.store import (
     open_direct,
     resolve_page_cache,
 )
-from moed.daemon.experts.streamer import ExpertStreamer
 from tests.fixtures.reference import MEMORY, decode, resident, streaming
 
 STORE_PROMPT = [(5 * i + 1) % 300 + 3 for i in range(40)]
@@ -135,7 +135,7 @@ def test_failed_read_in_a_decode_call_defers_nothing(checkpoint_factory, tmp_pat
     shutil.copytree(src, path)
     model, streamer = streaming(path, "50%")
     failed = []
-    one_pass = ExpertStreamer._one_pass
+    one_pass = SlotLoads.one_pass
 
     def spy(self, layer, *args):
         try:
@@ -144,7 +144,7 @@ def test_failed_read_in_a_decode_call_defers_nothing(checkpoint_factory, tmp_pat
             failed.append(layer)
             raise
 
-    monkeypatch.setattr(ExpertStreamer, "_one_pass", spy)
+    monkeypatch.setattr(SlotLoads, "one_pass", spy)
     try:
         loc = streamer.pools[1].tensors[0].loc
         os.truncate(loc.file, loc.offset)  # the tensors stored from there on are gone

@@ -192,7 +192,7 @@ def test_speculative_next_layer_prefetch_is_exact(checkpoint_factory, arch):
     )
     model, streamer = streaming(path, "50%", prefetch_next=True)
     try:
-        assert all(r is not None for r in streamer.routers)
+        assert all(r is not None for r in streamer.spec.routers)
         assert decode(model, PROMPT, MAX_TOKENS) == want_greedy
         assert decode(model, PROMPT, MAX_TOKENS, SAMPLER) == want_sampled
         snap = streamer.snapshot()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from moed.daemon.config import ServeConfig, load_config
 from moed.daemon.experts.budget import BudgetKind, CacheBudget
 from moed.daemon.experts.memory_plan import plan_memory
-from moed.daemon.experts.streamer import StreamingConfig
+from moed.daemon.experts.streaming_config import StreamingConfig
 from moed.daemon.ground.crashlog import CrashKind, record_crash
 from moed.daemon.model.loader import streaming_config
 from moed.daemon.runtime.start_plan import plan_start
