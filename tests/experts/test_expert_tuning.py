@@ -54,3 +54,16 @@ def test_probes_one_switch_at_a_time_and_again_after_holding():
     assert (a.active, b.active) == (True, False)
     run(tuner, 2, lambda x, y: 0.010)  # a new round: a is probed again, alternating
     assert (a.active, b.active) == (False, False)
+
+
+def test_a_stopped_tuner_leaves_every_switch_off_for_good():
+    """`stop` (ExpertStreamer.hold_tuning: a bench measures one setting): every switch off, in
+    the middle of a probe or not, and no round ever turns one on again."""
+    a, b = Switch("a"), Switch("b")
+    tuner = StepTuner([a, b])
+    run(tuner, 3, lambda x, y: 0.010)  # mid-probe: a alternating
+    tuner.stop()
+    assert (a.active, b.active) == (False, False) and tuner.switches == []
+    for _ in range(2 * HOLD * WINDOW + 2 * WINDOW):  # past a hold, when a new round would start
+        tuner.on_step(0.010)
+    assert (a.active, b.active) == (False, False)
