@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from moed.protocol import GenerateRequest
+from moed.protocol.units import KeepAliveDuration
 
 from . import agent_fields as agent
 from . import fields as f
@@ -67,12 +68,17 @@ def _options(body: dict) -> dict:
     }
 
 
-def _keep_alive(body: dict) -> int | float | str | None:
-    """Ollama's keep_alive (seconds, or a duration like "5m"); the daemon checks its range."""
+def _keep_alive(body: dict) -> KeepAliveDuration | None:
+    """Ollama's keep_alive (seconds, or a duration like "5m"), refused as the daemon refuses it."""
     value = body.get("keep_alive")
-    if value is None or (isinstance(value, int | float | str) and not isinstance(value, bool)):
-        return value
-    raise invalid("'keep_alive' must be a number of seconds or a duration such as \"5m\"")
+    if value is None:
+        return None
+    if not isinstance(value, int | float | str) or isinstance(value, bool):
+        raise invalid("'keep_alive' must be a number of seconds or a duration such as \"5m\"")
+    try:
+        return KeepAliveDuration(value)
+    except ValueError as exc:
+        raise invalid(f"generate: field 'keep_alive': {exc}") from None
 
 
 def _logprobs(body: dict) -> int | None:

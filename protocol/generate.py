@@ -31,6 +31,7 @@ from .rules import (
     Str,
     TokenIds,
 )
+from .units import KeepAliveDuration
 
 RequestId = str | int  # client-chosen; unique per connection while the request runs
 MAX_SALT_CHARS = 1024  # a cache_salt: vLLM suggests 43 characters (256 random bits, base64)
@@ -103,7 +104,8 @@ class GenerateRequest:
     tools: tuple[JsonMap, ...] = _field(AnyList(), (), tuple)  # function specs for the template
     stop: tuple[str, ...] = _field(AnyList(), (), tuple)  # the text ends before the first match
     logprobs: int | None = _field(Int(lo=0))  # per-token logprobs with this many alternatives
-    keep_alive: float | str | None = _field(Duration())  # how long the model stays loaded after
+    # How long the model stays loaded after it (ValueError building one that is not a duration).
+    keep_alive: KeepAliveDuration | None = _field(Duration(), decode=KeepAliveDuration)
     # Constrained decoding and template switches (protocol/constraints.py checks their contents).
     format: ResponseFormat | None = _field(AnyMap(), decode=ResponseFormat.from_wire)
     tool_choice: ToolChoice | NamedTool | None = _field(AnyChoice(), decode=_tool_choice)
@@ -161,7 +163,7 @@ def _wire_value(value: Any) -> Any:
         return list(value)
     if isinstance(value, enum.Enum):
         return value.value
-    if isinstance(value, ResponseFormat | NamedTool):
+    if isinstance(value, ResponseFormat | NamedTool | KeepAliveDuration):
         return value.to_wire()
     return value
 

@@ -6,6 +6,7 @@ Decimal SI units (kB, MB, GB): the units `--cache-budget 12GB` is parsed in, as 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 
 _UNITS = ("B", "kB", "MB", "GB", "TB", "PB")
 
@@ -65,6 +66,21 @@ def _parse_duration(text: str) -> float:
     if not parts or "".join(n + u for n, u in parts) != body:
         raise ValueError(f"keep_alive {text!r} is not a duration (use 30s, 5m, 1h, 0 or -1)")
     return sign * sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+
+
+@dataclass(frozen=True)
+class KeepAliveDuration:
+    """A request's keep_alive, decoded once at the edge: the seconds the model stays loaded after
+    it (`seconds`; None: never) and the value as the client wrote it (sent on as it came)."""
+
+    written: str | int | float
+    seconds: float | None = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "seconds", parse_keep_alive(self.written))  # ValueError: not one
+
+    def to_wire(self) -> str | int | float:
+        return self.written
 
 
 def format_keep_alive(seconds: float | None) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from moed.daemon.config import ServeConfig
-from moed.daemon.engine.batch import DecodeBatch, SavedRow, StepOutput
+from moed.daemon.engine.batch import DecodeBatch, StepOutput
 from moed.daemon.engine.commands import (
     Cancel,
     ClearPrefixCache,
@@ -30,12 +30,8 @@ from moed.daemon.engine.commands import (
 from moed.daemon.engine.failures import EngineFailures
 from moed.daemon.engine.grammar import GrammarConstraint
 from moed.daemon.engine.heartbeat import StepHeartbeat
-from moed.daemon.engine.idle import KeepAlive
-from moed.daemon.engine.lifecycle import ModelLifecycle
-from moed.daemon.engine.prefix_cache.cache import PrefixHit
-from moed.daemon.engine.prefix_cache.disk_tier import clear_folder
-from moed.daemon.engine.prefix_cache.disk_writer import Activity
-from moed.daemon.engine.prefix_cache.setup import prefix_cache_config
+from moed.daemon.engine.model_host import ModelHost, ModelLoadFailed
+from moed.daemon.engine.prefix_feed import PrefixFeed
 from moed.daemon.engine.recovery import InPlaceRecovery
 from moed.daemon.engine.recovery_ledger import RecoveryLedger, RecoveryPolicy
 from moed.daemon.engine.request import Emitted, GenerateJob, Generation, RequestKey
@@ -49,9 +45,7 @@ from moed.daemon.ground.crashlog import CrashKind
 from moed.daemon.ground.device_errors import classify
 from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.ground.faults import Faults
-from moed.daemon.model.loader import (
-    LoadedModel,
-)
+from moed.daemon.model.loader import LoadedModel, LoadProgress
 from moed.daemon.telemetry.delta import cache_state, request_counters
 from moed.daemon.telemetry.request_trace import finish_request_trace, start_request_trace
 from moed.daemon.telemetry.trace import recording_all
@@ -67,12 +61,14 @@ from moed.protocol import (
     TelemetryEvent,
     TokenEvent,
 )
+from moed.protocol.events import LoadProgress as LoadProgressEvent  # the loader's is a callback
 
 log = logging.getLogger("moed.engine")
 
 
-class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
-    """Admits, steps, cancels and finishes generations; one thread calls every method."""
+class EngineCore(InPlaceRecovery, EngineFailures):
+    """Admits, steps, cancels and finishes generations; one thread calls every method. Holds the
+    model host (load, unload, keep-alive) and the prefix feed (what the prefix cache stores)."""
 
     def __init__(
         self,
@@ -102,7 +98,6 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
         self._gens: dict[RequestKey, Generation] = {}
         self._rows: dict[int, Generation] = {}  # batch row id -> its request
         self.batch: DecodeBatch | None = None
-        self.loaded: LoadedModel | None = None
         self.fatal: BaseException | None = None
         self.exit_code: int = DaemonExit.FAILED  # what the process exits with once `fatal` is set
         # Off unless debug_faults says otherwise; a bad spec is a configuration error at the edge.
@@ -110,14 +105,8 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
         self.heartbeat = StepHeartbeat(status, self.faults)  # progress inside a step
         self.cancels = cancels if cancels is not None else CancelBoard()
         self.heartbeat.abandon = self._only_cancelled_rows
-        # A pipeline's other ranks hold their layers for the group's life: only one process unloads.
-        self.keep_alive = KeepAlive(None if serve.pipelined else serve.keep_alive_s)
-        self.status.update(keep_alive_s=self.keep_alive.seconds)
-        self._ranks_at = 0.0  # when the pipeline ranks' status was last gathered
-        self.prefix_cache = None  # a PrefixCache while a model is loaded and the cache is on
-        # Rows' caches to keep once their first token is out: a store evaluates copies of them
-        # (milliseconds), which must not stand between a prompt's end and its first token.
-        self._unsaved: list[SavedRow] = []
+        self.host = ModelHost(serve, model_path, status, self.heartbeat, self.faults)
+        self.prefix = PrefixFeed(serve, status)
         # Device failures inside a step: met in place where MLX raises them catchably
         # (engine/recovery.py); the transport records each recovery.
         version = str(getattr(mx, "__version__", ""))  # the stubs leave it out
@@ -139,6 +128,10 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
     @property
     def has_work(self) -> bool:
         return bool(self._gens)
+
+    @property
+    def loaded(self) -> LoadedModel | None:
+        return self.host.loaded
 
     def idle_for(self) -> float | None:
         """How long the owner may block waiting for commands: 0 while the batch has rows, the
@@ -184,15 +177,15 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
         """Admit what the scheduler says, then one step of the running batch."""
         while not self._posted.empty():  # driven in-process: the grammars built meanwhile
             self.handle(self._posted.get())
-        self._store_unsaved()  # rows ended by a command (a cancel) since the last step
+        self.prefix.store_due(self._rows)  # rows ended by a command (a cancel) since the last step
         # While a recovery's rows catch up, new requests wait for the memory it shed.
         admitted = () if self.recovering else self.scheduler.schedule(time.monotonic()).admit
         for key in admitted:
             self._join(self._gens[key])
         if admitted:  # a row that joined reads its prompt: the SSD tier holds its writes now
-            self._gate_prefix_writes()
+            self.prefix.gate(self._rows.values())
         if self.batch is None or not self.batch.rows:
-            self._sync_group()
+            self.host.sync_group()
             return
         try:
             if self.faults:
@@ -217,15 +210,16 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
             self._batch_failed(exc)
             return
         self._deliver(out)
-        self._store_unsaved()
-        self._gate_prefix_writes()
+        self.prefix.store_due(self._rows)
+        self.prefix.gate(self._rows.values())
 
     def _admit(self, job: GenerateJob) -> None:
         if self.loaded is None and not self._reload_for(job):
             return
         assert self.loaded is not None  # loaded, or loaded again just now
         try:
-            gen = Generation(job, self.loaded, self.serve, self._stream_snapshot(), self.faults)
+            snapshot = self.host.stream_snapshot()
+            gen = Generation(job, self.loaded, self.serve, snapshot, self.faults)
             gen.trace = start_request_trace(
                 self.loaded,
                 job.request_id,
@@ -247,8 +241,7 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
         self.scheduler.add(job.key, gen.client, gen.kv_tokens, time.monotonic(), ready)
         if job.request.progress:  # at once, before a batch row is free: a first byte
             self.sink.emit(job.identity, job.request_id, PromptProgress(0, len(gen.context)))
-        self.keep_alive.admitted(job.request.keep_alive)
-        self.status.update(keep_alive_s=self.keep_alive.seconds)
+        self.host.admitted(job.request.keep_alive)
         self._publish_counts()
 
     def _grammar_ready(
@@ -270,7 +263,7 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
     def _join(self, gen: Generation) -> None:
         """A request takes its row: its context is queued for prefill in the next steps."""
         gen.started = time.perf_counter()
-        hit, marks = self._prefix_lookup(gen.context, gen.cache_scope)
+        hit, marks = self.prefix.lookup(gen.context, gen.cache_scope)
         gen.cached_tokens = hit.length if hit is not None else 0
         assert self.batch is not None  # rows join the batch of a loaded model
         gen.uid = self.batch.insert(
@@ -287,69 +280,66 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
         if len(self._rows) > self.status.get("peak_running_requests"):
             self.status.update(peak_running_requests=len(self._rows))
 
-    def _prefix_lookup(
-        self, context: list[int], scope: str
-    ) -> tuple[PrefixHit | None, tuple[int, ...]]:
-        """The prefix cache's hit in `scope` for a joining row and where to checkpoint it
-        (advisory: a failure here is a warning and a full prompt read)."""
-        if self.prefix_cache is None:
-            return None, ()
+    # ---- the model host --------------------------------------------------------------------
+    def load(self, on_progress: LoadProgress | None = None) -> bool:
+        """Load the model; False (with `fatal` set and status `failed`) when it cannot load."""
+        started = time.perf_counter()
         try:
-            hit = self.prefix_cache.lookup(context, scope)
-            start = hit.length if hit is not None else 0
-            return hit, self.prefix_cache.checkpoint_positions(start, len(context))
-        except Exception:
-            log.exception("prefix cache lookup failed; reading the whole prompt")
-            return None, ()
+            loaded = self.host.load(on_progress)
+        except ModelLoadFailed as failed:
+            self._load_failed(failed)
+            return False
+        except RuntimeError as exc:  # a rank failed while loading; the group monitor says which
+            self._group_failed(exc)
+            return False
+        self.prefix.open(loaded, self.model_path)
+        self.batch = self._new_batch()
+        self.host.ready(started)
+        return True
 
-    def _gate_prefix_writes(self) -> None:
-        """Tell the SSD tier what the engine does: on a few cores a write beside a prefill delays
-        its first token (prefix_cache/disk_tier.py)."""
-        if self.prefix_cache is None:
-            return
-        if any(g.first_token_at is None for g in self._rows.values()):
-            self.prefix_cache.engine_is(Activity.PROMPT)
-        else:
-            self.prefix_cache.engine_is(Activity.DECODE if self._rows else Activity.IDLE)
+    def _new_batch(self) -> DecodeBatch:
+        return self.host.new_batch(self.prefix.cache, self.chunk_limit)
 
-    def _keep_prefix(self, row: SavedRow | None) -> None:
-        if self.prefix_cache is not None and row is not None:
-            self._unsaved.append(row)
+    def _reload_for(self, job: GenerateJob) -> bool:
+        """Load again for a request that arrived while idle; it sees `progress` messages."""
+
+        def progress(stage: str, done: float, total: float, unit: str) -> None:
+            event = LoadProgressEvent(stage, done, total, unit)
+            self.sink.emit(job.identity, job.request_id, event)
+
+        self.status.update(busy=True)  # a request waits on this load: the watchdog watches it
+        loaded = self.load(progress)
+        self.status.update(busy=bool(self._gens))
+        if loaded:
+            return True
+        self.reject(job, ErrorCode.INTERNAL, f"the model failed to load again: {self.fatal}")
+        return False
+
+    def maybe_unload(self) -> None:
+        """Release the model and the expert cache once the keep-alive of an idle engine expired."""
+        if not self._gens and self.host.unload_due():
+            self.unload()
+
+    def unload(self) -> None:
+        """Release the model and the expert cache (state `idle`); the next request reloads them."""
+        self.close()  # saves the usage profile (the reload warms from it), closes the streamer
+        self.host.release()
 
     def close(self) -> None:
-        self._store_unsaved()  # what ended last (a shutdown's drain) reaches the tiers first
+        self.prefix.store_due(self._rows)  # what ended last (a drain) reaches the tiers first
         self.grammars.close()  # an unload too: a reload starts another pool at need
-        super().close()
-
-    def _store_unsaved(self) -> None:
-        """Store the kept rows whose first token went out (or whose row ended), in the order
-        they were kept: a row's longer entry, kept at its end, merges the shorter one."""
-        if not self._unsaved or self.prefix_cache is None:
-            return
-        waiting = []
-        for row in self._unsaved:
-            gen = self._rows.get(row.uid)
-            if gen is not None and gen.first_token_at is None:
-                waiting.append(row)
-                continue
-            try:
-                self.prefix_cache.store(row.tokens, row.layers, row.checkpoints, row.scope)
-            except Exception:
-                log.exception("prefix cache store failed")
-        stored = len(waiting) < len(self._unsaved)
-        self._unsaved = waiting
-        if stored:  # every step asks while a row waits for its first token: publish only news
-            self._publish_prefix_cache()
+        if self.batch is not None:
+            self.batch.close()
+            self.batch = None
+        self.prefix.close()
+        self.host.close(self.exit_code)
 
     def clear_prefix_cache(self) -> dict[str, Any]:
         """Empty both tiers; with no model loaded, the SSD tier's folder all the same."""
-        self._unsaved.clear()
-        if self.prefix_cache is not None:
-            released = self.prefix_cache.clear()
-            self._refresh_ranks(force=True)  # the other ranks free their layers of the entries
-        else:
-            released = {"disk_bytes": clear_folder(prefix_cache_config(self.serve, None).disk_dir)}
-        self._publish_prefix_cache()
+        held = self.prefix.cache is not None
+        released = self.prefix.clear()
+        if held:
+            self.host.refresh_ranks(force=True)  # the other ranks free their layers of entries
         return released
 
     def _only_cancelled_rows(self) -> bool:
@@ -384,7 +374,7 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
                 )
                 self.sink.emit(gen.job.identity, gen.job.request_id, read)
         for row in out.saved:
-            self._keep_prefix(row)
+            self.prefix.keep(row)
         for tok in out.tokens:
             gen = self._rows.get(tok.uid)
             if gen is None:  # cancelled while its token was being computed
@@ -440,9 +430,9 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
             self.sink.emit(gen.job.identity, gen.job.request_id, event)
 
     def _telemetry(self, gen: Generation, timings: dict[str, Any] | None = None) -> dict[str, Any]:
-        self._refresh_ranks()
+        self.host.refresh_ranks()
         data = {"tokens": gen.completion, **(timings or gen.timings())}
-        snapshot = self._stream_snapshot()
+        snapshot = self.host.stream_snapshot()
         if snapshot is not None:
             self.status.update(streaming=snapshot)
             data["experts"] = request_counters(gen.stream_before, snapshot)  # this request's
@@ -460,13 +450,13 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
             self._row_moved(gen.uid)
             if self.batch is not None:
                 # A no-op for a row that finished by itself; with `keep`, its caches are cached.
-                keep = keep and self.prefix_cache is not None
-                self._keep_prefix(self.batch.remove(gen.uid, keep=keep))
+                keep = keep and self.prefix.cache is not None
+                self.prefix.keep(self.batch.remove(gen.uid, keep=keep))
         # Published before the terminal message, so a client that saw `done` sees the count drop.
         self._publish_counts()
-        self._gate_prefix_writes()
+        self.prefix.gate(self._rows.values())
         if not self._gens:
-            self.keep_alive.became_idle()
+            self.host.keep_alive.became_idle()
             self.status.update(last_activity_at=time.time())
 
     def _publish_counts(self) -> None:
@@ -498,7 +488,7 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
             self.sink.emit(gen.job.identity, req_id, FailedEvent.of(reason, message))
             return
         self.status.add(requests_served=1)
-        self._refresh_ranks(force=True)  # a client that saw `done` sees every rank's counters
+        self.host.refresh_ranks(force=True)  # a client that saw `done` sees every rank's counters
         usage = {
             "prompt_tokens": gen.prompt_tokens,
             "completion_tokens": gen.completion,
@@ -519,11 +509,7 @@ class EngineCore(ModelLifecycle, InPlaceRecovery, EngineFailures):
         self.sink.emit(gen.job.identity, req_id, done)
 
     def _shed(self, level: ShedLevel) -> None:
-        released = 0
-        self._unsaved.clear()
-        if self.prefix_cache is not None:  # cached prefixes go first: no request loses anything
-            released += self.prefix_cache.shed()
-            self._publish_prefix_cache()
+        released = self.prefix.shed()  # cached prefixes go first: no request loses anything
         if self.loaded is not None and self.loaded.streamer is not None:
             released += self.loaded.streamer.shed(0.5)
         if self.loaded is not None and self.loaded.pipeline is not None:

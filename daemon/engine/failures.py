@@ -1,6 +1,6 @@
 """How the engine fails: a step's rows, or the whole process (a crash record, every request failed
-with a typed error, `fatal` published for the transport to exit with the kind's code). A mixin of
-EngineCore, split out to keep one concern per module."""
+with a typed error, `fatal` published for the transport to exit with the kind's code), and a model
+that cannot load. A mixin of EngineCore, split out to keep one concern per module."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import logging
 from collections.abc import Callable
 
 from moed.daemon.distributed.failure import is_group_failure
-from moed.daemon.engine.batch import DecodeBatch, SavedRow
+from moed.daemon.engine.batch import DecodeBatch
+from moed.daemon.engine.model_host import ModelLoadFailed
+from moed.daemon.engine.prefix_feed import PrefixFeed
 from moed.daemon.engine.request import Generation, RequestKey
 from moed.daemon.engine.status import DaemonState, EngineStatus
 from moed.daemon.engine.text_path import failure_of
@@ -37,7 +39,7 @@ class EngineFailures:
     reject_queued: Callable[[ErrorCode, str], None]
     _gens: dict[RequestKey, Generation]
     _rows: dict[int, Generation]
-    _unsaved: list[SavedRow]
+    prefix: PrefixFeed
     _finish: Callable[..., None]
     _forget: Callable[..., None]
     _new_batch: Callable[[], DecodeBatch]
@@ -48,6 +50,16 @@ class EngineFailures:
         what = f"{exc.__class__.__name__}: {exc}"
         message = f"the engine failed ({exc.__class__.__name__}); the daemon restarts"
         self._fail_process(exc, CrashKind.ENGINE_FAILED, what, ErrorCode.INTERNAL, message)
+
+    def _load_failed(self, failed: ModelLoadFailed) -> None:
+        """The model cannot load: fatal for the daemon, with the load's exit code; the requests
+        waiting in the inbox fail."""
+        exc = failed.cause
+        self._record_crash(CrashKind.LOAD_FAILED, str(failed))
+        self.exit_code = failed.exit_code
+        self.status.update(state=DaemonState.FAILED, error=str(failed))
+        self.reject_queued(ErrorCode.INTERNAL, f"model failed to load: {exc}")
+        self.fatal = exc
 
     def _row_failed(self, gen: Generation, exc: BaseException) -> None:
         """One request's text path failed (text_path.py): it ends with a typed error, and the
@@ -63,7 +75,7 @@ class EngineFailures:
         for gen in list(self._rows.values()):
             self._finish(gen, ErrorCode.INTERNAL, message)
         assert self.batch is not None  # only a running batch fails a step
-        self._unsaved.clear()  # caches of a batch whose state is unknown
+        self.prefix.drop_unsaved()  # caches of a batch whose state is unknown
         self.batch.close()
         self.batch = self._new_batch()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from moed.protocol.units import parse_keep_alive
+from moed.protocol.units import KeepAliveDuration
 
 
 class KeepAlive:
@@ -19,11 +19,11 @@ class KeepAlive:
         self.current_s = default_s  # the last admitted request's choice
         self.idle_since: float | None = None
 
-    def admitted(self, keep_alive: str | int | float | None) -> None:
+    def admitted(self, keep_alive: KeepAliveDuration | None) -> None:
         """A request started: nothing unloads while it runs; its keep_alive applies after it."""
         self.idle_since = None
-        # Validated at the edge; a request without one falls back to the daemon's setting.
-        self.current_s = self.default_s if keep_alive is None else parse_keep_alive(keep_alive)
+        # Decoded at the edge; a request without one falls back to the daemon's setting.
+        self.current_s = self.default_s if keep_alive is None else keep_alive.seconds
 
     def became_idle(self, now: float | None = None) -> None:
         self.idle_since = time.monotonic() if now is None else now

@@ -204,7 +204,7 @@ class Engine:
             core.unload()
             command.done.set()
         else:  # busy (or not loaded): unload as soon as it is idle
-            core.keep_alive.current_s = 0.0
+            core.host.unload_when_idle()
             command.done.set()
 
     def _reject_queued(self, code: ErrorCode, message: str) -> None:

@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from moed.daemon.engine.batch import MIN_CHUNK, DecodeBatch, SavedRow
-from moed.daemon.engine.prefix_cache.cache import PrefixCache, PrefixHit
+from moed.daemon.engine.batch import MIN_CHUNK, DecodeBatch
+from moed.daemon.engine.model_host import ModelHost
+from moed.daemon.engine.prefix_feed import PrefixFeed
 from moed.daemon.engine.recovery_ledger import SHED_ORDER, Recovery, RecoveryLedger, Shed
 from moed.daemon.engine.request import Generation
 from moed.daemon.engine.status import DaemonState, EngineStatus
 from moed.daemon.ground.crashlog import backoff_factor
 from moed.daemon.ground.device_errors import DeviceFailure, classify
-from moed.daemon.model.loader import LoadedModel
 from moed.protocol import FinishReason
 
 if TYPE_CHECKING:
@@ -40,22 +40,18 @@ class InPlaceRecovery:
 
     # The engine core's state this mixin reads and sets.
     status: EngineStatus
-    loaded: LoadedModel | None
     batch: DecodeBatch | None
-    prefix_cache: PrefixCache | None
+    host: ModelHost
+    prefix: PrefixFeed
     _rows: dict[int, Generation]
-    _unsaved: list[SavedRow]
     recovery: RecoveryLedger
     chunk_limit: int | None  # the prompt chunk's ceiling a recovery set
     _budget_steps: int  # expert-budget back-offs taken in place
     _catching_up: set[int]  # rows read again that have not yet passed where they were
     on_recovery: Callable[[dict[str, Any]], None] | None  # the transport records it
-    # ... and what the engine core does for it (engine/core.py, lifecycle.py).
+    # ... and what the engine core does for it (engine/core.py).
     _new_batch: Callable[[], DecodeBatch]
-    _prefix_lookup: Callable[[list[int], str], tuple[PrefixHit | None, tuple[int, ...]]]
-    _publish_prefix_cache: Callable[[], None]
     _finish: Callable[..., None]
-    _stream_snapshot: Callable[[], dict[str, Any] | None]
     _device_restart: Callable[[BaseException, DeviceFailure, str], None]
 
     @property
@@ -66,7 +62,7 @@ class InPlaceRecovery:
         """A step raised a device failure: recover in place if the ledger allows, else (or if
         recovering fails in turn) the restart path."""
         why = self.recovery.judge(failure)
-        if why is None and self.loaded is not None and self.loaded.pipeline is not None:
+        if why is None and self.host.loaded is not None and self.host.loaded.pipeline is not None:
             why = "a pipeline's other ranks are inside the failed step"  # the group restarts
         if why is None:
             try:
@@ -79,7 +75,8 @@ class InPlaceRecovery:
         self._device_restart(exc, failure, why)
 
     def _recover(self, exc: BaseException, failure: DeviceFailure) -> None:
-        assert self.batch is not None and self.loaded is not None  # a step ran
+        loaded = self.host.loaded
+        assert self.batch is not None and loaded is not None  # a step ran
         record = self.recovery.begin(failure, str(exc))
         log.error("%s inside a step (%s): recovering in place", failure.value, exc)
         self.status.update(
@@ -90,11 +87,11 @@ class InPlaceRecovery:
         rows = sorted(self._rows.values(), key=lambda gen: gen.uid or 0)  # their join order
         largest_chunk = self.chunk_limit or self.batch.largest_chunk
         # The step's pending arrays: everything the failed command buffer may have poisoned.
-        self._unsaved.clear()
+        self.prefix.drop_unsaved()
         self.batch.abandon()
         self.batch = None
         self._rows = {}
-        streamer = self.loaded.streamer
+        streamer = loaded.streamer
         slots = self._shed_in_order(record, streamer, largest_chunk)
         if streamer is not None:
             before = streamer.budget_bytes
@@ -122,7 +119,7 @@ class InPlaceRecovery:
         self.status.update(
             last_recovery=record.describe(),
             prompt_chunk_limit=self.chunk_limit,
-            streaming=self._stream_snapshot(),
+            streaming=self.host.stream_snapshot(),
         )
         self._report(record)
         if not self._catching_up:
@@ -136,11 +133,9 @@ class InPlaceRecovery:
         halves from the largest chunk the batch could read (or the ceiling already set)."""
         for step in SHED_ORDER[record.kind]:
             if step is Shed.PREFIX_MEMORY:
-                if self.prefix_cache is not None:
-                    released = self.prefix_cache.shed()
-                    self._publish_prefix_cache()
-                    if released:
-                        record.shed[step.value] = {"released_bytes": released}
+                released = self.prefix.shed()
+                if released:
+                    record.shed[step.value] = {"released_bytes": released}
             elif step is Shed.EXPERT_BUDGET:
                 slots = self._backed_off_slots(streamer)
                 if slots is not None:
@@ -172,7 +167,7 @@ class InPlaceRecovery:
         if left <= 0:  # it had sent its last token; only its ending was lost
             self._finish(gen, FinishReason.LENGTH)
             return
-        hit, marks = self._prefix_lookup(context, gen.cache_scope)
+        hit, marks = self.prefix.lookup(context, gen.cache_scope)
         gen.uid = self.batch.insert(context, left, sampler, constraint, hit, marks, gen.cache_scope)
         self._rows[gen.uid] = gen
 

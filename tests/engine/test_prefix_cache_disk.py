@@ -41,8 +41,8 @@ def engine(model, state, disk_dir=None, prefix="64MB", disk="64MB", resident=Tru
 
 def finish(core: EngineCore) -> dict:
     """Let the SSD writer land everything, then close; returns the last prefix-cache counters."""
-    core.prefix_cache.disk.flush()
-    snap = core.prefix_cache.snapshot()
+    core.prefix.cache.disk.flush()
+    snap = core.prefix.cache.snapshot()
     core.close()
     return snap
 
@@ -73,7 +73,7 @@ def test_the_next_engine_reads_its_prefix_from_the_ssd(
     written = finish(first)
     assert written["disk_writes"] > 0 and written["disk_entries"] > 0
     second = engine(model, tmp_path, resident=resident)  # a restart: the memory tier is empty
-    assert second.prefix_cache.snapshot()["memory_entries"] == 0
+    assert second.prefix.cache.snapshot()["memory_entries"] == 0
     got += converse(second, TURNS[2:], first_id=2)
     snap = finish(second)
     assert [t for t, _ in got] == [t for t, _ in want]
@@ -179,11 +179,11 @@ def test_an_idle_unload_keeps_the_ssd_tier_and_the_reload_reads_from_it(
 ):
     core = engine(tiny_model, tmp_path)
     got = converse(core, TURNS[:2])
-    core.prefix_cache.disk.flush()
+    core.prefix.cache.disk.flush()
     core.unload()  # what the keep-alive does: model, expert cache and memory tier released
-    assert core.prefix_cache is None and core.status.get("prefix_cache") is None
+    assert core.prefix.cache is None and core.status.get("prefix_cache") is None
     assert core.load()
-    assert core.prefix_cache.snapshot()["memory_entries"] == 0
+    assert core.prefix.cache.snapshot()["memory_entries"] == 0
     got += converse(core, TURNS[2:], first_id=2)
     snap = finish(core)
     assert [t for t, _ in got] == [t for t, _ in expected]
@@ -265,7 +265,7 @@ def test_a_server_always_reading_a_prompt_still_writes_once_entries_pile_up(tier
 def test_the_engine_tells_the_ssd_writer_when_prompts_are_read(checkpoint_factory, tmp_path):
     core = engine(checkpoint_factory("qwen3_5_moe"), tmp_path)
     events: list[tuple[str, object]] = []
-    disk = core.prefix_cache.disk
+    disk = core.prefix.cache.disk
     engine_is, write = disk.engine_is, disk.write
 
     def logged_activity(activity):

@@ -84,7 +84,7 @@ def test_a_malformed_header_is_skipped_and_counted_and_the_rest_of_the_cache_ser
     write_entry(written / ("ab" * 16 + ".safetensors"), {**header, "__metadata__": meta}, data)
     caplog.set_level(logging.WARNING, logger="moed.prefix_cache")
     core = engine(tiny_model, tmp_path, disk_dir=written)
-    assert core.prefix_cache is not None and core.prefix_cache.disk is not None
+    assert core.prefix.cache is not None and core.prefix.cache.disk is not None
     got = converse(core, TURNS[2:], first_id=2)
     snap = finish(core)
     assert [t for t, _ in got] == [t for t, _ in expected[2:4]]
@@ -107,7 +107,7 @@ def test_an_entry_claiming_more_than_its_file_holds_is_refused_before_reading(
         pass
     assert refused.value.problem is EntryProblem.MALFORMED
     core = engine(tiny_model, tmp_path, disk_dir=written)
-    listed = {r.key for r in core.prefix_cache.disk.records()}
+    listed = {r.key for r in core.prefix.cache.disk.records()}
     got = converse(core, TURNS[2:3], first_id=2)
     snap = finish(core)
     assert name.stem not in listed

@@ -25,6 +25,7 @@ from moed.protocol import messages as wire
 from moed.protocol.constraints import FormatType, ToolChoice
 from moed.protocol.generate import GENERATE_FIELDS
 from moed.protocol.rules import Limits
+from moed.protocol.units import KeepAliveDuration
 from moed.protocol.validation import resolve_max_tokens
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
@@ -42,7 +43,7 @@ SHARED = dict(
     telemetry_every=4,
     stop=("\n\n", "END"),
     logprobs=3,
-    keep_alive="5m",
+    keep_alive=KeepAliveDuration("5m"),
     parallel_tool_calls=False,
     caller="10.0.0.7",
 )
@@ -176,3 +177,15 @@ def test_open_ended_runs_to_the_limit_and_the_context_without_max_tokens():
     assert resolve_max_tokens(None, 10, limits, open_ended=True) == 800
     assert resolve_max_tokens(None, 300, limits, open_ended=True) == 700
     assert resolve_max_tokens(5, 10, limits, open_ended=True) == 5
+
+
+@pytest.mark.parametrize(
+    ("written", "seconds"), [("5m", 300.0), (90, 90.0), ("-1", None), (0, 0.0)]
+)
+def test_keep_alive_is_decoded_once_at_the_edge(written, seconds):
+    """The engine reads the seconds the edge decoded (None: never); the wire keeps the spelling."""
+    req = validate_generate(wire.request(MessageType.GENERATE, 1, prompt="x", keep_alive=written))
+    assert req.keep_alive == KeepAliveDuration(written) and req.keep_alive.seconds == seconds
+    assert req.to_wire(1)["keep_alive"] == written
+    with pytest.raises(ValueError, match="not a duration"):
+        KeepAliveDuration("soon")
