@@ -208,7 +208,8 @@ async def _run(request: Request, endpoint: str, parse, piece) -> Response:
     model = (req.model or (await gateway.model()).get("name", "")) + TAG
     if not body.get("prompt") and not body.get("messages"):
         # Ollama's empty prompt loads the model; with keep_alive 0 it unloads it.
-        action = "unload" if req.keep_alive in (0, "0", "0s") else "load"
+        unload = req.keep_alive is not None and req.keep_alive.seconds == 0
+        action = "unload" if unload else "load"
         await gateway.call("models", action=action, model=req.model)
         return JSONResponse(
             {
