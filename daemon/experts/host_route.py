@@ -48,6 +48,7 @@ class HostRouting:
 
     def __init__(self, loads: SlotLoads, bypass_page_cache: bool) -> None:
         self.loads, self.spec, self.watch = loads, loads.spec, loads.watch
+        self.lookahead = loads.lookahead  # the next layer's guess, evaluated with the read-back
         self.pools, self.counters, self.fence = loads.pools, loads.counters, loads.fence
         # Prompt-end reads ahead only where reads wait on the SSD (prompt_end.py).
         self.bypass_page_cache = bypass_page_cache
@@ -153,13 +154,16 @@ class HostRouting:
         c, fence, spec = self.counters, self.fence, self.spec
         tally, self._step_tally = self._step_tally, None
         predicted = spec.predict(layer, indices, x) if spec.enabled else None
+        look = self.lookahead
+        guess = look.predict(layer, indices, x) if look is not None else None
         t0 = time.perf_counter()
         # The one host sync of the layer also finishes every pending layer output (usually
         # ancestors of these indices anyway), so their slots are free to be overwritten after it.
-        if predicted is None and tally is None:  # the common call: nothing else to evaluate
+        if predicted is None and tally is None and guess is None:  # the common call
             mx.eval(indices, *fence.outputs)
         else:
-            mx.eval(indices, *[a for a in (predicted, tally) if a is not None], *fence.outputs)
+            extra = [a for a in (predicted, tally, guess) if a is not None]
+            mx.eval(indices, *extra, *fence.outputs)
         fence.settled()
         on_sync = self.watch.on_sync
         if on_sync is not None:  # a device failure surfaces at this read-back
@@ -171,6 +175,8 @@ class HostRouting:
             self.fold_tally(evaluated=True)
         if spec.enabled:
             spec.predicted(layer, predicted)
+        if look is not None:
+            look.predicted(layer, guess)
         return t1
 
     def route(self, layer: int, indices: mx.array, x: mx.array | None = None) -> np.ndarray:

@@ -18,6 +18,7 @@ from moed.daemon.experts.counters import Counters
 from moed.daemon.experts.fence import LazyFence
 from moed.daemon.experts.hooks import Watchers
 from moed.daemon.experts.landing import Staging
+from moed.daemon.experts.lookahead import Lookahead
 from moed.daemon.experts.prefetch import ReadBatch, ReadPool, ReadResult
 from moed.daemon.experts.speculation import Speculator
 from moed.daemon.experts.store import ExpertStore
@@ -66,11 +67,14 @@ class SlotLoads:
         overlap: Switch,
         routers: list[nn.Module | None],
         prefetch_next: bool,
+        lookahead: bool = False,
     ):
         self.pools, self.counters, self.fence = pools, counters, fence
         self.reader, self.store, self.watch = reader, store, watch
         self.overlap = overlap  # resident rows computed during the reads (streaming_switch.py)
         self.spec = Speculator(self, routers, prefetch_next)
+        # The next layer's guesses read into a lane while the disk idles (lookahead.py).
+        self.lookahead = Lookahead(pools, reader, store, routers) if lookahead else None
 
     def load(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, dict[str, mx.array]]:
         """Make `experts` resident in `layer`; returns (expert -> slot table, pools)."""
@@ -90,10 +94,16 @@ class SlotLoads:
         self.counters.prefetch_hits += len(kept)
         demand: list[ReadBatch] = []
         stagings: list[Staging] = []
+        look = self.lookahead
         if loads:
             self.fence.guard(layer, loads)
             stagings.append(staging := pool.stage(loads))
-            demand.append(self.reader.submit(self.store.jobs_for(pool, staging)))
+            if look is None:
+                demand.append(self.reader.submit(self.store.jobs_for(pool, staging)))
+            elif (batch := look.serve(layer, pool, staging, experts.tolist())) is not None:
+                demand.append(batch)  # the loads the lane holds are copied (lookahead.py)
+        elif look is not None:
+            look.issue(layer, experts.tolist())
         self.spec.issue(layer + 1)  # queued behind every demand read
         spec_stagings = self.spec.stagings_of(spec_loads)
         return PendingLoad(
@@ -170,6 +180,8 @@ class SlotLoads:
                 observer.on_load(layer, pool, needed, [])
             if spec.enabled:
                 spec.issue(layer + 1)
+            if self.lookahead is not None:
+                self.lookahead.issue(layer, needed)
             out = early if early is not None else _build(build, pool)
             self.fence.defer(layer, out, slots if guarded else None)
             return out
@@ -177,10 +189,15 @@ class SlotLoads:
         _hits, loads = self.admit_counted(layer, pool, needed)
         self.fence.guard(layer, loads)  # before this call's output exists: it is not pending
         staging = pool.stage(loads)
-        batch = self.reader.submit(self.store.jobs_for(pool, staging))
+        look = self.lookahead
+        if look is None:
+            batches = [self.reader.submit(self.store.jobs_for(pool, staging))]
+        else:  # the loads the lane holds are copied, the others read (lookahead.py)
+            batch = look.serve(layer, pool, staging, needed)
+            batches = [batch] if batch is not None else []
         if spec.enabled:
             spec.issue(layer + 1)  # queued behind the demand reads
-        self.collect(pool, loads, [batch])
+        self.collect(pool, loads, batches)
         pool.land(staging)
         out = early if early is not None else _build(build, pool)
         self.fence.defer(layer, out, list(map(lookup, ids)) if guarded else None)

@@ -21,6 +21,9 @@ from moed.daemon.experts.store import ExpertStore, ReadJob, drop_cached
 # Measured with `moed bench stream --sweep` (BENCHMARKS.md): with 1 MiB chunks, 8 workers read a
 # layer's misses at 0.8 of raw parallel pread where 4 workers stayed near 0.6.
 DEFAULT_WORKERS = 8
+# Idle-only jobs (lookahead.py) running at once: a demand burst that arrives meanwhile waits for
+# at most this many 1 MiB chunks ahead of it on the disk.
+IDLE_DEPTH = 2
 
 
 def default_workers(bypass_page_cache: bool = True) -> int:
@@ -48,6 +51,8 @@ class ReadBatch:
 
     jobs: list[ReadJob]
     speculative: bool = False
+    # Started only while no demand job is queued or running (the disk would otherwise idle).
+    idle_only: bool = False
     left: int = 0  # jobs not finished yet (run or cancelled)
     started: int = 0  # jobs a worker took (they write their slots: wait for them)
     cancelled: bool = False
@@ -76,6 +81,8 @@ class ReadPool:
             int, tuple[int, int]
         ] = {}  # fd -> (start, end) read since the last drop
         self._busy = 0
+        self._demand_busy = 0  # demand jobs running: idle-only jobs wait for none
+        self._idle_busy = 0  # idle-only jobs running (at most IDLE_DEPTH)
         self._closed = False
         self._threads = [
             threading.Thread(target=self._work, name=f"moed-read-{i}", daemon=True)
@@ -90,10 +97,15 @@ class ReadPool:
         with self._cv:
             while True:
                 queue = self._demand or self._speculative
-                if queue:
+                # An idle-only job waits while a demand read is queued or running.
+                if queue and (not queue[0][0].idle_only or self._idle()):
                     batch, job = queue.popleft()
                     batch.started += 1
                     self._busy += 1
+                    if not batch.speculative:
+                        self._demand_busy += 1
+                    elif batch.idle_only:
+                        self._idle_busy += 1
                     if self._demand or self._speculative:
                         self._cv.notify()  # wake the next worker: the engine thread woke only one
                     return batch, job
@@ -111,6 +123,9 @@ class ReadPool:
                         self._cv.acquire()
                     continue
                 self._cv.wait()
+
+    def _idle(self) -> bool:
+        return not self._demand and not self._demand_busy and self._idle_busy < IDLE_DEPTH
 
     def _work(self) -> None:
         while (item := self._next()) is not None:
@@ -136,6 +151,14 @@ class ReadPool:
             if not batch.left:
                 self._finished.notify_all()
             self._busy -= 1
+            if not batch.speculative:
+                self._demand_busy -= 1
+                if not self._demand_busy and self._speculative:
+                    self._cv.notify_all()  # idle-only jobs may start now
+            elif batch.idle_only:
+                self._idle_busy -= 1
+                if self._speculative:
+                    self._cv.notify()
             if self.store.drop_after_read:
                 start, end = self._to_drop.get(job.fd, (job.offset, job.offset))
                 self._to_drop[job.fd] = (min(start, job.offset), max(end, job.offset + job.nbytes))
@@ -144,11 +167,14 @@ class ReadPool:
 
     # -- the engine thread -----------------------------------------------------------------
 
-    def submit(self, jobs: list[ReadJob], speculative: bool = False) -> ReadBatch:
-        """Queue jobs without waiting. Demand jobs go before every queued speculative one."""
-        batch = ReadBatch(jobs, speculative)
+    def submit(
+        self, jobs: list[ReadJob], speculative: bool = False, idle_only: bool = False
+    ) -> ReadBatch:
+        """Queue jobs without waiting. Demand jobs go before every queued speculative one;
+        `idle_only` ones (speculative) start only while no demand job is queued or running."""
+        batch = ReadBatch(jobs, speculative or idle_only, idle_only)
         with self._cv:
-            queue = self._speculative if speculative else self._demand
+            queue = self._speculative if batch.speculative else self._demand
             queue.extend((batch, job) for job in jobs)
             # One wake-up here; each worker that takes a job wakes the next (prefetch.py `_next`),
             # so the engine thread pays one futex call a burst, not one per job.
@@ -183,6 +209,11 @@ class ReadPool:
             if not batch.left:
                 self._finished.notify_all()
             return batch.started == 0
+
+    def finished(self, batch: ReadBatch) -> bool:
+        """Every job of `batch` ran to its end without an error (none cancelled)."""
+        with self._cv:
+            return not batch.left and batch.result.jobs == len(batch.jobs) and batch.error is None
 
     def read(self, jobs: list[ReadJob]) -> ReadResult:
         """Run jobs and wait for all of them; the first failure is raised after all finish."""

@@ -89,7 +89,7 @@ class ExpertStreamer:
         routers = [s.router for s in switches]
         self.loads = SlotLoads(
             self.pools, self.counters, self.fence, self.reader, self.store, self.watch,
-            self.overlap, routers, cfg.prefetch_next,
+            self.overlap, routers, cfg.prefetch_next, cfg.lookahead,
         )  # fmt: skip
         self.spec = self.loads.spec
         self.passes = PassLoads(self.loads)
@@ -212,6 +212,7 @@ class ExpertStreamer:
             direct_io=bool(self.store.direct),
             landing=self.landing.value,
             **self.spec.snapshot(),
+            **(look.snapshot() if (look := self.loads.lookahead) is not None else {}),
             prompt_end_shared=self.prompt_end.shared,
             overlap_reads_active=self.overlap.active,
             overlap_net_ms_per_step=self.overlap.net_ms,

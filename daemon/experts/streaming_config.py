@@ -28,6 +28,9 @@ class StreamingConfig:
     # Speculative: while layer L computes, read the experts layer L+1's router picks for layer L's
     # input. Exact either way (it only changes what is resident); costs bandwidth when wrong.
     prefetch_next: bool = False
+    # Read the next layer's guessed experts into a lane beside the pools, only while the disk
+    # would idle (lookahead.py): exact, evicts nothing; off where it has not measured faster.
+    lookahead: bool = False
     cache_policy: str = DEFAULT_POLICY  # a name in experts/policies (the registry)
     landing: Landing = Landing.AUTO  # where reads land (landing.py): STAGED on CUDA, else DIRECT
     # Submit each host-routed layer's output to the device once built (mx.async_eval), so the
