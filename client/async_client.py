@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
 
 import zmq
 
@@ -45,56 +45,60 @@ class AsyncClient(ClientCore):
     default_name = "moed.async_client"
 
     def _init_connection_state(self) -> None:
-        self._socket: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None
+        self._socket: zmq.Socket[bytes] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_scheduled = False
         self._routes: dict[Any, Inbox] = {}  # request id -> its reader's inbox
         self._slots = StreamSlots()
         # Generations left by their callers, not yet ended in the daemon: their slot tickets.
         self._leaving: dict[Any, tuple[asyncio.TimerHandle, SlotTicket]] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._connecting: asyncio.Lock | None = None
         self._last_heard = 0.0
 
     # ---- connection --------------------------------------------------------------------------
-    async def connect(self) -> dict:
+    async def connect(self) -> dict[str, Any]:
         """Connect and handshake once; concurrent callers share the one handshake."""
         if self.welcome is not None:
             return self.welcome
         if self._connecting is None:
             self._connecting = asyncio.Lock()
         async with self._connecting:
-            if self.welcome is not None:
-                return self.welcome
-            sock, monitor = self.open_socket()
-            self._socket, self._monitor = sock, monitor
-            self._loop = asyncio.get_running_loop()
-            self._loop.add_reader(sock.FD, self._read_ready)
-            self._loop.add_reader(monitor.FD, self._disconnect_ready, sock, monitor)
-            # ZMQ_FD is edge-triggered: reading EVENTS once arms it (else a later disconnect, as
-            # a frozen daemon's missed heartbeats, may never wake the reader).
-            self._disconnect_ready(sock, monitor)
-            self._last_heard = time.monotonic()
-            self._tasks = [asyncio.create_task(self._heartbeat_loop())]
-            try:
-                request_id, frame = self.hello()
-                welcome = self.welcomed(await self._exchange(request_id, frame))
-                self._slots.reset(welcome.get("limits", {}).get("max_pending_per_client"))
-                return welcome
-            except DaemonUnavailable as exc:
-                self._drop(None)
-                # A daemon killed between the refused-connect probe and the handshake: its
-                # socket refuses now, and "not running" is the truth, not "dropped".
-                if not isinstance(exc, DaemonNotRunning) and nobody_listens(self.socket_path):
-                    raise DaemonNotRunning(
-                        f"no daemon is running on {self.socket_path} (it exited or was killed "
-                        "during the handshake)"
-                    ) from exc
-                raise
-            except BaseException:
-                self._drop(None)
-                raise
+            return await self._handshake()
+
+    async def _handshake(self) -> dict[str, Any]:
+        """`connect`'s handshake, under its lock."""
+        if self.welcome is not None:  # another caller's, done while this one waited
+            return self.welcome
+        sock, monitor = self.open_socket()
+        self._socket, self._monitor = sock, monitor
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(sock.FD, self._read_ready)
+        self._loop.add_reader(monitor.FD, self._disconnect_ready, sock, monitor)
+        # ZMQ_FD is edge-triggered: reading EVENTS once arms it (else a later disconnect, as
+        # a frozen daemon's missed heartbeats, may never wake the reader).
+        self._disconnect_ready(sock, monitor)
+        self._last_heard = time.monotonic()
+        self._tasks = [asyncio.create_task(self._heartbeat_loop())]
+        try:
+            request_id, frame = self.hello()
+            welcome = self.welcomed(await self._exchange(request_id, frame))
+            self._slots.reset(welcome.get("limits", {}).get("max_pending_per_client"))
+            return welcome
+        except DaemonUnavailable as exc:
+            self._drop(None)
+            # A daemon killed between the refused-connect probe and the handshake: its
+            # socket refuses now, and "not running" is the truth, not "dropped".
+            if not isinstance(exc, DaemonNotRunning) and nobody_listens(self.socket_path):
+                raise DaemonNotRunning(
+                    f"no daemon is running on {self.socket_path} (it exited or was killed "
+                    "during the handshake)"
+                ) from exc
+            raise
+        except BaseException:
+            self._drop(None)
+            raise
 
     async def close(self) -> None:
         self._drop(None)
@@ -105,6 +109,7 @@ class AsyncClient(ClientCore):
             task.cancel()
         self._tasks = []
         if self._socket is not None:
+            assert self._monitor is not None  # opened with the socket
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._socket.FD)
                 self._loop.remove_reader(self._monitor.FD)
@@ -130,45 +135,45 @@ class AsyncClient(ClientCore):
         await self.close()
 
     # ---- control calls -----------------------------------------------------------------------
-    async def status(self) -> dict:
+    async def status(self) -> dict[str, Any]:
         return await self._call(MessageType.STATUS)
 
-    async def stats(self) -> dict:
+    async def stats(self) -> dict[str, Any]:
         return await self._call(MessageType.STATS)
 
-    async def metrics(self) -> dict:
+    async def metrics(self) -> dict[str, Any]:
         return await self._call(MessageType.METRICS)
 
-    async def ping(self) -> dict:
+    async def ping(self) -> dict[str, Any]:
         return await self._call(MessageType.PING)
 
-    async def cancel(self, request_id: Any) -> dict:
+    async def cancel(self, request_id: Any) -> dict[str, Any]:
         """Cancel a generation of this client; the reply says whether it was in flight (`cancelled`)
         and how many of its tokens the daemon had already sent (`tokens_sent`)."""
         return await self._call(MessageType.CANCEL, target=request_id)
 
-    async def count_tokens(self, **fields: Any) -> dict:
+    async def count_tokens(self, **fields: Any) -> dict[str, Any]:
         """Prompt tokens of `prompt` or `messages` (with the chat template unless `raw`)."""
         return await self._call(MessageType.COUNT_TOKENS, **fields)
 
-    async def models(self, action: str = "list", model: str | None = None) -> dict:
+    async def models(self, action: str = "list", model: str | None = None) -> dict[str, Any]:
         """The servable and loaded models (`list`), or `load`/`unload` one (Client.models)."""
         return await self._call(MessageType.MODELS, action=action, model=model)
 
-    async def shed(self, level: str = "cache", reason: str | None = None) -> dict:
+    async def shed(self, level: str = "cache", reason: str | None = None) -> dict[str, Any]:
         """Owner only: sends the control token the daemon keeps beside its socket."""
         return await self._call(
             MessageType.SHED, level=level, reason=reason, token=self.owner_token()
         )
 
-    async def prefix_cache(self, action: str = "list") -> dict:
+    async def prefix_cache(self, action: str = "list") -> dict[str, Any]:
         """The prefix KV cache: `list` (counters and entries) or `clear` (owner only: sends the
         control token; the engine empties both tiers at its next step)."""
         if action == "list":
             return await self._call(MessageType.PREFIX_CACHE, action=action)
         return await self._call(MessageType.PREFIX_CACHE, action=action, token=self.owner_token())
 
-    async def shutdown(self, reason: str | None = None, restart: bool = False) -> dict:
+    async def shutdown(self, reason: str | None = None, restart: bool = False) -> dict[str, Any]:
         """Drain and exit; `restart=True` exits non-zero so the service manager restarts it smaller.
         Owner only: sends the control token the daemon keeps beside its socket."""
         return await self._call(
@@ -178,14 +183,14 @@ class AsyncClient(ClientCore):
             token=self.owner_token(),
         )
 
-    async def _call(self, kind: MessageType, **fields: Any) -> dict:
+    async def _call(self, kind: MessageType, **fields: Any) -> dict[str, Any]:
         await self.connect()
         request_id = self.next_id(kind.value)
         msg = await self._exchange(request_id, self.frame(kind, request_id, **fields))
         self._check_boot(msg.get("boot_id"))
         return msg
 
-    async def _exchange(self, request_id: Any, frame: bytes) -> dict:
+    async def _exchange(self, request_id: Any, frame: bytes) -> dict[str, Any]:
         """Send one frame and wait for its one reply (an `error` or a connection failure
         raises)."""
         queue = self._open(request_id)
@@ -273,7 +278,7 @@ class AsyncClient(ClientCore):
 
     async def _generate_once(
         self, request_id: Any, request: GenerateRequest, coalesce: bool
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:  # aclosing: `generate` closes it
         """One generate request on the current connection."""
         await self.connect()
         request_id = request_id if request_id is not None else self.next_id("gen")
@@ -310,6 +315,7 @@ class AsyncClient(ClientCore):
     def _leave(self, request_id: Any, ticket: SlotTicket) -> None:
         """Hold a cancelled generation's slot until its end arrives (or `timeout`: a daemon
         that never ends it must not keep the slot)."""
+        assert self._loop is not None  # a generation ran: connected
         timer = self._loop.call_later(self.timeout, self._left, request_id)
         self._leaving[request_id] = (timer, ticket)
 
@@ -332,6 +338,7 @@ class AsyncClient(ClientCore):
         # A send can consume the edge that would have woken the reader (ZMQ_FD is
         # edge-triggered): look for replies once more on the next loop turn.
         if not self._drain_scheduled:
+            assert self._loop is not None  # set with the socket
             self._drain_scheduled = True
             self._loop.call_soon(self._read_ready)
 
@@ -349,7 +356,7 @@ class AsyncClient(ClientCore):
         if sock is None:
             return
         routes = self._routes
-        while sock.get(zmq.EVENTS) & _POLLIN:
+        while cast(int, sock.get(zmq.EVENTS)) & _POLLIN:  # pyzmq types it int | bytes
             frame = sock.recv(zmq.NOBLOCK)
             self._last_heard = time.monotonic()
             msg = read_frame(frame)
@@ -362,18 +369,20 @@ class AsyncClient(ClientCore):
                 self._left(msg["id"])
             # Anything else is late: a heartbeat's answer, an abandoned stream, a timed-out call.
 
-    def _disconnect_ready(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
-        if self._socket is not sock or not monitor.get(zmq.EVENTS) & _POLLIN:
+    def _disconnect_ready(self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
+        if self._socket is not sock or not cast(int, monitor.get(zmq.EVENTS)) & _POLLIN:
             return
+        assert self._loop is not None  # set with the socket
         monitor.recv_multipart(zmq.NOBLOCK)
         self._loop.remove_reader(monitor.FD)
         self._read_ready()  # what the daemon sent before it went is delivered first
         # A moment for frames still in flight, then the open streams fail.
         self._loop.call_later(0.05, self._disconnected, sock)
 
-    def _disconnected(self, sock: zmq.Socket, since: float | None = None) -> None:
+    def _disconnected(self, sock: zmq.Socket[bytes], since: float | None = None) -> None:
         if self._socket is not sock:
             return  # already dropped (and maybe reconnected)
+        assert self._loop is not None  # set with the socket
         self._read_ready()
         silent = time.monotonic() - self._last_heard
         since = time.monotonic() if since is None else since
@@ -405,7 +414,7 @@ class AsyncClient(ClientCore):
                 self._routes.pop(ping_id, None)
 
 
-def _unwrap(msg: dict | ClientError) -> dict:
+def _unwrap(msg: dict[str, Any] | ClientError) -> dict[str, Any]:
     """A queued message (an `error` raises RequestFailed), or the connection failure that was
     queued in its place."""
     if isinstance(msg, ClientError):

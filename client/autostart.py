@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from moed.protocol.paths import UnsafeSocketPath, ensure_private_dir
 
@@ -24,7 +25,7 @@ def start_daemon(
     model: str | None = None,
     extra_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
-) -> subprocess.Popen:
+) -> subprocess.Popen[bytes]:
     try:  # another user's directory is refused, never used
         ensure_private_dir(socket_path.parent)
     except UnsafeSocketPath as exc:
@@ -57,11 +58,11 @@ def start_daemon(
 
 def wait_until_ready(
     socket_path: Path,
-    proc: subprocess.Popen,
+    proc: subprocess.Popen[bytes],
     timeout_s: float,
     log_path: Path | None = None,
-    on_status: Callable[[dict | None], None] | None = None,
-) -> dict:
+    on_status: Callable[[dict[str, Any] | None], None] | None = None,
+) -> dict[str, Any]:
     """Poll a starting daemon until its model is loaded; its `status` body. Raises DaemonUnavailable
     (with the tail of its log) when it exits, fails to load, or is not ready in time. `on_status`
     sees every poll's answer (None before the daemon answers): the caller draws load progress."""
@@ -86,7 +87,7 @@ def wait_until_ready(
     )
 
 
-def _status_or_none(socket_path: Path) -> dict | None:
+def _status_or_none(socket_path: Path) -> dict[str, Any] | None:
     try:
         with Client(socket_path, timeout=1.0) as client:
             return client.status()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any, NoReturn
 
 import click
 
@@ -16,16 +17,16 @@ from .errors import DaemonUnavailable, RequestFailed
 from .exit_codes import ExitCode
 
 
-def _client(obj) -> Client:
+def _client(obj: dict[str, Any]) -> Client:
     return Client(global_options().socket_path, timeout=obj["timeout"])
 
 
-def _fail(code: ExitCode, message: str) -> None:
+def _fail(code: ExitCode, message: str) -> NoReturn:
     click.echo(f"moe: {message}", err=True)
     sys.exit(code)
 
 
-def format_entries(body: dict) -> str:
+def format_entries(body: dict[str, Any]) -> str:
     if not body.get("enabled"):
         return "prefix cache off (or no model loaded)"
     rows = [f"{'key':<16} {'tokens':>7} {'checkpoints':>11} {'size':>9}  tiers        last used"]
@@ -47,7 +48,7 @@ def cache() -> None:
 @cache.command("list")
 @click.option("--json", "as_json", is_flag=True, help="The reply as one JSON object.")
 @click.pass_obj
-def list_entries(obj, as_json: bool) -> None:
+def list_entries(obj: dict[str, Any], as_json: bool) -> None:
     """Cached prefixes, most recently used first, in memory and on the SSD."""
     try:
         with _client(obj) as client:
@@ -55,14 +56,14 @@ def list_entries(obj, as_json: bool) -> None:
     except DaemonUnavailable as exc:
         _fail(ExitCode.DAEMON_UNAVAILABLE, unavailable(exc))
     except RequestFailed as exc:
-        _fail(ExitCode.REQUEST_FAILED, f"{exc.code.value}: {exc}")
+        _fail(ExitCode.REQUEST_FAILED, f"{getattr(exc.code, 'value', exc.code)}: {exc}")
     body.pop("type", None)
     click.echo(json.dumps(body) if as_json else format_entries(body))
 
 
 @cache.command("clear")
 @click.pass_obj
-def clear(obj) -> None:
+def clear(obj: dict[str, Any]) -> None:
     """Empty both tiers (the daemon's owner only)."""
     try:
         with _client(obj) as client:
@@ -70,5 +71,5 @@ def clear(obj) -> None:
     except DaemonUnavailable as exc:
         _fail(ExitCode.DAEMON_UNAVAILABLE, unavailable(exc))
     except RequestFailed as exc:
-        _fail(ExitCode.REQUEST_FAILED, f"{exc.code.value}: {exc}")
+        _fail(ExitCode.REQUEST_FAILED, f"{getattr(exc.code, 'value', exc.code)}: {exc}")
     click.echo("moe: prefix cache cleared", err=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -66,14 +66,14 @@ def _socket() -> Path:
     return global_options().socket_path
 
 
-def _fail(exit_code: ExitCode, message: str, as_json: bool = False, **fields: Any) -> None:
+def _fail(exit_code: ExitCode, message: str, as_json: bool = False, **fields: Any) -> NoReturn:
     fail(exit_code, message, as_json, **fields)
 
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="The status body as one JSON object.")
 @click.pass_obj
-def status(obj, as_json: bool) -> None:
+def status(obj: dict[str, Any], as_json: bool) -> None:
     """Show the daemon's state (exit 3 when none answers, with its last crash and the watchdog's
     last action from --state-dir)."""
     try:
@@ -100,7 +100,7 @@ def status(obj, as_json: bool) -> None:
     click.echo(format_status(body))
 
 
-def format_status(body: dict) -> str:
+def format_status(body: dict[str, Any]) -> str:
     model = body.get("model") or {}
     lines = [
         f"state        {body.get('state')}  (pid {body.get('pid')}, "
@@ -159,7 +159,7 @@ def format_status(body: dict) -> str:
     help="Seconds to wait for the daemon to exit (0: ask and return).",
 )
 @click.pass_obj
-def stop(obj, reason: str, wait: float) -> None:
+def stop(obj: dict[str, Any], reason: str, wait: float) -> None:
     """Ask the daemon to drain and exit, and wait until it has."""
     try:
         with Client(_socket(), timeout=obj["timeout"]) as client:

@@ -11,9 +11,10 @@ import enum
 import json
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import click
 
@@ -23,6 +24,7 @@ from .errors import START_HINT, ClientError, DaemonNotRunning
 
 _META_KEY = "moed.global_options"
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
+F = TypeVar("F", bound=Callable[..., Any])  # a click command, decorated as it is
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ def global_options(ctx: click.Context | None = None) -> GlobalOptions:
     return GlobalOptions(**{k: given.get(k) for k in GLOBAL_OPTION_NAMES})
 
 
-def json_line(obj: dict) -> None:
+def json_line(obj: dict[str, Any]) -> None:
     """One JSON object on its own stdout line (the --json modes)."""
     click.echo(json.dumps(obj, default=str))
 
@@ -112,7 +114,9 @@ def unavailable(exc: ClientError) -> str:
     return f"{exc}; {START_HINT}" if isinstance(exc, DaemonNotRunning) else str(exc)
 
 
-def fail(exit_code: int, message: str, as_json: bool = False, prog: str = "moe", **fields) -> None:
+def fail(
+    exit_code: int, message: str, as_json: bool = False, prog: str = "moe", **fields: Any
+) -> NoReturn:
     """Exit with a typed error: a JSON `error` line in --json modes; the message on stderr."""
     if as_json:
         json_line({"type": "error", **fields, "message": message})
@@ -127,7 +131,7 @@ class LogLevel(str, enum.Enum):
     ERROR = "ERROR"
 
 
-def log_level_option(command):
+def log_level_option(command: F) -> F:
     """`--log-level` for the long-running processes (serve, watchdog, rank, gateway)."""
     return click.option(
         "--log-level",

@@ -13,7 +13,7 @@ import collections
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -36,13 +36,15 @@ class Client(ClientCore):
     default_name = "moed.client"
 
     def _init_connection_state(self) -> None:
-        self._socket: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None
-        self._buffered: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
+        self._socket: zmq.Socket[bytes] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._buffered: dict[Any, collections.deque[dict[str, Any]]] = collections.defaultdict(
+            collections.deque
+        )
         self._streams: set[Any] = set()  # generate ids being read: only their messages are kept
 
     # ---- connection --------------------------------------------------------------------------
-    def connect(self) -> dict:
+    def connect(self) -> dict[str, Any]:
         """Connect and handshake; returns the daemon's `welcome`."""
         if self.welcome is not None:
             return self.welcome
@@ -62,6 +64,7 @@ class Client(ClientCore):
 
     def close(self) -> None:
         if self._socket is not None:
+            assert self._monitor is not None  # opened with the socket
             self._socket.disable_monitor()
             self._monitor.close(linger=0)
             self._socket.close(linger=0)
@@ -76,44 +79,44 @@ class Client(ClientCore):
         self.close()
 
     # ---- control calls -----------------------------------------------------------------------
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         return self._call(MessageType.STATUS)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return self._call(MessageType.STATS)
 
-    def metrics(self) -> dict:
+    def metrics(self) -> dict[str, Any]:
         return self._call(MessageType.METRICS)
 
-    def ping(self) -> dict:
+    def ping(self) -> dict[str, Any]:
         return self._call(MessageType.PING)
 
-    def cancel(self, request_id: Any) -> dict:
+    def cancel(self, request_id: Any) -> dict[str, Any]:
         """Cancel a generation of this client; the reply says whether it was in flight (`cancelled`)
         and how many of its tokens the daemon had already sent (`tokens_sent`)."""
         return self._call(MessageType.CANCEL, target=request_id)
 
-    def count_tokens(self, **fields: Any) -> dict:
+    def count_tokens(self, **fields: Any) -> dict[str, Any]:
         """Prompt tokens of `prompt` or `messages` (with the chat template unless `raw`)."""
         return self._call(MessageType.COUNT_TOKENS, **fields)
 
-    def shed(self, level: str = "cache", reason: str | None = None) -> dict:
+    def shed(self, level: str = "cache", reason: str | None = None) -> dict[str, Any]:
         """Owner only: sends the control token the daemon keeps beside its socket."""
         return self._call(MessageType.SHED, level=level, reason=reason, token=self.owner_token())
 
-    def prefix_cache(self, action: str = "list") -> dict:
+    def prefix_cache(self, action: str = "list") -> dict[str, Any]:
         """The prefix KV cache: `list` (counters and entries) or `clear` (owner only: sends the
         control token; the engine empties both tiers at its next step)."""
         if action == "list":
             return self._call(MessageType.PREFIX_CACHE, action=action)
         return self._call(MessageType.PREFIX_CACHE, action=action, token=self.owner_token())
 
-    def models(self, action: str = "list", model: str | None = None) -> dict:
+    def models(self, action: str = "list", model: str | None = None) -> dict[str, Any]:
         """`list`: every servable model (with its context length) and the loaded ones (`moe ps`);
         `load`/`unload` `model` (a load is queued: `moe ps` shows it loading, then loaded)."""
         return self._call(MessageType.MODELS, action=action, model=model)
 
-    def shutdown(self, reason: str | None = None, restart: bool = False) -> dict:
+    def shutdown(self, reason: str | None = None, restart: bool = False) -> dict[str, Any]:
         """Drain and exit; `restart=True` exits non-zero so the service manager restarts it smaller.
         Owner only: sends the control token the daemon keeps beside its socket."""
         return self._call(
@@ -178,7 +181,9 @@ class Client(ClientCore):
                 )
                 self._await_daemon(time.monotonic() + resume_timeout_s, not_boot, exc)
 
-    def _await_daemon(self, deadline: float, not_boot: str | None, cause: Exception) -> dict:
+    def _await_daemon(
+        self, deadline: float, not_boot: str | None, cause: Exception
+    ) -> dict[str, Any]:
         """Reconnect until a daemon answers (a different one than `not_boot`, if given)."""
         saved = self.timeout
         try:
@@ -231,7 +236,7 @@ class Client(ClientCore):
                 self._send(self.cancel_frame(request_id))
 
     # ---- plumbing ----------------------------------------------------------------------------
-    def _call(self, kind: MessageType, **fields: Any) -> dict:
+    def _call(self, kind: MessageType, **fields: Any) -> dict[str, Any]:
         self.connect()
         request_id = self.next_id(kind.value)
         self._send(self.frame(kind, request_id, **fields))
@@ -239,13 +244,13 @@ class Client(ClientCore):
         self._check_boot(msg.get("boot_id"))
         return msg
 
-    def _waiting_tokens(self, request_id: Any, channel: str | None) -> list[dict]:
+    def _waiting_tokens(self, request_id: Any, channel: str | None) -> list[dict[str, Any]]:
         """The token messages of `request_id` already received or waiting on the socket, up to
         its first other reply or another channel's token (the asyncio client's Inbox.take_tokens
         over this client's buffers)."""
         self._drain_waiting()
         queue = self._buffered.get(request_id)
-        taken: list[dict] = []
+        taken: list[dict[str, Any]] = []
         while queue and queue[0].get("type") == _TOKEN and queue[0].get("channel") == channel:
             taken.append(queue.popleft())
         return taken
@@ -253,7 +258,7 @@ class Client(ClientCore):
     def _drain_waiting(self) -> None:
         """Every frame already on the socket into its stream's buffer, without waiting."""
         assert self._socket is not None
-        while self._socket.get(zmq.EVENTS) & _POLLIN:
+        while cast(int, self._socket.get(zmq.EVENTS)) & _POLLIN:  # typed int | bytes
             msg = read_frame(self._socket.recv(zmq.NOBLOCK))
             if msg is not None and msg.get("id") in self._streams:
                 self._buffered[msg["id"]].append(msg)
@@ -268,15 +273,15 @@ class Client(ClientCore):
             self.close()
             raise restart
 
-    def _recv_for(self, request_id: Any, deadline: float | None, heartbeat: bool) -> dict:
+    def _recv_for(self, request_id: Any, deadline: float | None, heartbeat: bool) -> dict[str, Any]:
         """The next message for request_id; other ids' messages are kept for their readers."""
         queue = self._buffered.get(request_id)
         if queue:
-            msg = queue.popleft()
+            waiting = queue.popleft()
             if not queue:
                 del self._buffered[request_id]
-            return msg
-        assert self._socket is not None
+            return waiting
+        assert self._socket is not None and self._monitor is not None
         last_heard = time.monotonic()
         ping_id = None
         while True:
@@ -288,7 +293,7 @@ class Client(ClientCore):
                 self._send(self.frame(MessageType.PING, ping_id))
             # A frame already waiting skips the poll; asking is cheaper than a zmq.Again raised
             # by a recv that finds nothing (most tokens are awaited: the daemon is the slow side).
-            if self._socket.get(zmq.EVENTS) & _POLLIN:
+            if cast(int, self._socket.get(zmq.EVENTS)) & _POLLIN:  # typed int | bytes
                 frame = self._socket.recv(zmq.NOBLOCK)
             else:
                 wait = (

@@ -54,7 +54,7 @@ class ClientCore:
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self.name = name or self.default_name
-        self.welcome: dict | None = None
+        self.welcome: dict[str, Any] | None = None
         self.boot_id: str | None = None
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]
@@ -64,7 +64,7 @@ class ClientCore:
         """The subclass's own per-connection fields (sockets, inboxes), before any connect."""
 
     # ---- the connection ------------------------------------------------------------------------
-    def open_socket(self) -> tuple[zmq.Socket, zmq.Socket]:
+    def open_socket(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
         """A DEALER connected to the daemon, and its disconnect monitor. Nothing is sent to a
         socket that is missing or that another user could own."""
         try:  # an unsafe folder is said first, socket or not: nothing may start there either
@@ -96,7 +96,7 @@ class ClientCore:
         request_id = self.next_id(MessageType.HELLO.value)
         return request_id, self.frame(MessageType.HELLO, request_id, client=self.name)
 
-    def welcomed(self, reply: dict) -> dict:
+    def welcomed(self, reply: dict[str, Any]) -> dict[str, Any]:
         """Take the handshake's answer (an `error` raises RequestFailed)."""
         msg = answer(reply)
         self.welcome = msg
@@ -151,7 +151,7 @@ class ClientCore:
         return DaemonNotRunning(message) if process_gone(pid) else DaemonUnavailable(message)
 
 
-def read_frame(frame: bytes) -> dict | None:
+def read_frame(frame: bytes) -> dict[str, Any] | None:
     """A reply frame as a message; None for what is no message of ours (the replies behind it
     still get through)."""
     try:
@@ -161,7 +161,7 @@ def read_frame(frame: bytes) -> dict | None:
     return msg if isinstance(msg, dict) else None
 
 
-def answer(msg: dict) -> dict:
+def answer(msg: dict[str, Any]) -> dict[str, Any]:
     """A reply, or RequestFailed when it is an `error`."""
     if msg.get("type") == MessageType.ERROR.value:
         raise RequestFailed.from_message(msg)

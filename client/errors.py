@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from moed.protocol import ErrorCode
 from moed.protocol.events import FailedEvent
 
@@ -18,7 +20,7 @@ class RequestFailed(ClientError):
         code: ErrorCode | str,
         message: str,
         retryable: bool = False,
-        budget: dict | None = None,
+        budget: dict[str, Any] | None = None,
     ):
         try:
             code = ErrorCode(code)
@@ -36,7 +38,7 @@ class RequestFailed(ClientError):
         return cls(event.code, event.message, event.retryable, event.budget)
 
     @classmethod
-    def from_message(cls, msg: dict) -> RequestFailed:
+    def from_message(cls, msg: dict[str, Any]) -> RequestFailed:
         """From the daemon's `error` message."""
         return cls.from_event(FailedEvent.from_wire(msg))
 

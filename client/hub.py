@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from moed.protocol.model_config import ModelConfig
 
@@ -25,6 +26,10 @@ from .hub_verify import (
     verify_checkpoint,
     verify_safetensors,
 )
+
+if TYPE_CHECKING:  # types only: pull imports them when it runs (the Hub client costs start-up)
+    from .hub_remote import HubFile
+    from .hub_store import RepoCache
 
 __all__ = ["PullError", "pull", "verify_checkpoint", "verify_safetensors", "wanted"]
 
@@ -64,7 +69,9 @@ class PullResult:
 ProgressFn = Callable[[int, int, str], None]  # (bytes done, bytes total, current file)
 
 
-def pull(repo_id: str, revision: str | None = None, on_progress: ProgressFn | None = None):
+def pull(
+    repo_id: str, revision: str | None = None, on_progress: ProgressFn | None = None
+) -> PullResult:
     """Download the files mlx-lm needs into the Hugging Face cache and verify every one.
 
     Nothing from the server is trusted: names, sizes and hashes from the listing are checked,
@@ -117,7 +124,7 @@ def pull(repo_id: str, revision: str | None = None, on_progress: ProgressFn | No
     return PullResult(repo_id, listing.commit, folder, len(files), total, fetched, shards)
 
 
-def _check_listing(repo_id: str, files) -> None:
+def _check_listing(repo_id: str, files: list[HubFile]) -> None:
     names = {f.name: f for f in files}
     if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
         raise PullError(
@@ -132,7 +139,7 @@ def _check_listing(repo_id: str, files) -> None:
             )
 
 
-def _verify(repo_id: str, folder: Path, files, cache, commit: str) -> int:
+def _verify(repo_id: str, folder: Path, files: list[HubFile], cache: RepoCache, commit: str) -> int:
     try:
         read_json_file(folder / "config.json")
         return verify_checkpoint(folder)
@@ -166,7 +173,7 @@ class CachedModel:
     def is_moe(self) -> bool:
         return bool(self.num_experts)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "name": self.repo_id,
             "path": str(self.path),

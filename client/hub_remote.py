@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -88,7 +89,7 @@ class HubClient:
     def __enter__(self) -> HubClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def listing(self, repo_id: str, revision: str) -> Listing:
@@ -123,7 +124,15 @@ class HubClient:
 
 
 class _Stream:
-    def __init__(self, http, url, headers, repo_id, name, offset):
+    def __init__(
+        self,
+        http: httpx.Client,
+        url: str,
+        headers: dict[str, str],
+        repo_id: str,
+        name: str,
+        offset: int,
+    ) -> None:
         self._ctx = http.stream("GET", url, headers=headers)
         self.repo_id, self.name, self.offset = repo_id, name, offset
 
@@ -145,11 +154,13 @@ class _Stream:
             raise
         return start, response.iter_bytes()  # as they arrive: a partial file keeps every byte
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self._ctx.__exit__(*exc)
 
 
-def _raise_for_status(response: httpx.Response, repo_id: str, revision, name=None) -> None:
+def _raise_for_status(
+    response: httpx.Response, repo_id: str, revision: str | None, name: str | None = None
+) -> None:
     status = response.status_code
     if status in (200, 206):
         return
@@ -164,7 +175,7 @@ def _raise_for_status(response: httpx.Response, repo_id: str, revision, name=Non
     raise PullError(f"{what}: the Hub answered HTTP {status}" + (f" for {name}" if name else ""))
 
 
-def parse_listing(data) -> Listing:
+def parse_listing(data: object) -> Listing:
     """The commit and every file (name, size, hash) of a `?blobs=true` model info answer."""
     if not isinstance(data, dict) or not isinstance(data.get("siblings"), list):
         raise ValueError("no `siblings` list")

@@ -16,7 +16,9 @@ import fcntl
 import hashlib
 import os
 from collections.abc import Callable
+from io import FileIO
 from pathlib import Path
+from typing import Protocol
 
 from .hub_names import UnsafeName, check_repo_id, inside
 from .hub_remote import NETWORK_ERRORS, HashKind, HubClient, HubFile, network_error
@@ -104,7 +106,15 @@ class RepoCache:
                 pass
 
 
-def _hasher(f: HubFile):
+class _Hasher(Protocol):
+    """hashlib's sha256 and sha1, as a download uses them."""
+
+    def update(self, data: bytes, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
+def _hasher(f: HubFile) -> _Hasher:
     if f.hash_kind is HashKind.SHA256:
         return hashlib.sha256()
     h = hashlib.sha1()
@@ -145,7 +155,7 @@ def download(
     return fetched
 
 
-def _resume(out, f: HubFile):
+def _resume(out: FileIO, f: HubFile) -> tuple[int, _Hasher]:
     """The partial file's length and the hash of its bytes (a longer one starts over)."""
     have = os.fstat(out.fileno()).st_size
     hasher = _hasher(f)
@@ -164,7 +174,16 @@ def _resume(out, f: HubFile):
     return have, hasher
 
 
-def _fetch(client, repo_id, commit, f: HubFile, out, hasher, have: int, on_bytes) -> int:
+def _fetch(
+    client: HubClient,
+    repo_id: str,
+    commit: str,
+    f: HubFile,
+    out: FileIO,
+    hasher: _Hasher,
+    have: int,
+    on_bytes: Callable[[int], None],
+) -> int:
     fetched, idle = 0, 0
     while have < f.size:
         before = have

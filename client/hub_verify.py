@@ -7,6 +7,7 @@ import json
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 from moed.protocol.safetensors_dtypes import DTYPE_BYTES
 
@@ -24,7 +25,7 @@ MAX_CONFIG_BYTES = 16 * 1024 * 1024
 MAX_HEADER_BYTES = 100_000_000
 
 
-def read_json_file(path: Path, limit: int = MAX_CONFIG_BYTES) -> dict:
+def read_json_file(path: Path, limit: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
     """A JSON object from a file no larger than `limit`; PullError naming the file otherwise."""
     try:
         with open(path, "rb") as f:
@@ -45,7 +46,7 @@ def read_json_file(path: Path, limit: int = MAX_CONFIG_BYTES) -> dict:
     return value
 
 
-def _int(value) -> int:
+def _int(value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise TypeError(value)
     return value

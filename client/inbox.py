@@ -20,8 +20,8 @@ class Inbox:
     __slots__ = ("_items", "_waiter")
 
     def __init__(self) -> None:
-        self._items: collections.deque = collections.deque()
-        self._waiter: asyncio.Future | None = None
+        self._items: collections.deque[Any] = collections.deque()  # replies, or a ClientError
+        self._waiter: asyncio.Future[None] | None = None
 
     def put_nowait(self, item: Any) -> None:
         self._items.append(item)
@@ -42,7 +42,7 @@ class Inbox:
         """Whether the stream's end (`done` or `error`) already waits here, unread."""
         return any(isinstance(m, dict) and m.get("type") in TERMINAL_TYPES for m in self._items)
 
-    def take_tokens(self, channel: str | None = None) -> list[dict]:
+    def take_tokens(self, channel: str | None = None) -> list[dict[str, Any]]:
         """The token messages at the head of the inbox (up to the first other reply, or the
         first of another channel: reasoning and answer are never merged)."""
         items, taken = self._items, []
@@ -56,7 +56,7 @@ class Inbox:
         return taken
 
 
-def merge_tokens(first: dict, more: list[dict]) -> dict:
+def merge_tokens(first: dict[str, Any], more: list[dict[str, Any]]) -> dict[str, Any]:
     """Consecutive `token` messages of one stream as one (PROTOCOL.md: `ids` is a list and the
     texts concatenate; `logprobs` has one entry per id): the index is the first one's."""
     if not more:

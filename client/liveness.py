@@ -21,9 +21,9 @@ import zmq
 EXIT_GRACE_S = 0.3
 
 
-def dealer_socket(heartbeat_s: float, dead_after_s: float) -> zmq.Socket:
+def dealer_socket(heartbeat_s: float, dead_after_s: float) -> zmq.Socket[bytes]:
     """A DEALER socket whose connection is watched by ZMTP heartbeats."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RECONNECT_IVL, 50)
     sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(heartbeat_s * 1000)))

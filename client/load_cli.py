@@ -3,6 +3,8 @@ it is idle (the `models` verb; `moe ps` shows the result)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from .cli_common import fail, global_options, json_line, unavailable
@@ -11,7 +13,7 @@ from .errors import DaemonUnavailable, RequestFailed
 from .exit_codes import ExitCode
 
 
-def _models_verb(obj, action: str, model: str, as_json: bool) -> None:
+def _models_verb(obj: dict[str, Any], action: str, model: str, as_json: bool) -> None:
     try:
         with Client(global_options().socket_path, timeout=obj["timeout"]) as client:
             reply = client.models(action, model)
@@ -33,7 +35,7 @@ def _models_verb(obj, action: str, model: str, as_json: bool) -> None:
 @click.argument("model")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of a sentence.")
 @click.pass_obj
-def load(obj, model: str, as_json: bool) -> None:
+def load(obj: dict[str, Any], model: str, as_json: bool) -> None:
     """Load MODEL (any servable name: `[models]` alias, Hub id, folder, demo) into the running
     daemon now; the least recently used idle models make room if the memory plan needs it."""
     _models_verb(obj, "load", model, as_json)
@@ -43,6 +45,6 @@ def load(obj, model: str, as_json: bool) -> None:
 @click.argument("model")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of a sentence.")
 @click.pass_obj
-def unload(obj, model: str, as_json: bool) -> None:
+def unload(obj: dict[str, Any], model: str, as_json: bool) -> None:
     """Release MODEL and its expert cache once it is idle (at once if it is)."""
     _models_verb(obj, "unload", model, as_json)

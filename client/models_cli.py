@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import click
 
@@ -110,7 +111,7 @@ def list_cmd(show_all: bool, as_json: bool) -> None:
 @click.argument("repo_id")
 @click.option("--force", is_flag=True, help="Remove it even though the running daemon serves it.")
 @click.pass_obj
-def rm(obj, repo_id: str, force: bool) -> None:
+def rm(obj: dict[str, Any], repo_id: str, force: bool) -> None:
     """Remove REPO_ID from the local Hugging Face cache (every revision)."""
     from .hub import cached_models, remove
 
@@ -128,7 +129,7 @@ def rm(obj, repo_id: str, force: bool) -> None:
     click.echo(f"removed {repo_id} ({format_bytes(freed)}) from {folder.parent}")
 
 
-def _served_path(obj) -> str | None:
+def _served_path(obj: dict[str, Any]) -> str | None:
     try:
         with Client(global_options().socket_path, timeout=min(obj["timeout"], 2.0)) as client:
             return (client.status().get("model") or {}).get("path")
@@ -139,7 +140,7 @@ def _served_path(obj) -> str | None:
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 @click.pass_obj
-def ps(obj, as_json: bool) -> None:
+def ps(obj: dict[str, Any], as_json: bool) -> None:
     """The daemon's models: the started one first, then every other loaded one; state (ready,
     idle, loading, recovering), memory, cache budget, idle time, pinned, requests, the last
     recovery in place from a device failure."""
@@ -175,7 +176,7 @@ def ps(obj, as_json: bool) -> None:
         click.echo("  ".join(v.ljust(w) for (_, v), w in zip(cols, widths)))
 
 
-def _budget(row: dict) -> str:
+def _budget(row: dict[str, Any]) -> str:
     if row["state"] == "idle":
         return "released"
     if row["budget_bytes"]:
@@ -183,7 +184,7 @@ def _budget(row: dict) -> str:
     return row.get("budget") or "resident"
 
 
-def ps_rows(status: dict) -> list[dict]:
+def ps_rows(status: dict[str, Any]) -> list[dict[str, Any]]:
     """The started model's row (from the status itself), then one per other loaded model."""
     started = ps_row(status)
     rows = [started]
@@ -205,7 +206,7 @@ def ps_rows(status: dict) -> list[dict]:
     return rows
 
 
-def _unloads(row: dict) -> str:
+def _unloads(row: dict[str, Any]) -> str:
     """When the keep-alive releases the model: like ollama's UNTIL column."""
     keep = row["keep_alive_s"]
     if row["state"] == "idle":
@@ -217,7 +218,7 @@ def _unloads(row: dict) -> str:
     return f"in {format_duration(max(0.0, keep - row['idle_s']))}"
 
 
-def ps_row(status: dict) -> dict:
+def ps_row(status: dict[str, Any]) -> dict[str, Any]:
     model = status.get("model") or {}
     streaming = status.get("streaming") or {}
     last = status.get("last_activity_at") or status.get("last_token_at") or status.get("started_at")

@@ -15,7 +15,7 @@ CRASH_FILE = "crash.json"  # daemon/ground/crashlog.py writes it
 WATCHDOG_FILE = "watchdog.json"  # daemon/ground/watchdog_state.py writes it
 
 
-def _read(path: Path) -> dict | None:
+def _read(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -23,11 +23,11 @@ def _read(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None  # a misshapen file says nothing
 
 
-def offline_state(state_dir: Path) -> dict[str, dict | None]:
+def offline_state(state_dir: Path) -> dict[str, dict[str, Any] | None]:
     """`last_crash` (crash.json's last entry), `last_run` (the run marker of a daemon whose
     process is gone: it died before it could write a crash) and `watchdog` (its state, last
     action and when)."""
-    out: dict[str, dict | None] = {}
+    out: dict[str, dict[str, Any] | None] = {}
     crash = _read(state_dir / CRASH_FILE)
     if crash is not None:
         last = crash.get("last")
@@ -47,7 +47,7 @@ def _when(at: Any) -> str:
     return "at an unknown time"
 
 
-def describe_crash(entry: dict) -> str:
+def describe_crash(entry: dict[str, Any]) -> str:
     """`out of memory at 2026-05-01 12:00:00 (pid 4242): <message>`."""
     kind = str(entry.get("kind") or "crash").replace("_", " ")
     pid = entry.get("pid")
@@ -59,7 +59,7 @@ def describe_crash(entry: dict) -> str:
     )
 
 
-def describe_run(run: dict) -> str:
+def describe_run(run: dict[str, Any]) -> str:
     """A run whose marker outlived its process: it was killed, aborted or lost power."""
     return (
         f"pid {run.get('pid')}, started {_when(run.get('started_at'))}, ended without a clean "
@@ -67,13 +67,13 @@ def describe_run(run: dict) -> str:
     )
 
 
-def describe_watchdog(state: dict) -> str:
+def describe_watchdog(state: dict[str, Any]) -> str:
     action = state.get("last_action") or "none"
     when = _when(state.get("updated_at"))
     return f"{state.get('state') or 'unknown'}, last action {action} at {when}"
 
 
-def offline_lines(state: dict[str, dict | None]) -> list[str]:
+def offline_lines(state: dict[str, dict[str, Any] | None]) -> list[str]:
     """`moe status`'s lines for the state directory, one per thing it says."""
     lines = []
     if run := state.get("last_run"):

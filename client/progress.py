@@ -24,14 +24,14 @@ class Unit(str, enum.Enum):
     TOKENS = "tokens"
 
 
-def progress_mode(as_json: bool, stream: IO | None = None) -> ProgressMode:
+def progress_mode(as_json: bool, stream: IO[str] | None = None) -> ProgressMode:
     if as_json:
         return ProgressMode.JSON
     stream = stream or sys.stderr
     return ProgressMode.BAR if _isatty(stream) else ProgressMode.OFF
 
 
-def _isatty(stream: IO) -> bool:
+def _isatty(stream: IO[str]) -> bool:
     try:
         return stream.isatty()
     except (AttributeError, ValueError):
@@ -51,14 +51,14 @@ class Progress:
         mode: ProgressMode,
         total: float | None = None,
         unit: Unit = Unit.STEPS,
-        out: IO | None = None,
+        out: IO[str] | None = None,
     ):
         self.task, self.mode, self.total, self.unit = task, mode, total, unit
         self.done = 0.0
         self.detail: str | None = None
         self._out = out
         self._last_json = 0.0
-        self._last_event: dict | None = None
+        self._last_event: dict[str, Any] | None = None
         self._bar = None
         if mode is ProgressMode.BAR:
             from tqdm import tqdm  # imported only when a bar is drawn: `moe --help` stays fast
@@ -78,7 +78,11 @@ class Progress:
         self._emit(force=True)
 
     def update(
-        self, done: float, total: float | None = None, detail: str | None = None, stage=None
+        self,
+        done: float,
+        total: float | None = None,
+        detail: str | None = None,
+        stage: str | None = None,
     ) -> None:
         if stage is not None and stage != self.task:
             self.task = stage
@@ -113,7 +117,7 @@ class Progress:
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(self, exc_type, *exc: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: Any) -> None:
         self.close(done=exc_type is None)
 
     def _emit(self, force: bool, final: bool = False) -> None:
@@ -152,7 +156,7 @@ class StagedProgress:
     """Progress through named stages (a model load: reading, weights in bytes, warming): each
     stage gets its own bar (or its own JSON task), since their units differ."""
 
-    def __init__(self, prefix: str, mode: ProgressMode, out: IO | None = None):
+    def __init__(self, prefix: str, mode: ProgressMode, out: IO[str] | None = None):
         self.prefix, self.mode, self._out = prefix, mode, out
         self.stage: str | None = None
         self._current: Progress | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -16,7 +16,7 @@ from moed.protocol.units import format_bytes
 from .cli_common import fail, global_options, unavailable
 from .client import Client
 from .errors import DaemonRestarted, DaemonUnavailable, InsecureSocket, RequestFailed
-from .events import DoneEvent, ProgressEvent, TelemetryEvent, TokenEvent, TraceEvent
+from .events import DoneEvent, Event, ProgressEvent, TelemetryEvent, TokenEvent, TraceEvent
 from .exit_codes import ExitCode
 from .progress import StagedProgress, progress_mode
 from .trace_file import TraceFile
@@ -26,7 +26,7 @@ def _socket() -> Path:
     return global_options().socket_path
 
 
-def _fail(exit_code: ExitCode, message: str, as_json: bool = False, **fields: Any) -> None:
+def _fail(exit_code: ExitCode, message: str, as_json: bool = False, **fields: Any) -> NoReturn:
     fail(exit_code, message, as_json, **fields)
 
 
@@ -89,20 +89,20 @@ def _fail(exit_code: ExitCode, message: str, as_json: bool = False, **fields: An
 )
 @click.pass_obj
 def run(
-    obj,
-    prompt,
-    max_tokens,
-    temperature,
-    top_p,
-    seed,
-    raw,
-    as_json,
-    no_start,
-    model,
-    start_timeout,
-    trace_path,
-    resume,
-    keep_alive,
+    obj: dict[str, Any],
+    prompt: str | None,
+    max_tokens: int | None,
+    temperature: float,
+    top_p: float,
+    seed: int | None,
+    raw: bool,
+    as_json: bool,
+    no_start: bool,
+    model: str | None,
+    start_timeout: float,
+    trace_path: Path | None,
+    resume: bool,
+    keep_alive: str | None,
 ) -> None:
     """Generate from PROMPT (or stdin with '-') and stream the text."""
     if prompt is None or prompt == "-":
@@ -254,7 +254,7 @@ def _connect_or_start(
     return client
 
 
-def show_load(bar: StagedProgress, status: dict | None) -> None:
+def show_load(bar: StagedProgress, status: dict[str, Any] | None) -> None:
     """Draw a starting daemon's load progress from its status `load` field."""
     load = (status or {}).get("load")
     if load:
@@ -263,7 +263,7 @@ def show_load(bar: StagedProgress, status: dict | None) -> None:
         bar.update("waiting for the daemon", 0, None, "steps")
 
 
-def _print_event(event, as_json: bool) -> None:
+def _print_event(event: Event, as_json: bool) -> None:
     if isinstance(event, TokenEvent):
         if as_json:
             click.echo(

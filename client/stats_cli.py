@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any, NoReturn
 
 import click
 
@@ -19,15 +20,15 @@ from .offline import describe_crash
 _bytes = format_bytes
 
 
-def _pct(x) -> str:
+def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
-def _num(x, fmt: str = "{:.1f}", unit: str = "") -> str:
+def _num(x: float | None, fmt: str = "{:.1f}", unit: str = "") -> str:
     return "-" if x is None else fmt.format(x) + unit
 
 
-def format_stats(s: dict) -> str:
+def format_stats(s: dict[str, Any]) -> str:
     """The human view of a `stats` body (one screen)."""
     model, req, tok, mem = (
         s.get("model") or {},
@@ -103,7 +104,7 @@ def format_stats(s: dict) -> str:
     return "\n".join(lines)
 
 
-def _model_line(m: dict) -> str:
+def _model_line(m: dict[str, Any]) -> str:
     """One served model's own figures (the `stats` body's `models`)."""
     req, tok = m.get("requests") or {}, m.get("tokens") or {}
     ex, pc = m.get("experts"), m.get("prefix_cache")
@@ -116,11 +117,11 @@ def _model_line(m: dict) -> str:
     )
 
 
-def _body(msg: dict) -> dict:
+def _body(msg: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in msg.items() if k not in ("v", "type", "id")}
 
 
-def _fail(code: ExitCode, message: str) -> None:
+def _fail(code: ExitCode, message: str) -> NoReturn:
     click.echo(f"moe: {message}", err=True)
     sys.exit(code)
 
@@ -136,7 +137,7 @@ def _fail(code: ExitCode, message: str) -> None:
     help="Seconds between refreshes with --watch.",
 )
 @click.pass_obj
-def stats(obj, as_json: bool, watch: bool, interval: float) -> None:
+def stats(obj: dict[str, Any], as_json: bool, watch: bool, interval: float) -> None:
     """Live counters: expert cache, reads, stalls, tokens/s, memory, requests."""
     try:
         with Client(global_options().socket_path, timeout=obj["timeout"]) as client:
@@ -169,7 +170,7 @@ def stats(obj, as_json: bool, watch: bool, interval: float) -> None:
 
 @click.command()
 @click.pass_obj
-def metrics(obj) -> None:
+def metrics(obj: dict[str, Any]) -> None:
     """Print the Prometheus text exposition of the daemon's counters."""
     try:
         with Client(global_options().socket_path, timeout=obj["timeout"]) as client:
@@ -181,7 +182,7 @@ def metrics(obj) -> None:
     click.echo(text, nl=False)
 
 
-def _page_cache(ex: dict) -> str:
+def _page_cache(ex: dict[str, Any]) -> str:
     if not ex.get("page_cache_bypass"):
         return "page cache trusted"
     return "page cache bypassed, O_DIRECT" if ex.get("direct_io") else "page cache bypassed"

@@ -34,7 +34,7 @@ class StreamSlots:
         self.held = 0
         self.connection = 0  # counts resets: a slot taken on a dropped connection is not held
         self._held_by: collections.Counter[str] = collections.Counter()
-        self._waiters: dict[str, collections.deque[asyncio.Future]] = {}
+        self._waiters: dict[str, collections.deque[asyncio.Future[SlotTicket]]] = {}
         self._order: collections.deque[str] = collections.deque()  # lanes waiting, first first
 
     def reset(self, limit: int | None) -> None:
@@ -83,7 +83,7 @@ class StreamSlots:
         room = self.limit - self.held
         return room > (self.limit // RESERVED_SHARE if self._held_by[lane] else 0)
 
-    def _forget(self, lane: str, waiter: asyncio.Future) -> None:
+    def _forget(self, lane: str, waiter: asyncio.Future[SlotTicket]) -> None:
         queue = self._waiters.get(lane)
         if queue is None:
             return
