@@ -34,7 +34,8 @@ from moed.daemon.engine.model_host import ModelHost, ModelLoadFailed
 from moed.daemon.engine.prefix_feed import PrefixFeed
 from moed.daemon.engine.recovery import InPlaceRecovery
 from moed.daemon.engine.recovery_ledger import RecoveryLedger, RecoveryPolicy
-from moed.daemon.engine.request import Emitted, GenerateJob, Generation, RequestKey
+from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
+from moed.daemon.engine.request_events import RequestEvents
 from moed.daemon.engine.row_grammars import RowGrammars
 from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Scheduler
 from moed.daemon.engine.sink import EventSink
@@ -46,22 +47,14 @@ from moed.daemon.ground.device_errors import classify
 from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.ground.faults import Faults
 from moed.daemon.model.loader import LoadedModel, LoadProgress
-from moed.daemon.telemetry.delta import cache_state, request_counters
 from moed.daemon.telemetry.request_trace import finish_request_trace, start_request_trace
 from moed.daemon.telemetry.trace import recording_all
 from moed.protocol import (
-    Channel,
-    DoneEvent,
     ErrorCode,
-    FailedEvent,
     FinishReason,
-    PromptProgress,
     ProtocolError,
     ShedLevel,
-    TelemetryEvent,
-    TokenEvent,
 )
-from moed.protocol.events import LoadProgress as LoadProgressEvent  # the loader's is a callback
 
 log = logging.getLogger("moed.engine")
 
@@ -107,6 +100,7 @@ class EngineCore(InPlaceRecovery, EngineFailures):
         self.heartbeat.abandon = self._only_cancelled_rows
         self.host = ModelHost(serve, model_path, status, self.heartbeat, self.faults)
         self.prefix = PrefixFeed(serve, status)
+        self.events = RequestEvents(sink, status, self.host)
         # Device failures inside a step: met in place where MLX raises them catchably
         # (engine/recovery.py); the transport records each recovery.
         version = str(getattr(mx, "__version__", ""))  # the stubs leave it out
@@ -163,14 +157,6 @@ class EngineCore(InPlaceRecovery, EngineFailures):
             log.warning("prefix cache cleared: %s", self.clear_prefix_cache())
         elif not isinstance(command, Stop):  # Stop only wakes the owner's loop
             raise TypeError(f"not an engine command: {command!r}")
-
-    def reject(self, job: GenerateJob, code: ErrorCode, message: str) -> None:
-        """End a request that never started with a typed error."""
-        self.sink.emit(job.identity, job.request_id, FailedEvent.of(code, message))
-
-    def refuse(self, job: GenerateJob, exc: ProtocolError) -> None:
-        """End a request that never started with its refusal (and what that carries)."""
-        self.sink.emit(job.identity, job.request_id, FailedEvent.refusal(exc))
 
     # ---- work ------------------------------------------------------------------------------
     def step(self) -> None:
@@ -229,18 +215,18 @@ class EngineCore(InPlaceRecovery, EngineFailures):
                 gen.prompt_tokens,
             )
         except ProtocolError as exc:
-            self.refuse(job, exc)
+            self.events.refuse(job, exc)
             return
         except Exception as exc:
             log.exception("request %r could not start", job.request_id)
-            self.reject(job, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
+            self.events.reject(job, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
             return
         self._gens[job.key] = gen
         # A request with a grammar holds its place while a pool thread builds it (GrammarReady).
         ready = not self.grammars.start(gen)
         self.scheduler.add(job.key, gen.client, gen.kv_tokens, time.monotonic(), ready)
         if job.request.progress:  # at once, before a batch row is free: a first byte
-            self.sink.emit(job.identity, job.request_id, PromptProgress(0, len(gen.context)))
+            self.events.prompt_progress(gen, 0, len(gen.context))
         self.host.admitted(job.request.keep_alive)
         self._publish_counts()
 
@@ -255,7 +241,7 @@ class EngineCore(InPlaceRecovery, EngineFailures):
         if isinstance(result, ProtocolError):
             self._forget(key)
             finish_request_trace(gen.trace)
-            self.refuse(gen.job, result)
+            self.events.refuse(gen.job, result)
             return
         gen.constraint = result
         self.scheduler.ready(key)
@@ -302,17 +288,13 @@ class EngineCore(InPlaceRecovery, EngineFailures):
 
     def _reload_for(self, job: GenerateJob) -> bool:
         """Load again for a request that arrived while idle; it sees `progress` messages."""
-
-        def progress(stage: str, done: float, total: float, unit: str) -> None:
-            event = LoadProgressEvent(stage, done, total, unit)
-            self.sink.emit(job.identity, job.request_id, event)
-
         self.status.update(busy=True)  # a request waits on this load: the watchdog watches it
-        loaded = self.load(progress)
+        loaded = self.load(self.events.load_progress(job))
         self.status.update(busy=bool(self._gens))
         if loaded:
             return True
-        self.reject(job, ErrorCode.INTERNAL, f"the model failed to load again: {self.fatal}")
+        message = f"the model failed to load again: {self.fatal}"
+        self.events.reject(job, ErrorCode.INTERNAL, message)
         return False
 
     def maybe_unload(self) -> None:
@@ -369,10 +351,8 @@ class EngineCore(InPlaceRecovery, EngineFailures):
                 continue
             if (gen := self._rows.get(chunk.uid)) is not None and gen.job.request.progress:
                 # Counted over the whole context: what the prefix cache held is read too.
-                read = PromptProgress(
-                    gen.cached_tokens + chunk.done, gen.cached_tokens + chunk.total
-                )
-                self.sink.emit(gen.job.identity, gen.job.request_id, read)
+                cached = gen.cached_tokens
+                self.events.prompt_progress(gen, cached + chunk.done, cached + chunk.total)
         for row in out.saved:
             self.prefix.keep(row)
         for tok in out.tokens:
@@ -389,7 +369,7 @@ class EngineCore(InPlaceRecovery, EngineFailures):
                 self._finish(gen, FinishReason.STOP)
                 continue
             try:
-                stopped = self._emit_token(gen, tok.token, tok.logprobs)
+                stopped = self.events.token(gen, tok.token, tok.logprobs)
             except Exception as exc:  # this row's own text path: it fails alone
                 self._row_failed(gen, exc)
                 continue
@@ -397,47 +377,6 @@ class EngineCore(InPlaceRecovery, EngineFailures):
                 self._finish(gen, FinishReason.STOP)  # a stop sequence matched
             elif tok.finish is not None:
                 self._finish(gen, tok.finish)
-
-    def _emit_token(self, gen: Generation, token: int, row_logprobs: mx.array) -> bool:
-        """Send a token (and telemetry when due); True when a stop sequence ended the text."""
-        out = gen.add_token(token, row_logprobs)
-        self._emit_segments(gen, [token], out)
-        gen.index += 1
-        gen.completion += 1
-        self.status.token_produced(time.time())
-        if out.stopped:  # the text ends before the stop; `done` follows at once
-            return True
-        if gen.completion % gen.telemetry_every == 0:
-            self.sink.emit(
-                gen.job.identity, gen.job.request_id, TelemetryEvent(self._telemetry(gen))
-            )
-        return False
-
-    def _emit_segments(self, gen: Generation, ids: list[int], out: Emitted) -> None:
-        """One `token` message per channel segment, in order: the first carries the token's ids
-        and logprobs, the last its finished tool calls (PROTOCOL.md, Reasoning)."""
-        segments = out.segments or ((Channel.ANSWER, ""),)
-        last = len(segments) - 1
-        for i, (channel, text) in enumerate(segments):
-            event = TokenEvent(
-                gen.index,
-                ids if i == 0 else [],
-                text,
-                out.logprobs if i == 0 else None,
-                (out.tool_calls or None) if i == last else None,
-                channel,
-            )
-            self.sink.emit(gen.job.identity, gen.job.request_id, event)
-
-    def _telemetry(self, gen: Generation, timings: dict[str, Any] | None = None) -> dict[str, Any]:
-        self.host.refresh_ranks()
-        data = {"tokens": gen.completion, **(timings or gen.timings())}
-        snapshot = self.host.stream_snapshot()
-        if snapshot is not None:
-            self.status.update(streaming=snapshot)
-            data["experts"] = request_counters(gen.stream_before, snapshot)  # this request's
-            data["cache"] = cache_state(snapshot)  # the daemon-wide cache, named apart
-        return data
 
     # ---- endings -----------------------------------------------------------------------------
     def _forget(self, key: RequestKey, keep: bool = False) -> None:
@@ -473,40 +412,21 @@ class EngineCore(InPlaceRecovery, EngineFailures):
         message: str = "the daemon is shutting down",
     ) -> None:
         self._forget(gen.job.key, keep=not isinstance(reason, ErrorCode))
-        req_id = gen.job.request_id
         finish_request_trace(gen.trace)  # its last chunk goes out before the terminal message
         if not isinstance(reason, ErrorCode):
             try:  # the text held back: a call left open by max_tokens or a cancel is dropped
                 tail = gen.final_text(cut=reason is not FinishReason.STOP)
                 if tail.segments or tail.tool_calls:
-                    self._emit_segments(gen, [], tail)
+                    self.events.segments(gen, [], tail)
             except Exception as exc:  # this row's own text path: it fails alone
-                log.warning("request %r failed alone: %s", req_id, exc, exc_info=exc)
+                log.warning("request %r failed alone: %s", gen.job.request_id, exc, exc_info=exc)
                 reason, message = failure_of(exc)
         if isinstance(reason, ErrorCode):
             self.status.add(requests_failed=1)
-            self.sink.emit(gen.job.identity, req_id, FailedEvent.of(reason, message))
+            self.events.failed(gen, reason, message)
             return
         self.status.add(requests_served=1)
-        self.host.refresh_ranks(force=True)  # a client that saw `done` sees every rank's counters
-        usage = {
-            "prompt_tokens": gen.prompt_tokens,
-            "completion_tokens": gen.completion,
-            "cached_tokens": min(gen.cached_tokens, gen.prompt_tokens),
-        }
-        timings = gen.timings()
-        routing = self.loaded.routing if self.loaded is not None else None
-        done = DoneEvent(
-            reason,
-            usage,
-            timings,
-            self._telemetry(gen, timings),
-            stop_sequence=gen.stops.matched,
-            # K-reduction: the client must know
-            lossy=routing.describe() if routing is not None and routing.lossy else None,
-            notice=gen.notice or None,
-        )
-        self.sink.emit(gen.job.identity, req_id, done)
+        self.events.done(gen, reason)
 
     def _shed(self, level: ShedLevel) -> None:
         released = self.prefix.shed()  # cached prefixes go first: no request loses anything

@@ -217,4 +217,4 @@ class Engine:
             if isinstance(command, Submit):
                 self.status.add(queued_requests=-1)
                 if self.core is not None:
-                    self.core.reject(command.job, code, message)
+                    self.core.events.reject(command.job, code, message)
