@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from enum import StrEnum
+from typing import Any, ClassVar, TypeVar
 
 from . import messages
 from .errors import RETRYABLE, ErrorCode, ProtocolError
@@ -20,6 +21,14 @@ from .messages import PROMPT_STAGE, Channel, FinishReason, Message, MessageType
 from .version import PROTOCOL_MAJOR
 
 WireMap = Mapping[str, Any]
+_Enum = TypeVar("_Enum", bound=StrEnum)
+
+
+def _known(kind: type[_Enum], raw: Any) -> _Enum | str:
+    """`raw` as a member of `kind`, or kept as its string: a newer daemon's value (a finish
+    reason, a channel) never fails the stream that carries it."""
+    text = str(raw)
+    return kind(text) if text in kind._value2member_map_ else text
 
 
 @dataclass(frozen=True)
@@ -34,7 +43,7 @@ class TokenEvent:
     # Tool calls the model finished with this token: {id, name, arguments (a map)}.
     tool_calls: list[dict[str, Any]] | None = None
     # Which part of the turn the text is: the answer, or reasoning (between the think markers).
-    channel: Channel = Channel.ANSWER
+    channel: Channel | str = Channel.ANSWER  # a string: a newer daemon's channel
 
     def to_wire(self, request_id: RequestId) -> Message:
         return messages.token(
@@ -55,7 +64,7 @@ class TokenEvent:
             str(msg["text"]),
             msg.get("logprobs"),
             msg.get("tool_calls") or None,
-            Channel(msg.get("channel") or Channel.ANSWER.value),
+            _known(Channel, msg.get("channel") or Channel.ANSWER.value),
         )
 
 
@@ -144,7 +153,7 @@ class TraceEvent:
 class DoneEvent:
     """The request ended well (the last message of its stream)."""
 
-    finish_reason: FinishReason
+    finish_reason: FinishReason | str  # a string: a newer daemon's reason
     usage: dict[str, Any]
     timings: dict[str, Any]
     telemetry: dict[str, Any] = field(default_factory=dict)
@@ -168,7 +177,7 @@ class DoneEvent:
     @classmethod
     def from_wire(cls, msg: WireMap) -> DoneEvent:
         return cls(
-            FinishReason(msg["finish_reason"]),
+            _known(FinishReason, msg["finish_reason"]),
             msg.get("usage") or {},
             msg.get("timings") or {},
             msg.get("telemetry") or {},

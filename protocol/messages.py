@@ -123,11 +123,11 @@ def token(
     text: str,
     logprobs: list[dict[str, Any]] | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
-    channel: Channel = Channel.ANSWER,
+    channel: Channel | str = Channel.ANSWER,
 ) -> Message:
     msg = {**_base(MessageType.TOKEN, request_id), "index": index, "ids": ids, "text": text}
-    if channel is not Channel.ANSWER:
-        msg["channel"] = channel.value
+    if channel != Channel.ANSWER:
+        msg["channel"] = str(channel)  # a StrEnum's str() is its value
     if logprobs is not None:
         msg["logprobs"] = logprobs
     if tool_calls:
@@ -167,7 +167,7 @@ def telemetry(request_id: Any, data: dict[str, Any]) -> Message:
 
 def done(
     request_id: Any,
-    finish_reason: FinishReason,
+    finish_reason: FinishReason | str,
     usage: dict[str, Any],
     timings: dict[str, Any],
     telemetry: dict[str, Any] | None = None,
@@ -177,7 +177,7 @@ def done(
 ) -> Message:
     msg = {
         **_base(MessageType.DONE, request_id),
-        "finish_reason": finish_reason.value,
+        "finish_reason": str(finish_reason),
         "usage": usage,
         "timings": timings,
     }

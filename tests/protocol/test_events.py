@@ -233,6 +233,17 @@ def test_what_a_newer_daemon_adds_is_read_without_failing():
     )
     assert failed == FailedEvent("brand_new", "m", True)
     assert failed.to_wire(1)["code"] == "brand_new"
+    # A finish reason or a channel this version does not know is kept as its text, both ways.
+    done = event_from_wire(
+        {"v": 1, "type": "done", "id": 1, "finish_reason": "handed_off", "usage": {}}
+    )
+    assert isinstance(done, DoneEvent) and done.finish_reason == "handed_off"
+    assert done.to_wire(1)["finish_reason"] == "handed_off"
+    token = event_from_wire(
+        {"v": 1, "type": "token", "id": 1, "index": 0, "ids": [5], "text": "x", "channel": "aside"}
+    )
+    assert isinstance(token, TokenEvent) and token.channel == "aside"
+    assert token.to_wire(1)["channel"] == "aside"
 
 
 def test_the_enums_a_client_shows_read_as_their_text():
