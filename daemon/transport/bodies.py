@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from moed.daemon import __version__
 from moed.daemon.engine.status import DaemonState
 from moed.daemon.ground.watchdog_state import read_state as read_watchdog_state
+from moed.daemon.transport.model_progress import progress_fields
 from moed.protocol import MAX_FRAME_BYTES, PROTOCOL_MAJOR, PROTOCOL_MINOR, PrefixCacheAction
 from moed.protocol import messages as wire
 from moed.protocol.codec import MAX_DEPTH
@@ -57,8 +58,8 @@ def status_body(self: Server) -> dict[str, Any]:
     """The `status` body: the engine's snapshot, the progress deadline, crashes, the watchdog."""
     snap = self.status.snapshot()
     snap.pop("prefix_entries", None)  # `prefix_cache` lists them; status stays small
-    snap.update(self.progress.describe(snap))
-    if self.progress.stalled_at is not None:
+    snap.update(progress_fields(self.models))  # the busy models' progress, not an idle one's
+    if snap["stalled"]:
         snap["state"] = DaemonState.STALLED.value  # the transport's verdict over the engine's state
     snap["pending_requests"] = len(self._streams)
     self.connections.drain()

@@ -29,6 +29,7 @@ from moed.daemon.model.servable import Catalog, Servable
 from moed.daemon.model.source import ModelNotFound, ModelUnreadable
 from moed.daemon.telemetry.per_model import ModelFigures
 from moed.daemon.transport.admission import TokenCounter
+from moed.daemon.transport.progress import ProgressMonitor
 from moed.protocol import ErrorCode, Limits, ProtocolError
 from moed.protocol.units import format_bytes
 
@@ -47,6 +48,7 @@ class ServedModel:
     status: EngineStatus
     limits: Limits
     tokens: TokenCounter
+    progress: ProgressMonitor  # its own deadline: an idle model needs no progress
     last_used: float = field(default_factory=time.monotonic)
     streams: set[RequestKey] = field(default_factory=set)  # open on this model
     footprint: int | None = None  # bytes its memory plan holds, less the process's own
@@ -238,7 +240,8 @@ class ModelSet:
     ) -> ServedModel:
         limits = read_limits(serve, servable.path)
         tokens = TokenCounter(lambda: engine.loaded, servable.path)
-        return ServedModel(servable, serve, engine, status, limits, tokens)
+        progress = ProgressMonitor(serve.progress_deadline_s)
+        return ServedModel(servable, serve, engine, status, limits, tokens, progress)
 
 
 def model_settings(serve: ServeConfig, servable: Servable) -> ServeConfig:

@@ -37,6 +37,7 @@ from moed.daemon.transport.connections import ConnectionCount, connection_limit
 from moed.daemon.transport.control import ControlToken
 from moed.daemon.transport.dispatch import dispatch_control
 from moed.daemon.transport.group_failure import GroupFailure
+from moed.daemon.transport.model_progress import newly_stalled
 from moed.daemon.transport.model_set import EngineFactory, ModelSet, ServedModel
 from moed.daemon.transport.outbound import Outbound
 from moed.daemon.transport.pipes import (
@@ -46,7 +47,6 @@ from moed.daemon.transport.pipes import (
     unpack_event,
 )
 from moed.daemon.transport.plan import ServerPlan
-from moed.daemon.transport.progress import ProgressMonitor
 from moed.daemon.transport.streams import StreamTable
 from moed.protocol import (
     MAX_FRAME_BYTES,
@@ -95,7 +95,6 @@ class Server:
         self.endpoint = endpoint_for(self.serve.socket)
         self.limits = read_limits(self.serve, self.model_path)
         self._streams = StreamTable()  # admitted generations not yet terminal
-        self.progress = ProgressMonitor(self.serve.progress_deadline_s)
         self.control_token = ControlToken(self.serve.socket)
         catalog = Catalog(self.serve.model, self.model_path, self.plan.models)
         self.models = ModelSet(catalog, self.serve, self.engine, self.status, self._new_engine)
@@ -326,8 +325,8 @@ class Server:
             raise ProtocolError(
                 ErrorCode.INTERNAL, f"the model failed to load: {model.engine.fatal}"
             )
-        if self.progress.stalled_at is not None:
-            raise ProtocolError(ErrorCode.ENGINE_STALLED, self.progress.message())
+        if model.progress.stalled_at is not None:
+            raise ProtocolError(ErrorCode.ENGINE_STALLED, model.progress.message())
         if key in self._streams:
             # Not terminal for the running stream: sent with `id: nil`, the id in `target`.
             raise DuplicateId(request_id)
@@ -348,8 +347,9 @@ class Server:
                 f"this request was in flight at {crashlog.POISON_AFTER} crashes of the daemon; "
                 "it is refused, not replayed",
             )
+        idle_before = not model.streams
         self.models.admit(model, key)  # room made for it first (or refused: busy, too large)
-        self.progress.work_admitted(idle_before=not self._streams)
+        model.progress.work_admitted(idle_before)
         self._streams.add(key, fingerprint)
         # Written before the engine sees it, so that a crash in it is pinned on it.
         crashlog.write_inflight(self.serve.state_dir, self.boot_id, self._streams.fingerprints())
@@ -404,15 +404,15 @@ class Server:
         if now < self._next_progress_check:
             return
         self._next_progress_check = now + PROGRESS_CHECK_S
-        snap = self.status.snapshot()
-        was_stalled = self.progress.stalled_at is not None
-        if not self.progress.check(snap, bool(self._streams)) or was_stalled:
-            return
-        log.error("%s; failing %d request(s)", self.progress.message(), len(self._streams))
-        self._fail_all(ErrorCode.ENGINE_STALLED, self.progress.message())
+        for model in newly_stalled(self.models):  # only its own streams fail
+            message = f"model {model.name!r}: {model.progress.message()}"
+            log.error("%s; failing %d request(s)", message, len(model.streams))
+            self._fail_all(ErrorCode.ENGINE_STALLED, message, list(model.streams))
 
-    def _fail_all(self, code: ErrorCode, message: str) -> None:
-        keys = list(self._streams.open)
+    def _fail_all(
+        self, code: ErrorCode, message: str, keys: list[RequestKey] | None = None
+    ) -> None:
+        keys = list(self._streams.open) if keys is None else keys
         for key, frame in zip(keys, self._fail_streams(keys, code, message)):
             self.outbound.send(key[0], [], frame)
 

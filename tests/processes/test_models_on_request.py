@@ -13,9 +13,11 @@ import pytest
 from moed.client import DoneEvent, RequestFailed, TokenEvent
 from moed.daemon.config import ServeConfig
 from moed.daemon.model.footprint import model_footprint
+from moed.daemon.watchdog.runner import Watchdog
 from tests.fixtures.daemon_harness import moe
 from tests.fixtures.gateway_harness import start_gateway
 from tests.fixtures.reference import generate
+from tests.fixtures.watchdog import ScriptedProbe, watchdog_config
 
 pytestmark = pytest.mark.process
 
@@ -45,7 +47,7 @@ def three(checkpoint_factory):
     }
 
 
-def start(daemon_factory, tmp_path, paths, models_memory: str = "auto", **extra_entries):
+def start(daemon_factory, tmp_path, paths, models_memory="auto", env=None, **extra_entries):
     serve = "\n".join(
         f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v}" for k, v in SERVE.items()
     )
@@ -55,7 +57,7 @@ def start(daemon_factory, tmp_path, paths, models_memory: str = "auto", **extra_
         lines.append(f'{name} = {{ path = "{path}"{more} }}')
     config = tmp_path / "moed.toml"
     config.write_text("\n".join(lines) + "\n")
-    return daemon_factory("a", "--config", str(config))
+    return daemon_factory("a", "--config", str(config), env=env)
 
 
 def loaded(client) -> list[str]:
@@ -172,6 +174,102 @@ def test_one_models_failure_spares_the_others_streams(three, daemon_factory, tmp
         assert c.ping()["pong"] is True  # the daemon, and a, serve on
         assert tokens(c, "a") == generate(three["a"], PROMPT, 12)
         assert "b" not in loaded(c)
+
+
+# The progress deadline, and b's pace: every step of b sleeps STEP_DELAY_MS, so its long answer
+# streams for several deadlines (a slower machine only makes it longer) while no gap comes near one.
+DEADLINE_S = 2.0
+STEP_DELAY_MS = 25
+LONG = 240  # tokens: at least 6 s at that pace; the qwen3_5_moe checkpoint never ends earlier
+
+
+def test_a_busy_model_beside_an_idle_one_is_no_stall(three, daemon_factory, tmp_path):
+    """The progress deadline is each model's: b streaming for several deadlines while a (the
+    started model) sits idle, then unloaded, stalls nothing, and a watchdog with that deadline
+    watching the daemon throughout takes no action (it sees b busy and moving)."""
+    paths = {"a": three["a"], "b": three["b"]}
+    env = {"MOED_PROGRESS_DEADLINE_S": str(DEADLINE_S)}
+    slow_b = {"debug_faults": f'"step_delay_ms={STEP_DELAY_MS}"'}
+    d = start(daemon_factory, tmp_path, paths, env=env, b=slow_b)
+    expected = generate(three["b"], PROMPT, LONG)
+    assert len(expected) == LONG  # the premise: b streams the whole time
+    # Samples every 0.5 s (each status call may take that long); acts past 1.5 deadlines.
+    config = watchdog_config(
+        tmp_path, d.socket, interval_s=0.5, progress_timeout_s=1.5 * DEADLINE_S
+    )
+    signals: list[tuple[int, int]] = []
+    dog = Watchdog(config, probe=ScriptedProbe(), send_signal=lambda *sig: signals.append(sig))
+    decisions = []
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.wait(config.interval_s):
+            decisions.append(dog.tick())
+
+    dog.startup()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with d.client() as c:
+            assert tokens(c, "a") == generate(three["a"], PROMPT, 12)  # a moved, long ago
+            for unload_a in (False, True):
+                if unload_a:
+                    c.models("unload", "a")
+                    wait_until(lambda: "a" not in loaded(c))
+                began = time.monotonic()
+                assert tokens(c, "b", LONG) == expected
+                assert time.monotonic() - began > 2 * DEADLINE_S  # it outlasted the deadline
+                status = c.status()
+                assert status["stalled"] is False and status["state"] != "stalled"
+    finally:
+        watching.set()
+        watcher.join(30)
+        dog.shutdown()
+    assert [x.reason for x in decisions if x.action is not None] == [] and signals == []
+    assert any(x.readings["daemon"]["busy"] for x in decisions)  # it watched b's work
+
+
+def test_a_wedged_model_fails_only_its_own_streams(three, daemon_factory, tmp_path):
+    """a's engine blocks for good after 2 tokens (hang_after) while b streams: a's request ends
+    with the retryable `engine_stalled` at its deadline and new work for a is refused so, while
+    b's stream runs on to the tokens b gives alone and b takes new work."""
+    paths = {"a": three["a"], "b": three["b"]}
+    env = {"MOED_PROGRESS_DEADLINE_S": str(DEADLINE_S)}
+    entries = {"a": {"debug_faults": '"hang_after=2"'}, "b": {"debug_faults": '"step_delay_ms=25"'}}
+    d = start(daemon_factory, tmp_path, paths, env=env, **entries)
+    long = LONG  # b streams for at least 6 s: the wedge is met while it runs
+    expected = generate(three["b"], PROMPT, long)
+    assert len(expected) == long
+    got: dict[str, object] = {}
+    b_began = threading.Event()
+
+    def on_b() -> None:
+        ids: list[int] = []
+        with d.client() as c:
+            for event in c.generate(PROMPT, model="b", max_tokens=long, raw=True):
+                if isinstance(event, TokenEvent):
+                    ids += event.ids
+                    b_began.set()
+        got["b"] = ids
+
+    worker = threading.Thread(target=on_b)
+    worker.start()
+    try:
+        assert b_began.wait(120)
+        with d.client() as c:
+            with pytest.raises(RequestFailed) as info:
+                tokens(c, "a", 24)
+            assert info.value.code == "engine_stalled" and info.value.retryable
+            with pytest.raises(RequestFailed) as again:
+                tokens(c, "a", 4)
+            assert again.value.code == "engine_stalled"
+            assert c.ping()["pong"] is True
+    finally:
+        worker.join(300)
+    assert got["b"] == expected  # whole, and as served alone
+    with d.client() as c:
+        assert tokens(c, "b") == generate(three["b"], PROMPT, 12)
+        assert c.status()["stalled"] is True  # a's engine is still wedged: the watchdog's cue
 
 
 def test_gateway_lists_loads_unloads_and_answers_each_model(three, daemon_factory, tmp_path):
