@@ -10,6 +10,7 @@ from moed.daemon.bench.pipeline import pipeline
 from moed.daemon.bench.policy import policy
 from moed.daemon.bench.prewarm import prewarm
 from moed.daemon.bench.prompt import prompt_bench
+from moed.daemon.bench.recall import recall
 from moed.daemon.bench.replica import bench_replica
 from moed.daemon.bench.serve import bench_serve
 from moed.daemon.bench.stream import stream
@@ -30,6 +31,7 @@ bench.add_command(pipeline)
 bench.add_command(policy)
 bench.add_command(prewarm)
 bench.add_command(prompt_bench)
+bench.add_command(recall)
 bench.add_command(bench_replica)
 bench.add_command(stream)
 bench.add_command(bench_switch)

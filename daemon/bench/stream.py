@@ -23,6 +23,7 @@ import numpy as np
 from moed.daemon.bench.bench_model import _same_config, bench_config, write_bench_model
 from moed.daemon.bench.k_reduction import k_lines, native_agreement
 from moed.daemon.bench.reads import raw_pread_bandwidth, sweep, sweep_report
+from moed.daemon.bench.recall import decode_steps, lookahead_lines, routing_recall
 from moed.daemon.bench.stream_contenders import (
     _prompt,
     default_landing,
@@ -96,6 +97,13 @@ SWEEP_BURST = 2  # experts per burst in the read sweep: a layer's misses in a de
     default="25%",
     show_default=True,
     help="budgets also run with speculative next-layer prefetch (prefetch_next); empty: none",
+)
+@click.option(
+    "--look-budgets",
+    default="",
+    show_default=True,
+    help="budgets also run with idle-disk lookahead (experts/lookahead.py), reported beside the "
+    "same budget without it with the predictor's recall per layer; empty: none",
 )
 @click.option(
     "--active-experts",
@@ -172,6 +180,7 @@ def stream(
     model_dir,
     raw_sample_mb,
     spec_budgets,
+    look_budgets,
     active_experts,
     preloaded,
     json_out,
@@ -233,6 +242,8 @@ def stream(
                 contenders.append(
                     load_streaming(path, budget, workers, page_cache, speculative=True)
                 )
+            for budget in [b.strip() for b in look_budgets.split(",") if b.strip()]:
+                contenders.append(load_streaming(path, budget, workers, page_cache, lookahead=True))
             for landing, listed in (("staged", staged_budgets), ("direct", direct_budgets)):
                 for budget in [b.strip() for b in listed.split(",") if b.strip()]:
                     contenders.append(
@@ -279,6 +290,10 @@ def stream(
 
             measure(contenders, files, warm_prompt, prompt, warmup, tokens, sample_raw)
             resident, *runs = [c.result() for c in contenders]
+            for c, run in zip(contenders[1:], runs):  # routing-only predictors, same tokens
+                if run.lookahead and c.streamer is not None and c.streamer.trace:
+                    steps = decode_steps(c.streamer.trace, top_k)
+                    run.lookahead["routing"] = routing_recall(steps, experts, top_k)
             k_rows = [
                 (
                     run,
@@ -329,7 +344,9 @@ def stream(
             next((r for r in runs if r.name == budget_list[0]), None) if budget_list else None
         )
         click.echo(
-            report(meta, raw, resident, runs) + "\n".join(["", *k_lines(k_rows, native_row, top_k)])
+            report(meta, raw, resident, runs)
+            + "\n".join(["", *k_lines(k_rows, native_row, top_k)])
+            + "\n".join(["", *lookahead_lines(runs)])
         )
         if json_out:
             json_out.write_text(

@@ -104,6 +104,17 @@ class Contender:
                 "overlap_net_ms_per_step",
             )
         }
+        if "lookahead_recall" in end:  # the decode phase's share of lookahead.py's counters
+            first = self.first
+            res.lookahead = {
+                k: v - first[k]
+                for k, v in end.items()
+                if k.startswith("lookahead_") and k != "lookahead_recall"
+            }
+            res.lookahead["lookahead_recall"] = [
+                [a - b for a, b in zip(now, was)]
+                for now, was in zip(end["lookahead_recall"], first["lookahead_recall"])
+            ]
         res.hits_total, res.misses_total, res.expert_bytes = (
             end["hits"],
             end["misses"],
@@ -150,6 +161,7 @@ def load_streaming(
     landing: str = "auto",
     host_routed: bool = False,
     launch_early: bool | None = None,
+    lookahead: bool = False,
 ) -> Contender:
     # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     import mlx.core as mx
@@ -170,6 +182,7 @@ def load_streaming(
             prefetch_next=speculative,
             landing=Landing(landing),
             launch_early=launch_early,
+            lookahead=lookahead,
         ),
     )
     mx.eval(model.parameters())
@@ -185,6 +198,7 @@ def load_streaming(
     # run never routes on the device, so the preloaded run (no simulation) goes untraced.
     streamer.record_routing(trace=simulate, device_routing=not host_routed)
     name = budget + ("+pre" if preload_all else "") + ("+spec" if speculative else "")
+    name += "+look" if lookahead else ""
     name += ",host" if host_routed else ""
     name += ",late" if launch_early is False else ""
     name += f",K={active_experts}" if active_experts else ""

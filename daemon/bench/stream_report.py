@@ -19,6 +19,7 @@ class RunResult:
     misses_total: int = 0
     policy: str = ""
     speculation: dict = field(default_factory=dict)  # the step tuner's switches at the end
+    lookahead: dict = field(default_factory=dict)  # lookahead.py's counters (decode phase)
     policy_sim: tuple[int, int] = (0, 0)  # the streamer's policy replayed on its routing trace
     belady: tuple[int, int] = (0, 0)
     expert_bytes: int = 0
