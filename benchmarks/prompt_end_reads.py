@@ -40,8 +40,8 @@ def prompt_end_step(model, streamer, prompt: list[int], read_ahead: bool) -> tup
         [],
         max_batch=1,
         prefill_chunk=4096,
-        unused_output=streamer.unused_output.scope,
-        prompt_end=streamer.prompt_end_step if read_ahead else None,
+        unused_output=streamer.steps.unused_output,
+        prompt_end=streamer.steps.prompt_end if read_ahead else None,
     )
     batch.insert(prompt, 2, greedy)
     batch.step()  # the chunk

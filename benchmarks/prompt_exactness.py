@@ -29,7 +29,7 @@ def streamed(path: Path, prompt: list[int], chunk: int, budget: str, overlap: bo
         mx.eval(model.parameters())
         if not overlap:  # the tuner probes from on: hold it off for this read
             streamer.hold_tuning()
-        seconds, lp = _first_token(model, prompt, chunk, streamer.unused_output.scope)
+        seconds, lp = _first_token(model, prompt, chunk, streamer.steps.unused_output)
         snap = streamer.snapshot()
         return seconds, lp, f"{snap['passes']} passes, {snap['overlapped']} overlapped"
 

@@ -40,7 +40,7 @@ def side(path: Path, budget: str | None, lane: bool, tokens: int, seed: int):
         for i in range(REPEATS + 1):  # the first warms MLX's kernels, not counted
             prompt = rng.integers(10, 200, size=tokens).tolist()
             before = streamer.snapshot() if streamer else {}
-            scope = streamer.unused_output.scope if streamer else nullcontext
+            scope = streamer.steps.unused_output if streamer else nullcontext
             seconds, _ = _first_token(model, prompt, 256, scope)
             if i == 0:
                 continue

@@ -91,7 +91,7 @@ def _read_prompt(
             chunk = _plan_chunk(config, streamer.plan.working_bytes, plan, len(prompt))
         streamer.record_routing()
         before = streamer.snapshot()
-        seconds, logprobs = _first_token(model, prompt, chunk, streamer.unused_output.scope)
+        seconds, logprobs = _first_token(model, prompt, chunk, streamer.steps.unused_output)
         after = streamer.snapshot()
         distinct = sum(len(layer) for step in streamer.trace for layer in step)
         run = PromptRun(

@@ -1,13 +1,14 @@
-"""What the engine hands the expert streamer, the one way in from outside experts/: the engine's
-hooks once a model is loaded (`EngineHooks`, ExpertStreamer.attach) and a request's route
-observer around one step (`RouteObserver`, ExpertStreamer.observing). Inside, the routing, loads
-and passes read them from one shared `Watchers` (tests/project/test_streamer_door.py: nothing
-outside experts/ assigns a streamer's attribute)."""
+"""What the engine hands the expert streamer, the one way in from outside experts/: its hooks once
+a model is loaded (`EngineHooks`, ExpertStreamer.attach), and for a step the scopes it enters
+around it (`StepScopes`, ExpertStreamer.steps: the step's output unused, a prompt-end step, a
+request's route observer). Inside, the routing, loads and passes read the hooks and the observer
+from one shared `Watchers` (tests/project/test_streamer_door.py: nothing outside experts/ assigns
+a streamer's attribute)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -45,6 +46,19 @@ class EngineHooks:
     progress: Callable[[], None] = no_progress
     # Called after each router read-back and fence evaluation (tests inject device failures).
     on_sync: Callable[[SyncPoint], None] | None = None
+
+
+@dataclass(frozen=True)
+class StepScopes:
+    """What the engine hands in for a step: the scopes it enters around it (ExpertStreamer.steps),
+    each on the engine thread."""
+
+    # The step's output is dropped (a prompt chunk): the last layer sits it out (unused_output.py).
+    unused_output: Callable[[], AbstractContextManager[None]]
+    # The step reads prompts' last tokens: their experts read ahead and kept (prompt_end.py).
+    prompt_end: Callable[[], AbstractContextManager[None]]
+    # A request's route observer sees the step's routing and admissions (telemetry/trace.py).
+    observing: Callable[[RouteObserver], AbstractContextManager[None]]
 
 
 class Watchers:

@@ -21,7 +21,7 @@ from moed.daemon.experts.counters import Counters, LayerCounters
 from moed.daemon.experts.cuda_memory import on_cuda, on_gpu
 from moed.daemon.experts.discover import SwitchInfo
 from moed.daemon.experts.fence import LazyFence
-from moed.daemon.experts.hooks import EngineHooks, Watchers
+from moed.daemon.experts.hooks import EngineHooks, StepScopes, Watchers
 from moed.daemon.experts.host_route import HostRouting
 from moed.daemon.experts.landing import Landing
 from moed.daemon.experts.loads import SlotLoads
@@ -103,29 +103,30 @@ class ExpertStreamer:
         self.unused_output, self.prompt_end = self.routing.unused_output, self.routing.prompt_end
         # The streaming layers' calls (streaming_switch.py LayerCache), each answered by the
         # concern that owns it: bound once here, so the hot path makes no forwarding call.
-        routing, loads, passes = self.routing, self.loads, self.passes
+        routing, loads, passes, watch = self.routing, self.loads, self.passes, self.watch
         self.output_unused, self.on_device = routing.output_unused, routing.on_device
         self.route_on_device, self.route = routing.route_on_device, routing.route
-        self.decode_call, self.prompt_end_step = routing.decode_call, routing.prompt_end_step
-        self.load, self.begin_load = loads.load, loads.begin_load
-        self.finish_load, self.defer, self.claim_slots = (
-            loads.finish_load,
-            loads.defer,
-            loads.claim_slots,
-        )
+        self.decode_call, self.load = routing.decode_call, loads.load
+        self.begin_load, self.finish_load = loads.begin_load, loads.finish_load
+        self.defer = loads.defer
         self.plan_passes, self.load_passes = passes.plan_passes, passes.load_passes
         self.submit_pass, self.lane_layers = passes.submit_pass, passes.lane_layers
-        # The rest of the public API, from its concerns; the door's (hooks.py) for benches and
-        # tests too: routing recorded, the pass lane dropped, the tuner held.
-        self.observing, self.record_routing = self.watch.observing, routing.record_routing
-        self.drop_lane, self.hold_tuning = passes.drop_lane, self.tuner.stop
+        # The door (hooks.py): the scopes the engine enters around a step; for benches and
+        # tests, routing recorded, the pass lane dropped, the tuner held.
+        self.steps = StepScopes(
+            routing.unused_output.scope, routing.prompt_end_step, watch.observing
+        )
+        self.record_routing, self.drop_lane = routing.record_routing, passes.drop_lane
+        self.hold_tuning = self.tuner.stop
+        # The rest of the public API, from its concerns.
         self.shed, self.start_over = self.shedding.shed, self.shedding.start_over
         self.usage_counts, self.warm = routing.usage_counts, self.warmth.warm
         self.save_profile, self.preload = self.warmth.save_profile, self.warmth.preload
+        self.profile_path = self.warmth.profile_path
 
     def attach(self, hooks: EngineHooks) -> None:
         """The door (hooks.py): the engine's hooks, once a model is loaded (its progress beat,
-        its sync points); a request's observer comes in around one step (`observing`)."""
+        its sync points); what it hands in for a step comes through `steps`."""
         self.watch.progress = hooks.progress
         self.watch.on_sync = self.fence.on_sync = hooks.on_sync
 
@@ -185,10 +186,6 @@ class ExpertStreamer:
     @property
     def trace(self) -> list[list[np.ndarray]] | None:
         return self.routing.trace
-
-    @property
-    def profile_path(self) -> Path | None:
-        return self.warmth.profile_path
 
     def snapshot(self) -> dict[str, Any]:
         if threading.get_ident() == self.shedding.engine_thread:  # no MLX call from elsewhere

@@ -26,16 +26,13 @@ class CacheWarmth:
         loads: SlotLoads,
         usage_counts: Callable[[], list[np.ndarray]],
     ) -> None:
-        self.state_dir, self.model_path, self.layout = state_dir, model_path, layout
+        self.model_path, self.layout = model_path, layout
         self.pools, self.store, self.reader = loads.pools, loads.store, loads.reader
         self.spec, self.fence, self.counters = loads.spec, loads.fence, loads.counters
         self.usage_counts = usage_counts  # per layer and expert (host_route.py)
-
-    @property
-    def profile_path(self) -> Path | None:
-        if self.state_dir is None:
-            return None
-        return profile_mod.profile_path(self.state_dir, self.model_path)
+        self.profile_path = (
+            None if state_dir is None else profile_mod.profile_path(state_dir, model_path)
+        )
 
     def save_profile(self) -> Path | None:
         """Merge this run's usage into the saved profile (atomic write). Returns its path."""

@@ -343,7 +343,7 @@ def recording(recorder: TraceRecorder | None) -> Iterator[None]:
         return
     recorder.begin()
     try:
-        with recorder.streamer.observing(recorder):
+        with recorder.streamer.steps.observing(recorder):
             yield
     finally:
         recorder.end()
@@ -377,7 +377,7 @@ def recording_all(recorders: list[TraceRecorder]) -> Iterator[None]:
     for r in recorders:
         r.begin()
     try:
-        with recorders[0].streamer.observing(_Fanout(recorders)):
+        with recorders[0].streamer.steps.observing(_Fanout(recorders)):
             yield
     finally:
         for r in recorders:

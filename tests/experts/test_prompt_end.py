@@ -31,8 +31,8 @@ def _one_at_a_time(model, streamer, read_ahead: bool) -> tuple[list[list[int]], 
             [],
             max_batch=1,
             prefill_chunk=256,
-            unused_output=streamer.unused_output.scope,
-            prompt_end=streamer.prompt_end_step if read_ahead else None,
+            unused_output=streamer.steps.unused_output,
+            prompt_end=streamer.steps.prompt_end if read_ahead else None,
         )
         uid = batch.insert(prompt, 4, greedy)
         out = batch.step()  # the chunk: every token but the last
@@ -86,8 +86,8 @@ def test_wrong_guesses_change_no_token(checkpoint_factory):
                 model,
                 PROMPTS[:3],
                 max_tokens=4,
-                unused_output=streamer.unused_output.scope,
-                prompt_end=streamer.prompt_end_step,
+                unused_output=streamer.steps.unused_output,
+                prompt_end=streamer.steps.prompt_end,
             )
             assert got == want
         snap = streamer.snapshot()

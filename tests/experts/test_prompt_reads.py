@@ -47,7 +47,7 @@ def test_a_dropped_prompt_chunk_reads_no_expert_of_the_last_layer(checkpoint_fac
     for skip in (False, True):
         model, streamer = streaming(path, "50%")
         try:
-            scope = streamer.unused_output.scope if skip else nullcontext
+            scope = streamer.steps.unused_output if skip else nullcontext
             got = batch_tokens(model, prompts, prefill_chunk=32, unused_output=scope)
             assert got == want, f"skip={skip}"
             read[skip] = streamer.snapshot()["bytes_read"]

@@ -5,11 +5,11 @@ benchmarks/ and tests/ (fixtures included).
 The rule: no assignment (`=`, `+=`, an annotated one, `del`, `setattr`, `monkeypatch.setattr`)
 to an attribute reached through a name or attribute called `streamer` (or `..._streamer`),
 however deep (`streamer.lane = None`, `loaded.streamer.fence.on_sync = f`,
-`streamer.tuner._queue = []`). What the engine hands in goes through the streamer's own methods:
-`attach(EngineHooks(...))` once a model is loaded, `observing(observer)` around a traced step, the
-scopes it enters (`unused_output.scope`, `prompt_end_step`); benches and tests use the same
-methods (`record_routing`, `drop_lane`, `hold_tuning`). A name is what the scan can see: a
-streamer under another name is the reviewer's to catch."""
+`streamer.tuner._queue = []`). What the engine hands in goes through the streamer's door
+(experts/hooks.py): `attach(EngineHooks(...))` once a model is loaded, and for a step the scopes
+of `steps` (a `StepScopes`: the output unused, a prompt end, a request's route observer); benches
+and tests use its methods too (`record_routing`, `drop_lane`, `hold_tuning`). A name is what the
+scan can see: a streamer under another name is the reviewer's to catch."""
 
 from __future__ import annotations
 
