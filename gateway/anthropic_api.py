@@ -7,6 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -351,7 +352,7 @@ async def _sse_body(
     except ApiError as err:
         yield _event("error", error_body(err))
         return
-    outcome = stream.outcome
+    outcome = stream.ended()
     # A turn with no content still has a (empty) text block, as clients expect.
     for frame in blocks.close() if blocks.opened else blocks.text("") + blocks.close():
         yield frame
@@ -387,7 +388,7 @@ async def messages(request: Request) -> Response:
     except BudgetError as err:  # said with the model's name and, for Claude Code, its context
         context = (await daemon_limits(gateway.client)).get("context_tokens")
         raise ApiError(err.kind, budget_message(err, model, context)) from None
-    message = {
+    message: dict[str, Any] = {
         "id": f"msg_{uuid.uuid4().hex}",
         "type": "message",
         "role": "assistant",
@@ -404,7 +405,7 @@ async def messages(request: Request) -> Response:
             headers={"Cache-Control": "no-cache"},
         )
     result = await gateway.collect(request, stream, API, "/v1/messages", started)
-    outcome = stream.outcome
+    outcome = stream.ended()
     message.update(
         content=_content(result),
         stop_reason=STOP_REASON[outcome.finish],

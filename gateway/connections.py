@@ -62,7 +62,7 @@ def guarded_protocol(table: ConnectionTable) -> type[asyncio.Protocol]:
 class GuardedProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
     table: ConnectionTable
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
         self.peer = self.client[0] if self.client else "?"
         self._seen_cycle = None

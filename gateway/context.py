@@ -9,7 +9,7 @@ import enum
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, overload
 
 from starlette.requests import Request
 
@@ -95,6 +95,16 @@ class Gateway:
             self.client, req, on_cancel=lambda: self.metrics.cancelled.labels(api.value).inc()
         )
 
+    # Waiting is yielded only with a keep-alive interval.
+    @overload
+    def tokens(
+        self, stream: Stream, api: Api, endpoint: str, started: float, keepalive_s: None = None
+    ) -> AsyncIterator[TokenEvent]: ...
+    @overload
+    def tokens(
+        self, stream: Stream, api: Api, endpoint: str, started: float, keepalive_s: float | None
+    ) -> AsyncIterator[TokenEvent | Waiting]: ...
+
     async def tokens(
         self,
         stream: Stream,
@@ -132,7 +142,11 @@ class Gateway:
         generation over the request timeout, cancels it in the daemon."""
 
         async def gather() -> Collected:
-            texts, reasoning, logprobs, ids, calls = [], [], [], [], []
+            texts: list[str] = []
+            reasoning: list[str] = []
+            logprobs: list[Any] = []
+            ids: list[int] = []
+            calls: list[dict[str, Any]] = []
             order: list[tuple[PartKind, Any]] = []
             async for event in self.tokens(stream, api, endpoint, started):
                 thinking = event.channel == REASONING

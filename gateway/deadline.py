@@ -60,7 +60,8 @@ class AnswerDeadline:
             await send(message)
 
         pumping = asyncio.create_task(pump())
-        answering = asyncio.create_task(self.app(scope, forwarded, tracked_send))
+        # ensure_future: an ASGI app's call is typed Awaitable (a coroutine in practice).
+        answering = asyncio.ensure_future(self.app(scope, forwarded, tracked_send))
         leaving = asyncio.create_task(gone.wait())
         try:
             done, _ = await asyncio.wait(

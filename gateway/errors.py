@@ -110,7 +110,7 @@ def from_client_error(exc: ClientError) -> ApiError:
     """The daemon's typed error (or its absence) as an ApiError."""
     if isinstance(exc, RequestFailed):
         code = exc.code if isinstance(exc.code, ErrorCode) else None
-        kind = _KIND_OF_CODE.get(code, ErrorKind.INTERNAL)
+        kind = ErrorKind.INTERNAL if code is None else _KIND_OF_CODE.get(code, ErrorKind.INTERNAL)
         return ApiError(kind, exc.message, code=getattr(exc.code, "value", str(exc.code)))
     if isinstance(exc, DaemonNotRunning):  # known at once: say how to get one
         return ApiError(ErrorKind.UNAVAILABLE, f"{exc}; {START_HINT}", code=NO_DAEMON)

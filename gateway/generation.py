@@ -10,8 +10,9 @@ import asyncio
 import contextlib
 import enum
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from typing import cast, overload
 
 from moed.client import ClientError, DoneEvent, Event, ProgressEvent, TokenEvent
 from moed.client.async_client import AsyncClient
@@ -86,10 +87,10 @@ class Stream:
     error the daemon answers at once (too long, overloaded) becomes a status code, not a broken
     stream."""
 
-    def __init__(self, events: AsyncIterator[Event]):
+    def __init__(self, events: AsyncGenerator[Event, None]):
         self._events = events
         self._pending: list[Event] = []
-        self._next: asyncio.Future | None = None  # the event being awaited across keep-alives
+        self._next: asyncio.Future[Event] | None = None  # awaited across keep-alives
         self.outcome: Outcome | None = None
         self.tool_calls = 0  # calls the model made so far
         self.prompt_tokens = 0  # the prompt as the daemon tokenized it (set by start)
@@ -119,7 +120,9 @@ class Stream:
         )
         await check_generate(client, req)
         # Tokens that queued up while the HTTP side was busy come as one event (one chunk).
-        stream = cls(client.generate(request=req, coalesce=True))
+        # An async generator (AsyncClient.generate's surface says AsyncIterator): closable.
+        events = cast(AsyncGenerator[Event, None], client.generate(request=req, coalesce=True))
+        stream = cls(events)
         try:
             first = await anext(stream._events)
             stream._pending.append(first)
@@ -137,6 +140,12 @@ class Stream:
             await stream.close()
             raise
         return stream
+
+    # Waiting is yielded only with a keep-alive interval.
+    @overload
+    def tokens(self, keepalive_s: None = None) -> AsyncIterator[TokenEvent]: ...
+    @overload
+    def tokens(self, keepalive_s: float | None) -> AsyncIterator[TokenEvent | Waiting]: ...
 
     async def tokens(self, keepalive_s: float | None = None) -> AsyncIterator[TokenEvent | Waiting]:
         """The token events; sets `outcome` at the end. Daemon errors raise ApiError. With
@@ -166,6 +175,12 @@ class Stream:
             return
         finally:
             await self.close()
+
+    def ended(self) -> Outcome:
+        """The outcome, once `tokens` has run to the stream's DoneEvent."""
+        if self.outcome is None:
+            raise RuntimeError("the stream has not ended")
+        return self.outcome
 
     async def _next_event(self, timeout: float | None) -> Event | None:
         """The next event, or None when `timeout` passed first (the event is still awaited)."""

@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -197,7 +198,7 @@ async def _ndjson(
         yield _line({"error": err.message})
         return
     extra = {"context": ids} if endpoint == "/api/generate" else {}
-    yield _line({**_final(stream.outcome, model), **piece("", None), **end, **extra})
+    yield _line({**_final(stream.ended(), model), **piece("", None), **end, **extra})
 
 
 async def _run(request: Request, endpoint: str, parse, piece) -> Response:
@@ -228,7 +229,7 @@ async def _run(request: Request, endpoint: str, parse, piece) -> Response:
         )
     result = await gateway.collect(request, stream, API, endpoint, started)
     out = {
-        **_final(stream.outcome, model),
+        **_final(stream.ended(), model),
         **piece(result.text, result.tool_calls, result.reasoning),
     }
     if endpoint == "/api/generate":
@@ -247,7 +248,7 @@ def _generate_piece(text: str, calls: list[dict] | None, thinking: str = "") -> 
 
 
 def _chat_piece(text: str, calls: list[dict] | None, thinking: str = "") -> dict:
-    message = {"role": "assistant", "content": text}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
     if thinking:  # ollama's `think` answer: the reasoning beside the content
         message["thinking"] = thinking
     if calls:  # ollama's shape: arguments stay a map

@@ -55,7 +55,7 @@ def _budget_message(err: BudgetError) -> str:
             f"max_tokens is too large: {err.max_tokens}. This model supports at most "
             f"{err.limit} completion tokens, whereas you provided {err.max_tokens}."
         )
-    if err.overrun is Overrun.CONTEXT:
+    if err.overrun is Overrun.CONTEXT and err.max_tokens is not None:
         total = err.prompt_tokens + err.max_tokens
         return (
             f"This model's maximum context length is {err.limit} tokens. However, you requested "
@@ -231,7 +231,7 @@ async def _sse_body(
     except ApiError as err:  # the stream has started: the error travels in it
         yield sse(error_body(err))
         return
-    outcome = stream.outcome
+    outcome = stream.ended()
     yield frame(chunk("", None, FINISH[outcome.finish], None))
     if call.include_usage:
         yield sse({**envelope, "choices": [], "usage": _usage(outcome)})
@@ -264,7 +264,7 @@ async def chat_completions(request: Request) -> Response:
         envelope["object"] = "chat.completion.chunk"
         return call.streaming_response(chunk, opening)
     result = await call.collect(request)
-    outcome = stream.outcome
+    outcome = stream.ended()
     choice = {
         "index": 0,
         "message": {
@@ -297,7 +297,7 @@ async def completions(request: Request) -> Response:
 
         return call.streaming_response(chunk, None)
     result = await call.collect(request)
-    outcome = stream.outcome
+    outcome = stream.ended()
     choice = {
         "index": 0,
         "text": result.text,

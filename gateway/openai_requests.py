@@ -3,6 +3,8 @@ tool calls carried back, sampling, logprobs, and the agent controls (agent_field
 
 from __future__ import annotations
 
+from typing import Any
+
 from moed.protocol import GenerateRequest
 
 from . import agent_fields as agent
@@ -72,7 +74,10 @@ def chat_messages(raw) -> tuple[dict, ...]:
             continue
         if role not in _ROLES:
             raise invalid(f"{where}.role must be one of system, user, assistant, tool", where)
-        turn = {"role": _ROLES[role], "content": _text_content(msg.get("content"), where)}
+        turn: dict[str, Any] = {
+            "role": _ROLES[role],
+            "content": _text_content(msg.get("content"), where),
+        }
         # Reasoning carried back (either name peers use) goes to the template as it expects.
         thought = f.get(msg, "reasoning_content", str, prefix=f"{where}.") or f.get(
             msg, "reasoning", str, prefix=f"{where}."

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -61,7 +62,11 @@ async def health(request: Request) -> Response:
         # A probe answers fast: a daemon that cannot say its status in time is not healthy.
         status = await asyncio.wait_for(gateway.client.status(), HEALTH_TIMEOUT_S)
     except DaemonNotRunning as exc:
-        body = {"status": Health.NO_DAEMON.value, "daemon": None, "error": f"{exc}; {START_HINT}"}
+        body: dict[str, Any] = {
+            "status": Health.NO_DAEMON.value,
+            "daemon": None,
+            "error": f"{exc}; {START_HINT}",
+        }
         return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
     except (ClientError, TimeoutError) as exc:
         reason = str(exc) or "no answer in time"

@@ -250,7 +250,7 @@ async def _sse_body(
         return
     for frame in events.close_reasoning() + events.close_message():
         yield frame
-    final = envelope.finished(events.output, stream.outcome)
+    final = envelope.finished(events.output, stream.ended())
     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
     yield events.event(kind, response=final)
 
@@ -271,7 +271,7 @@ async def create_response(request: Request) -> Response:
         )
     result = await gateway.collect(request, stream, API, ENDPOINT, started)
     output = _output(result.text, result.tool_calls, result.reasoning)
-    return JSONResponse(envelope.finished(output, stream.outcome))
+    return JSONResponse(envelope.finished(output, stream.ended()))
 
 
 ROUTES = [Route(ENDPOINT, create_response, methods=["POST"])]
