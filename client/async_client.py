@@ -166,12 +166,15 @@ class AsyncClient(ClientCore):
             MessageType.SHED, level=level, reason=reason, token=self.owner_token()
         )
 
-    async def prefix_cache(self, action: str = "list") -> dict[str, Any]:
-        """The prefix KV cache: `list` (counters and entries) or `clear` (owner only: sends the
-        control token; the engine empties both tiers at its next step)."""
+    async def prefix_cache(self, action: str = "list", model: str | None = None) -> dict[str, Any]:
+        """A model's prefix KV cache (`model`; None: the started one): `list` (counters and
+        entries) or `clear` (owner only: sends the control token; the engine empties both tiers
+        at its next step)."""
         if action == "list":
-            return await self._call(MessageType.PREFIX_CACHE, action=action)
-        return await self._call(MessageType.PREFIX_CACHE, action=action, token=self.owner_token())
+            return await self._call(MessageType.PREFIX_CACHE, action=action, model=model)
+        return await self._call(
+            MessageType.PREFIX_CACHE, action=action, model=model, token=self.owner_token()
+        )
 
     async def shutdown(self, reason: str | None = None, restart: bool = False) -> dict[str, Any]:
         """Drain and exit; `restart=True` exits non-zero so the service manager restarts it smaller.

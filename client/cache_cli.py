@@ -45,14 +45,19 @@ def cache() -> None:
     """The prefix KV cache: list its entries or clear it."""
 
 
+_MODEL = click.option("--model", help="Which model's cache (default: the started model).")
+
+
 @cache.command("list")
 @click.option("--json", "as_json", is_flag=True, help="The reply as one JSON object.")
+@_MODEL
 @click.pass_obj
-def list_entries(obj: dict[str, Any], as_json: bool) -> None:
+def list_entries(obj: dict[str, Any], as_json: bool, model: str | None) -> None:
     """Cached prefixes, most recently used first, in memory and on the SSD."""
     try:
         with _client(obj) as client:
-            body = {k: v for k, v in client.prefix_cache("list").items() if k not in ("v", "id")}
+            reply = client.prefix_cache("list", model=model)
+            body = {k: v for k, v in reply.items() if k not in ("v", "id")}
     except DaemonUnavailable as exc:
         _fail(ExitCode.DAEMON_UNAVAILABLE, unavailable(exc))
     except RequestFailed as exc:
@@ -62,12 +67,13 @@ def list_entries(obj: dict[str, Any], as_json: bool) -> None:
 
 
 @cache.command("clear")
+@_MODEL
 @click.pass_obj
-def clear(obj: dict[str, Any]) -> None:
+def clear(obj: dict[str, Any], model: str | None) -> None:
     """Empty both tiers (the daemon's owner only)."""
     try:
         with _client(obj) as client:
-            client.prefix_cache("clear")
+            client.prefix_cache("clear", model=model)
     except DaemonUnavailable as exc:
         _fail(ExitCode.DAEMON_UNAVAILABLE, unavailable(exc))
     except RequestFailed as exc:

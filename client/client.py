@@ -104,12 +104,15 @@ class Client(ClientCore):
         """Owner only: sends the control token the daemon keeps beside its socket."""
         return self._call(MessageType.SHED, level=level, reason=reason, token=self.owner_token())
 
-    def prefix_cache(self, action: str = "list") -> dict[str, Any]:
-        """The prefix KV cache: `list` (counters and entries) or `clear` (owner only: sends the
-        control token; the engine empties both tiers at its next step)."""
+    def prefix_cache(self, action: str = "list", model: str | None = None) -> dict[str, Any]:
+        """A model's prefix KV cache (`model`; None: the started one): `list` (counters and
+        entries) or `clear` (owner only: sends the control token; the engine empties both tiers
+        at its next step)."""
         if action == "list":
-            return self._call(MessageType.PREFIX_CACHE, action=action)
-        return self._call(MessageType.PREFIX_CACHE, action=action, token=self.owner_token())
+            return self._call(MessageType.PREFIX_CACHE, action=action, model=model)
+        return self._call(
+            MessageType.PREFIX_CACHE, action=action, model=model, token=self.owner_token()
+        )
 
     def models(self, action: str = "list", model: str | None = None) -> dict[str, Any]:
         """`list`: every servable model (with its context length) and the loaded ones (`moe ps`);

@@ -170,6 +170,7 @@ class ModelEntry:
     keep_alive: str | None = None
     context: int | None = None  # the KV room its memory plan keeps (plan_context_tokens)
     pin: bool = False  # never unloaded to make room for another model
+    prefix_cache_disk: str | None = None  # its SSD prefix-cache budget (a size); None: [serve]'s
     debug_faults: str = ""  # fault injection for this model's engine only (tests)
 
 
@@ -231,12 +232,13 @@ def load_config(
 
 
 _ENTRY_KEYS = {"path": str, "budget": CacheBudget, "keep_alive": str, "context": int}
-_ENTRY_KEYS |= {"pin": bool, "debug_faults": str}
+_ENTRY_KEYS |= {"pin": bool, "debug_faults": str, "prefix_cache_disk": str}
+_AS = {k: k for k in _ENTRY_KEYS} | {"prefix_cache_disk": "prefix_cache_disk_bytes"}  # checked as
 
 
 def model_entries(table: Any) -> tuple[ModelEntry, ...]:
     """`[models]`: `name = "path"`, or `[models.name]` with path, budget, keep_alive, context,
-    pin; each value checked as a [serve] setting is."""
+    pin, prefix_cache_disk; each value checked as a [serve] setting is."""
     if not isinstance(table, Mapping):
         raise ConfigError(f"[models] must be a table of name = path, got {table!r:.60}")
     entries = []
@@ -248,7 +250,7 @@ def model_entries(table: Any) -> tuple[ModelEntry, ...]:
                 f"with path and any of {', '.join(sorted(set(_ENTRY_KEYS) - {'path'}))}"
             )
         where = f"[models.{name}]"
-        got = {k: _checked(k, f"{where} {k}", _ENTRY_KEYS[k], v) for k, v in spec.items()}
+        got = {k: _checked(_AS[k], f"{where} {k}", _ENTRY_KEYS[k], v) for k, v in spec.items()}
         if got.get("keep_alive") is not None:
             try:
                 parse_keep_alive(got["keep_alive"])

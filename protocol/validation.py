@@ -50,7 +50,11 @@ FIELDS: dict[MessageType, dict[str, Rule]] = {
     MessageType.SHED: {"level": OneOf(choices=ShedLevel), "reason": Str(), "token": Str()},
     MessageType.SHUTDOWN: {"reason": Str(), "restart": Bool(), "token": Str()},
     MessageType.PING: {},
-    MessageType.PREFIX_CACHE: {"action": OneOf(choices=PrefixCacheAction), "token": Str()},
+    MessageType.PREFIX_CACHE: {
+        "action": OneOf(choices=PrefixCacheAction),
+        "token": Str(),
+        "model": Str(max_chars=4096),
+    },
     MessageType.MODELS: {"action": OneOf(choices=ModelsAction), "model": Str(max_chars=4096)},
     # A generate's prompt fields, under the same rules (an empty prompt counts 0 tokens here).
     MessageType.COUNT_TOKENS: {

@@ -9,9 +9,16 @@ makes are mode 0700, the entries in them 0600 (model/cache_file.py).
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import stat
 from pathlib import Path
+
+# Under the SSD tier's folder, each model other than the started one keeps its entries in a
+# folder of its own here, named after the name clients use for it: kept across unloads and
+# restarts, with its own budget, never another model's to evict.
+MODELS_FOLDER = "models"
 
 
 class UnsafeCacheFolder(PermissionError):
@@ -60,3 +67,11 @@ def make_private_folder(path: Path) -> None:
         except FileExistsError:
             pass  # made meanwhile (another daemon on the same folder): checked below
     check_cache_folder(path)
+
+
+def model_cache_folder(root: Path, name: str) -> Path:
+    """The SSD prefix-cache folder of the model clients call `name`, under the tier's `root`:
+    the name made safe for a file name, then a digest of it (two names never share one)."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:64] or "model"
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return Path(root) / MODELS_FOLDER / f"{readable}-{digest}"

@@ -162,7 +162,8 @@ def started_settings(config: Config) -> ServeConfig:
     entry = next((e for e in config.models if e.name == config.serve.model), None)
     if entry is None:
         return config.serve
-    settings = model_settings(config.serve, Servable(entry.name, Path(entry.model), entry))
+    servable = Servable(entry.name, Path(entry.model), entry)
+    settings = model_settings(config.serve, servable, own_folder=False)  # the folder itself
     return replace(settings, model=entry.name)  # the name clients use; the path resolved below
 
 

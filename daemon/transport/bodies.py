@@ -78,17 +78,20 @@ def status_body(self: Server) -> dict[str, Any]:
 
 
 def prefix_cache_reply(self: Server, req_id: Any, msg: dict[str, Any]) -> dict[str, Any]:
-    """`prefix_cache`: list the cache from the engine's last published view, or queue its clearing
-    (the engine thread owns the tiers; a later list shows it empty). `self` is the Server."""
+    """`prefix_cache`: list a model's cache (`model`; none: the started one) from its engine's last
+    published view, or queue its clearing (the engine thread owns the tiers; a later list shows it
+    empty; an unloaded model's SSD folder is cleared all the same). `self` is the Server."""
     action = PrefixCacheAction(msg.get("action") or PrefixCacheAction.LIST.value)
+    model = self.models.route(msg.get("model"))
     if action is PrefixCacheAction.CLEAR:
         self.control_token.require("prefix_cache clear", msg.get("token"))
-        self.engine.clear_prefix_cache()
-        return wire.result(req_id, accepted=True, action=action.value)
-    stats = self.status.get("prefix_cache")
+        model.engine.clear_prefix_cache()
+        return wire.result(req_id, accepted=True, action=action.value, model=model.name)
+    stats = model.status.get("prefix_cache")
     return wire.result(
         req_id,
+        model=model.name,
         enabled=stats is not None,
         stats=stats,
-        entries=self.status.get("prefix_entries") or [],
+        entries=model.status.get("prefix_entries") or [],
     )

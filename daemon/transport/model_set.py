@@ -23,6 +23,7 @@ from moed.daemon.engine.request import RequestKey
 from moed.daemon.engine.status import EngineStatus
 from moed.daemon.experts.budget import parse_size
 from moed.daemon.experts.memory_plan import machine_memory, process_rss
+from moed.daemon.model.cache_folder import model_cache_folder
 from moed.daemon.model.footprint import model_footprint
 from moed.daemon.model.limits import read_limits
 from moed.daemon.model.servable import Catalog, Servable
@@ -244,10 +245,16 @@ class ModelSet:
         return ServedModel(servable, serve, engine, status, limits, tokens, progress)
 
 
-def model_settings(serve: ServeConfig, servable: Servable) -> ServeConfig:
-    """[serve]'s settings with the model's `[models]` entry over them."""
+def model_settings(serve: ServeConfig, servable: Servable, own_folder: bool = True) -> ServeConfig:
+    """[serve]'s settings with the model's `[models]` entry over them. With `own_folder` (every
+    model but the started one, which keeps the folder itself) its SSD prefix cache is a folder
+    of its own under [serve]'s."""
     entry = servable.entry
     changes: dict[str, Any] = {"model": str(servable.path)}
+    if own_folder:
+        changes["prefix_cache_dir"] = str(
+            model_cache_folder(serve.prefix_cache_folder, servable.name)
+        )
     if entry is not None:
         changes["debug_faults"] = entry.debug_faults
         if entry.cache_budget is not None:
@@ -256,6 +263,8 @@ def model_settings(serve: ServeConfig, servable: Servable) -> ServeConfig:
             changes["keep_alive"] = entry.keep_alive
         if entry.context is not None:
             changes["plan_context_tokens"] = entry.context
+        if entry.prefix_cache_disk is not None:
+            changes["prefix_cache_disk_bytes"] = entry.prefix_cache_disk
     return dataclasses.replace(serve, **changes)
 
 

@@ -45,6 +45,7 @@ from moed.daemon.model.cache_file import (
     write_caches,
 )
 from moed.daemon.model.cache_file import unlink as _unlink
+from moed.daemon.model.cache_folder import MODELS_FOLDER
 from moed.daemon.model.entry_file import EntryProblem, EntryRejected
 from moed.daemon.model.layer_caches import RemoteLayers
 
@@ -407,7 +408,10 @@ def clear_folder(directory: Path) -> int:
         paths = list(Path(directory).rglob("*" + SUFFIX))  # a pipeline's ranks: a folder each
     except OSError:
         return 0
+    others = Path(directory) / MODELS_FOLDER  # the other models' folders are theirs to clear
     for path in paths:
+        if path.is_relative_to(others):
+            continue
         try:
             size = path.lstat().st_size
             path.unlink()
