@@ -6,11 +6,17 @@ Jobs and commands share one FIFO, so a Cancel always arrives after the Submit it
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from moed.daemon.engine.grammar import GrammarConstraint
 from moed.daemon.engine.request import GenerateJob, RequestKey
-from moed.protocol import ProtocolError, ShedLevel
+from moed.daemon.ground.crashlog import CrashKind
+from moed.protocol import ErrorCode, ProtocolError, ShedLevel
+
+# A grammar built for a waiting request: its constraint, its refusal, or none.
+GrammarResult = GrammarConstraint | ProtocolError | None
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,7 @@ class GrammarReady:
     the refusal that ends it (engine/grammar_pool.py)."""
 
     key: RequestKey
-    result: GrammarConstraint | ProtocolError | None  # None: it asked for no grammar after all
+    result: GrammarResult  # None: it asked for no grammar after all
 
 
 @dataclass(frozen=True)
@@ -77,3 +83,22 @@ class AwaitRoom:
 EngineCommand = (
     Submit | Cancel | Shed | ClearPrefixCache | GrammarReady | Stop | Load | Unload | AwaitRoom
 )
+
+
+def _nothing_queued(code: ErrorCode, message: str) -> None:
+    """Driven in-process, nothing waits in an inbox."""
+
+
+@dataclass(frozen=True)
+class OwnerHooks:
+    """What the engine core's owner (engine/loop.py) does for it; in-process, nothing."""
+
+    # Records a crash durably before the in-flight requests are failed.
+    on_crash: Callable[[CrashKind, str], None] | None = None
+    # Fails the requests still waiting in the owner's inbox, before `fatal` is published.
+    reject_queued: Callable[[ErrorCode, str], None] = _nothing_queued
+    # A recovery in place, as it begins and once done (the watchdog and the crash record).
+    on_recovery: Callable[[dict[str, Any]], None] | None = None
+    # Commands from the core's own threads (grammar pool results) into the owner's inbox; None:
+    # a queue that each step reads first.
+    post: Callable[[EngineCommand], None] | None = None

@@ -10,58 +10,49 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import mlx.core as mx
 
 from moed.daemon.config import ServeConfig
+from moed.daemon.engine.admission import start_generation
 from moed.daemon.engine.batch import DecodeBatch, StepOutput
 from moed.daemon.engine.commands import (
     Cancel,
     ClearPrefixCache,
     EngineCommand,
     GrammarReady,
+    GrammarResult,
+    OwnerHooks,
     Shed,
     Stop,
     Submit,
 )
 from moed.daemon.engine.failures import EngineFailures
-from moed.daemon.engine.grammar import GrammarConstraint
 from moed.daemon.engine.heartbeat import StepHeartbeat
 from moed.daemon.engine.model_host import ModelHost, ModelLoadFailed
 from moed.daemon.engine.prefix_feed import PrefixFeed
 from moed.daemon.engine.recovery import InPlaceRecovery
-from moed.daemon.engine.recovery_ledger import RecoveryLedger, RecoveryPolicy
 from moed.daemon.engine.request import GenerateJob, Generation, RequestKey
 from moed.daemon.engine.request_events import RequestEvents
 from moed.daemon.engine.row_grammars import RowGrammars
 from moed.daemon.engine.scheduler import BatchLimits, FairBatchScheduler, Scheduler
 from moed.daemon.engine.sink import EventSink
 from moed.daemon.engine.status import EngineStatus, ShedRecord
-from moed.daemon.engine.step_abort import CancelBoard, StepAborted
+from moed.daemon.engine.step_abort import CancelBoard
 from moed.daemon.engine.text_path import failure_of
-from moed.daemon.ground.crashlog import CrashKind
-from moed.daemon.ground.device_errors import classify
 from moed.daemon.ground.exit_codes import DaemonExit
 from moed.daemon.ground.faults import Faults
 from moed.daemon.model.loader import LoadedModel, LoadProgress
-from moed.daemon.telemetry.request_trace import finish_request_trace, start_request_trace
+from moed.daemon.telemetry.request_trace import finish_request_trace
 from moed.daemon.telemetry.trace import recording_all
-from moed.protocol import (
-    ErrorCode,
-    FinishReason,
-    ProtocolError,
-    ShedLevel,
-)
+from moed.protocol import ErrorCode, FinishReason, ProtocolError, ShedLevel
 
 log = logging.getLogger("moed.engine")
 
 
 class EngineCore(InPlaceRecovery, EngineFailures):
     """Admits, steps, cancels and finishes generations; one thread calls every method. Holds the
-    model host (load, unload, keep-alive) and the prefix feed (what the prefix cache stores)."""
+    model host (load, unload, keep-alive), the prefix feed (what the prefix cache stores, when)
+    and the request events (what each client is sent); its owner's hooks come typed."""
 
     def __init__(
         self,
@@ -70,24 +61,17 @@ class EngineCore(InPlaceRecovery, EngineFailures):
         sink: EventSink,
         status: EngineStatus,
         scheduler: Scheduler | None = None,
-        on_crash: Callable[[CrashKind, str], None] | None = None,
-        reject_queued: Callable[[ErrorCode, str], None] | None = None,
+        owner: OwnerHooks | None = None,
         faults: Faults | None = None,
         cancels: CancelBoard | None = None,
-        on_recovery: Callable[[dict[str, Any]], None] | None = None,
-        post: Callable[[EngineCommand], None] | None = None,
     ):
         self.serve = serve
-        self.model_path = model_path
         self.sink = sink
         self.status = status
         self.scheduler = scheduler or FairBatchScheduler(
             BatchLimits(serve.max_batch, serve.plan_context_tokens, serve.batch_window_ms / 1000.0)
         )
-        # Records a crash durably before the in-flight requests are failed.
-        self.on_crash = on_crash
-        # Fails the requests still waiting in the owner's inbox, before `fatal` is published.
-        self.reject_queued = reject_queued or (lambda code, message: None)
+        self.owner = owner or OwnerHooks()
         self._gens: dict[RequestKey, Generation] = {}
         self._rows: dict[int, Generation] = {}  # batch row id -> its request
         self.batch: DecodeBatch | None = None
@@ -99,25 +83,13 @@ class EngineCore(InPlaceRecovery, EngineFailures):
         self.cancels = cancels if cancels is not None else CancelBoard()
         self.heartbeat.abandon = self._only_cancelled_rows
         self.host = ModelHost(serve, model_path, status, self.heartbeat, self.faults)
-        self.prefix = PrefixFeed(serve, status)
+        # A pipeline's other ranks free their layers of the entries cleared.
+        self.prefix = PrefixFeed(serve, status, lambda: self.host.refresh_ranks(force=True))
         self.events = RequestEvents(sink, status, self.host)
-        # Device failures inside a step: met in place where MLX raises them catchably
-        # (engine/recovery.py); the transport records each recovery.
-        version = str(getattr(mx, "__version__", ""))  # the stubs leave it out
-        policy = RecoveryPolicy.of(serve.recover_in_place, serve.recovery_window_s, version)
-        self.recovery = RecoveryLedger(policy)
-        self.on_recovery = on_recovery
-        self.chunk_limit: int | None = None
-        self._budget_steps = 0
-        self._catching_up: set[int] = set()
-        self.status.update(
-            device_recovery=policy.describe(), recoveries=self.recovery.counts_wire()
-        )
-        # Commands from the core's own threads (grammar pool results): the owner's inbox, or
-        # (driven in-process) a queue that each step reads first.
+        self._start_recovery(serve)  # device failures inside a step, met in place
+        # Grammars built on the pool's threads: the owner's inbox, or a queue each step reads.
         self._posted: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
-        self.post = post or self._posted.put
-        self.grammars = RowGrammars(serve, self.post)
+        self.grammars = RowGrammars(serve, self.owner.post or self._posted.put)
 
     @property
     def has_work(self) -> bool:
@@ -154,7 +126,7 @@ class EngineCore(InPlaceRecovery, EngineFailures):
         elif isinstance(command, GrammarReady):
             self._grammar_ready(command.key, command.result)
         elif isinstance(command, ClearPrefixCache):
-            log.warning("prefix cache cleared: %s", self.clear_prefix_cache())
+            log.warning("prefix cache cleared: %s", self.prefix.clear())
         elif not isinstance(command, Stop):  # Stop only wakes the owner's loop
             raise TypeError(f"not an engine command: {command!r}")
 
@@ -179,21 +151,8 @@ class EngineCore(InPlaceRecovery, EngineFailures):
             traced = [g.trace for g in self._rows.values() if g.trace is not None]
             with recording_all(traced):
                 out = self.batch.step()
-        except StepAborted:
-            self._abandon_step()
-            return
-        except Exception as exc:
-            failure = classify(exc)  # a device failure: out of memory, a GPU timeout, other
-            if failure is not None:
-                self._device_failed(exc, failure)
-                return
-            assert self.loaded is not None  # a batch runs on a loaded model
-            if self.loaded.pipeline is not None:
-                # Any failed step, not only a lost peer: the other ranks may still be inside this
-                # step's collectives, so no new batch can start in step with them.
-                self._group_failed(exc)
-                return
-            self._batch_failed(exc)
+        except Exception as exc:  # a step stopped at a layer (StepAborted) or failed
+            self._step_failed(exc)
             return
         self._deliver(out)
         self.prefix.store_due(self._rows)
@@ -202,24 +161,8 @@ class EngineCore(InPlaceRecovery, EngineFailures):
     def _admit(self, job: GenerateJob) -> None:
         if self.loaded is None and not self._reload_for(job):
             return
-        assert self.loaded is not None  # loaded, or loaded again just now
-        try:
-            snapshot = self.host.stream_snapshot()
-            gen = Generation(job, self.loaded, self.serve, snapshot, self.faults)
-            gen.trace = start_request_trace(
-                self.loaded,
-                job.request_id,
-                job.request.trace,
-                self.serve.trace_dir,
-                lambda event, i=job.identity, r=job.request_id: self.sink.emit(i, r, event),  # type: ignore[misc]  # default args: no inference
-                gen.prompt_tokens,
-            )
-        except ProtocolError as exc:
-            self.events.refuse(job, exc)
-            return
-        except Exception as exc:
-            log.exception("request %r could not start", job.request_id)
-            self.events.reject(job, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
+        gen = start_generation(job, self.host, self.serve, self.faults, self.events)
+        if gen is None:  # refused, or failed to start: its client was told why
             return
         self._gens[job.key] = gen
         # A request with a grammar holds its place while a pool thread builds it (GrammarReady).
@@ -230,9 +173,7 @@ class EngineCore(InPlaceRecovery, EngineFailures):
         self.host.admitted(job.request.keep_alive)
         self._publish_counts()
 
-    def _grammar_ready(
-        self, key: RequestKey, result: GrammarConstraint | ProtocolError | None
-    ) -> None:
+    def _grammar_ready(self, key: RequestKey, result: GrammarResult) -> None:
         """A waiting request's grammar is built: it may join the batch, or its refusal ends it."""
         self.status.update(grammars=self.grammars.stats())
         gen = self._gens.get(key)
@@ -252,14 +193,9 @@ class EngineCore(InPlaceRecovery, EngineFailures):
         hit, marks = self.prefix.lookup(gen.context, gen.cache_scope)
         gen.cached_tokens = hit.length if hit is not None else 0
         assert self.batch is not None  # rows join the batch of a loaded model
+        scope = gen.cache_scope
         gen.uid = self.batch.insert(
-            gen.context,
-            gen.max_new_tokens,
-            gen.sampler,
-            gen.constraint,
-            hit,
-            marks,
-            gen.cache_scope,
+            gen.context, gen.max_new_tokens, gen.sampler, gen.constraint, hit, marks, scope
         )
         self._rows[gen.uid] = gen
         self._publish_counts()
@@ -272,13 +208,10 @@ class EngineCore(InPlaceRecovery, EngineFailures):
         started = time.perf_counter()
         try:
             loaded = self.host.load(on_progress)
-        except ModelLoadFailed as failed:
-            self._load_failed(failed)
+        except (ModelLoadFailed, RuntimeError) as exc:  # RuntimeError: a pipeline rank failed
+            self._load_failed(exc)
             return False
-        except RuntimeError as exc:  # a rank failed while loading; the group monitor says which
-            self._group_failed(exc)
-            return False
-        self.prefix.open(loaded, self.model_path)
+        self.prefix.open(loaded, self.host.model_path)
         self.batch = self._new_batch()
         self.host.ready(started)
         return True
@@ -316,43 +249,14 @@ class EngineCore(InPlaceRecovery, EngineFailures):
         self.prefix.close()
         self.host.close(self.exit_code)
 
-    def clear_prefix_cache(self) -> dict[str, Any]:
-        """Empty both tiers; with no model loaded, the SSD tier's folder all the same."""
-        held = self.prefix.cache is not None
-        released = self.prefix.clear()
-        if held:
-            self.host.refresh_ranks(force=True)  # the other ranks free their layers of entries
-        return released
-
-    def _only_cancelled_rows(self) -> bool:
-        """Whether the running prompt step may stop at this layer: every row of the batch was
-        cancelled (a pipeline's other ranks are inside the same step: never there)."""
-        if not self.cancels or not self._rows:
-            return False
-        if self.loaded is None or self.loaded.pipeline is not None:
-            return False
-        return self.cancels.holds_all(gen.job.key for gen in self._rows.values())
-
-    def _abandon_step(self) -> None:
-        """The step stopped at a layer (step_abort.py): its half-written batch held only
-        cancelled rows, so it goes whole and they end cancelled."""
-        log.info("a prompt step stopped at a layer: its %d row(s) were cancelled", len(self._rows))
-        assert self.batch is not None  # only a running batch steps
-        self.batch.close()
-        self.batch = self._new_batch()
-        for gen in list(self._rows.values()):
-            self._finish(gen, FinishReason.CANCELLED)
-
     def _deliver(self, out: StepOutput) -> None:
         if out.prompts:  # a long prefill yields no token for a while: the watchdog sees progress
             self.status.update(last_progress_at=time.time())
         for chunk in out.prompts:  # clients see a long prompt move, chunk by chunk
             if chunk.uid in self._catching_up:  # a recovery reads it again: nothing new to see
                 continue
-            if (gen := self._rows.get(chunk.uid)) is not None and gen.job.request.progress:
-                # Counted over the whole context: what the prefix cache held is read too.
-                cached = gen.cached_tokens
-                self.events.prompt_progress(gen, cached + chunk.done, cached + chunk.total)
+            if (gen := self._rows.get(chunk.uid)) is not None:
+                self.events.prompt_read(gen, chunk.done, chunk.total)
         for row in out.saved:
             self.prefix.keep(row)
         for tok in out.tokens:
@@ -429,12 +333,8 @@ class EngineCore(InPlaceRecovery, EngineFailures):
         self.events.done(gen, reason)
 
     def _shed(self, level: ShedLevel) -> None:
-        released = self.prefix.shed()  # cached prefixes go first: no request loses anything
-        if self.loaded is not None and self.loaded.streamer is not None:
-            released += self.loaded.streamer.shed(0.5)
-        if self.loaded is not None and self.loaded.pipeline is not None:
-            self.loaded.pipeline.shed(0.5)  # every rank sheds its own cache
-        mx.clear_cache()
+        # Cached prefixes go first: no request loses anything.
+        released = self.prefix.shed() + self.host.shed()
         log.warning("shed level=%s released=%d bytes", level.value, released)
         cancelled = None
         newest = self.scheduler.newest()

@@ -20,6 +20,7 @@ from moed.daemon.engine.commands import (
     ClearPrefixCache,
     EngineCommand,
     Load,
+    OwnerHooks,
     Shed,
     Stop,
     Submit,
@@ -129,12 +130,11 @@ class Engine:
             self.model_path,
             self._sink_factory(),
             self.status,
-            on_crash=self.on_crash,
-            reject_queued=self._reject_queued,
+            owner=OwnerHooks(
+                self.on_crash, self._reject_queued, self._record_recovery, self._inbox.put
+            ),
             faults=self.faults,
             cancels=self.cancels,
-            on_recovery=self._record_recovery,
-            post=self._inbox.put,
         )
         self.core = core
         if self.lazy:

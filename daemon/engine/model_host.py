@@ -209,6 +209,17 @@ class ModelHost:
         self.status.update(state=DaemonState.IDLE, streaming=None)
         self.status.add(unloads=1)
 
+    def shed(self) -> int:
+        """Memory pressure: half of the expert cache (each rank its own) and MLX's free buffers;
+        the bytes given back here."""
+        released = 0
+        if self.loaded is not None and self.loaded.streamer is not None:
+            released += self.loaded.streamer.shed(0.5)
+        if self.loaded is not None and self.loaded.pipeline is not None:
+            self.loaded.pipeline.shed(0.5)  # every rank sheds its own cache
+        mx.clear_cache()
+        return released
+
     # ---- what the loaded model reports -----------------------------------------------------
     def sync_group(self) -> None:
         """An idle pipeline carries the cache ops recorded since its last step (the SSD tier's

@@ -11,7 +11,7 @@ life; the cache inside opens with each load and closes with each unload.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,9 +37,10 @@ class RowProgress(Protocol):
 class PrefixFeed:
     """Keeps, stores and gates the prefix cache's writes; publishes its state to the status."""
 
-    def __init__(self, serve: ServeConfig, status: EngineStatus):
+    def __init__(self, serve: ServeConfig, status: EngineStatus, cleared: Callable[[], None]):
         self.serve = serve
         self.status = status
+        self.cleared = cleared  # after the tiers were emptied (the pipeline's ranks follow)
         self.cache: PrefixCache | None = None  # while a model is loaded and the cache is on
         self._unsaved: list[SavedRow] = []  # kept rows waiting for their first token
 
@@ -126,6 +127,7 @@ class PrefixFeed:
         self._unsaved.clear()
         if self.cache is not None:
             released = self.cache.clear()
+            self.cleared()
         else:
             released = {"disk_bytes": clear_folder(prefix_cache_config(self.serve, None).disk_dir)}
         self.publish()

@@ -15,14 +15,22 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from moed.daemon.config import ServeConfig
 from moed.daemon.engine.batch import MIN_CHUNK, DecodeBatch
+from moed.daemon.engine.commands import OwnerHooks
 from moed.daemon.engine.model_host import ModelHost
 from moed.daemon.engine.prefix_feed import PrefixFeed
-from moed.daemon.engine.recovery_ledger import SHED_ORDER, Recovery, RecoveryLedger, Shed
+from moed.daemon.engine.recovery_ledger import (
+    SHED_ORDER,
+    Recovery,
+    RecoveryLedger,
+    RecoveryPolicy,
+    Shed,
+)
 from moed.daemon.engine.request import Generation
 from moed.daemon.engine.status import DaemonState, EngineStatus
 from moed.daemon.ground.crashlog import backoff_factor
@@ -48,11 +56,24 @@ class InPlaceRecovery:
     chunk_limit: int | None  # the prompt chunk's ceiling a recovery set
     _budget_steps: int  # expert-budget back-offs taken in place
     _catching_up: set[int]  # rows read again that have not yet passed where they were
-    on_recovery: Callable[[dict[str, Any]], None] | None  # the transport records it
+    owner: OwnerHooks  # its on_recovery: the transport records each recovery
     # ... and what the engine core does for it (engine/core.py).
     _new_batch: Callable[[], DecodeBatch]
     _finish: Callable[..., None]
     _device_restart: Callable[[BaseException, DeviceFailure, str], None]
+
+    def _start_recovery(self, serve: ServeConfig) -> None:
+        """The ledger of recoveries in place (how they are met, published at once) and the
+        state they keep: met where MLX raises the failures catchably."""
+        version = str(getattr(mx, "__version__", ""))  # the stubs leave it out
+        policy = RecoveryPolicy.of(serve.recover_in_place, serve.recovery_window_s, version)
+        self.recovery = RecoveryLedger(policy)
+        self.chunk_limit = None
+        self._budget_steps = 0
+        self._catching_up = set()
+        self.status.update(
+            device_recovery=policy.describe(), recoveries=self.recovery.counts_wire()
+        )
 
     @property
     def recovering(self) -> bool:
@@ -192,10 +213,10 @@ class InPlaceRecovery:
         """As it begins and once it is done: to the watchdog (it counts an out-of-memory one as
         a shed it need not take) and, done, to the crash record (the next start's back-off);
         advisory."""
-        if self.on_recovery is None:
+        if self.owner.on_recovery is None:
             return
         try:
-            self.on_recovery(record.describe())
+            self.owner.on_recovery(record.describe())
         except Exception:
             log.exception("could not record the recovery")
 

@@ -6,6 +6,7 @@ core holds one and decides when."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -19,6 +20,7 @@ from moed.daemon.telemetry.delta import cache_state, request_counters
 from moed.protocol import (
     Channel,
     DoneEvent,
+    EngineEvent,
     ErrorCode,
     FailedEvent,
     FinishReason,
@@ -46,6 +48,10 @@ class RequestEvents:
         """End a request that never started with its refusal (and what that carries)."""
         self.sink.emit(job.identity, job.request_id, FailedEvent.refusal(exc))
 
+    def to_client(self, job: GenerateJob) -> Callable[[EngineEvent], None]:
+        """Events for `job`'s client sent from elsewhere (its router trace's chunks)."""
+        return lambda event: self.sink.emit(job.identity, job.request_id, event)
+
     def load_progress(self, job: GenerateJob) -> LoadProgress:
         """A reload's steps, for the request that waits on it."""
 
@@ -57,6 +63,13 @@ class RequestEvents:
 
     def prompt_progress(self, gen: Generation, done: int, total: int) -> None:
         self.sink.emit(gen.job.identity, gen.job.request_id, PromptProgress(done, total))
+
+    def prompt_read(self, gen: Generation, done: int, total: int) -> None:
+        """A prompt chunk read, for a request that asked for progress: counted over the whole
+        context, since what the prefix cache held is read too."""
+        if gen.job.request.progress:
+            cached = gen.cached_tokens
+            self.prompt_progress(gen, cached + done, cached + total)
 
     def token(self, gen: Generation, token: int, row_logprobs: mx.array) -> bool:
         """Send a token (and telemetry when due); True when a stop sequence ended the text."""
