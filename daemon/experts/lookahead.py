@@ -8,9 +8,11 @@ demand read would have brought. Demand reads come first: lookahead jobs start on
 demand job is queued or running (prefetch.py, `idle_only`), a few at once. A guess expires when
 its layer's call starts: its reads still queued are cancelled, the finished ones are served or
 dropped. Two lanes alternate by layer parity, so a layer's guesses never wait for the expired
-ones of the layer before. Decode calls of one token only (top-k rows a lane). Every engine that
-read ahead on predictions under a saturated disk measured a loss or a wash, so it is off by
-default (BENCHMARKS.md, issue 36).
+ones of the layer before. Decode calls of one token only (top-k rows a lane: 2 x top-k experts
+of host memory, outside the memory plan). A device failure's quiesced reads never count as
+finished, so nothing they half wrote is served. Off by default: on a 2-core CPU it lost or
+was a wash (BENCHMARKS.md, issue 36), as every engine that read ahead on predictions under a
+saturated SSD measured.
 """
 
 from __future__ import annotations
@@ -232,26 +234,6 @@ class Lookahead:
             guess.batches[e] = self.reader.submit(jobs, idle_only=True)
         self.counters.guessed += len(missing)
         self._guesses[layer] = guess
-
-    def abandon(self) -> None:
-        """A device failure or a shed: every guess is given up (queued reads cancelled; the
-        caller quiesces the read pool or `drain` waits for the running ones)."""
-        for guess in self._guesses.values():
-            for batch in guess.batches.values():
-                if not self.reader.cancel(batch):
-                    self.lanes[guess.layer % 2].draining.append(batch)
-        self._guesses.clear()
-        self._pending = None
-
-    def drain(self) -> None:
-        """Give every guess up and wait for the reads still running (before the pool closes)."""
-        self.abandon()
-        for lane in self.lanes:
-            try:
-                self.reader.wait(lane.draining)
-            except OSError:
-                pass
-            lane.draining = []
 
     def snapshot(self) -> dict[str, Any]:
         c = self.counters
