@@ -66,7 +66,7 @@ def run_daemon(config: Config) -> int:
         print(f"moed: {why}", file=sys.stderr)
         return DaemonExit.CONFIG
     try:
-        server = _compose(serve, model_path, config.models)
+        server = _compose(serve, model_path, config.models, config.serve)
     except ValueError as exc:  # e.g. a malformed debug_faults or cache budget setting
         print(f"moed: configuration: {exc}", file=sys.stderr)
         return DaemonExit.CONFIG
@@ -142,10 +142,12 @@ def _unsafe_prefix_cache_folder(serve: ServeConfig) -> str | None:
     return None
 
 
-def _compose(serve: ServeConfig, model_path: Path, models: tuple[ModelEntry, ...]) -> Server:
+def _compose(
+    serve: ServeConfig, model_path: Path, models: tuple[ModelEntry, ...], others: ServeConfig
+) -> Server:
     """The process: this start's plan, the engine that serves it, the transport in front; the
     other models' engines are made on request (transport/model_set.py), each started lazily."""
-    plan = plan_start(serve, model_path, models)
+    plan = plan_start(serve, model_path, models, others)
     status = EngineStatus()
     # Each engine thread's end of the event pipe (ZMQ sockets are per thread; one context).
     sink = lambda: ZmqEventSink(zmq.Context.instance())  # noqa: E731

@@ -19,12 +19,15 @@ log = logging.getLogger("moed.server")
 
 
 def plan_start(
-    serve: ServeConfig, model_path: Path, models: tuple[ModelEntry, ...] = ()
+    serve: ServeConfig,
+    model_path: Path,
+    models: tuple[ModelEntry, ...] = (),
+    others: ServeConfig | None = None,
 ) -> ServerPlan:
     """The plan the server starts with: the crash record read once, the budget backed off."""
     crashes = crashlog.plan_start(serve.state_dir, serve.restart_budget, serve.restart_window_s)
     serve, backoff = back_off_budget(serve, model_path, crashes)
-    return ServerPlan(serve, model_path, crashes, backoff, models)
+    return ServerPlan(serve, model_path, crashes, backoff, models, others)
 
 
 def back_off_budget(

@@ -30,6 +30,7 @@ from moed.daemon.model.servable import Catalog, Servable
 from moed.daemon.model.source import ModelNotFound, ModelUnreadable
 from moed.daemon.telemetry.per_model import ModelFigures
 from moed.daemon.transport.admission import TokenCounter
+from moed.daemon.transport.plan import ServerPlan
 from moed.daemon.transport.progress import ProgressMonitor
 from moed.protocol import ErrorCode, Limits, ProtocolError
 from moed.protocol.units import format_bytes
@@ -95,13 +96,15 @@ class ModelSet:
     def __init__(
         self,
         catalog: Catalog,
-        serve: ServeConfig,
+        plan: ServerPlan,
         started: Engine,
         status: EngineStatus,
         new_engine: EngineFactory,
     ):
         self.catalog = catalog
-        self.serve = serve
+        serve = self.serve = plan.serve
+        # Another model starts from [serve] as set, never from a started alias's own entry.
+        self.base = plan.others or serve
         self._new_engine = new_engine
         self.capacity = _capacity(serve)
         self.started = self._served(catalog.started, serve, started, status)
@@ -120,7 +123,7 @@ class ModelSet:
             raise ProtocolError(ErrorCode.MODEL_NOT_FOUND, f"model {name!r}: {exc}") from None
         model = self._models.get(servable.name)
         if model is None:
-            serve = model_settings(self.serve, servable)
+            serve = model_settings(self.base, servable)
             status = EngineStatus()
             engine = self._new_engine(serve, servable, status)
             model = self._models[servable.name] = self._served(servable, serve, engine, status)

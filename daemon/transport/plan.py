@@ -20,3 +20,6 @@ class ServerPlan:
         None  # how the budget was backed off, for status and crashes
     )
     models: tuple[ModelEntry, ...] = ()  # the config file's [models] aliases
+    # [serve] as set, before a started alias's [models] entry: what the other models start from
+    # (None: `serve`, the started model is no alias)
+    others: ServeConfig | None = None

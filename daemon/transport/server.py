@@ -97,7 +97,7 @@ class Server:
         self._streams = StreamTable()  # admitted generations not yet terminal
         self.control_token = ControlToken(self.serve.socket)
         catalog = Catalog(self.serve.model, self.model_path, self.plan.models)
-        self.models = ModelSet(catalog, self.serve, self.engine, self.status, self._new_engine)
+        self.models = ModelSet(catalog, self.plan, self.engine, self.status, self._new_engine)
         self._next_progress_check = 0.0
         self._draining = False
         self._restart_reason: str | None = None

@@ -117,6 +117,19 @@ def test_pinned_model_stays(three, daemon_factory, tmp_path):
         assert rows["a"]["pinned"] is True
 
 
+def test_a_started_aliases_settings_stay_its_own(three, daemon_factory, tmp_path):
+    """a (started) has its own budget and keep_alive in [models]; b has none: b runs with
+    [serve]'s, not a's."""
+    paths = {"a": three["a"], "b": three["b"]}
+    d = start(daemon_factory, tmp_path, paths, a={"budget": '"25%"', "keep_alive": '"30m"'})
+    with d.client() as c:
+        assert tokens(c, "b") == generate(three["b"], PROMPT, 12)
+        rows = {m["name"]: m for m in c.models()["loaded"]}
+    assert rows["a"]["cache_budget"] == "25%" and rows["a"]["keep_alive_s"] == 1800
+    assert rows["b"]["cache_budget"] == SERVE["cache_budget"]
+    assert rows["b"]["keep_alive_s"] == 300  # [serve]'s default keep_alive, 5m
+
+
 def test_unknown_model_is_refused_listing_the_servable(three, daemon_factory, tmp_path):
     d = start(daemon_factory, tmp_path, {"a": three["a"], "b": three["b"]})
     with d.client() as c:
