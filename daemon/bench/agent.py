@@ -129,7 +129,8 @@ def converse(
     history after the last answer, and the `peer` server's results of the same conversation (its
     own history), each turn sent right before or after ours, alternately."""
     history, results, prompts = conv.system, [], []
-    peer_history, peer_results = conv.system, []
+    peer_history = conv.system
+    peer_results: list[TurnResult] = []
     for k in range(turns):
         prompt = history + conv.users[k]
         if peer is not None and k % 2:
@@ -172,7 +173,8 @@ class MoedSide:
         self.name, self.model, self.args = name, model, args
         self.dir = run_dir / name.replace("%", "pct")
         self.socket = run_dir / f"{len(name)}-{abs(hash(name)) % 10**6}.sock"
-        self.daemon = self.gateway = None
+        self.daemon: subprocess.Popen[bytes] | None = None
+        self.gateway: subprocess.Popen[bytes] | None = None
         self.url = ""
 
     def start(self) -> None:
@@ -331,7 +333,7 @@ def bench_agent(
         for k in range(repeats)
     ]
     run_dir = Path(tempfile.mkdtemp(prefix="moed-bench-agent-", dir="/tmp"))
-    chunk = ("--prefill-chunk", str(prefill_chunk))
+    chunk: tuple[str, ...] = ("--prefill-chunk", str(prefill_chunk))
     if ranks > 1:
         chunk = (*chunk, "--pipeline", str(ranks))
     sides = [

@@ -13,6 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 from moed.daemon.model.chat_template import prompt_token_ids
 from moed.protocol import GenerateRequest
@@ -37,7 +38,7 @@ def measure_bound(model_path: Path, cases: list[tuple[str, int, str]], chunk: in
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    model, tokenizer = load(str(model_path))
+    model, tokenizer = cast("tuple[Any, Any]", load(str(model_path)))  # typed 2- or 3-tuple
 
     def ids(text: str) -> list[int]:  # as the daemon tokenizes /v1/completions (raw text)
         return prompt_token_ids(tokenizer, GenerateRequest(prompt=text, raw=True))

@@ -4,6 +4,8 @@ conversations, each ratio one of medians (with every conversation's own ratio be
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -42,7 +44,9 @@ def print_report(header: dict, results: list, bound=None) -> None:
         f"{header['repeats']} conversations per side"
         + (f", moed as a pipeline of {header['ranks']} ranks" if header.get("ranks", 1) > 1 else "")
     )
-    picks = [lambda r, k=k: r.turns[k] if k < len(r.turns) else None for k in range(n)]
+    picks: list[Callable[..., Any]] = [
+        lambda r, k=k: r.turns[k] if k < len(r.turns) else None for k in range(n)
+    ]
     picks += [lambda r: r.restarted, lambda r: r.new_only]
     cols = [str(k + 1) for k in range(n)] + ["restart", "new only"]
     click.echo(

@@ -203,7 +203,7 @@ def bench_batch(
     path = resolve_model(model)
     run_dir = Path(tempfile.mkdtemp(prefix="moed-bench-", dir="/tmp"))
     sides = [Side(name, run_dir / f"s{i}.sock") for i, name in enumerate(_csv(budgets))]
-    extra = ("--max-batch", str(max(counts[-1], LONG_STREAMS + 1)))
+    extra: tuple[str, ...] = ("--max-batch", str(max(counts[-1], LONG_STREAMS + 1)))
     if prefill_chunk:
         extra += ("--prefill-chunk", str(prefill_chunk))
     click.echo(

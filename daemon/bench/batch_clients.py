@@ -171,7 +171,8 @@ class LongPromptResult:
 
 def long_prompt_effect(streams: list[StreamRecord], long: StreamRecord) -> LongPromptResult:
     begin, end = long.sent, long.stamps[0]
-    inside, outside = [], []
+    inside: list[float] = []
+    outside: list[float] = []
     for r in streams:
         for a, b in zip(r.stamps, r.stamps[1:]):
             (inside if b > begin and a < end else outside).append((b - a) * 1000)

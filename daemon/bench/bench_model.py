@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, cast
 
 
 def bench_config(
@@ -19,7 +20,7 @@ def bench_config(
     group: int,
 ) -> dict:
     heads = max(2, hidden // 128)
-    quant = {"group_size": group, "bits": bits}
+    quant: dict[str, Any] = {"group_size": group, "bits": bits}
     for i in range(layers):
         quant[f"model.layers.{i}.mlp.gate"] = {
             "group_size": 64,
@@ -76,7 +77,9 @@ def write_bench_model(dest: Path, config: dict, dtype: str, seed: int = 0) -> Pa
 
     # The stacked experts' random init stays a lazy graph that is never evaluated.
     nn.quantize(model, group_size=group, bits=bits, class_predicate=predicate)
-    resident = {k: v for k, v in tree_flatten(model.parameters()) if ".switch_mlp." not in k}
+    # tree_flatten is typed as a list or a dict; without a `destination` it is the list.
+    flat = cast("list[tuple[str, Any]]", tree_flatten(model.parameters()))
+    resident = {k: v for k, v in flat if ".switch_mlp." not in k}
     resident = {
         k: (v.astype(mx_dtype) if mx.issubdtype(v.dtype, mx.floating) else v)
         for k, v in resident.items()

@@ -74,7 +74,7 @@ class Setup:
             args += ["--pipeline", str(ranks)]
         env = {"MOED_LOG_DIR": str(self.tmp / "logs")}
         self.daemon = start_daemon(self.socket, str(path), tuple(args), env=env)
-        self.client = None
+        self.client: Client | None = None  # once connected
         self.timed: list = []
         self.batched: list = []  # StreamRecord lists, one per concurrent run
 
@@ -84,6 +84,10 @@ class Setup:
         except DaemonUnavailable as exc:
             raise click.ClickException(str(exc)) from None
         self.client = Client(self.socket, timeout=30.0)
+
+    def connected(self) -> Client:
+        assert self.client is not None, "connect first"
+        return self.client
 
     def close(self) -> None:
         try:
@@ -97,7 +101,7 @@ class Setup:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
     def result(self, link_before: dict | None) -> SetupResult:
-        status = self.client.status()  # each request's `done` refreshed every rank's counters
+        status = self.connected().status()  # each request's `done` refreshed every rank's counters
         link = _link(status)
         if link is not None and link_before is not None:
             moved = (link["activation_bytes"] + link["broadcast_bytes"]) - (
@@ -163,13 +167,13 @@ def pipeline(
     setups = [Setup(path, 1, budget), Setup(path, ranks, budget)]
     try:
         for s in setups:
-            s.connect()
-            time_through_daemon(s.client, prompt_ids, 8)  # warm graph caches and the expert cache
-        before = [_link(s.client.status()) for s in setups]
+            s.connect()  # then warm graph caches and the expert cache
+            time_through_daemon(s.connected(), prompt_ids, 8)
+        before = [_link(s.connected().status()) for s in setups]
         jobs = [ClientJob(PROMPTS[i], max_tokens=max_tokens) for i in range(clients)]
         for _ in range(runs):
             for s in setups:
-                s.timed.append(time_through_daemon(s.client, prompt_ids, max_tokens))
+                s.timed.append(time_through_daemon(s.connected(), prompt_ids, max_tokens))
                 if jobs:
                     s.batched.append(run_clients(s.socket, jobs))
         one, two = (s.result(b) for s, b in zip(setups, before))
@@ -181,7 +185,7 @@ def pipeline(
         f"{'decode tok/s (median)':34}{one.decode_tps:16.1f}{two.decode_tps:16.1f}"
         f"{two.decode_tps / one.decode_tps:10.3f}"
     )
-    if one.batch_tps is not None:
+    if one.batch_tps is not None and two.batch_tps is not None:
         click.echo(
             f"{f'{clients} clients: total tok/s (median)':34}{one.batch_tps:16.1f}"
             f"{two.batch_tps:16.1f}{two.batch_tps / one.batch_tps:10.3f}"

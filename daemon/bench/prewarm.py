@@ -24,6 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import click
 import numpy as np
@@ -122,7 +123,7 @@ def _load(model_path: Path, budget: str, page_cache: str, state_dir: Path | None
     # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
     from moed.daemon.experts import PageCachePolicy, StreamingConfig, install_streaming
 
-    model, tokenizer = load(str(model_path), lazy=True)
+    model, tokenizer = cast("tuple[Any, Any]", load(str(model_path), lazy=True))  # 2 or 3
     streamer = install_streaming(
         model,
         model_path,
@@ -171,7 +172,7 @@ def measure(
     page_cache: str,
     prompt_ids: list[int],
     max_tokens: int,
-    counts: list[np.ndarray] | None,
+    counts: list[np.ndarray],
 ) -> Run:
     with tempfile.TemporaryDirectory(prefix="moed-prewarm-") as tmp:
         state_dir = Path(tmp) if scenario == "prewarm" else None
@@ -187,7 +188,8 @@ def measure(
                 fill_page_cache(model_path)
             else:
                 drop_page_cache(checkpoint_files(model_path))
-            preload_s = preload_bytes = 0
+            preload_s: float = 0
+            preload_bytes = 0
             if scenario == "prewarm":
                 t0 = time.perf_counter()
                 preload_bytes = streamer.warm()

@@ -221,14 +221,14 @@ def prompt_bench(
         if model_path is None and not (existing.exists() and _same_config(existing, config, dtype)):
             click.echo(f"writing the benchmark model to {path} ...", err=True)
             write_bench_model(path, config, dtype, seed)
-        config = ModelConfig.read(path)
-        vocab_size = config.vocab_size or vocab
+        checkpoint = ModelConfig.read(path)
+        vocab_size = checkpoint.vocab_size or vocab
         rng = np.random.default_rng(seed)
         prompt = [int(t) for t in rng.integers(3, vocab_size, size=prompt_tokens)]
         runs, firsts = [], []
         for size in sizes:
             click.echo(f"reading the prompt in chunks of {size or PLAN} ...", err=True)
-            run, logprobs = _read_prompt(path, config, budget, page_cache, prompt, size, plan)
+            run, logprobs = _read_prompt(path, checkpoint, budget, page_cache, prompt, size, plan)
             runs.append(replace(run, label=PLAN if size == 0 else ""))
             firsts.append(logprobs)
         if resident:  # loaded once, after the streamed runs: it never shares their memory

@@ -12,6 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 from moed.daemon.experts.memory_plan import _EXPERT_TENSOR
 from moed.daemon.experts.prefetch import ReadPool
@@ -110,7 +111,7 @@ def _raw_pread(model_path: Path, workers: int, sample_bytes: int, seed: int, dir
         return None  # the device wants a larger alignment than a page
     finally:
         for fd in fds.values():
-            os.close(fd)
+            os.close(cast(int, fd))  # none is None: checked on opening
     return {
         "bytes": done,
         "seconds": wall,
@@ -177,7 +178,7 @@ def sweep_report(results: dict, raw_mb_s: float, burst: int) -> str:
         f"dropped; MB/s, median of {SWEEP_ROUNDS} rounds over the grid (x raw {raw_mb_s:.0f} MB/s)",
         f"{'workers':>8}  " + "  ".join(f"{f'{c >> 10} KiB chunks':>20}" for c in SWEEP_CHUNKS),
     ]
-    best = max(results, key=results.get)
+    best = max(results, key=lambda cell: results[cell])
     for w in SWEEP_WORKERS:
         cells = []
         for c in SWEEP_CHUNKS:

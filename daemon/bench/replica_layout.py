@@ -17,7 +17,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 DEFAULT_GROUP = 64
 DEFAULT_BITS = 4
@@ -96,7 +96,8 @@ def text_tensors(config: Mapping[str, Any]) -> list[TensorSpec]:
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear))
     }
     specs = []
-    for name, value in tree_flatten(model.parameters()):
+    # tree_flatten is typed as a list or a dict; without a `destination` it is the list.
+    for name, value in cast("list[tuple[str, Any]]", tree_flatten(model.parameters())):
         module, _, param = name.rpartition(".")
         shape = tuple(int(s) for s in value.shape)
         q = quantized.get(module)

@@ -115,7 +115,7 @@ def write_tokenizer(dest: Path, vocab_size: int) -> None:
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ]
     )
-    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()  # it takes no options (tokenizers ignores any given)
     tok.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in CONTROL_TOKENS if not s])
     tok.add_special_tokens(
         [AddedToken(t, special=s, normalized=False) for t, s in CONTROL_TOKENS if s]

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import click
 
@@ -84,7 +85,7 @@ def bench_serve(model: str, max_tokens: int, runs: int, prompt: str, engine_core
 
     path = resolve_model(model)
     click.echo(f"model {path}  max_tokens {max_tokens}  runs {runs} (alternating)", err=True)
-    mlx_model, tokenizer = load(str(path))
+    mlx_model, tokenizer = cast("tuple[Any, Any]", load(str(path)))  # typed 2- or 3-tuple
     prompt_ids = list(tokenizer.encode(prompt))
     sock_dir = Path(tempfile.mkdtemp(prefix="moed-bench-", dir="/tmp"))
     socket = sock_dir / "s.sock"

@@ -78,7 +78,7 @@ def write_shard(path: Path, shard: Shard, make: Values, progress: Callable[[int]
             step = max(1, CHUNK_BYTES // spec.dtype.itemsize)
             for start in range(0, total, step):
                 chunk = make(spec, start, min(step, total - start))
-                f.write(memoryview(chunk).cast("B"))
+                f.write(chunk.data.cast("B"))  # the array's own buffer
                 progress(chunk.nbytes)
 
 

@@ -92,7 +92,9 @@ class Contender:
 
         self.streamer.usage_counts()
         end = self.streamer.snapshot()
-        res.counters = {k: end[k] - self.first[k] for k in CUMULATIVE_KEYS}
+        first = self.first
+        assert first is not None  # taken at the start, with the streamer
+        res.counters = {k: end[k] - first[k] for k in CUMULATIVE_KEYS}
         res.slots = min(self.streamer.slots)
         res.speculation = {
             k: end[k]
@@ -105,7 +107,6 @@ class Contender:
             )
         }
         if "lookahead_recall" in end:  # the decode phase's share of lookahead.py's counters
-            first = self.first
             res.lookahead = {
                 k: v - first[k]
                 for k, v in end.items()
@@ -188,9 +189,12 @@ def load_streaming(
     mx.eval(model.parameters())
     if active_experts:
         # mlx-lm (with transformers) on use: every `moed` command imports the bench modules
-        from moed.daemon.experts.active_experts import limit_active_experts
+        from moed.daemon.experts.active_experts import ActiveExpertsError, limit_active_experts
 
-        limit_active_experts(model, ModelConfig.read(path).experts_per_token, active_experts)
+        native = ModelConfig.read(path).experts_per_token
+        if native is None:  # as the daemon's load refuses it (model/loader.py)
+            raise ActiveExpertsError("the checkpoint names no experts per token to reduce")
+        limit_active_experts(model, native, active_experts)
     if preload_all:
         streamer.preload([list(range(n)) for n in streamer.layout.num_experts])
     simulate = not (preload_all or speculative)

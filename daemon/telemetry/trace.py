@@ -191,7 +191,7 @@ class TraceRecorder:
         self,
         streamer: Any,
         header: dict,
-        write: Callable[[bytes], None],
+        write: Callable[[bytes], object],
         chunk_bytes: int = CHUNK_BYTES,
         file: TraceFile | None = None,
     ):
