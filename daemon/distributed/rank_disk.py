@@ -18,9 +18,10 @@ import enum
 import logging
 import threading
 from collections import deque
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -40,7 +41,6 @@ from moed.daemon.model.layer_caches import LayerCache
 if TYPE_CHECKING:  # types only: the leader imports this module's users
     from moed.daemon.distributed.leader import PipelineLeader
     from moed.daemon.distributed.rank_model import RankModel
-    from moed.daemon.engine.prefix_cache.entry import PrefixEntry
 
 log = logging.getLogger("moed.prefix_cache")
 
@@ -66,6 +66,20 @@ def rank_disk_place(base: Path, model_path: Path, rank: RankModel) -> tuple[Path
     return folder, model_fingerprint(model_path, classes, part)
 
 
+class PersistedEntry(Protocol):
+    """What the followers' part of an SSD write reads of a prefix cache entry (the engine's
+    PrefixEntry answers it: engine/ is above this room)."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def layers(self) -> list[LayerCache]: ...  # the last: the followers' layers' handle
+
+    @property
+    def checkpoints(self) -> Mapping[int, list[LayerCache]]: ...
+
+
 class LeaderDisk:
     """Rank 0's side: what its SSD tier does to an entry, the followers do to their part."""
 
@@ -73,7 +87,7 @@ class LeaderDisk:
         self._leader = leader
         self._states = not leader.cache_trimmable()[-1]  # followers keep recurrent state
 
-    def persist(self, entry: PrefixEntry) -> None:
+    def persist(self, entry: PersistedEntry) -> None:
         handle = entry.layers[-1]
         states: list[int] = []
         if self._states:  # else a checkpoint list holds only rank 0's own layers' states

@@ -20,13 +20,13 @@ from moed.daemon.experts.install import install_streaming
 from moed.daemon.experts.memory_plan import estimate_kv_bytes
 from moed.daemon.experts.streaming_config import StreamingConfig
 from moed.daemon.model.demo import demo_model_path
+from moed.daemon.model.pipeline_group import PipelineGroup
 from moed.protocol.model_config import ModelConfig
 
 if TYPE_CHECKING:  # types only: loading them would import mlx before it is needed
     import mlx.nn as nn
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    from moed.daemon.distributed.leader import PipelineLeader
     from moed.daemon.experts.active_experts import Routing
     from moed.daemon.experts.streamer import ExpertStreamer
 
@@ -38,12 +38,12 @@ class LoadedModel:
     """A model ready to serve: what mlx-lm loaded, with its experts streamed unless resident."""
 
     # mlx-lm's model; on rank 0 of a pipeline, the leader that stands in for it (same calls).
-    model: nn.Module | PipelineLeader
+    model: nn.Module | PipelineGroup
     tokenizer: TokenizerWrapper  # mlx-lm's wrapper: detokenizer, chat template, markers
     path: Path
     config: ModelConfig  # the checkpoint's config.json, parsed once
     streamer: ExpertStreamer | None  # None when resident
-    pipeline: PipelineLeader | None = None  # when this daemon is rank 0 of a pipeline group
+    pipeline: PipelineGroup | None = None  # when this daemon is rank 0 of a pipeline group
     routing: Routing | None = None  # experts per token, native and active
 
 

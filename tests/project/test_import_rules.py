@@ -1,7 +1,8 @@
 """ARCHITECTURE.md's import rules, checked from the code (parsed with `ast`, nothing imported):
 which room may import which, no cycle between rooms, mlx only where allowed, the processes that
 must start without mlx, a reason beside every function-level import, and the committed drawing of
-the room graph current."""
+the room graph current. Function-level and type-only (`if TYPE_CHECKING:`) imports count in the
+room rules: a lower room that needs a higher room's type declares a Protocol of its own."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tests.fixtures.import_graph import (
     imports,
     mlx_rooms,
     room_edges,
+    room_of,
 )
 
 # room -> the rooms it may import (ARCHITECTURE.md, "Import direction"). Lower rooms first.
@@ -55,9 +57,25 @@ def test_every_room_imports_only_what_it_may():
     assert not wrong, "imports against ARCHITECTURE.md's rules:\n" + "\n".join(wrong)
 
 
-def test_no_cycle_between_rooms_counting_function_level_imports():
+def test_type_only_imports_obey_the_room_order():
+    """An import under `if TYPE_CHECKING:` is held to the same rules as one that runs."""
+    type_only = [imp for imp in imports() if imp.type_only]
+    assert type_only, "no type-only import found: the scan is broken"
+    wrong = [
+        f"{a} -> {b}: {imp.path.relative_to(ROOT)}:{imp.line}"
+        for imp in type_only
+        if (a := room_of(imp.source)) and (b := room_of(imp.target)) and a != b
+        if b not in ALLOWED[a]
+    ]
+    assert not wrong, "type-only imports against the room order:\n" + "\n".join(wrong)
+
+
+def test_no_cycle_between_rooms_counting_type_only_and_in_function_imports():
+    edges = room_edges()
+    counted = [imp for found in edges.values() for imp in found]
+    assert any(i.type_only for i in counted) and any(i.in_function for i in counted)
     graph: dict[str, set[str]] = {}
-    for a, b in room_edges():
+    for a, b in edges:
         graph.setdefault(a, set()).add(b)
     graphlib.TopologicalSorter(graph).prepare()  # raises CycleError with the cycle
     # The rules themselves are a hierarchy: nothing is allowed back up.

@@ -20,6 +20,7 @@ from moed.daemon.model.layer_caches import trimmable_layers
 if TYPE_CHECKING:  # types only: the functions below import what they run
     import mlx.nn as nn
 
+    from moed.daemon.distributed.leader import PipelineLeader
     from moed.daemon.experts.memory_plan import MemoryPlan
     from moed.daemon.model.loader import LoadedModel
 
@@ -56,8 +57,8 @@ def open_prefix_cache(
     serve: ServeConfig, loaded: LoadedModel, model_path: Path
 ) -> PrefixCache | None:
     plan = loaded.streamer.plan if loaded.streamer else None
-    leader = loaded.pipeline
-    if leader is not None:  # every rank keeps its own layers of each entry (cache_ops.py)
+    if loaded.pipeline is not None:  # every rank keeps its own layers of each entry (cache_ops.py)
+        leader = cast("PipelineLeader", loaded.pipeline)  # rank 0's: distributed/rank0.py made it
         share = leader.rank.layers.share
         cfg = prefix_cache_config(serve, plan, share)
         if not cfg.enabled:
