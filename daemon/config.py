@@ -40,12 +40,12 @@ class ServeConfig:
     prefetch_workers: int = 0  # 0: sized to the machine
     page_cache: PageCachePolicy = PageCachePolicy.AUTO
     prefetch_next: bool = False  # read the next layer's likely experts during this layer's compute
+    lookahead: bool = False  # read the next layer's guessed experts while the disk idles; exact
     cache_policy: str = DEFAULT_POLICY  # expert eviction policy, a name in experts/policies
     # Lossy, opt-in: each token uses its K best experts instead of the model's top-k; 0: native.
     max_active_experts: int = 0
-    memory_limit_bytes: int = (
-        0  # what the memory plan may use; 0: the machine's (RAM, cgroup, Metal working set)
-    )
+    # What the memory plan may use; 0: the machine's (RAM, cgroup, Metal working set).
+    memory_limit_bytes: int = 0
     plan_context_tokens: int = 8192  # the KV cache the memory plan keeps room for
     max_prompt_tokens: int = 32768
     max_tokens_limit: int = 0  # largest max_tokens; 0: the model's context (8192 if unknown)

@@ -106,7 +106,12 @@ def load_leader(serve: ServeConfig, path: Path) -> LoadedModel:
     if streaming is not None:
         from dataclasses import replace
 
-        streaming = replace(streaming, state_dir=serve.state_dir, prefetch_next=serve.prefetch_next)
+        streaming = replace(
+            streaming,
+            state_dir=serve.state_dir,
+            prefetch_next=serve.prefetch_next,
+            lookahead=serve.lookahead,
+        )
     rank = load_rank_model(path, group, split, streaming)
     leader = PipelineLeader(rank, StepChannel(group))
     # The engine drives the leader as its model: every forward is broadcast to the group first.

@@ -127,6 +127,7 @@ def streaming_config(serve: ServeConfig, model_config: ModelConfig) -> Streaming
         page_cache=serve.page_cache,
         state_dir=serve.state_dir,
         prefetch_next=serve.prefetch_next,
+        lookahead=serve.lookahead,
         cache_policy=serve.cache_policy,
         memory_bytes=serve.memory_limit_bytes,
         kv_bytes=estimate_kv_bytes(model_config, serve.plan_context_tokens),

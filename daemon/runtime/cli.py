@@ -43,6 +43,11 @@ from moed.daemon.ground.open_files import OpenFileLimitTooLow, require_open_file
     help="Speculatively read the next layer's experts (never changes tokens).",
 )
 @click.option(
+    "--lookahead/--no-lookahead",
+    default=None,
+    help="Read the next layer's guessed experts while the disk idles (never changes tokens).",
+)
+@click.option(
     "--cache-policy",
     type=click.Choice(policy_names()),
     help=f"Expert eviction policy (default: {DEFAULT_POLICY}).",
@@ -120,6 +125,7 @@ def serve(
     resident,
     prefetch_workers,
     prefetch_next,
+    lookahead,
     cache_policy,
     page_cache,
     max_active_experts,
@@ -152,6 +158,7 @@ def serve(
                 "prefetch_workers": prefetch_workers,
                 "page_cache": page_cache,
                 "prefetch_next": prefetch_next,
+                "lookahead": lookahead,
                 "cache_policy": cache_policy,
                 "max_active_experts": max_active_experts,
                 "state_dir": given.state_dir,

@@ -182,6 +182,7 @@ def test_second_daemon_refuses_live_socket_and_replaces_stale(daemon, tiny_model
         ("mixtral", "50%", ()),
         ("deepseek_v3", "1", ()),
         ("olmoe", "25%", ("--prefetch-next",)),
+        ("qwen3_moe", "25%", ("--lookahead",)),
     ],
 )
 def test_streaming_daemon_matches_resident_mlx_lm(
