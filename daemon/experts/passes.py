@@ -1,7 +1,7 @@
-"""A call whose distinct experts outnumber its layer's slots runs in passes (the streaming
-switch's `_rows_by_pass`): each pass's experts made resident in turn, in the layer's pool or,
-where it fits, alternating with the pass lane (pass_lane.py) so a pass's reads land while the
-one before computes."""
+"""A call whose distinct experts outnumber its layer's slots runs in passes (multi_pass.py
+`rows_by_pass`): each pass's experts made resident in turn, in the layer's pool or, where it
+fits, alternating with the pass lane (pass_lane.py) so a pass's reads land while the one before
+computes."""
 
 from __future__ import annotations
 

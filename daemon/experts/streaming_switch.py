@@ -6,7 +6,7 @@ pools with expert ids remapped to slots. When a call needs more distinct experts
 has slots (a batch's union, or a prompt chunk), it runs several passes: each (token, expert) row
 is computed once, in the pass that holds its expert (a prompt chunk's rows ordered by expert
 within the pass, as mlx-lm orders them), and the rows are put back in order by a permutation.
-Results stay bit-identical on the CPU backend (tests/experts); see _rows_by_pass for the GPU.
+Results stay bit-identical on the CPU backend (tests/experts); see multi_pass.py for the GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwiGLU
 
-from moed.daemon.experts.gather_kernel import Backend, KernelMatch, PassShape, backend_now
+from moed.daemon.experts.gather_kernel import Backend, KernelMatch, backend_now
+from moed.daemon.experts.multi_pass import MultiPass
 
 if TYPE_CHECKING:  # types only: the cache is reached through LayerCache (streamer imports us)
     from moed.daemon.experts.cache import LayerPool
@@ -128,7 +129,7 @@ class StreamingSwitch(nn.Module):
     _final: bool
     _compile: Callable[..., Callable[..., mx.array]]
     _decode_graph: Callable[[mx.array, mx.array, mx.array, dict[str, mx.array]], mx.array]
-    _kernels: KernelMatch
+    _multi_pass: MultiPass
 
     def __init__(
         self,
@@ -165,7 +166,11 @@ class StreamingSwitch(nn.Module):
         # the rule is gather_qmm's: gather_mm picks by the sort flag alone, which passes keep.
         quantized = any(spec.quantized for spec in projs.values())
         backend = backend_now() if quantized else Backend.CPU
-        object.__setattr__(self, "_kernels", KernelMatch(backend, num_experts))
+        kernels = KernelMatch(backend, num_experts)
+        first_weight = keys["up_proj" if kind == "glu" else "fc1"][0]
+        # The calls that are not decode steps (prompt chunks, several passes): multi_pass.py.
+        passes = MultiPass(self._experts, first_weight, layer, streamer, kernels)
+        object.__setattr__(self, "_multi_pass", passes)
 
     def _proj(
         self,
@@ -243,74 +248,6 @@ class StreamingSwitch(nn.Module):
         name = "up_proj" if self.kind == "glu" else "fc1"
         spec, weight = self._projs[name], pools[self._keys[name][0]]
         return weight.shape[-1] * 32 // spec.bits if spec.quantized else weight.shape[-1]
-
-    def _pool_experts(self, pools: dict[str, mx.array]) -> int:
-        name = "up_proj" if self.kind == "glu" else "fc1"
-        return int(pools[self._keys[name][0]].shape[0])
-
-    def _shaped(
-        self, x: mx.array, idx: mx.array, shape: PassShape, pools: dict[str, mx.array]
-    ) -> mx.array:
-        """The expert function on `x`'s rows at `shape`: padded with copies of the last row
-        (their outputs dropped), so that MLX picks mlx-lm's kernel for them."""
-        own = x.shape[0]
-        pad = shape.padding(own)
-        if pad:
-            x = mx.concatenate([x, mx.repeat(x[-1:], pad, axis=0)])
-            idx = mx.concatenate([idx, mx.repeat(idx[-1:], pad, axis=0)])
-        y = self._experts(x, idx, shape.sorted_rows, pools)
-        return y[:own] if pad else y
-
-    def _sorted_one_pass(
-        self, x: mx.array, idx: mx.array, needed: np.ndarray, experts: np.ndarray
-    ) -> mx.array:
-        """A prompt chunk whose experts fit the slots: mlx-lm's sorted gather over every row."""
-        streamer, layer = self._streamer, self._layer
-        table, pools = streamer.load(layer, experts)
-        rows = idx.size
-        shape = self._kernels.pass_shape(rows, True, rows, self._pool_experts(pools))
-        y = self._shaped(x, mx.array(table)[idx], shape, pools)
-        # Not evaluated here: the streamer fences it before any slot it reads is reused.
-        streamer.defer(layer, y, table[needed].tolist())
-        return y
-
-    def _rows_by_pass(
-        self,
-        x: mx.array,
-        indices: mx.array,
-        host: np.ndarray,
-        passes: list[np.ndarray],
-        do_sort: bool = False,
-    ) -> mx.array:
-        """Each pass computes only the (token, expert) rows of its own experts, so a call whose
-        distinct experts span several passes costs one expert computation per row, not one per
-        pass; the rows are put back in order by a permutation (no arithmetic), and each row is the
-        same product as in one pass. A prompt chunk's rows (`do_sort`) go to each pass ordered by
-        expert, as mlx-lm orders the whole chunk's for its sorted gather_qmm. A pass is shaped
-        (padded, or its sort flag dropped) to take the kernel mlx-lm's call takes on this
-        backend (gather_kernel.py)."""
-        streamer, layer = self._streamer, self._layer
-        flat = host.reshape(-1)
-        rows = mx.broadcast_to(x, (*indices.shape, 1, x.shape[-1])).reshape(-1, 1, x.shape[-1])
-        parts: list[mx.array] = []
-        picked: list[np.ndarray] = []
-        for done in streamer.load_passes(layer, passes):
-            sel = np.flatnonzero(np.isin(flat, done.experts))
-            if do_sort:
-                sel = sel[np.argsort(flat[sel], kind="stable")]
-            slots = done.table[flat[sel]]
-            shape = self._kernels.pass_shape(
-                flat.size, do_sort, sel.size, self._pool_experts(done.arrays)
-            )
-            y = self._shaped(rows[mx.array(sel)], mx.array(slots), shape, done.arrays)
-            # Fenced before any slot it reads is reused; submitted now when the next pass's reads
-            # land while it computes (pass_lane.py).
-            streamer.submit_pass(layer, done, y, slots.tolist())
-            parts.append(y)
-            picked.append(sel)
-        order = mx.array(np.argsort(np.concatenate(picked)))
-        y = mx.concatenate(parts)[order]
-        return y.reshape(*indices.shape, *y.shape[-2:])
 
     def _one_pass(self, x: mx.array, host: np.ndarray, pending: PendingLoad) -> mx.array:
         """All of the call's experts fit one pass: wait for its reads, then one graph whose slot
@@ -403,10 +340,10 @@ class StreamingSwitch(nn.Module):
 
         inv_order: mx.array | None = None
         if len(passes) > 1:  # more distinct experts than slots: each pass its own rows
-            out = self._rows_by_pass(x, indices, host, passes, do_sort)
+            out = self._multi_pass.rows_by_pass(x, indices, host, passes, do_sort)
         elif do_sort:
             x, idx, inv_order = gather_sort(x, mx.stop_gradient(indices))
-            out = self._sorted_one_pass(x, idx, needed, passes[0])
+            out = self._multi_pass.sorted_one_pass(x, idx, needed, passes[0])
         elif streamer.overlap.active:
             out = self._overlapped(x, indices, host, passes[0])
         else:  # speculative reads in flight for the layer

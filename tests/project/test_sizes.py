@@ -17,7 +17,6 @@ SERVING_PATH = ("daemon/engine", "daemon/experts", "daemon/transport")
 SKIPPED = {"tests", "build", "node_modules"}
 # path:class -> the lines it has now; issue 35 asks for each to be split below MAX_CLASS_LINES.
 OVER_LIMIT = {
-    "daemon/experts/streaming_switch.py:StreamingSwitch": 305,
     "daemon/transport/server.py:Server": 370,
 }
 
