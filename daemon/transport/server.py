@@ -23,7 +23,7 @@ import zmq
 from moed.daemon import __version__
 from moed.daemon.config import ServeConfig
 from moed.daemon.engine.loop import Engine
-from moed.daemon.engine.request import GenerateJob, RequestKey
+from moed.daemon.engine.request import RequestKey
 from moed.daemon.engine.status import DaemonState, EngineStatus
 from moed.daemon.ground import crashlog
 from moed.daemon.ground.exit_codes import DaemonExit
@@ -36,9 +36,9 @@ from moed.daemon.transport.bodies import status_body
 from moed.daemon.transport.connections import ConnectionCount, connection_limit
 from moed.daemon.transport.control import ControlToken
 from moed.daemon.transport.dispatch import dispatch_control
+from moed.daemon.transport.generate_admission import GenerateAdmission
 from moed.daemon.transport.group_failure import GroupFailure
-from moed.daemon.transport.model_progress import newly_stalled
-from moed.daemon.transport.model_set import EngineFactory, ModelSet, ServedModel
+from moed.daemon.transport.model_set import EngineFactory, ModelSet
 from moed.daemon.transport.outbound import Outbound
 from moed.daemon.transport.pipes import (
     EVENTS_ENDPOINT,
@@ -47,11 +47,11 @@ from moed.daemon.transport.pipes import (
     unpack_event,
 )
 from moed.daemon.transport.plan import ServerPlan
+from moed.daemon.transport.stream_failures import StreamFailures
 from moed.daemon.transport.streams import StreamTable
 from moed.protocol import (
     MAX_FRAME_BYTES,
     ErrorCode,
-    GenerateRequest,
     ProtocolError,
     decode,
     encode,
@@ -66,7 +66,6 @@ from moed.protocol.validation import is_generate
 # Inbound frames taken per loop turn before the engine's events are forwarded: a client flooding
 # requests cannot starve other clients' streams.
 RECEIVE_BATCH = 64
-PROGRESS_CHECK_S = 0.25
 # Plain ints: pyzmq turns enum arguments into their values on every call (once per token here).
 _POLLIN, _EVENTS, _NOBLOCK = int(zmq.POLLIN), int(zmq.EVENTS), int(zmq.NOBLOCK)
 
@@ -98,7 +97,10 @@ class Server:
         self.control_token = ControlToken(self.serve.socket)
         catalog = Catalog(self.serve.model, self.model_path, self.plan.models)
         self.models = ModelSet(catalog, self.plan, self.engine, self.status, self._new_engine)
-        self._next_progress_check = 0.0
+        self.admission = GenerateAdmission(
+            self.serve, self.boot_id, self.start_plan.poison, self._streams, self.models
+        )
+        self.failures = StreamFailures(self.serve, self._streams, self.models, self._engine_of)
         self._draining = False
         self._restart_reason: str | None = None
         self._drain_deadline = 0.0
@@ -140,7 +142,7 @@ class Server:
         )
         os.chmod(self.serve.socket, 0o600)
         self.control_token.write()
-        self.outbound = Outbound(self.router, self._client_slow, self._client_gone)
+        self.outbound = Outbound(self.router, self.failures.client_slow, self.failures.client_gone)
         self.status.update(
             pid=os.getpid(),
             boot_id=self.boot_id,
@@ -207,7 +209,7 @@ class Server:
                     else:
                         self._forward_events()
                 self.outbound.retry_owed()
-                self._check_progress()
+                self.failures.check_progress(self.outbound.send)
             engines = [m.engine for m in self.models.models()]
             for engine in engines:  # what is still in flight ends with `shutting_down`
                 engine.stop()
@@ -235,7 +237,7 @@ class Server:
         message = f"pipeline {failure.reason}; the daemon restarts the group"
         self.status.update(state=DaemonState.FAILED, error=message)
         self._record_crash(crashlog.CrashKind.RANK_FAILED, message)
-        self._fail_all(ErrorCode.RANK_FAILED, message)
+        self.failures.fail_all(self.outbound.send, ErrorCode.RANK_FAILED, message)
         return failure.exit_code
 
     def _begin_drain(self) -> None:
@@ -285,7 +287,9 @@ class Server:
             if is_generate(msg):  # checked in full, and typed once, by the protocol's validation
                 name = msg.get("model")  # its model's limits check it (a bad type: validation's)
                 model = self.models.route(name if isinstance(name, str) else None)
-                reply = self._admit(identity, msg, validate_generate(msg, model.limits), model)
+                request = validate_generate(msg, model.limits)
+                self.admission.admit(identity, msg, request, model, self._draining)
+                reply = None  # admitted: its stream answers
             else:
                 kind, request_id = validate_request(msg, self.limits)
                 reply = dispatch_control(self, identity, kind, msg)
@@ -304,57 +308,6 @@ class Server:
             )
         if reply is not None:
             self.outbound.send(identity, envelope, encode(reply))
-
-    def _admit(
-        self, identity: bytes, msg: dict[str, Any], request: GenerateRequest, model: ServedModel
-    ) -> dict[str, Any] | None:
-        """A validated generate (`msg` its wire map, `request` its typed form) to its model's
-        engine, or the typed refusal of admission."""
-        request_id = msg["id"]
-        key = (identity, request_id)
-        if self._draining:
-            raise ProtocolError(
-                ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; retry after it restarts"
-            )
-        if model.engine.fatal is not None:
-            if model.engine.exit_code == DaemonExit.OUT_OF_MEMORY:
-                raise ProtocolError(
-                    ErrorCode.OUT_OF_MEMORY,
-                    f"the model ran out of memory and is restarting: {model.engine.fatal}",
-                )
-            raise ProtocolError(
-                ErrorCode.INTERNAL, f"the model failed to load: {model.engine.fatal}"
-            )
-        if model.progress.stalled_at is not None:
-            raise ProtocolError(ErrorCode.ENGINE_STALLED, model.progress.message())
-        if key in self._streams:
-            # Not terminal for the running stream: sent with `id: nil`, the id in `target`.
-            raise DuplicateId(request_id)
-        if len(self._streams) >= self.serve.max_pending:
-            raise ProtocolError(
-                ErrorCode.OVERLOADED, f"{len(self._streams)} requests in flight; retry later"
-            )
-        if self._streams.of_client(identity) >= self.serve.max_pending_per_client:
-            raise ProtocolError(
-                ErrorCode.OVERLOADED,
-                f"this connection has {self._streams.of_client(identity)} requests in flight "
-                f"(at most {self.serve.max_pending_per_client} per client); retry later",
-            )
-        fingerprint = crashlog.fingerprint(msg)
-        if fingerprint in self.start_plan.poison:
-            raise ProtocolError(
-                ErrorCode.POISON_REQUEST,
-                f"this request was in flight at {crashlog.POISON_AFTER} crashes of the daemon; "
-                "it is refused, not replayed",
-            )
-        idle_before = not model.streams
-        self.models.admit(model, key)  # room made for it first (or refused: busy, too large)
-        model.progress.work_admitted(idle_before)
-        self._streams.add(key, fingerprint)
-        # Written before the engine sees it, so that a crash in it is pinned on it.
-        crashlog.write_inflight(self.serve.state_dir, self.boot_id, self._streams.fingerprints())
-        model.engine.submit(GenerateJob(identity, request_id, request))
-        return None
 
     # ---- outbound ----------------------------------------------------------------------------
     def _forward_events(self) -> None:
@@ -376,45 +329,6 @@ class Server:
             crashlog.write_inflight(
                 self.serve.state_dir, self.boot_id, self._streams.fingerprints()
             )
-
-    def _fail_streams(self, keys: list[RequestKey], code: ErrorCode, message: str) -> list[bytes]:
-        """End streams here (the engine cannot, or the client would not hear it); cancel there."""
-        frames = []
-        for key in keys:
-            self._streams.fail(key)
-            self._engine_of(key).cancel(key)
-            self.models.ended(key)
-            frames.append(encode(wire.error(key[1], code, message)))
-        return frames
-
-    def _client_slow(self, identity: bytes) -> list[bytes]:
-        message = (
-            f"this client did not read its replies (over {self.serve.client_send_hwm} queued); "
-            "its streams were cancelled"
-        )
-        return self._fail_streams(self._streams.keys_of(identity), ErrorCode.SLOW_CONSUMER, message)
-
-    def _client_gone(self, identity: bytes) -> None:
-        for key in self._streams.keys_of(identity):
-            log.info("client gone; cancelling request %r", key[1])
-        self._fail_streams(self._streams.keys_of(identity), ErrorCode.INTERNAL, "client gone")
-
-    def _check_progress(self) -> None:
-        now = time.monotonic()
-        if now < self._next_progress_check:
-            return
-        self._next_progress_check = now + PROGRESS_CHECK_S
-        for model in newly_stalled(self.models):  # only its own streams fail
-            message = f"model {model.name!r}: {model.progress.message()}"
-            log.error("%s; failing %d request(s)", message, len(model.streams))
-            self._fail_all(ErrorCode.ENGINE_STALLED, message, list(model.streams))
-
-    def _fail_all(
-        self, code: ErrorCode, message: str, keys: list[RequestKey] | None = None
-    ) -> None:
-        keys = list(self._streams.open) if keys is None else keys
-        for key, frame in zip(keys, self._fail_streams(keys, code, message)):
-            self.outbound.send(key[0], [], frame)
 
     # ---- models ------------------------------------------------------------------------------
     def _new_engine(self, serve: ServeConfig, servable: Servable, status: EngineStatus) -> Engine:
