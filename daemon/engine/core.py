@@ -49,7 +49,7 @@ from moed.protocol import ErrorCode, FinishReason, ProtocolError, ShedLevel
 log = logging.getLogger("moed.engine")
 
 
-class EngineCore(InPlaceRecovery, EngineFailures):
+class EngineCore:
     """Admits, steps, cancels and finishes generations; one thread calls every method. Holds the
     model host (load, unload, keep-alive), the prefix feed (what the prefix cache stores, when)
     and the request events (what each client is sent); its owner's hooks come typed."""
@@ -81,12 +81,13 @@ class EngineCore(InPlaceRecovery, EngineFailures):
         self.faults = faults if faults is not None else Faults.parse(serve.debug_faults)
         self.heartbeat = StepHeartbeat(status, self.faults)  # progress inside a step
         self.cancels = cancels if cancels is not None else CancelBoard()
-        self.heartbeat.abandon = self._only_cancelled_rows
+        self.failures = EngineFailures(self)  # a step's rows, or the process (failures.py)
+        self.heartbeat.abandon = self.failures.only_cancelled_rows
         self.host = ModelHost(serve, model_path, status, self.heartbeat, self.faults)
         # A pipeline's other ranks free their layers of the entries cleared.
         self.prefix = PrefixFeed(serve, status, lambda: self.host.refresh_ranks(force=True))
         self.events = RequestEvents(sink, status, self.host)
-        self._start_recovery(serve)  # device failures inside a step, met in place
+        self.in_place = InPlaceRecovery(self, serve)  # device failures inside a step
         # Grammars built on the pool's threads: the owner's inbox, or a queue each step reads.
         self._posted: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self.grammars = RowGrammars(serve, self.owner.post or self._posted.put)
@@ -136,8 +137,8 @@ class EngineCore(InPlaceRecovery, EngineFailures):
         while not self._posted.empty():  # driven in-process: the grammars built meanwhile
             self.handle(self._posted.get())
         self.prefix.store_due(self._rows)  # rows ended by a command (a cancel) since the last step
-        # While a recovery's rows catch up, new requests wait for the memory it shed.
-        admitted = () if self.recovering else self.scheduler.schedule(time.monotonic()).admit
+        wait = self.in_place.recovering  # a recovery's rows catch up: new requests wait for memory
+        admitted = () if wait else self.scheduler.schedule(time.monotonic()).admit
         for key in admitted:
             self._join(self._gens[key])
         if admitted:  # a row that joined reads its prompt: the SSD tier holds its writes now
@@ -152,7 +153,7 @@ class EngineCore(InPlaceRecovery, EngineFailures):
             with recording_all(traced):
                 out = self.batch.step()
         except Exception as exc:  # a step stopped at a layer (StepAborted) or failed
-            self._step_failed(exc)
+            self.failures.step_failed(exc)
             return
         self._deliver(out)
         self.prefix.store_due(self._rows)
@@ -209,7 +210,7 @@ class EngineCore(InPlaceRecovery, EngineFailures):
         try:
             loaded = self.host.load(on_progress)
         except (ModelLoadFailed, RuntimeError) as exc:  # RuntimeError: a pipeline rank failed
-            self._load_failed(exc)
+            self.failures.load_failed(exc)
             return False
         self.prefix.open(loaded, self.host.model_path)
         self.batch = self._new_batch()
@@ -217,7 +218,7 @@ class EngineCore(InPlaceRecovery, EngineFailures):
         return True
 
     def _new_batch(self) -> DecodeBatch:
-        return self.host.new_batch(self.prefix.cache, self.chunk_limit)
+        return self.host.new_batch(self.prefix.cache, self.in_place.chunk_limit)
 
     def _reload_for(self, job: GenerateJob) -> bool:
         """Load again for a request that arrived while idle; it sees `progress` messages."""
@@ -253,7 +254,7 @@ class EngineCore(InPlaceRecovery, EngineFailures):
         if out.prompts:  # a long prefill yields no token for a while: the watchdog sees progress
             self.status.update(last_progress_at=time.time())
         for chunk in out.prompts:  # clients see a long prompt move, chunk by chunk
-            if chunk.uid in self._catching_up:  # a recovery reads it again: nothing new to see
+            if chunk.uid in self.in_place.catching_up:  # a recovery reads it again: nothing new
                 continue
             if (gen := self._rows.get(chunk.uid)) is not None:
                 self.events.prompt_read(gen, chunk.done, chunk.total)
@@ -263,11 +264,11 @@ class EngineCore(InPlaceRecovery, EngineFailures):
             gen = self._rows.get(tok.uid)
             if gen is None:  # cancelled while its token was being computed
                 continue
-            self._row_moved(tok.uid)
+            self.in_place.row_moved(tok.uid)
             if gen.first_token_at is None:
                 gen.first_token_at = time.perf_counter()
             if gen.constraint is not None and gen.constraint.failure is not None:
-                self._row_failed(gen, gen.constraint.failure)  # before a token it refused
+                self.failures.row_failed(gen, gen.constraint.failure)  # before a token it refused
                 continue
             if tok.finish is FinishReason.STOP:  # end of sequence: the EOS token is not text
                 self._finish(gen, FinishReason.STOP)
@@ -275,7 +276,7 @@ class EngineCore(InPlaceRecovery, EngineFailures):
             try:
                 stopped = self.events.token(gen, tok.token, tok.logprobs)
             except Exception as exc:  # this row's own text path: it fails alone
-                self._row_failed(gen, exc)
+                self.failures.row_failed(gen, exc)
                 continue
             if stopped:
                 self._finish(gen, FinishReason.STOP)  # a stop sequence matched
@@ -290,7 +291,7 @@ class EngineCore(InPlaceRecovery, EngineFailures):
             self.grammars.cancel(key)
         if gen is not None and gen.uid is not None:
             self._rows.pop(gen.uid, None)
-            self._row_moved(gen.uid)
+            self.in_place.row_moved(gen.uid)
             if self.batch is not None:
                 # A no-op for a row that finished by itself; with `keep`, its caches are cached.
                 keep = keep and self.prefix.cache is not None

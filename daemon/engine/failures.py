@@ -1,26 +1,26 @@
 """How the engine fails: a step's rows, or the whole process (a crash record, every request failed
 with a typed error, `fatal` published for the transport to exit with the kind's code), a model
-that cannot load, and a step stopped because every row in it was cancelled. A mixin of EngineCore,
-split out to keep one concern per module."""
+that cannot load, and a step stopped because every row in it was cancelled. Composed into
+EngineCore (its `failures`), to keep one concern per module."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from moed.daemon.distributed.failure import is_group_failure
-from moed.daemon.engine.batch import DecodeBatch
-from moed.daemon.engine.commands import OwnerHooks
-from moed.daemon.engine.model_host import ModelHost, ModelLoadFailed
-from moed.daemon.engine.prefix_feed import PrefixFeed
-from moed.daemon.engine.request import Generation, RequestKey
-from moed.daemon.engine.status import DaemonState, EngineStatus
-from moed.daemon.engine.step_abort import CancelBoard, StepAborted
+from moed.daemon.engine.model_host import ModelLoadFailed
+from moed.daemon.engine.request import Generation
+from moed.daemon.engine.status import DaemonState
+from moed.daemon.engine.step_abort import StepAborted
 from moed.daemon.engine.text_path import failure_of
 from moed.daemon.ground.crashlog import CrashKind
 from moed.daemon.ground.device_errors import DeviceFailure, classify
 from moed.daemon.ground.exit_codes import DaemonExit
 from moed.protocol import ErrorCode, FinishReason
+
+if TYPE_CHECKING:  # the engine core composes this (core.py imports this module)
+    from moed.daemon.engine.core import EngineCore
 
 log = logging.getLogger("moed.engine")
 
@@ -32,22 +32,10 @@ _EXIT_FOR = {
 
 
 class EngineFailures:
-    """The failure paths of an EngineCore (whose __init__ sets the state)."""
+    """The failure paths of an EngineCore (whose state they read and set)."""
 
-    status: EngineStatus
-    batch: DecodeBatch | None
-    fatal: BaseException | None
-    exit_code: int
-    host: ModelHost
-    owner: OwnerHooks
-    _gens: dict[RequestKey, Generation]
-    _rows: dict[int, Generation]
-    cancels: CancelBoard
-    prefix: PrefixFeed
-    _finish: Callable[..., None]
-    _forget: Callable[..., None]
-    _new_batch: Callable[[], DecodeBatch]
-    _device_failed: Callable[[BaseException, DeviceFailure], None]
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
 
     def engine_failed(self, exc: Exception) -> None:
         """A bug outside a step: fail everyone and let the daemon exit, never hang silently."""
@@ -56,7 +44,7 @@ class EngineFailures:
         message = f"the engine failed ({exc.__class__.__name__}); the daemon restarts"
         self._fail_process(exc, CrashKind.ENGINE_FAILED, what, ErrorCode.INTERNAL, message)
 
-    def _load_failed(self, failed: ModelLoadFailed | RuntimeError) -> None:
+    def load_failed(self, failed: ModelLoadFailed | RuntimeError) -> None:
         """The model cannot load: fatal for the daemon, with the load's exit code; the requests
         waiting in the inbox fail. A RuntimeError: a pipeline rank failed while loading (the
         group monitor says which)."""
@@ -65,12 +53,12 @@ class EngineFailures:
             return
         exc = failed.cause
         self._record_crash(CrashKind.LOAD_FAILED, str(failed))
-        self.exit_code = failed.exit_code
-        self.status.update(state=DaemonState.FAILED, error=str(failed))
-        self.owner.reject_queued(ErrorCode.INTERNAL, f"model failed to load: {exc}")
-        self.fatal = exc
+        self._core.exit_code = failed.exit_code
+        self._core.status.update(state=DaemonState.FAILED, error=str(failed))
+        self._core.owner.reject_queued(ErrorCode.INTERNAL, f"model failed to load: {exc}")
+        self._core.fatal = exc
 
-    def _step_failed(self, exc: Exception) -> None:
+    def step_failed(self, exc: Exception) -> None:
         """A step raised: stopped at a layer, its rows all cancelled (step_abort.py); a device
         failure is met in place (or restarts the process), a pipeline's step fails the group,
         anything else fails the batch's rows."""
@@ -79,54 +67,56 @@ class EngineFailures:
             return
         failure = classify(exc)  # a device failure: out of memory, a GPU timeout, other
         if failure is not None:
-            self._device_failed(exc, failure)
+            self._core.in_place.device_failed(exc, failure)
             return
-        assert self.host.loaded is not None  # a batch runs on a loaded model
-        if self.host.loaded.pipeline is not None:
+        assert self._core.host.loaded is not None  # a batch runs on a loaded model
+        if self._core.host.loaded.pipeline is not None:
             # Any failed step, not only a lost peer: the other ranks may still be inside this
             # step's collectives, so no new batch can start in step with them.
             self._group_failed(exc)
             return
         self._batch_failed(exc)
 
-    def _row_failed(self, gen: Generation, exc: BaseException) -> None:
+    def row_failed(self, gen: Generation, exc: BaseException) -> None:
         """One request's text path failed (text_path.py): it ends with a typed error, and the
         batch's other rows and the daemon carry on."""
         code, message = failure_of(exc)
         log.warning("request %r failed alone: %s", gen.job.request_id, exc, exc_info=exc)
-        self._finish(gen, code, message)
+        self._core._finish(gen, code, message)
 
     def _batch_failed(self, exc: Exception) -> None:
         """A step raised: the batch state is unknown, so every row fails and a new batch starts."""
         log.exception("a batch step failed")
         message = f"{exc.__class__.__name__}: {exc}"
-        for gen in list(self._rows.values()):
-            self._finish(gen, ErrorCode.INTERNAL, message)
-        assert self.batch is not None  # only a running batch fails a step
-        self.prefix.drop_unsaved()  # caches of a batch whose state is unknown
-        self.batch.close()
-        self.batch = self._new_batch()
+        for gen in list(self._core._rows.values()):
+            self._core._finish(gen, ErrorCode.INTERNAL, message)
+        assert self._core.batch is not None  # only a running batch fails a step
+        self._core.prefix.drop_unsaved()  # caches of a batch whose state is unknown
+        self._core.batch.close()
+        self._core.batch = self._core._new_batch()
 
-    def _only_cancelled_rows(self) -> bool:
+    def only_cancelled_rows(self) -> bool:
         """Whether the running prompt step may stop at this layer: every row of the batch was
         cancelled (a pipeline's other ranks are inside the same step: never there)."""
-        if not self.cancels or not self._rows:
+        if not self._core.cancels or not self._core._rows:
             return False
-        if self.host.loaded is None or self.host.loaded.pipeline is not None:
+        if self._core.host.loaded is None or self._core.host.loaded.pipeline is not None:
             return False
-        return self.cancels.holds_all(gen.job.key for gen in self._rows.values())
+        return self._core.cancels.holds_all(gen.job.key for gen in self._core._rows.values())
 
     def _abandon_step(self) -> None:
         """The step stopped at a layer (step_abort.py): its half-written batch held only
         cancelled rows, so it goes whole and they end cancelled."""
-        log.info("a prompt step stopped at a layer: its %d row(s) were cancelled", len(self._rows))
-        assert self.batch is not None  # only a running batch steps
-        self.batch.close()
-        self.batch = self._new_batch()
-        for gen in list(self._rows.values()):
-            self._finish(gen, FinishReason.CANCELLED)
+        log.info(
+            "a prompt step stopped at a layer: its %d row(s) were cancelled", len(self._core._rows)
+        )
+        assert self._core.batch is not None  # only a running batch steps
+        self._core.batch.close()
+        self._core.batch = self._core._new_batch()
+        for gen in list(self._core._rows.values()):
+            self._core._finish(gen, FinishReason.CANCELLED)
 
-    def _device_restart(self, exc: BaseException, failure: DeviceFailure, why: str) -> None:
+    def device_restart(self, exc: BaseException, failure: DeviceFailure, why: str) -> None:
         """A device failure not recovered in place (`why`): the process exits non-zero so that
         the service manager restarts it, with a smaller cache budget."""
         log.critical("%s, not recovered in place (%s): %s", failure.value, why, exc)
@@ -153,21 +143,21 @@ class EngineFailures:
         """Say `failed` (at once: /health answers 503 from here on), record the crash, fail every
         request with `code`, and publish `fatal` (last: the transport flushes the errors, then
         exits with the kind's code)."""
-        self.status.update(state=DaemonState.FAILED, error=what)
+        self._core.status.update(state=DaemonState.FAILED, error=what)
         self._record_crash(kind, what)
-        for gen in list(self._gens.values()):
+        for gen in list(self._core._gens.values()):
             try:
-                self._finish(gen, code, message)
+                self._core._finish(gen, code, message)
             except Exception:  # a generation broken by the failure still must leave
-                self._forget(gen.job.key)
-        self.owner.reject_queued(code, message)
-        self.exit_code = _EXIT_FOR[kind]
-        self.fatal = exc
+                self._core._forget(gen.job.key)
+        self._core.owner.reject_queued(code, message)
+        self._core.exit_code = _EXIT_FOR[kind]
+        self._core.fatal = exc
 
     def _record_crash(self, kind: CrashKind, message: str) -> None:
-        if self.owner.on_crash is None:
+        if self._core.owner.on_crash is None:
             return
         try:
-            self.owner.on_crash(kind, message)
+            self._core.owner.on_crash(kind, message)
         except Exception:  # the record is advisory; failing the requests is not
             log.exception("could not record the crash")

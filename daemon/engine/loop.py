@@ -152,7 +152,7 @@ class Engine:
                 core.finish_all(ErrorCode.SHUTTING_DOWN, message)
                 self._reject_queued(ErrorCode.SHUTTING_DOWN, message)
         except Exception as exc:  # a bug outside a step: fail everyone and exit, never hang
-            core.engine_failed(exc)
+            core.failures.engine_failed(exc)
         core.close()
 
     def _record_recovery(self, recovery: dict[str, Any]) -> None:

@@ -7,23 +7,20 @@ memory is shed in the kind's order (recovery_ledger.py), and every interrupted r
 batch with the tokens it already sent as part of its context: recomputed, each stream continues
 with exactly the tokens an uninterrupted run gives (sampling is keyed by position). The model is
 not loaded again and the pid stays. While the rows catch up the state is `recovering` and new
-requests wait. Whatever the ledger will not recover takes the restart path. A mixin of EngineCore.
+requests wait. Whatever the ledger will not recover takes the restart path. Composed into EngineCore
+(its `in_place`).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from moed.daemon.config import ServeConfig
-from moed.daemon.engine.batch import MIN_CHUNK, DecodeBatch
-from moed.daemon.engine.commands import OwnerHooks
-from moed.daemon.engine.model_host import ModelHost
-from moed.daemon.engine.prefix_feed import PrefixFeed
+from moed.daemon.engine.batch import MIN_CHUNK
 from moed.daemon.engine.recovery_ledger import (
     SHED_ORDER,
     Recovery,
@@ -32,46 +29,33 @@ from moed.daemon.engine.recovery_ledger import (
     Shed,
 )
 from moed.daemon.engine.request import Generation
-from moed.daemon.engine.status import DaemonState, EngineStatus
+from moed.daemon.engine.status import DaemonState
 from moed.daemon.ground.crashlog import backoff_factor
 from moed.daemon.ground.device_errors import DeviceFailure, classify
 from moed.protocol import FinishReason
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the engine core composes this (core.py imports this module)
+    from moed.daemon.engine.core import EngineCore
     from moed.daemon.experts.streamer import ExpertStreamer
 
 log = logging.getLogger("moed.engine")
 
 
 class InPlaceRecovery:
-    """Recover a failed step's rows without a restart (EngineCore.__init__ sets the state)."""
+    """Recover a failed step's rows without a restart: the ledger of recoveries in place (how
+    they are met, published at once) and the state they keep; the engine core's state it reads
+    and sets through `core`."""
 
-    # The engine core's state this mixin reads and sets.
-    status: EngineStatus
-    batch: DecodeBatch | None
-    host: ModelHost
-    prefix: PrefixFeed
-    _rows: dict[int, Generation]
-    recovery: RecoveryLedger
-    chunk_limit: int | None  # the prompt chunk's ceiling a recovery set
-    _budget_steps: int  # expert-budget back-offs taken in place
-    _catching_up: set[int]  # rows read again that have not yet passed where they were
-    owner: OwnerHooks  # its on_recovery: the transport records each recovery
-    # ... and what the engine core does for it (engine/core.py).
-    _new_batch: Callable[[], DecodeBatch]
-    _finish: Callable[..., None]
-    _device_restart: Callable[[BaseException, DeviceFailure, str], None]
-
-    def _start_recovery(self, serve: ServeConfig) -> None:
-        """The ledger of recoveries in place (how they are met, published at once) and the
-        state they keep: met where MLX raises the failures catchably."""
+    def __init__(self, core: EngineCore, serve: ServeConfig) -> None:
+        self._core = core
         version = str(getattr(mx, "__version__", ""))  # the stubs leave it out
         policy = RecoveryPolicy.of(serve.recover_in_place, serve.recovery_window_s, version)
         self.recovery = RecoveryLedger(policy)
-        self.chunk_limit = None
-        self._budget_steps = 0
-        self._catching_up = set()
-        self.status.update(
+        self.chunk_limit: int | None = None  # the prompt chunk's ceiling a recovery set
+        self._budget_steps = 0  # expert-budget back-offs taken in place
+        # Rows read again that have not yet passed where they were.
+        self.catching_up: set[int] = set()
+        core.status.update(
             device_recovery=policy.describe(), recoveries=self.recovery.counts_wire()
         )
 
@@ -79,11 +63,15 @@ class InPlaceRecovery:
     def recovering(self) -> bool:
         return self.recovery.active is not None
 
-    def _device_failed(self, exc: BaseException, failure: DeviceFailure) -> None:
+    def device_failed(self, exc: BaseException, failure: DeviceFailure) -> None:
         """A step raised a device failure: recover in place if the ledger allows, else (or if
         recovering fails in turn) the restart path."""
         why = self.recovery.judge(failure)
-        if why is None and self.host.loaded is not None and self.host.loaded.pipeline is not None:
+        if (
+            why is None
+            and self._core.host.loaded is not None
+            and self._core.host.loaded.pipeline is not None
+        ):
             why = "a pipeline's other ranks are inside the failed step"  # the group restarts
         if why is None:
             try:
@@ -93,25 +81,25 @@ class InPlaceRecovery:
                 log.exception("the recovery in place from %s failed", failure.value)
                 why = f"the recovery from {failure.value} failed ({again})"
                 failure = classify(again) or failure
-        self._device_restart(exc, failure, why)
+        self._core.failures.device_restart(exc, failure, why)
 
     def _recover(self, exc: BaseException, failure: DeviceFailure) -> None:
-        loaded = self.host.loaded
-        assert self.batch is not None and loaded is not None  # a step ran
+        loaded = self._core.host.loaded
+        assert self._core.batch is not None and loaded is not None  # a step ran
         record = self.recovery.begin(failure, str(exc))
         log.error("%s inside a step (%s): recovering in place", failure.value, exc)
-        self.status.update(
+        self._core.status.update(
             state=DaemonState.RECOVERING,
             last_recovery=record.describe(),
             recoveries=self.recovery.counts_wire(),
         )
-        rows = sorted(self._rows.values(), key=lambda gen: gen.uid or 0)  # their join order
-        largest_chunk = self.chunk_limit or self.batch.largest_chunk
+        rows = sorted(self._core._rows.values(), key=lambda gen: gen.uid or 0)  # their join order
+        largest_chunk = self.chunk_limit or self._core.batch.largest_chunk
         # The step's pending arrays: everything the failed command buffer may have poisoned.
-        self.prefix.drop_unsaved()
-        self.batch.abandon()
-        self.batch = None
-        self._rows = {}
+        self._core.prefix.drop_unsaved()
+        self._core.batch.abandon()
+        self._core.batch = None
+        self._core._rows = {}
         streamer = loaded.streamer
         slots = self._shed_in_order(record, streamer, largest_chunk)
         if streamer is not None:
@@ -126,24 +114,24 @@ class InPlaceRecovery:
         gc.collect()
         _settle_device()
         mx.clear_cache()
-        self.batch = self._new_batch()
+        self._core.batch = self._core._new_batch()
         for gen in rows:
             self._rejoin(gen)
-        record.rows = len(self._rows)
-        self._catching_up = set(self._rows)
+        record.rows = len(self._core._rows)
+        self.catching_up = set(self._core._rows)
         log.warning(
             "recovered from %s in place: %d row(s) read again, shed %s",
             failure.value,
             record.rows,
             record.shed or "nothing",
         )
-        self.status.update(
+        self._core.status.update(
             last_recovery=record.describe(),
             prompt_chunk_limit=self.chunk_limit,
-            streaming=self.host.stream_snapshot(),
+            streaming=self._core.host.stream_snapshot(),
         )
         self._report(record)
-        if not self._catching_up:
+        if not self.catching_up:
             self._recovered()
 
     def _shed_in_order(
@@ -154,7 +142,7 @@ class InPlaceRecovery:
         halves from the largest chunk the batch could read (or the ceiling already set)."""
         for step in SHED_ORDER[record.kind]:
             if step is Shed.PREFIX_MEMORY:
-                released = self.prefix.shed()
+                released = self._core.prefix.shed()
                 if released:
                     record.shed[step.value] = {"released_bytes": released}
             elif step is Shed.EXPERT_BUDGET:
@@ -183,22 +171,24 @@ class InPlaceRecovery:
 
     def _rejoin(self, gen: Generation) -> None:
         """The row joins the new batch with what it sent as context (prefix cache hits too)."""
-        assert self.batch is not None  # the new batch
+        assert self._core.batch is not None  # the new batch
         context, left, sampler, constraint = gen.rejoin()
         if left <= 0:  # it had sent its last token; only its ending was lost
-            self._finish(gen, FinishReason.LENGTH)
+            self._core._finish(gen, FinishReason.LENGTH)
             return
-        hit, marks = self.prefix.lookup(context, gen.cache_scope)
-        gen.uid = self.batch.insert(context, left, sampler, constraint, hit, marks, gen.cache_scope)
-        self._rows[gen.uid] = gen
+        hit, marks = self._core.prefix.lookup(context, gen.cache_scope)
+        gen.uid = self._core.batch.insert(
+            context, left, sampler, constraint, hit, marks, gen.cache_scope
+        )
+        self._core._rows[gen.uid] = gen
 
-    def _row_moved(self, uid: int) -> None:
+    def row_moved(self, uid: int) -> None:
         """A row of the recovery sent a token or ended: it is past where it was."""
-        if uid in self._catching_up:
-            self._catching_up.discard(uid)
+        if uid in self.catching_up:
+            self.catching_up.discard(uid)
             # Rows also end when the process fails (the restart path): that is no recovery.
-            failing = self.status.get("state") is DaemonState.FAILED
-            if not self._catching_up and self.recovering and not failing:
+            failing = self._core.status.get("state") is DaemonState.FAILED
+            if not self.catching_up and self.recovering and not failing:
                 self._recovered()
 
     def _recovered(self) -> None:
@@ -206,17 +196,17 @@ class InPlaceRecovery:
         if record is None:
             return
         log.warning("recovery from %s done in %.3fs", record.kind.value, record.took_s or 0.0)
-        self.status.update(state=DaemonState.READY, last_recovery=record.describe())
+        self._core.status.update(state=DaemonState.READY, last_recovery=record.describe())
         self._report(record)
 
     def _report(self, record: Recovery) -> None:
         """As it begins and once it is done: to the watchdog (it counts an out-of-memory one as
         a shed it need not take) and, done, to the crash record (the next start's back-off);
         advisory."""
-        if self.owner.on_recovery is None:
+        if self._core.owner.on_recovery is None:
             return
         try:
-            self.owner.on_recovery(record.describe())
+            self._core.owner.on_recovery(record.describe())
         except Exception:
             log.exception("could not record the recovery")
 

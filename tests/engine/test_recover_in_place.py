@@ -201,12 +201,12 @@ def test_a_request_arriving_during_a_recovery_waits_for_it_and_none_fails(tiny_m
     try:
         for n in (0, 1):
             start(core, n)
-        while not core.recovering:
+        while not core.in_place.recovering:
             core.step()
         assert core.status.get("state") is DaemonState.RECOVERING
         start(core, 2)  # arrives while the interrupted rows are read again
         steps = 0
-        while core.recovering:
+        while core.in_place.recovering:
             assert core.status.get("running_requests") == 2  # it waits for the recovery
             core.step()
             steps += 1
